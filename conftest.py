@@ -1,0 +1,1 @@
+"""Root conftest: makes the repository importable for tests run from a checkout."""

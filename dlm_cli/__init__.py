@@ -1,0 +1,1 @@
+"""The `dlm` command line: thin Typer commands over the engine (see docs/cli.md)."""

@@ -1,0 +1,3 @@
+from dlm_cli.main import app
+
+app()

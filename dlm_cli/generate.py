@@ -1,0 +1,93 @@
+"""`dlm generate`: decode one prompt with the engine and print the result."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dlm_cli.output import cli_errors, emit_json, err_console
+
+
+def _parse_ids(text: str) -> list[int]:
+    from engine.errors import UsageError
+
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def generate(
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
+    gen_length: int = typer.Option(128, "--gen-length", help="Tokens to generate."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps in total (default: gen-length)."),
+    block_length: Optional[int] = typer.Option(None, "--block-length", help="Semi-autoregressive block size (default: 32 if it divides gen-length)."),
+    remasking: str = typer.Option("low_confidence", "--remasking", help="low_confidence or random."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="Fast-dLLM parallel decoding: commit every masked token with confidence >= T (0 < T <= 1)."),
+    factor: Optional[float] = typer.Option(None, "--factor", help="Fast-dLLM factor rule instead of a threshold."),
+    cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
+    cache: str = typer.Option("none", "--cache", help="none|prefix|dual|block."),
+    mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+) -> None:
+    """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
+    with cli_errors():
+        from engine.errors import UsageError
+
+        if (prompt is None) == (prompt_ids is None):
+            raise UsageError("give exactly one of --prompt or --prompt-ids")
+        ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        if model is not None and not Path(model).expanduser().exists():
+            raise UsageError(f"no model at {model!r}: not a directory")
+
+        from engine.llm import LLM
+        from engine.params import GenerationParams
+
+        params = GenerationParams(
+            gen_length=gen_length, steps=steps, block_length=block_length, remasking=remasking,
+            temperature=temperature, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
+            seed=seed, cache=cache, mode=mode,
+        )
+        with err_console.status("loading model"):
+            llm = LLM(model, dtype=dtype, device=device)
+        # Validate before decoding so a bad flag fails fast, not after tokenizer work.
+        source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
+        prompt_tokens = llm.encode(source, chat=chat)
+        params.validate(len(prompt_tokens), llm.config.max_position_embeddings)
+        with err_console.status("denoising"):
+            out = llm.generate(prompt_tokens, params)[0]
+        if json_out:
+            emit_json({
+                "model": str(llm.model_dir),
+                "prompt_ids": out.prompt_ids,
+                "output_ids": out.output_ids,
+                "text": out.text,
+                "nfe": out.nfe,
+                "seconds": round(out.seconds, 6),
+                "tokens_per_second": round(out.tokens_per_second, 3),
+                "finish_reason": out.finish_reason,
+                "query_lengths": out.query_lengths,
+                "params": {k: v for k, v in params.resolved().__dict__.items()},
+                "dtype": str(llm.dtype).replace("torch.", ""),
+                "device": str(llm.device),
+            })
+            return
+        if out.text is not None:
+            typer.echo(out.text)
+        else:
+            typer.echo(",".join(map(str, out.output_ids)))
+        err_console.print(
+            f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards, {out.seconds:.2f}s "
+            f"({out.tokens_per_second:.1f} tok/s), finish_reason={out.finish_reason}[/]"
+        )

@@ -1,0 +1,26 @@
+"""Entry point of the `dlm` command: registers one module per subcommand."""
+from __future__ import annotations
+
+import typer
+
+from dlm_cli import generate
+
+app = typer.Typer(
+    name="dlm",
+    help="Diffusion language models: fetch, verify, estimate, generate, serve, validate, load-test.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """dlm: serve diffusion language models in production. Every command takes --json."""
+
+
+app.command("generate")(generate.generate)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,120 @@
+"""ModelConfig: one normalised view of any supported checkpoint's `config.json`.
+
+Every family spells the same idea differently (LLaDA's `d_model`/`n_layers`, Qwen's
+`hidden_size`/`num_hidden_layers`, ...). The engine, the estimator and the server read only
+this normalised form, so a new family is one parser here plus one model module.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.errors import UsageError
+from engine.registry import Family, family_for
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # tokenizer vocabulary
+    logits_size: int  # rows of the LM head (>= vocab_size when the embedding is padded)
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    mask_token_id: int
+    eos_token_id: int | None
+    pad_token_id: int | None
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * float(self.raw.get("partial_rotary_factor", 1.0)))
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise UsageError(f"config.json has no field {key!r}, which its model family needs")
+    return raw[key]
+
+
+def _llada(raw: dict[str, Any]) -> ModelConfig:
+    d_model = int(_require(raw, "d_model"))
+    n_heads = int(_require(raw, "n_heads"))
+    n_kv = raw.get("n_kv_heads")
+    if n_kv is None:  # OLMo convention: multi_query_attention means one KV head
+        n_kv = 1 if raw.get("multi_query_attention") else n_heads
+    vocab = int(_require(raw, "vocab_size"))
+    mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model
+    if raw.get("block_type", "llama") != "llama":
+        raise UsageError(f"LLaDA block_type {raw.get('block_type')!r} is not supported (only 'llama')")
+    if raw.get("alibi"):
+        raise UsageError("LLaDA checkpoints with alibi are not supported")
+    return ModelConfig(
+        family="llada",
+        model_type=str(raw.get("model_type", "llada")),
+        hidden_size=d_model,
+        num_layers=int(_require(raw, "n_layers")),
+        num_heads=n_heads,
+        num_kv_heads=int(n_kv),
+        head_dim=d_model // n_heads,
+        intermediate_size=int(mlp),
+        vocab_size=vocab,
+        logits_size=int(raw.get("embedding_size") or vocab),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(raw.get("max_sequence_length", 4096)),
+        # LLaDA-8B's config.json omits mask_token_id; 126336 is its documented MASK.
+        mask_token_id=int(raw.get("mask_token_id", 126336)),
+        eos_token_id=_first_int(raw.get("eos_token_id")),
+        pad_token_id=_first_int(raw.get("pad_token_id")),
+        tie_word_embeddings=bool(raw.get("weight_tying", False)),
+        torch_dtype=raw.get("torch_dtype"),
+        raw=raw,
+    )
+
+
+PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llada": _llada}
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    family: Family = family_for(raw)
+    try:
+        return PARSERS[family.name](raw)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """Read a checkpoint directory's (or a bare file's) config.json with clear errors."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise UsageError(f"no config.json at {path}")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise UsageError(f"{file} does not hold a JSON object")
+    return raw
+
+
+def load_config(path: Path) -> ModelConfig:
+    return config_from_dict(read_config_json(path))

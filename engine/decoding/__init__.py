@@ -1,0 +1,1 @@
+"""What one denoising step decides: the block schedule and the commit rules."""

@@ -1,0 +1,18 @@
+"""Exceptions that carry a user-facing message and the CLI exit code it maps to.
+
+The CLI turns these into one line on stderr and the exit code of the design contract
+(1: a failed operation or check, 2: bad usage or input), never a traceback.
+"""
+from __future__ import annotations
+
+
+class DlmError(Exception):
+    """An operation failed for a reason the user can act on."""
+
+    exit_code = 1
+
+
+class UsageError(DlmError):
+    """The user asked for something invalid: a bad path, flag value or model."""
+
+    exit_code = 2

@@ -1,0 +1,35 @@
+"""Rotary position embeddings (rotate-half layout), full or partial, always in fp32.
+
+Positions are explicit per token (absolute ids), never implied by the slice being fed:
+cached and gathered forwards must rotate a token exactly as the full forward would.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Rotary:
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        self.rotary_dim = rotary_dim
+        # Built on the CPU explicitly: models are constructed under `torch.device("meta")`.
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        self.inv_freq = 1.0 / (theta**exponent)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [..., rotary_dim] for integer `positions` of any shape."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[..., None] * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [B, H, T, D] with cos/sin [B, T, rotary_dim]; dims past rotary_dim pass through."""
+        dtype = x.dtype
+        r = self.rotary_dim
+        rot = x[..., :r].float()
+        half = r // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos[:, None] + rotated * sin[:, None]
+        if r == x.shape[-1]:
+            return out.to(dtype)
+        return torch.cat((out.to(dtype), x[..., r:]), dim=-1)

@@ -1,0 +1,88 @@
+"""LLM: the Python API. `LLM(model).generate(prompts, **params)` returns one output per prompt."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence as Seq
+
+from engine.engine import LLMEngine, load_model, resolve_device, resolve_dtype
+from engine.errors import UsageError
+from engine.params import GenerationParams
+from engine.resolve import resolve_model
+from engine.sequence import Sequence
+from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated ids only
+    text: str | None
+    nfe: int  # model forwards spent on this request
+    seconds: float
+    tokens_per_second: float
+    finish_reason: str
+    query_lengths: list[int]  # tokens fed to each forward
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LLM:
+    def __init__(
+        self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "auto",
+        on_load: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model_dir = resolve_model(model)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.engine = LLMEngine(load_model(self.model_dir, self.dtype, self.device, on_load))
+        self.config = self.engine.config
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+    def encode(self, prompt: str | Seq[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            return encode(self.tokenizer, prompt, chat=chat)
+        if chat:
+            raise UsageError("chat templates apply to text prompts, not token ids")
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        params: GenerationParams | None = None,
+        *,
+        chat: bool = False,
+        on_step: Callable[[list[Sequence]], None] | None = None,
+        **overrides: Any,
+    ) -> list[GenerationOutput]:
+        """Decode one prompt or a list of prompts (text or token ids) together."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = GenerationParams(**{**(asdict(params) if params else {}), **overrides})
+        ids = [self.encode(p, chat=chat) for p in prompts]  # type: ignore[arg-type]
+        start = time.perf_counter()
+        seqs = self.engine.generate(ids, params, on_step=on_step)
+        seconds = time.perf_counter() - start
+        decodable = has_tokenizer(self.model_dir)
+        eos = self.config.eos_token_id
+        return [
+            GenerationOutput(
+                prompt_ids=s.prompt_ids,
+                output_ids=s.output_ids,
+                text=decode(self.tokenizer, s.output_ids, eos) if decodable else None,
+                nfe=s.nfe,
+                seconds=seconds,
+                tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,
+                finish_reason=s.finish_reason or "length",
+                query_lengths=s.query_lengths,
+            )
+            for s in seqs
+        ]

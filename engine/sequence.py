@@ -1,0 +1,86 @@
+"""Sequence: one request's denoising state.
+
+The canvas is the prompt followed by `gen_length` MASK tokens. Decoding walks the blocks
+left to right (semi-autoregressive); inside a block each step commits some masked
+positions, and committed tokens are never remasked.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.decoding.schedule import linear_schedule
+from engine.params import GenerationParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: GenerationParams  # already validated and resolved
+    mask_id: int
+    eos_id: int | None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    canvas: torch.Tensor = field(init=False)
+    block: int = 0
+    step_in_block: int = 0
+    schedule: list[int] = field(init=False)
+    nfe: int = 0
+    query_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None  # set by the engine on its device when seeded
+
+    def __post_init__(self) -> None:
+        gen = self.params.gen_length
+        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * gen, dtype=torch.long)
+        self._start_block()
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def block_bounds(self) -> tuple[int, int]:
+        b = self.params.block_length
+        assert b is not None
+        start = self.prompt_length + self.block * b
+        return start, start + b
+
+    def masked_positions(self) -> torch.Tensor:
+        """Absolute positions of the MASK tokens in the current block."""
+        start, end = self.block_bounds()
+        return (self.canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
+
+    def unconditional_canvas(self) -> torch.Tensor:
+        """The canvas with the prompt masked out, for classifier-free guidance."""
+        un = self.canvas.clone()
+        un[: self.prompt_length] = self.mask_id
+        return un
+
+    def _start_block(self) -> None:
+        self.step_in_block = 0
+        self.schedule = linear_schedule(len(self.masked_positions()), self.params.steps_per_block)
+
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Write decided tokens; move to the next block (or finish) once this one is full."""
+        self.canvas[positions] = tokens
+        self.step_in_block += 1
+        while not self.finished and len(self.masked_positions()) == 0:
+            if self.block + 1 < self.params.num_blocks:
+                self.block += 1
+                self._start_block()
+            else:
+                generated = self.output_ids
+                self.finish_reason = (
+                    "stop" if self.eos_id is not None and self.eos_id in generated else "length"
+                )
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.canvas[self.prompt_length :].tolist()

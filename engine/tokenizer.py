@@ -1,0 +1,50 @@
+"""Text <-> ids through the checkpoint's own tokenizer (and its chat template)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """A transformers tokenizer for `model_dir`; never runs remote code."""
+    if not has_tokenizer(model_dir):
+        raise UsageError(
+            f"{model_dir} has no tokenizer files; pass token ids instead (--prompt-ids)"
+        )
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # transformers warns that dLLM model types are unknown to it; the tokenizer is fine.
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"could not load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )
+        )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode(tokenizer: Any, ids: list[int], eos_id: int | None) -> str:
+    """Text of the generated ids up to (not including) the first EOS."""
+    if eos_id is not None and eos_id in ids:
+        ids = ids[: ids.index(eos_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True)

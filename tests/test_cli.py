@@ -1,0 +1,96 @@
+"""The `dlm` command line: fast help, the JSON contract, and one-line errors with exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300, env={**os.environ, **(env or {})},
+    )
+
+
+def subcommands() -> list[str]:
+    from dlm_cli.main import app
+    import typer.main
+
+    return sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", [[]] + [[c] for c in subcommands()])
+def test_help_is_fast(command: list[str]) -> None:
+    start = time.perf_counter()
+    result = dlm(*command, "--help")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+    assert elapsed < 1.0, f"dlm {' '.join(command)} --help took {elapsed:.2f}s"
+
+
+def test_help_does_not_import_heavy_modules() -> None:
+    code = (
+        "import sys; from typer.testing import CliRunner; from dlm_cli.main import app;"
+        "CliRunner().invoke(app, ['generate', '--help']);"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_generate_json_contract(tiny_llada: Path) -> None:
+    result = dlm("generate", str(tiny_llada), "--prompt-ids", "5,17,42", "--gen-length", "16",
+                 "--block-length", "8", "--threshold", "0.5", "--dtype", "float32", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    for key in ("output_ids", "text", "nfe", "seconds", "tokens_per_second", "finish_reason"):
+        assert key in payload
+    assert len(payload["output_ids"]) == 16
+    assert 1 <= payload["nfe"] <= 16
+    assert payload["finish_reason"] in ("stop", "length")
+
+
+def test_generate_default_model_with_text_and_chat() -> None:
+    result = dlm("generate", "--prompt", "Hello there", "--chat", "--gen-length", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert "dlm-tiny-random" in payload["model"]
+    assert isinstance(payload["text"], str) and payload["nfe"] == 32
+    assert payload["dtype"] == "bfloat16"  # serving default on CPU
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/no/such/model", "--prompt-ids", "1,2"], "no model at"),
+        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "30", "--block-length", "8"], "multiple of block_length"),
+        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "32", "--block-length", "8", "--steps", "6"], "divisible by the number of blocks"),
+        (["{tiny}", "--prompt-ids", "1,2", "--threshold", "0"], "threshold must be in (0, 1]"),
+        (["{tiny}", "--prompt-ids", "1,2", "--threshold", "1.5"], "threshold must be in (0, 1]"),
+        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "512"], "maximum length"),
+        (["{tiny}", "--prompt-ids", "1,x"], "comma-separated integers"),
+        (["{tiny}"], "exactly one of --prompt or --prompt-ids"),
+        (["{tiny}", "--prompt", "hi"], "no tokenizer"),
+        (["{unknown}", "--prompt-ids", "1,2"], "unsupported model_type"),
+        (["{tiny}", "--prompt-ids", "1,2", "--dtype", "int3"], "unknown dtype"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tiny_llada: Path, tmp_path: Path) -> None:
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "mystery"}))
+    args = [a.replace("{tiny}", str(tiny_llada)).replace("{unknown}", str(unknown)) for a in args]
+    result = dlm("generate", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
