@@ -21,6 +21,24 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
+    """Decode with a progress bar of committed tokens on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mask = llm.config.mask_token_id
+    columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TextColumn("{task.fields[nfe]} forwards"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("denoising", total=params.gen_length, nfe=0)
+
+        def on_step(seqs) -> None:  # noqa: ANN001
+            seq = seqs[0]
+            done = sum(1 for t in seq.canvas[seq.prompt_length :].tolist() if t != mask)
+            progress.update(task, completed=done, nfe=seq.nfe)
+
+        return llm.generate(prompt_tokens, params, on_step=on_step)[0]
+
+
 def generate(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
@@ -65,8 +83,7 @@ def generate(
         source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
         prompt_tokens = llm.encode(source, chat=chat)
         params.validate(len(prompt_tokens), llm.config.max_position_embeddings)
-        with err_console.status("denoising"):
-            out = llm.generate(prompt_tokens, params)[0]
+        out = _generate_with_progress(llm, prompt_tokens, params)
         if json_out:
             emit_json({
                 "model": str(llm.model_dir),
