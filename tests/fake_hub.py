@@ -8,8 +8,9 @@ Endpoints emulated (enough for `HfApi.repo_info`, `HfApi.list_repo_tree` and
 - HEAD /{org}/{name}/resolve/{rev}/{path}         -> X-Repo-Commit, ETag (LFS: the sha256), Content-Length
 - GET  /{org}/{name}/resolve/{rev}/{path}         -> the bytes; honours `Range: bytes=N-` with 206
 Files whose name ends in .safetensors are served as LFS files (sha256 oid), others as git blobs.
-`stall_after` makes the server send that many bytes of a download and then hang, so a test
-can kill the client mid-transfer; every request is logged with its method, path and headers.
+Other repos answer 404 with `X-Error-Code: RepoNotFound`, as the hub does. `stall = (file, n)`
+makes the server send n bytes of that file and then hang, so a test can kill the client
+mid-transfer; every request is logged with its method, path and headers.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class FakeHub:
         self.repo_id, self.files, self.commit, self.branch = repo_id, dict(files), commit, branch
         self.served: dict[str, bytes] = dict(files)  # what downloads return (tests may corrupt it)
         self.requests: list[tuple[str, str, dict[str, str]]] = []
-        self.stall_after: int | None = None
+        self.stall: tuple[str, int] | None = None
         self.release_stall = threading.Event()
         hub = self
 
@@ -110,13 +111,15 @@ class FakeHub:
             if head:
                 return
             try:
-                if self.stall_after is not None and len(body) > self.stall_after:
-                    h.wfile.write(body[: self.stall_after])
+                if self.stall is not None and self.stall[0] == rel:
+                    h.wfile.write(body[: self.stall[1]])
                     h.wfile.flush()
                     self.release_stall.wait(60)
                     return
                 h.wfile.write(body)
             except (BrokenPipeError, ConnectionResetError):
                 pass
+        elif path.startswith("/api/models/"):
+            self._reply(h, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
         else:
             self._reply(h, 404, b"unknown endpoint")

@@ -36,7 +36,7 @@ def default_store_root() -> Path:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def check_name(name: str, what: str = "model name") -> str:
