@@ -129,6 +129,8 @@ def _switch(store: Store, deployment: str, action: str, manifest: Manifest, stat
             failure = exc
             event.update(status="failed", error=str(exc))
     state["history"].append(event)
+    for torn in state_path(store, deployment).parent.glob(f".{deployment}.json.*.tmp"):
+        torn.unlink(missing_ok=True)  # left by a writer killed mid-write; we hold the lock
     if failure is None:
         state["current"] = {**target, "since": event["at"], "action": action}
     write_json_atomic(state_path(store, deployment), state)
