@@ -115,9 +115,10 @@ def fetch_local(
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
                         os.link(path, dst)
-                        return sha256_file(dst, advance)
                     except OSError:  # another filesystem: fall back to a copy
-                        dst.unlink(missing_ok=True)
+                        pass
+                    else:
+                        return sha256_file(dst, advance)
                 return copy_hashing(path, dst, advance)
 
             digests = parallel_map(transfer, [src / r for r in rels], progress, "linking" if link else "copying", workers)

@@ -234,6 +234,8 @@ class Store:
     def remove(self, name: str, version: str) -> None:
         """Unlist the version atomically (rename to a dot name), then delete its files."""
         with self.lock(name):
+            for leftover in self.model_dir(name).glob(".trash-*"):  # from a removal killed midway
+                shutil.rmtree(leftover, ignore_errors=True)
             target = self.version_dir(name, version)
             trash = target.parent / f".trash-{version}-{os.getpid()}"
             os.rename(target, trash)
