@@ -1,7 +1,6 @@
 """`dlm generate`: decode one prompt with the engine and print the result."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -40,7 +39,7 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
 
 
 def generate(
-    model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or store name[@version] (default: the embedded tiny random model)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
@@ -66,8 +65,10 @@ def generate(
         if (prompt is None) == (prompt_ids is None):
             raise UsageError("give exactly one of --prompt or --prompt-ids")
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-        if model is not None and not Path(model).expanduser().exists():
-            raise UsageError(f"no model at {model!r}: not a directory")
+        if model is not None:  # fail fast, before torch is imported; also resolves store names
+            from engine.resolve import resolve_model
+
+            model = str(resolve_model(model))
 
         from engine.llm import LLM
         from engine.params import GenerationParams

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from dlm_cli import generate
+from dlm_cli import fetch, generate, models, release, verify
 
 app = typer.Typer(
     name="dlm",
@@ -20,6 +20,12 @@ def _root() -> None:
 
 
 app.command("generate")(generate.generate)
+app.command("fetch")(fetch.fetch)
+app.command("verify")(verify.verify)
+app.command("models")(models.models)
+app.command("rm")(models.rm)
+app.command("release")(release.release)
+app.command("rollback")(release.rollback)
 
 
 if __name__ == "__main__":
