@@ -52,8 +52,8 @@ def generate(
     cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
-    cache: str = typer.Option("none", "--cache", help="none|prefix|dual|block."),
-    mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar."),
+    cache: str = typer.Option("none", "--cache", help="none|prefix|dual|block (block: exact KV cache of block-causal models)."),
+    mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
@@ -83,7 +83,7 @@ def generate(
         # Validate before decoding so a bad flag fails fast, not after tokenizer work.
         source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
         prompt_tokens = llm.encode(source, chat=chat)
-        params.validate(len(prompt_tokens), llm.config.max_position_embeddings)
+        resolved = llm.engine.validate(params, len(prompt_tokens))
         out = _generate_with_progress(llm, prompt_tokens, params)
         if json_out:
             emit_json({
@@ -96,7 +96,7 @@ def generate(
                 "tokens_per_second": round(out.tokens_per_second, 3),
                 "finish_reason": out.finish_reason,
                 "query_lengths": out.query_lengths,
-                "params": {k: v for k, v in params.resolved().__dict__.items()},
+                "params": dict(resolved.__dict__),
                 "dtype": str(llm.dtype).replace("torch.", ""),
                 "device": str(llm.device),
             })

@@ -90,7 +90,49 @@ def _llada(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llada": _llada}
+def _hf_standard(family: str, default_mask: int | None) -> Callable[[dict[str, Any]], ModelConfig]:
+    """Parser for configs with transformers' standard field names (Qwen/Llama/Bailing style),
+    which LLaDA2, SDAR and openPangu all use. `default_mask` is the documented MASK id of
+    a family whose config.json omits it (LLaDA2: 156895, openPangu: 45830)."""
+
+    def parse(raw: dict[str, Any]) -> ModelConfig:
+        hidden = int(_require(raw, "hidden_size"))
+        heads = int(_require(raw, "num_attention_heads"))
+        vocab = int(_require(raw, "vocab_size"))
+        mask = raw.get("mask_token_id", default_mask)
+        if mask is None:
+            raise UsageError(f"config.json has no mask_token_id, which {family} needs")
+        return ModelConfig(
+            family=family,
+            model_type=str(raw.get("model_type", family)),
+            hidden_size=hidden,
+            num_layers=int(_require(raw, "num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(_require(raw, "intermediate_size")),
+            vocab_size=vocab,
+            logits_size=vocab,
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            mask_token_id=int(mask),
+            eos_token_id=_first_int(raw.get("eos_token_id")),
+            pad_token_id=_first_int(raw.get("pad_token_id")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=raw.get("torch_dtype"),
+            raw=raw,
+        )
+
+    return parse
+
+
+PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "llada": _llada,
+    "llada2_moe": _hf_standard("llada2_moe", 156895),
+    "sdar": _hf_standard("sdar", None),
+    "pangu": _hf_standard("pangu", 45830),
+}
 
 
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -117,4 +159,14 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path) -> ModelConfig:
-    return config_from_dict(read_config_json(path))
+    raw = read_config_json(path)
+    generation = Path(path) / "generation_config.json"
+    if "mask_token_id" not in raw and generation.is_file():
+        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json.
+        try:
+            mask = json.loads(generation.read_text()).get("mask_token_id")
+        except json.JSONDecodeError:
+            mask = None
+        if mask is not None:
+            raw = {**raw, "mask_token_id": mask}
+    return config_from_dict(raw)

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from engine.block_runner import BlockRunner
+from engine.block_sequence import BlockSequence
 from engine.config import ModelConfig, load_config
 from engine.decoding.step import decide
 from engine.errors import UsageError
@@ -76,23 +78,42 @@ class LLMEngine:
         self.loaded = loaded
         self.config = loaded.config
         self.runner = ModelRunner(loaded.model, loaded.device)
-        self.running: list[Sequence] = []
+        # Block-causal families (exact KV cache, AR mode) run through their own runner.
+        self.block_runner = (
+            BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
+            if family_for(loaded.config.raw).block_causal else None
+        )
+        self.running: list[Sequence | BlockSequence] = []
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = params.validate(len(prompt_ids), self.config.max_position_embeddings)
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """Resolve the family's defaults and validate: what every entry point should call."""
+        if self.block_runner is not None:
+            params = self.block_runner.resolve(params)
+        return params.validate(
+            prompt_length, self.config.max_position_embeddings, block_causal=self.block_runner is not None
+        )
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+        resolved = self.validate(params, len(prompt_ids))
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
         if bad:
             raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
-        seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+        seq: Sequence | BlockSequence
+        if self.block_runner is not None:
+            seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        else:
+            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         self.running.append(seq)
         return seq
 
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[Sequence | BlockSequence]:
         """Advance every running sequence by one denoising step; return those that finished."""
         active = [s for s in self.running if not s.finished]
-        if active:
+        if active and self.block_runner is not None:
+            self.block_runner.step(active)  # type: ignore[arg-type]
+        elif active:
             for seq, (positions, stats) in zip(active, self.runner.step(active)):
                 scheduled = seq.schedule[seq.step_in_block] if seq.step_in_block < len(seq.schedule) else 1
                 seq.commit(*decide(seq.params, positions, stats, scheduled, seq.generator))
@@ -102,8 +123,8 @@ class LLMEngine:
 
     def generate(
         self, prompts: list[list[int]], params: GenerationParams,
-        on_step: Callable[[list[Sequence]], None] | None = None,
-    ) -> list[Sequence]:
+        on_step: Callable[[list[Sequence | BlockSequence]], None] | None = None,
+    ) -> list[Sequence | BlockSequence]:
         seqs = [self.add_request(p, params) for p in prompts]
         while any(not s.finished for s in seqs):
             self.step()

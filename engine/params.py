@@ -45,8 +45,10 @@ class GenerationParams:
         assert self.steps is not None
         return self.steps // self.num_blocks
 
-    def validate(self, prompt_length: int, max_length: int) -> "GenerationParams":
-        """Return the resolved parameters or raise UsageError naming the bad field."""
+    def validate(self, prompt_length: int, max_length: int, block_causal: bool = False) -> "GenerationParams":
+        """Return the resolved parameters or raise UsageError naming the bad field.
+        `block_causal` families (LLaDA2, SDAR, openPangu) take the exact `block` cache and
+        `ar` mode, and no classifier-free guidance or factor rule."""
         p = self.resolved()
         assert p.block_length is not None and p.steps is not None
         if p.gen_length < 1:
@@ -78,11 +80,13 @@ class GenerationParams:
             raise UsageError(f"cfg_scale must be >= 0, got {p.cfg_scale}")
         if p.cache not in CACHES:
             raise UsageError(f"cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
-        if p.cache != "none":
+        if block_causal:
+            _validate_block_causal(p)
+        elif p.cache != "none":
             raise UsageError(f"cache {p.cache!r} is not available yet; use --cache none")
         if p.mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, got {p.mode!r}")
-        if p.mode != "diffusion":
+        if p.mode != "diffusion" and not block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family")
         if prompt_length < 1:
             raise UsageError("the prompt is empty")
@@ -92,3 +96,15 @@ class GenerationParams:
                 f"the model's maximum length of {max_length} tokens"
             )
         return p
+
+
+def _validate_block_causal(p: GenerationParams) -> None:
+    if p.cache not in ("none", "block"):
+        raise UsageError(
+            f"cache {p.cache!r} is for bidirectional models; block-causal models take "
+            "--cache block (exact KV cache) or none (recompute the prefix every step)"
+        )
+    if p.cfg_scale > 0:
+        raise UsageError("classifier-free guidance is not available for block-causal models")
+    if p.factor is not None:
+        raise UsageError("the factor rule is not available for block-causal models; use --threshold")

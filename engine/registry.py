@@ -21,6 +21,9 @@ class Family:
     architectures: tuple[str, ...]
     module: str  # dotted path of the module defining `Model`
     description: str
+    # Block-causal attention (causal across blocks, full inside one): these families decode
+    # with an exact KV cache through the block runner, and also in AR mode.
+    block_causal: bool = False
 
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
@@ -33,6 +36,30 @@ FAMILIES: tuple[Family, ...] = (
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
+    ),
+    Family(
+        name="llada2_moe",
+        model_types=("llada2_moe",),
+        architectures=("LLaDA2MoeModelLM",),
+        module="engine.models.llada2_moe",
+        description="LLaDA2.x: block-diffusion MoE (sigmoid group-limited routing, shared expert)",
+        block_causal=True,
+    ),
+    Family(
+        name="sdar",
+        model_types=("sdar", "sdar_moe"),
+        architectures=("SDARForCausalLM", "SDARMoeForCausalLM"),
+        module="engine.models.sdar",
+        description="SDAR: Qwen3-style block diffusion (dense or MoE)",
+        block_causal=True,
+    ),
+    Family(
+        name="pangu",
+        model_types=("PanguEmbedded",),
+        architectures=("PanguEmbeddedForCausalLM",),
+        module="engine.models.pangu",
+        description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
+        block_causal=True,
     ),
 )
 
