@@ -21,6 +21,16 @@ class Family:
     architectures: tuple[str, ...]
     module: str  # dotted path of the module defining `Model`
     description: str
+    engine: str = "engine.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
+
+    def engine_class(self) -> Any:
+        if not self.engine:
+            raise UsageError(
+                f"{self.name} checkpoints are autoregressive base models: dlm loads their layers "
+                "but does not decode them natively; use --backend transformers"
+            )
+        module, _, cls = self.engine.rpartition(".")
+        return getattr(importlib.import_module(module), cls)
 
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
@@ -33,6 +43,22 @@ FAMILIES: tuple[Family, ...] = (
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
+    ),
+    Family(
+        name="qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        module="engine.models.qwen3_5_moe",
+        description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
+        engine="",
+    ),
+    Family(
+        name="clover",
+        model_types=("clover_moe",),
+        architectures=(),
+        module="engine.models.qwen3_5_moe",
+        description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
+        engine="engine.clover.CloverEngine",
     ),
 )
 
