@@ -97,7 +97,8 @@ def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     (`qwen3_5_moe_text`, presumably Clover) are flat. transformers 5 writes rope settings
     under `rope_parameters`, older files at the top level; both are lifted to the top.
     """
-    flat = {**raw, **raw.get("text_config", {})}
+    # The outer model_type names the family (a nested text_config says `..._text`).
+    flat = {**raw, **raw.get("text_config", {}), "model_type": raw.get("model_type")}
     rope = flat.get("rope_parameters") or {}
     for key in ("rope_theta", "partial_rotary_factor"):
         if key in rope:

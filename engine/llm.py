@@ -6,9 +6,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence as Seq
 
+from engine.config import read_config_json
 from engine.engine import LLMEngine, load_model, resolve_device, resolve_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
+from engine.registry import family_for
 from engine.resolve import resolve_model
 from engine.sequence import Sequence
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
@@ -37,7 +39,9 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
-        self.engine = LLMEngine(load_model(self.model_dir, self.dtype, self.device, on_load))
+        # Which engine decodes this family is known before any weight is read.
+        engine_class = family_for(read_config_json(self.model_dir)).engine_class()
+        self.engine: LLMEngine = engine_class(load_model(self.model_dir, self.dtype, self.device, on_load))
         self.config = self.engine.config
         self._tokenizer: Any = None
 
