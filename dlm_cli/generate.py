@@ -56,6 +56,8 @@ def generate(
     mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    backend: str = typer.Option("native", "--backend", help="native, or transformers: load any checkpoint with transformers."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
@@ -79,7 +81,12 @@ def generate(
             seed=seed, cache=cache, mode=mode,
         )
         with err_console.status("loading model"):
-            llm = LLM(model, dtype=dtype, device=device)
+            llm = LLM(model, dtype=dtype, device=device, backend=backend, trust_remote_code=trust_remote_code)
+        path = getattr(llm.engine, "path", None)
+        if path is not None:
+            from engine.transformers_backend import PATHS
+
+            err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
         # Validate before decoding so a bad flag fails fast, not after tokenizer work.
         source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
         prompt_tokens = llm.encode(source, chat=chat)
@@ -99,6 +106,7 @@ def generate(
                 "params": dict(resolved.__dict__),
                 "dtype": str(llm.dtype).replace("torch.", ""),
                 "device": str(llm.device),
+                "backend": {"name": backend, "path": path},
             })
             return
         if out.text is not None:

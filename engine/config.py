@@ -127,11 +127,69 @@ def _hf_standard(family: str, default_mask: int | None) -> Callable[[dict[str, A
     return parse
 
 
+def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5/3.6-MoE text fields as one flat dict.
+
+    Multimodal checkpoints (`qwen3_5_moe`) nest them under `text_config`; text-only ones
+    (`qwen3_5_moe_text`, presumably Clover) are flat. transformers 5 writes rope settings
+    under `rope_parameters`, older files at the top level; both are lifted to the top.
+    """
+    # The outer model_type names the family (a nested text_config says `..._text`).
+    flat = {**raw, **raw.get("text_config", {}), "model_type": raw.get("model_type")}
+    rope = flat.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            flat[key] = rope[key]
+    if "layer_types" not in flat and "num_hidden_layers" in flat:
+        interval = int(flat.get("full_attention_interval", 4))
+        flat["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(int(flat["num_hidden_layers"]))
+        ]
+    return flat
+
+
+def _hybrid(family: str, raw: dict[str, Any]) -> ModelConfig:
+    flat = hybrid_text_config(raw)
+    hidden = int(_require(flat, "hidden_size"))
+    heads = int(_require(flat, "num_attention_heads"))
+    vocab = int(_require(flat, "vocab_size"))
+    if family == "clover" and "mask_token_id" not in flat:
+        # Nobody has read Clover's config.json yet: refuse to guess its MASK (docs/clover.md).
+        raise UsageError("clover_moe config.json has no mask_token_id; add it (see docs/clover.md)")
+    return ModelConfig(
+        family=family,
+        model_type=str(raw.get("model_type")),
+        hidden_size=hidden,
+        num_layers=int(_require(flat, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(flat.get("num_key_value_heads", heads)),
+        head_dim=int(flat.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(flat, "moe_intermediate_size")),
+        vocab_size=vocab,
+        logits_size=vocab,
+        rope_theta=float(flat.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(flat.get("max_position_embeddings", 32768)),
+        # -1: the autoregressive base model has no MASK token.
+        mask_token_id=int(flat.get("mask_token_id", -1)),
+        eos_token_id=_first_int(flat.get("eos_token_id")),
+        pad_token_id=_first_int(flat.get("pad_token_id")),
+        tie_word_embeddings=bool(flat.get("tie_word_embeddings", False)),
+        torch_dtype=flat.get("torch_dtype") or flat.get("dtype"),
+        raw=flat,
+    )
+
+
 PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "llada": _llada,
     "llada2_moe": _hf_standard("llada2_moe", 156895),
     "sdar": _hf_standard("sdar", None),
     "pangu": _hf_standard("pangu", 45830),
+
+
+    "qwen3_5_moe": lambda raw: _hybrid("qwen3_5_moe", raw),
+    "clover": lambda raw: _hybrid("clover", raw),
 }
 
 

@@ -24,6 +24,16 @@ class Family:
     # Block-causal attention (causal across blocks, full inside one): these families decode
     # with an exact KV cache through the block runner, and also in AR mode.
     block_causal: bool = False
+    engine: str = "engine.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
+
+    def engine_class(self) -> Any:
+        if not self.engine:
+            raise UsageError(
+                f"{self.name} checkpoints are autoregressive base models: dlm loads their layers "
+                "but does not decode them natively; use --backend transformers"
+            )
+        module, _, cls = self.engine.rpartition(".")
+        return getattr(importlib.import_module(module), cls)
 
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
@@ -60,6 +70,22 @@ FAMILIES: tuple[Family, ...] = (
         module="engine.models.pangu",
         description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
         block_causal=True,
+    ),
+    Family(
+        name="qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        module="engine.models.qwen3_5_moe",
+        description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
+        engine="",
+    ),
+    Family(
+        name="clover",
+        model_types=("clover_moe",),
+        architectures=(),
+        module="engine.models.qwen3_5_moe",
+        description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
+        engine="engine.clover.CloverEngine",
     ),
 )
 
