@@ -20,7 +20,7 @@ from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.loader import load_weights
 from engine.params import GenerationParams
-from engine.registry import family_for
+from engine.registry import family_for, is_block_causal
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 
@@ -81,7 +81,7 @@ class LLMEngine:
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
-            if family_for(loaded.config.raw).block_causal else None
+            if is_block_causal(loaded.config.family) else None
         )
         self.running: list[Sequence | BlockSequence] = []
 

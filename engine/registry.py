@@ -94,6 +94,12 @@ def supported_names() -> str:
     return ", ".join(f"{f.name} (model_type {'/'.join(f.model_types)})" for f in FAMILIES)
 
 
+def is_block_causal(family_name: str) -> bool:
+    """Whether a family decodes block-causally (False for families not in the registry,
+    such as models served through the transformers backend)."""
+    return any(f.name == family_name and f.block_causal for f in FAMILIES)
+
+
 def family_for(raw_config: dict[str, Any]) -> Family:
     """Pick the family from `model_type`, falling back to `architectures`."""
     model_type = raw_config.get("model_type")

@@ -200,12 +200,16 @@ class GenerateMethodEngine:
                 wanted = {k: v for k, v in wanted.items() if k in accepted}
         return {k: v for k, v in wanted.items() if v is not None}
 
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """The same entry-point validation as LLMEngine.validate."""
+        return params.validate(prompt_length, self.config.max_position_embeddings)
+
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], params: GenerationParams,
         on_step: Callable[[list[Sequence]], None] | None = None,
     ) -> list[Sequence]:
-        resolved = [params.validate(len(p), self.config.max_position_embeddings) for p in prompts]
+        resolved = [self.validate(params, len(p)) for p in prompts]
         seqs = [Sequence(list(p), r, self.config.mask_token_id, self.config.eos_token_id) for p, r in zip(prompts, resolved)]
         for seq in seqs:
             if seq.params.seed is not None:
