@@ -20,6 +20,7 @@ def _params(n: int) -> str:
 
 
 def _render(report: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     m, p, s = report["model"], report["parameters"], report["serving"]
@@ -29,7 +30,7 @@ def _render(report: dict[str, Any]) -> None:
     for col in ("component", "params", "active / token", "assumption"):
         params.add_column(col, justify="right" if col in ("params", "active / token") else "left")
     for c in p["components"]:
-        params.add_row(c["name"], _params(c["params"]), _params(c["active"]), c["assumption"])
+        params.add_row(c["name"], _params(c["params"]), _params(c["active"]), escape(c["assumption"]))
     params.add_row("[bold]total[/]", f"[bold]{_params(p['total'])}[/]", f"[bold]{_params(p['active'])}[/]",
                    p["active_convention"])
     err_console.print(params)
@@ -51,7 +52,7 @@ def _render(report: dict[str, Any]) -> None:
     mem.add_column("bytes", justify="right")
     mem.add_column("assumption")
     for r in report["memory_per_gpu"]["rows"]:
-        mem.add_row(r["name"], _size(r["bytes"]), r["assumption"])
+        mem.add_row(r["name"], _size(r["bytes"]), escape(r["assumption"]))
     mem.add_row("[bold]total (peak)[/]", f"[bold]{_size(report['memory_per_gpu']['total_bytes'])}[/]",
                 "weights + caches + the larger transient + overhead + margin")
     err_console.print(mem)
@@ -64,7 +65,7 @@ def _render(report: dict[str, Any]) -> None:
                          _size(v["headroom_bytes"]), str(v["smallest_tp"] or "none"), str(v["max_batch"]))
     err_console.print(verdicts)
     for note in report["notes"]:
-        err_console.print(f"[yellow]note:[/] {note}")
+        err_console.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def estimate(
@@ -78,7 +79,7 @@ def estimate(
     block_length: int = typer.Option(32, "--block-length", help="Denoising block size."),
     cache: str = typer.Option("auto", "--cache", help="auto|none|prefix|dual|block (auto: block for block-causal models, none otherwise)."),
     logits: str = typer.Option("fused", "--logits", help="fused (chunked LM-head statistics) or unfused (full logits)."),
-    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Tokens per prefill forward (default: whole prompts)."),
+    prefill_chunk: int = typer.Option(8192, "--prefill-chunk", help="Tokens per prefill forward of block-causal models (0: whole prompts at once)."),
     overhead_gb: Optional[float] = typer.Option(None, "--overhead-gb", help="Runtime overhead per GPU in GiB (default 1.0, +0.5 with TP>1)."),
     fragmentation: float = typer.Option(0.10, "--fragmentation", help="Share of cache and transient memory lost to fragmentation."),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size for int8/int4."),
@@ -93,7 +94,7 @@ def estimate(
 
         serving = Serving(
             dtype=dtype, kv_dtype=kv_dtype, tp=tp, batch=batch, context=context, gen_length=gen_length,
-            block_length=block_length, cache=cache, logits=logits, prefill_chunk=prefill_chunk,
+            block_length=block_length, cache=cache, logits=logits, prefill_chunk=prefill_chunk or None,
             overhead_gib=overhead_gb, fragmentation=fragmentation, group_size=group_size,
         )
         report = plan(model, serving, gpu=gpu, gpu_memory_gib=gpu_memory, revision=revision)

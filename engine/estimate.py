@@ -209,7 +209,8 @@ def _hybrid(raw: dict[str, Any]) -> Architecture:
         notes.append("Clover's extra GDN parameters (right-convolution taps, about conv_dim x "
                      "(kernel-1) per GDN layer, <0.01% of the model) are not named in its config "
                      "and are not counted")
-    return Architecture(family="clover", attention="block-causal", full_attention_layers=full,
+    family = "clover" if s["model_type"] == "clover_moe" else "qwen3.5-hybrid"
+    return Architecture(family=family, attention="block-causal", full_attention_layers=full,
                         dense_ffn=int(raw.get("intermediate_size") or 0), dense_layers=layers - moe_layers,
                         q_gate=bool(raw.get("attn_output_gate", True)), qkv_bias=bool(raw.get("attention_bias", False)),
                         o_bias=bool(raw.get("attention_bias", False)), qk_norm=True, moe=moe, linear=linear,
@@ -380,7 +381,7 @@ class Serving:
     block_length: int = 32
     cache: str = "auto"
     logits: str = "fused"
-    prefill_chunk: int | None = None  # tokens per prefill forward; None: whole prompts at once
+    prefill_chunk: int | None = 8192  # tokens per prefill forward (chunked prefill); None: whole prompts
     overhead_gib: float | None = None  # default 1.0, +0.5 with TP > 1
     fragmentation: float = 0.10
     group_size: int = 128

@@ -344,7 +344,7 @@ def test_forward_covers_the_canvas_or_the_block() -> None:
     _, long = _plan(DREAM_7B, batch=1, context=2048, gen_length=256)
     assert _row(long, "forward activations") == 2 * _row(short, "forward activations")
     _, chunked = _plan(SDAR_8B, batch=8, context=4096, gen_length=256, prefill_chunk=256)
-    _, whole = _plan(SDAR_8B, batch=8, context=4096, gen_length=256)
+    _, whole = _plan(SDAR_8B, batch=8, context=4096, gen_length=256, prefill_chunk=None)
     assert _row(whole, "forward activations") > _row(chunked, "forward activations")
 
 
