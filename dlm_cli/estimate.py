@@ -69,7 +69,7 @@ def _render(report: dict[str, Any]) -> None:
 
 
 def estimate(
-    model: str = typer.Argument(..., help="Checkpoint directory, a config.json file, or a hub repo id (org/name)."),
+    model: str = typer.Argument(..., help="Checkpoint directory, store model (NAME[@VERSION]), a config.json file, or a hub repo id (org/name)."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights: auto (bf16), bf16, fp16, fp32, fp8, int8, int4."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (GPUs per replica)."),

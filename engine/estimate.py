@@ -636,7 +636,7 @@ def max_batch(a: Architecture, comps: list[Component], serving: Serving, capacit
 @dataclass
 class ModelSource:
     label: str
-    kind: str  # "checkpoint" | "config" | "hub"
+    kind: str  # "checkpoint" | "store" | "config" | "hub"
     raw: dict[str, Any]
     headers: CheckpointHeaders | None
     header_note: str | None = None
@@ -646,20 +646,21 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def load_source(spec: str, revision: str | None = None) -> ModelSource:
-    """A checkpoint directory, a bare config.json, or a hub repo id (config + headers only)."""
+    """A checkpoint directory, a store model, a bare config.json, or a hub repo id
+    (config + headers only)."""
     from engine.config import read_config_json
 
+    from engine.resolve import resolve_model
+
     path = Path(spec).expanduser()
-    if path.is_dir():
-        raw = read_config_json(path)
-        headers = local_headers(path)
-        return ModelSource(str(path), "checkpoint", raw, headers,
-                           None if headers else "no safetensors files next to config.json")
     if path.is_file():
         return ModelSource(str(path), "config", read_config_json(path), None, "a bare config.json has no weights")
-    if REPO_ID.match(spec):
+    if not path.exists() and REPO_ID.match(spec):  # store names never contain "/"
         return _hub_source(spec, revision)
-    raise UsageError(f"no model at {spec!r}: not a checkpoint directory, a config.json file or a hub repo id (org/name)")
+    directory = resolve_model(spec)  # a checkpoint directory, or a store NAME[@VERSION]
+    headers = local_headers(directory)
+    return ModelSource(str(directory), "checkpoint" if path.is_dir() else "store", read_config_json(directory),
+                       headers, None if headers else "no safetensors files next to config.json")
 
 
 def _hub_source(repo_id: str, revision: str | None) -> ModelSource:

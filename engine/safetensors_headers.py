@@ -14,14 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import UsageError
-
-# Bits per element of every safetensors dtype.
-DTYPE_BITS = {
-    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I64": 64, "I32": 32, "I16": 16, "I8": 8,
-    "U64": 64, "U32": 32, "U16": 16, "U8": 8, "BOOL": 8,
-}
-MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+from engine.weights.safetensors_format import DTYPE_BITS, MAX_HEADER
 
 
 @dataclass(frozen=True)

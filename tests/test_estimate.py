@@ -435,6 +435,22 @@ def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) ->
     assert result.stderr.startswith("error:") and message in result.stderr
 
 
+def test_store_model_by_name(tmp_path: Path) -> None:
+    """A model fetched into the store is estimated by its name, from the stored files."""
+    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+
+    config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
+    save_checkpoint(tmp_path / "ckpt", config, random_llada_tensors(config, 0))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ckpt" / name).write_bytes((ROOT / "engine" / "assets" / "tiny_tokenizer" / name).read_bytes())
+    fetched = _dlm("fetch", str(tmp_path / "ckpt"), "--name", "tiny-estimate")
+    assert fetched.returncode == 0, fetched.stderr
+    result = _dlm("estimate", "tiny-estimate", "--context", "256", "--gen-length", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"]["kind"] == "store" and report["checkpoint"]["matches_config"] is True
+
+
 def test_hub_repo_offline_gives_a_clear_error(tmp_path: Path) -> None:
     result = _dlm("estimate", "inclusionAI/LLaDA2.0-mini",
                   env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
