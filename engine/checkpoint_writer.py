@@ -125,9 +125,9 @@ def _swiglu(prefix: str, d: int, f: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (f, d), prefix + "up_proj.weight": (f, d), prefix + "down_proj.weight": (d, f)}
 
 
-def _llama_layout(config: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of the Qwen2 / Qwen3 / LLaMA checkpoint layout
-    (`model.layers.N.self_attn.q_proj.weight`, `model.layers.N.mlp.gate_proj.weight`, ...)."""
+def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Dream / DiffuCoder, in the Qwen2 checkpoint layout (`model.layers.N.self_attn.q_proj.*`,
+    `model.layers.N.mlp.gate_proj.weight`, ...): q/k/v biases, no o_proj bias."""
     d, heads = config["hidden_size"], config["num_attention_heads"]
     hd = config.get("head_dim") or d // heads
     q, kv = heads * hd, config.get("num_key_value_heads", heads) * hd
@@ -136,74 +136,9 @@ def _llama_layout(config: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_no
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"{p}self_attn.{name}.weight"] = (rows, d)
-            if qkv_bias:
-                shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+            shapes.update({f"{p}self_attn.{name}.weight": (rows, d), f"{p}self_attn.{name}.bias": (rows,)})
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
-        if o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (d,)
-        if qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        step, dense_only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
-        if config.get("num_experts") and i not in dense_only and (i + 1) % step == 0:
-            # Qwen3-MoE layout (SDAR-MoE): a router and per-expert projections, no shared expert.
-            shapes[p + "mlp.gate.weight"] = (config["num_experts"], d)
-            for e in range(config["num_experts"]):
-                shapes.update(_swiglu(f"{p}mlp.experts.{e}.", d, config["moe_intermediate_size"]))
-        else:
-            shapes.update(_swiglu(p + "mlp.", d, config["intermediate_size"]))
-    shapes["model.norm.weight"] = (d,)
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (config["vocab_size"], d)
-    return shapes
-
-
-def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Dream / DiffuCoder (Qwen2 layout): q/k/v biases, no o_proj bias."""
-    return random_tensors(_llama_layout(config, qkv_bias=True, o_bias=False, qk_norm=False), seed)
-
-
-def random_sdar_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """SDAR (Qwen3 layout): q/k RMSNorm, biases only with `attention_bias`; with
-    `num_experts`, the SDAR-MoE (Qwen3-MoE) expert layers."""
-    bias = bool(config.get("attention_bias", False))
-    return random_tensors(_llama_layout(config, qkv_bias=bias, o_bias=bias, qk_norm=True), seed)
-
-
-def random_pangu_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """openPangu (PanguEmbedded, LLaMA layout): biases on q/k/v and o_proj."""
-    bias = bool(config.get("bias", True))
-    return random_tensors(_llama_layout(config, qkv_bias=bias, o_bias=bias, qk_norm=False), seed)
-
-
-def random_llada2_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """LLaDA2 MoE: fused `attention.query_key_value`, q/k layernorms, dense first layers,
-    then `mlp.gate` (+ `expert_bias`), `mlp.experts.E.*` and `mlp.shared_experts.*`."""
-    d, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    hd = config.get("head_dim") or d // heads
-    experts, fe = config["num_experts"], config["moe_intermediate_size"]
-    shapes: dict[str, tuple[int, ...]] = {"model.word_embeddings.weight": (config["vocab_size"], d)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-            p + "attention.query_key_value.weight": ((heads + 2 * kv) * hd, d),
-            p + "attention.dense.weight": (d, heads * hd),
-        })
-        if config.get("use_qkv_bias", False):
-            shapes[p + "attention.query_key_value.bias"] = ((heads + 2 * kv) * hd,)
-        if config.get("use_qk_norm", False):
-            shapes.update({p + "attention.query_layernorm.weight": (hd,), p + "attention.key_layernorm.weight": (hd,)})
-        if i < config.get("first_k_dense_replace", 0):
-            shapes.update(_swiglu(p + "mlp.", d, config["intermediate_size"]))
-            continue
-        shapes[p + "mlp.gate.weight"] = (experts, d)
-        if config.get("moe_router_enable_expert_bias", False):
-            shapes[p + "mlp.gate.expert_bias"] = (experts,)
-        for e in range(experts):
-            shapes.update(_swiglu(f"{p}mlp.experts.{e}.", d, fe))
-        if config.get("num_shared_experts"):
-            shapes.update(_swiglu(p + "mlp.shared_experts.", d, fe * config["num_shared_experts"]))
+        shapes.update(_swiglu(p + "mlp.", d, config["intermediate_size"]))
     shapes["model.norm.weight"] = (d,)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (config["vocab_size"], d)

@@ -78,6 +78,7 @@ class Architecture:
     qk_norm: bool = False
     moe: MoE | None = None
     linear: LinearAttention | None = None
+    sub_blocks: int = 1  # a block is denoised in this many sub-blocks: rows decided per forward
     notes: tuple[str, ...] = ()
 
 
@@ -129,12 +130,13 @@ def _dream(raw: dict[str, Any]) -> Architecture:
 
 
 def _pangu(raw: dict[str, Any]) -> Architecture:
-    """openPangu (PanguEmbedded): LLaMA layout with biases on q/k/v/o (`bias`, default true)."""
+    """openPangu (PanguEmbedded): LLaMA layout with biases on q/k/v/o (`bias`, default true);
+    its decoder denoises a block in 4 sub-blocks (the reference's num_small_blocks=4)."""
     s = _qwen_shape(raw)
     bias = bool(raw.get("bias", True))
     return Architecture(family="pangu", attention="block-causal", full_attention_layers=s["layers"],
                         dense_ffn=_int(raw, "intermediate_size"), dense_layers=s["layers"],
-                        qkv_bias=bias, o_bias=bias, **s)
+                        qkv_bias=bias, o_bias=bias, sub_blocks=4, **s)
 
 
 def _moe_layer_count(raw: dict[str, Any], layers: int) -> int:
@@ -579,17 +581,20 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
         rows.append(Row("MoE routing buffers", routing,
                         f"per token: fp32 router logits and scores over {m.num_experts} experts, top-{m.top_k} "
                         "ids and weights, hidden states permuted to and gathered back from the experts"))
-    # Logits statistics at the decided positions: at most one block per sequence per forward.
-    decided = s.batch * s.block_length
+    # Logits statistics at the decided positions of one sequence: dlm's runners call the LM
+    # head per sequence, so a batch does not multiply this buffer.
+    decided = -(-s.block_length // a.sub_blocks)
     vocab_rank = -(-a.vocab // tp)
+    unit = f"{'sub-' if a.sub_blocks > 1 else ''}block"
     if s.logits == "fused":
-        logits = decided * min(vocab_rank, STATS_CHUNK) * 4 * 3
-        logits_text = (f"{decided} decided positions (batch x block) x vocabulary chunks of {STATS_CHUNK}: "
-                       "fp32 logits, shifted logits and exponentials (the torch twin; a fused kernel needs less)")
+        logits = decided * min(vocab_rank, STATS_CHUNK) * 4 * 4
+        logits_text = (f"{decided} decided positions (one {unit}, one sequence at a time) x vocabulary chunks "
+                       f"of {STATS_CHUNK}: four fp32 buffers (logits, shifted, exponentials, products), as the "
+                       "torch twin holds them; a fused kernel needs less")
     else:
         logits = decided * vocab_rank * (act + 4 + 4)
-        logits_text = (f"{decided} decided positions x {vocab_rank} vocabulary rows per rank: logits, "
-                       "their fp32 copy and the softmax")
+        logits_text = (f"{decided} decided positions (one {unit}, one sequence at a time) x {vocab_rank} "
+                       "vocabulary rows per rank: logits, their fp32 copy and the softmax")
     rows.append(Row("logits/statistics buffer", logits,
                     f"{logits_text}; runs after the forward, so the peak counts the larger of the two"))
     peak_transient = max(forward + routing, logits)

@@ -31,29 +31,6 @@ TINY_DREAM = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 320,
     "tie_word_embeddings": False, "max_position_embeddings": 512, "mask_token_id": 319,
 }
-TINY_SDAR = {
-    "architectures": ["SDARForCausalLM"], "model_type": "sdar", "hidden_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96,
-    "vocab_size": 320, "tie_word_embeddings": True, "attention_bias": False, "max_position_embeddings": 512,
-}
-TINY_SDAR_MOE = {
-    **TINY_SDAR, "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe", "tie_word_embeddings": False,
-    "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "decoder_sparse_step": 1, "mlp_only_layers": [0], "norm_topk_prob": True,
-}
-TINY_PANGU = {
-    "architectures": ["PanguEmbeddedForCausalLM"], "model_type": "PanguEmbedded", "hidden_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160,
-    "vocab_size": 300, "bias": True, "tie_word_embeddings": False, "max_position_embeddings": 512,
-}
-TINY_LLADA2 = {
-    "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 64, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 160,
-    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 2,
-    "first_k_dense_replace": 1, "vocab_size": 300, "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False,
-    "moe_router_enable_expert_bias": True, "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
-    "max_position_embeddings": 512, "n_group": 4, "topk_group": 2,
-}
 TINY_QWEN3_5 = {
     "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 64,
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -65,28 +42,32 @@ TINY_QWEN3_5 = {
 }
 TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]] = {
     "llada": (TINY_LLADA, cw.random_llada_tensors, 1),
-    "dream": (TINY_DREAM, cw.random_dream_tensors, 1),
-    "sdar": (TINY_SDAR, cw.random_sdar_tensors, 1),
-    "sdar_moe": (TINY_SDAR_MOE, cw.random_sdar_tensors, 2),
-    "pangu": (TINY_PANGU, cw.random_pangu_tensors, 1),
-    "llada2": (TINY_LLADA2, cw.random_llada2_tensors, 3),  # sharded, with an index
+    "dream": (TINY_DREAM, cw.random_dream_tensors, 3),  # sharded, with an index
     "qwen3_5_hybrid": (TINY_QWEN3_5, cw.random_qwen3_5_moe_tensors, 2),
 }
+# Block-causal families: the engine's own tiny writers (engine/block_checkpoints.py).
+BLOCK_FAMILIES = {"llada2": "llada2_moe", "sdar": "sdar", "sdar_moe": "sdar_moe", "pangu": "pangu"}
 
 
-def tiny_checkpoint(root: Path, name: str) -> Path:
-    config, writer, shards = TINY[name]
+def tiny_checkpoint(root: Path, name: str, **overrides: Any) -> Path:
     directory = root / name
+    if name in BLOCK_FAMILIES:
+        from engine.block_checkpoints import write_tiny
+
+        return write_tiny(directory, BLOCK_FAMILIES[name], **overrides)
+    config, writer, shards = TINY[name]
+    config = {**config, **overrides}
     cw.save_checkpoint(directory, config, writer(config, 0), shards=shards)
     return directory
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted([*TINY, *BLOCK_FAMILIES]))
 def test_tiny_checkpoint_count_equals_safetensors_headers(tmp_path: Path, name: str) -> None:
     directory = tiny_checkpoint(tmp_path, name)
     headers = local_headers(directory)
     assert headers is not None
-    counts = count_parameters(parameter_components(architecture_from_config(TINY[name][0])))
+    config = json.loads((directory / "config.json").read_text())
+    counts = count_parameters(parameter_components(architecture_from_config(config)))
     assert counts.total == headers.parameter_count
     report = estimate(str(directory), Serving(context=256, gen_length=64))
     assert report["checkpoint"]["matches_config"] is True
@@ -103,22 +84,20 @@ def test_tiny_count_detects_a_missing_tensor(tmp_path: Path) -> None:
     assert report["checkpoint"]["difference"] == -32  # 2 KV heads x 16 head_dim
 
 
-REFERENCE_WRITERS = {
-    "llada_tiny_v2": cw.random_llada_tensors, "dream_tiny_v2": cw.random_dream_tensors,
-    "sdar_tiny": cw.random_sdar_tensors, "llada2_tiny": cw.random_llada2_tensors,
-}
+REFERENCE_FAMILIES = {"llada_tiny_v2": "llada", "dream_tiny_v2": "dream", "sdar_tiny": "sdar", "llada2_tiny": "llada2"}
 
 
-@pytest.mark.parametrize("name", sorted(REFERENCE_WRITERS))
-def test_reference_checkpoints_count_and_names(reference: Path, name: str) -> None:
+@pytest.mark.parametrize("name", sorted(REFERENCE_FAMILIES))
+def test_reference_checkpoints_count_and_names(reference: Path, tmp_path: Path, name: str) -> None:
     """The authors' formats: config.json count == header count, and the tiny-checkpoint
-    writers produce exactly the reference tensor names and shapes."""
+    writers, given the reference config, produce exactly the reference tensor names and shapes."""
     source = load_source(str(reference / "models" / name))
     assert source.headers is not None
     counts = count_parameters(parameter_components(architecture_from_config(source.raw)))
     assert counts.total == source.headers.parameter_count
-    written = {k: tuple(v.shape) for k, v in REFERENCE_WRITERS[name](source.raw, 0).items()}
-    assert written == {k: v.shape for k, v in source.headers.tensors.items()}
+    written = local_headers(tiny_checkpoint(tmp_path, REFERENCE_FAMILIES[name], **source.raw))
+    assert written is not None
+    assert {k: v.shape for k, v in written.tensors.items()} == {k: v.shape for k, v in source.headers.tensors.items()}
 
 
 # ----------------------------------------------------------------------------- published models
@@ -236,17 +215,23 @@ def _measured_peak_bytes(llm: Any, prompts: list[list[int]], **params: Any) -> i
     return weights + peak
 
 
+# Registry family -> a tiny checkpoint for the measurement (vocabulary sized so that the
+# forward, not the weights, dominates the transient memory).
+MEASURE: dict[str, Callable[[Path], Path]] = {
+    "llada": lambda d: tiny_checkpoint(d, "llada", vocab_size=512, mask_token_id=511, eos_token_id=510,
+                                       embedding_size=512, mlp_hidden_size=256, max_sequence_length=1024),
+    "llada2_moe": lambda d: tiny_checkpoint(d, "llada2", intermediate_size=256, vocab_size=512,
+                                            mask_token_id=511, eos_token_id=510),
+    "sdar": lambda d: tiny_checkpoint(d, "sdar", intermediate_size=256, vocab_size=512,
+                                      mask_token_id=511, eos_token_id=510),
+    "pangu": lambda d: tiny_checkpoint(d, "pangu", intermediate_size=256),
+}
+
+
 def _loadable_families() -> list[str]:
     from engine.registry import FAMILIES
 
-    names = {f.name for f in FAMILIES}
-    return sorted(n for n in TINY if n in names)
-
-
-MEASURE_CONFIGS = {
-    "llada": cw.llada_config(vocab_size=512, mask_token_id=511, eos_token_id=510, d_model=64, n_heads=4,
-                             n_kv_heads=2, mlp_hidden_size=256, n_layers=2, max_sequence_length=1024),
-}
+    return [f.name for f in FAMILIES]
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -256,20 +241,20 @@ def test_predicted_peak_matches_measured_cpu_generation(tmp_path: Path, family: 
     transient) within 15% of the allocator's measured peak, at two batch sizes."""
     from engine.llm import LLM
 
-    config = MEASURE_CONFIGS.get(family)
-    if config is None:
-        pytest.fail(f"family {family} is loadable but has no measurement config here: add one")
-    _, writer, _ = TINY[family]
-    cw.save_checkpoint(tmp_path, config, writer(config, 0))
+    if family not in MEASURE:
+        pytest.fail(f"family {family} is loadable but has no measurement checkpoint here: add one")
+    directory = MEASURE[family](tmp_path)
+    config = json.loads((directory / "config.json").read_text())
     prompt, gen, block = 192, 64, 32
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
-    prompts = [[(7 * r + i) % 500 for i in range(prompt)] for r in range(batch)]
-    measured = _measured_peak_bytes(llm, prompts, gen_length=gen, block_length=block, steps=2)
-    serving = Serving(dtype="fp32", batch=batch, context=prompt + gen, gen_length=gen, block_length=block,
-                      cache="none", overhead_gib=0.0, fragmentation=0.0)
     arch = architecture_from_config(config)
+    cache = "block" if arch.attention == "block-causal" else "none"  # each family's serving cache
+    llm = LLM(str(directory), dtype="float32", device="cpu")
+    prompts = [[(7 * r + i) % 300 + 1 for i in range(prompt)] for r in range(batch)]
+    measured = _measured_peak_bytes(llm, prompts, gen_length=gen, block_length=block, steps=4, cache=cache)
+    serving = Serving(dtype="fp32", batch=batch, context=prompt + gen, gen_length=gen, block_length=block,
+                      cache=cache, overhead_gib=0.0, fragmentation=0.0)
     predicted = plan_memory(arch, parameter_components(arch), serving).total
-    print(f"{family} batch {batch}: predicted {predicted:,} B, measured {measured:,} B "
+    print(f"{family} batch {batch}, cache {cache}: predicted {predicted:,} B, measured {measured:,} B "
           f"({(predicted - measured) / measured:+.1%})")
     assert abs(predicted - measured) <= 0.15 * measured
 
@@ -352,7 +337,9 @@ def test_fused_logits_buffer_is_smaller_than_unfused() -> None:
     _, fused = _plan(LLADA2_MINI, batch=8)
     _, unfused = _plan(LLADA2_MINI, batch=8, logits="unfused")
     assert _row(fused, "logits/statistics buffer") < _row(unfused, "logits/statistics buffer")
-    assert _row(unfused, "logits/statistics buffer") == 8 * 32 * 157184 * (2 + 4 + 4)
+    assert _row(unfused, "logits/statistics buffer") == 32 * 157184 * (2 + 4 + 4)  # one sequence's block
+    _, pangu = _plan(PANGU_R_7B, batch=8, logits="unfused")
+    assert _row(pangu, "logits/statistics buffer") == 8 * 153376 * (2 + 4 + 4)  # one sub-block of 8
 
 
 def test_verdicts_smallest_tp_and_max_batch() -> None:
