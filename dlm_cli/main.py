@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from dlm_cli import fetch, generate, models, release, verify
+from dlm_cli import estimate, fetch, generate, models, release, verify
 
 app = typer.Typer(
     name="dlm",
@@ -26,6 +26,7 @@ app.command("models")(models.models)
 app.command("rm")(models.rm)
 app.command("release")(release.release)
 app.command("rollback")(release.rollback)
+app.command("estimate")(estimate.estimate)
 
 
 if __name__ == "__main__":
