@@ -40,7 +40,8 @@ _TRITON_MODULES = {
 }
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -60,7 +61,7 @@ def backend(device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if not triton_available():
         raise RuntimeError("DLM_KERNELS=triton but triton is not installed")
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError(f"DLM_KERNELS=triton on {device.type} tensors needs TRITON_INTERPRET=1")
     return "triton"
 

@@ -16,27 +16,42 @@ FMIX_C1, FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
 WORD_SALT_1, WORD_SALT_2 = 0x68BC21EB, 0x02E5BE93
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2**32 for int64 h in [0, 2**32), without overflowing int64."""
-    low = h * (c & 0xFFFF)
-    high = ((h * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & MASK32
+def _mul32_(h: torch.Tensor, c: int) -> torch.Tensor:
+    """h = (h * c) mod 2**32 in place, for int64 h in [0, 2**32), without overflowing int64."""
+    high = h * (c >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    h *= c & 0xFFFF
+    h += high
+    h &= MASK32
+    return h
 
 
-def fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, FMIX_C1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, FMIX_C2)
-    return h ^ (h >> 16)
+def fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser, in place (the noise for a whole chunk is large)."""
+    h ^= h >> 16
+    _mul32_(h, FMIX_C1)
+    h ^= h >> 13
+    _mul32_(h, FMIX_C2)
+    h ^= h >> 16
+    return h
 
 
 def uniform53(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """float64 uniforms in (0, 1) for int64 `rows` x `cols` (broadcast), keyed by `seed`."""
-    key = fmix32(cols ^ fmix32((rows + fmix32(torch.tensor(seed & MASK32, device=rows.device))) & MASK32))
-    hi = fmix32(key ^ WORD_SALT_1) >> 6  # 26 bits
-    lo = fmix32((key + WORD_SALT_2) & MASK32) >> 5  # 27 bits
-    return ((hi * 2**27 + lo).to(torch.float64) + 0.5) * 2.0**-53
+    s = fmix32_(torch.tensor(seed & MASK32, device=rows.device))
+    key = fmix32_(cols ^ fmix32_((rows + s) & MASK32))
+    lo = fmix32_((key + WORD_SALT_2) & MASK32)
+    lo >>= 5  # 27 bits
+    key ^= WORD_SALT_1
+    hi = fmix32_(key)
+    hi >>= 6  # 26 bits
+    hi *= 2**27
+    hi += lo
+    u = hi.to(torch.float64)
+    u += 0.5
+    u *= 2.0**-53
+    return u
 
 
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> int:

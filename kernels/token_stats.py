@@ -99,7 +99,8 @@ def token_stats_partial_torch(
     rows = torch.arange(n, device=device)[:, None]
     for start in range(0, vocab, chunk_size):
         logits = (hidden @ weight[start : start + chunk_size].T).float()
-        new_m = torch.maximum(m, logits.max(dim=-1).values)
+        chunk_max, chunk_argmax = logits.max(dim=-1)
+        new_m = torch.maximum(m, chunk_max)
         scale = torch.exp((m - new_m).to(f64))
         # exp in fp32 (the precision of LLaDA's own softmax), sums accumulated in float64.
         e = torch.exp(logits - new_m[:, None])
@@ -117,8 +118,7 @@ def token_stats_partial_torch(
             score = logits.to(f64) / temperature - torch.log(-torch.log(u))
             chunk_best, chunk_idx = score.max(dim=-1)
         else:
-            chunk_best, chunk_idx = logits.max(dim=-1)
-            chunk_best = chunk_best.to(f64)
+            chunk_best, chunk_idx = chunk_max.to(f64), chunk_argmax
         better = chunk_best > best_score  # strict: the first maximal index wins, like argmax
         best_score = torch.where(better, chunk_best, best_score)
         best_token = torch.where(better, chunk_idx + (vocab_start + start), best_token)

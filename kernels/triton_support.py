@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-
-def interpreting() -> bool:
-    return bool(knobs.runtime.interpret)
+from kernels.dispatch import interpreting
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
