@@ -41,7 +41,8 @@ def _uniform53(seed, rows, cols):
     return (hi.to(tl.float64) * 134217728.0 + lo.to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
 
 
-@triton.jit
+# An int argument equal to 1 would otherwise be specialised into a constexpr (no `.to`).
+@triton.jit(do_not_specialize=["seed", "vocab_start"])
 def _token_stats_kernel(
     h_ptr, w_ptr, max_ptr, sum_ptr, sum_logit_ptr, top2_ptr, score_ptr, token_ptr, logit_ptr,
     N, V, D, stride_h, stride_w, split_size, vocab_start, temperature, seed,
