@@ -7,6 +7,7 @@ run only there. Rows are padded on the right; `key_mask` hides the padding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -18,10 +19,10 @@ class ForwardBatch:
     key_mask: torch.Tensor | None  # [B, T] bool, True = real token; None = no padding
     select: torch.Tensor  # [B, S] long, positions whose hidden states are returned
 
-    @property
-    def attn_mask(self) -> torch.Tensor | None:
-        """Boolean SDPA mask [B, 1, 1, T] for bidirectional attention over real tokens."""
-        return None if self.key_mask is None else self.key_mask[:, None, None, :]
+    @cached_property
+    def kv_lens(self) -> torch.Tensor | None:
+        """Real tokens per row (rows are right-padded), for attention; None = no padding."""
+        return None if self.key_mask is None else self.key_mask.sum(1)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

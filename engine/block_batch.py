@@ -66,7 +66,7 @@ class BlockBatch:
                     cache.store(layer, k[r, :, : self.write[r]], v[r, :, : self.write[r]])
         if q.shape[2] == 0:
             return q.new_empty(q.shape[:3] + (v.shape[-1],))
-        return attention(q, keys, values, self._mask(selected, past))
+        return attention(q, keys, values, None, mask=self._mask(selected, past))
 
 
 def _prepend(

@@ -228,10 +228,21 @@ MEASURE: dict[str, Callable[[Path], Path]] = {
 }
 
 
-def _loadable_families() -> list[str]:
+# Natively decodable families whose measured peak is not yet compared, with the reason.
+UNMEASURED = {
+    "clover": "experimental Clover decoder (docs/clover.md): its measured peak is not yet compared",
+}
+
+
+def _loadable_families() -> list:
+    """Every family dlm decodes natively (autoregressive bases such as qwen3_5_moe are
+    served through --backend transformers and have no native generation to measure)."""
     from engine.registry import FAMILIES
 
-    return [f.name for f in FAMILIES]
+    return [
+        pytest.param(f.name, marks=pytest.mark.skip(reason=UNMEASURED[f.name])) if f.name in UNMEASURED else f.name
+        for f in FAMILIES if f.engine
+    ]
 
 
 @pytest.mark.parametrize("batch", [1, 4])

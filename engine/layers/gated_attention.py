@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import attention, merge_heads, split_heads
-from engine.layers.norm import ZeroCentredRMSNorm
+from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]  # [B, Hkv, T, D] each
@@ -32,8 +32,8 @@ class GatedAttention(nn.Module):
         self.split = [2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.qkv_proj = nn.Linear(hidden_size, sum(self.split), bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
-        self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centred=True)
+        self.k_norm = RMSNorm(head_dim, eps, zero_centred=True)
 
     def forward(
         self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
@@ -55,5 +55,5 @@ class GatedAttention(nn.Module):
         mask = None
         if causal and t > 1:
             mask = prefix_causal_mask(t, k.shape[2] - t, x.device)
-        out = merge_heads(attention(q, k, v, mask)) * torch.sigmoid(gate)
+        out = merge_heads(attention(q, k, v, None, mask=mask)) * torch.sigmoid(gate)
         return self.o_proj(out), (k, v)

@@ -62,7 +62,7 @@ class LLaDABlock(nn.Module):
         if select is not None:
             cos, sin = cos_q, sin_q
         q = rotary.apply(split_heads(q, self.num_heads), cos, sin)
-        x = x + self.attn_out(merge_heads(attention(q, k, v, batch.attn_mask)))
+        x = x + self.attn_out(merge_heads(attention(q, k, v, batch.kv_lens)))
         gate, up = self.gate_up_proj(self.ff_norm(x)).split([self.ffn, self.ffn], dim=-1)
         return x + self.ff_out(F.silu(gate) * up)
 

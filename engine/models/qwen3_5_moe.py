@@ -29,7 +29,7 @@ from engine.hybrid_cache import HybridCache, LayerState
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.stacked_moe import StackedSparseMoE
-from engine.layers.norm import ZeroCentredRMSNorm
+from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.loader import checkpoint_sources
 
@@ -41,7 +41,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         raw, d, eps = config.raw, config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
-        self.input_layernorm = ZeroCentredRMSNorm(d, eps)
+        self.input_layernorm = RMSNorm(d, eps, zero_centred=True)
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
                 d, int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
@@ -55,7 +55,7 @@ class HybridLayer(nn.Module):
             )
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
-        self.post_attention_layernorm = ZeroCentredRMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
         self.mlp = StackedSparseMoE(
             d, int(raw["num_experts"]), int(raw["num_experts_per_tok"]), config.intermediate_size,
             int(raw["shared_expert_intermediate_size"]),
@@ -81,7 +81,7 @@ class HybridBody(nn.Module):
         types = list(config.raw["layer_types"])[: config.num_layers]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridLayer(config, t) for t in types)
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
 
 class Model(nn.Module):
