@@ -195,13 +195,13 @@ def test_odd_inputs_never_answer_500(server: ServerProcess) -> None:
     statuses = set()
     for field in fields:
         for value in odd:
-            response = send("/v1/completions", {"prompt": "hi", "max_tokens": 4, field: value})
+            response = send("/v1/completions", {"prompt": "hi", "max_tokens": 1, field: value})
             statuses.add(response.status_code)
             if response.status_code == 200:
                 assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     for value in odd:
-        send("/v1/chat/completions", {"messages": value, "max_tokens": 4})
-        send("/v1/chat/completions", {"messages": [{"role": "user", "content": value}], "max_tokens": 4})
+        send("/v1/chat/completions", {"messages": value, "max_tokens": 1})
+        send("/v1/chat/completions", {"messages": [{"role": "user", "content": value}], "max_tokens": 1})
     assert statuses >= {200, 400}
     assert httpx.get(server.url + "/health").status_code == 200
 

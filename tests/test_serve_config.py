@@ -125,3 +125,18 @@ def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> N
     result = dlm_serve(str(model), "--port", "0")
     assert result.returncode == 2, result.stderr
     assert "unsupported model_type" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
+    from fastapi.testclient import TestClient
+
+    from engine.server.app import create_app
+
+    app = create_app(load_config(None, {"api_keys": ["sk-k"]}, environ={}))
+    client = TestClient(app)  # no lifespan: the model is never loaded
+    assert client.get("/health").json() == {"status": "loading"}
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+    refused = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-k"})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # keys first

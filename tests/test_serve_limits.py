@@ -157,3 +157,12 @@ def test_stop_string_cuts_the_text_and_ends_denoising_early(server: ServerProces
         assert reason == "stop"
     steps = [line["denoising_steps"] for line in server.request_logs()[-2:]]
     assert all(s < 64 for s in steps), steps  # the answer was complete: the slot was freed
+
+
+def test_a_streamed_request_that_times_out_ends_with_an_error_event(server: ServerProcess) -> None:
+    response = httpx.post(server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30)
+    assert response.status_code == 200  # the stream had begun when the deadline passed
+    events = [line for line in response.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "timeout" and error["code"] == "request_timeout"
