@@ -231,12 +231,14 @@ class AsyncEngine:
                 self._cv.wait(timeout=1.0)
             if self._stopping:
                 return None
+            cancels, self._cancels = self._cancels, []
+            for request, reason in cancels:
+                if not request.seq.finished:  # it may have finished in the meantime
+                    self.scheduler.remove(request, reason)
+                    self._finish(request)
             now = time.monotonic()
-            ended = [(r, reason) for r, reason in self._cancels if not r.seq.finished]
-            self._cancels.clear()
-            ended += [(r, "timeout") for r in self.scheduler.expired(now)]
-            for request, reason in ended:
-                self.scheduler.remove(request, reason)
+            for request in self.scheduler.expired(now):
+                self.scheduler.remove(request, "timeout")
                 self._finish(request)
             self.scheduler.admit(now)
             return list(self.scheduler.running)
