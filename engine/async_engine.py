@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+import torch
+
 from engine.engine import LLMEngine
 from engine.errors import DlmError
 from engine.params import GenerationParams
@@ -54,9 +56,14 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def _generated(seq: Sequence) -> torch.Tensor:
+    """The canvas positions of the answer (a block-causal grid may extend past them)."""
+    return seq.canvas[seq.prompt_length : seq.prompt_length + seq.params.gen_length]
+
+
 def committed_prefix(seq: Sequence) -> list[int]:
     """Generated ids up to the first MASK: the part of the answer that can no longer change."""
-    generated = seq.canvas[seq.prompt_length :]
+    generated = _generated(seq)
     masked = (generated == seq.mask_id).nonzero()
     end = int(masked[0, 0]) if len(masked) else len(generated)
     return generated[:end].tolist()
@@ -126,10 +133,12 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """One real forward before serving, so the first request does not pay for lazy
-        initialisation; must run before `start()`."""
+        """A real request before serving, so the first client does not pay for lazy
+        initialisation; must run before `start()`. The family picks the block length; a
+        tiny threshold commits each block in one forward."""
         assert self._thread is None, "warm up before starting the loop"
-        self.engine.generate([[self.engine.config.eos_token_id or 0]], GenerationParams(gen_length=1))
+        prompt = [self.engine.config.eos_token_id or 0]
+        self.engine.generate([prompt], GenerationParams(gen_length=32, threshold=1e-6))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
@@ -282,4 +291,4 @@ class AsyncEngine:
 
     @staticmethod
     def _masked(seq: Sequence) -> int:
-        return int((seq.canvas[seq.prompt_length :] == seq.mask_id).sum())
+        return int((_generated(seq) == seq.mask_id).sum())

@@ -184,3 +184,37 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
             aengine.stop()
 
     run(main())
+
+
+@pytest.mark.parametrize("cache", ["block", "none"])
+def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache: str) -> None:
+    from engine.block_checkpoints import write_tiny
+    from engine.llm import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(write_tiny(tmp_path / "sdar", "sdar"), dtype="float32", device="cpu")
+        block_engine = llm.engine
+        prompts = [[5, 6, 7, 8, 9], [11, 12]]
+        params = GenerationParams(gen_length=16, cache=cache)
+        solo = [block_engine.generate([p], params)[0].output_ids for p in prompts]
+
+        async def main() -> list:
+            aengine = AsyncEngine(block_engine, SchedulerLimits(max_num_seqs=2))
+            aengine.warmup()
+            aengine.start()
+            try:
+                streams = [aengine.submit(f"b{i}", p, params, timeout=None) for i, p in enumerate(prompts)]
+                return [await s.result() for s in streams]
+            finally:
+                aengine.stop()
+
+        outs = run(main())
+    finally:
+        torch.set_num_threads(threads)
+    eos = block_engine.config.eos_token_id
+    for expected, out in zip(solo, outs):
+        assert out.finish_reason in ("stop", "length")
+        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
+        assert n > 0 and out.prefix_ids[:n] == expected[:n]

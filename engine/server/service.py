@@ -176,13 +176,22 @@ class Service:
             cfg_scale=body.cfg_scale or 0.0, threshold=body.threshold, factor=body.factor, seed=seed,
             cache=body.cache or "none", mode=body.decode_mode or "diffusion",
         )
-        if body.steps is None:
-            params = replace(params, steps=_default_steps(params, cfg.max_steps))
+        assert self.engine is not None
+        validate = self.engine.engine.validate  # the family's defaults and rules, as `dlm generate`
         try:
-            params.validate(len(job.prompt_ids), self.max_model_len)
+            resolved = validate(params, len(job.prompt_ids))
+            if body.steps is None and resolved.steps is not None and resolved.steps > cfg.max_steps:
+                # One token per step would exceed the limit: take the most steps within it
+                # that still divide evenly over the blocks.
+                blocks = max(1, resolved.num_blocks)
+                params = replace(params, steps=max(blocks, cfg.max_steps // blocks * blocks))
+                resolved = validate(params, len(job.prompt_ids))
         except UsageError as exc:
             word = str(exc).split()[0]
             raise bad_request(str(exc), param=_PARAM.get(word, word), code="invalid_value") from None
+        if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
+            raise bad_request(f"this request needs {resolved.steps} denoising steps, over this server's "
+                              f"limit of {cfg.max_steps}", param="steps", code="steps_exceeded")
         return params
 
     def submit(self, engine: AsyncEngine, job: Job, params: GenerationParams) -> RequestStream:
@@ -294,13 +303,3 @@ def _default_name(model: str | None) -> str:
 
         return NAME
     return Path(model).expanduser().resolve().name
-
-
-def _default_steps(params: GenerationParams, max_steps: int) -> int | None:
-    """One token per step (the engine's default) unless that exceeds max_steps: then the
-    most steps within the limit that still divide evenly over the blocks."""
-    resolved = params.resolved()
-    if resolved.steps is None or resolved.steps <= max_steps:
-        return params.steps
-    blocks = max(1, resolved.num_blocks)
-    return max(blocks, max_steps // blocks * blocks)
