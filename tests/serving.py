@@ -32,7 +32,12 @@ class ServerProcess:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._wait_port()}"
+        try:
+            port = self._wait_port()
+        except RuntimeError:
+            self.proc.kill()  # never leave a server behind
+            raise
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         self.http = httpx.Client(verify=False, timeout=120)  # tests trust their self-signed certificate
 
     def _read(self) -> None:
