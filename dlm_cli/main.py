@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from dlm_cli import estimate, fetch, generate, models, release, verify
+from dlm_cli import serve
 
 app = typer.Typer(
     name="dlm",
@@ -27,6 +28,7 @@ app.command("rm")(models.rm)
 app.command("release")(release.release)
 app.command("rollback")(release.rollback)
 app.command("estimate")(estimate.estimate)
+app.command("serve")(serve.serve)
 
 
 if __name__ == "__main__":
