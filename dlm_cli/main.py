@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from dlm_cli import generate
+from dlm_cli import loadtest, validate
 
 app = typer.Typer(
     name="dlm",
@@ -20,6 +21,8 @@ def _root() -> None:
 
 
 app.command("generate")(generate.generate)
+app.command("validate")(validate.validate)
+app.command("loadtest")(loadtest.loadtest)
 
 
 if __name__ == "__main__":
