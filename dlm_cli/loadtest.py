@@ -11,7 +11,7 @@ from dlm_cli.output import cli_errors, emit_json, err_console
 
 
 def loadtest(
-    url: str = typer.Argument(..., help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+    url: str = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
     users: int = typer.Option(4, "--users", "-u", help="Concurrent users of a fixed run."),
     spawn_rate: Optional[float] = typer.Option(None, "--spawn-rate", "-r", help="Users started per second (default: all at once)."),
     duration: str = typer.Option("30s", "--duration", "-t", help="Run time of each level, ramp-up included (30s, 2m)."),

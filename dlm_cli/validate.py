@@ -10,7 +10,7 @@ from dlm_cli.output import cli_errors, emit_json, err_console
 
 
 def validate(
-    url: str = typer.Argument(..., help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+    url: str = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server (also checks that a missing or wrong key gets 401)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id to check (default: the first of /v1/models)."),
     suite: Optional[Path] = typer.Option(None, "--suite", help="YAML file of prompts with expectations (see docs/validate.md)."),

@@ -96,6 +96,12 @@ def make_app(b: Behaviour) -> FastAPI:
     Histogram("dlm_time_to_first_token_seconds", "ttft", registry=registry)
     Histogram("dlm_request_queue_time_seconds", "queue", registry=registry)
     steps_hist = Histogram("dlm_request_denoising_steps", "steps", registry=registry)
+    Histogram("dlm_tokens_per_step", "tokens per step", registry=registry)
+    Histogram("dlm_step_duration_seconds", "step duration", registry=registry)
+    Histogram("dlm_batch_size", "batch size", registry=registry)
+    Counter("dlm_request_rejections", "rejections", ["reason"], registry=registry)
+    Counter("dlm_request_timeouts", "timeouts", registry=registry)
+    Counter("dlm_http_requests_client_disconnected", "disconnects", registry=registry)
     state = {"inflight": 0}
     slots = asyncio.Semaphore(b.capacity) if b.capacity else None
 

@@ -43,7 +43,10 @@ class Expect(BaseModel):
     @classmethod
     def _compiles(cls, patterns: list[str]) -> list[str]:
         for pattern in patterns:
-            re.compile(pattern)  # re.error is a ValueError: pydantic reports it
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"invalid regex {pattern!r}: {exc}") from None
         return patterns
 
     @field_validator("json_schema")

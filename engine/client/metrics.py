@@ -20,9 +20,15 @@ EXPECTED_METRICS = (
     "dlm_time_to_first_token_seconds",
     "dlm_request_queue_time_seconds",
     "dlm_request_denoising_steps",
+    "dlm_tokens_per_step",
+    "dlm_step_duration_seconds",
+    "dlm_batch_size",
     REQUEST_SUCCESS,
     PROMPT_TOKENS,
     GENERATION_TOKENS,
+    "dlm_request_rejections_total",  # by reason
+    "dlm_request_timeouts_total",
+    "dlm_http_requests_client_disconnected_total",
 )
 
 

@@ -77,7 +77,10 @@ def agreement(before: dict[str, float] | None, after: dict[str, float] | None,
 
 
 def resolve_model(client: ApiClient) -> str:
-    response = client.get("/v1/models")
+    try:
+        response = client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise DlmError(f"cannot reach {client.base_url}: {exc}") from None
     if response.status_code != 200:
         raise DlmError(f"{client.base_url}/v1/models answered HTTP {response.status_code}; "
                        "is the URL right, and the key (--api-key)?")
