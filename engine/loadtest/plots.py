@@ -26,7 +26,7 @@ def plot_levels(levels: list[dict[str, Any]], knee: int | None, out: Path) -> li
                 ax.plot(users, [v if v is not None else float("nan") for v in values],
                         style, marker=marker, label=f"{p} {metric}")
     ax.set(xlabel="concurrent users", ylabel="seconds", title="Latency against concurrency")
-    _finish(ax, knee)
+    _finish(ax, knee, users)
     written.append(_save(fig, out / "latency.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -38,12 +38,15 @@ def plot_levels(levels: list[dict[str, Any]], knee: int | None, out: Path) -> li
               label="goodput requests/s")
     twin.set_ylabel("requests/s")
     twin.legend(loc="lower right")
-    _finish(ax, knee)
+    _finish(ax, knee, users)
     written.append(_save(fig, out / "throughput.png"))
     return written
 
 
-def _finish(ax: Any, knee: int | None) -> None:
+def _finish(ax: Any, knee: int | None, users: list[int]) -> None:
+    """Concurrency on a log2 axis (sweeps usually double), ticked at the levels run."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(users, [str(u) for u in users])
     if knee is not None:
         ax.axvline(knee, color="grey", linestyle=":", label=f"knee ({knee} users)")
     ax.grid(alpha=0.3)
