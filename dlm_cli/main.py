@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from dlm_cli import generate
+from dlm_cli import serve
 
 app = typer.Typer(
     name="dlm",
@@ -20,6 +21,7 @@ def _root() -> None:
 
 
 app.command("generate")(generate.generate)
+app.command("serve")(serve.serve)
 
 
 if __name__ == "__main__":
