@@ -171,6 +171,7 @@ class AsyncEngine:
         """
         if not self.accepting:
             raise Draining("the server is shutting down and admits no new requests")
+        self.scheduler.check_room()  # refuse before building the canvas: overload answers fast
         seq = self.engine.make_sequence(prompt_ids, params)
         now = time.monotonic()
         request = ScheduledRequest(request_id, seq, now, now + timeout if timeout else None)

@@ -68,6 +68,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def check_room(self) -> None:
+        """Raise QueueFull when the waiting queue is at its bound."""
+        if len(self.waiting) >= self.limits.max_queue:
+            raise QueueFull(f"the request queue is full ({self.limits.max_queue} waiting)")
+
     def add(self, request: ScheduledRequest) -> None:
         """Queue a request; refuse it at once when the waiting queue is full."""
         cost = forward_tokens(request.seq)
@@ -76,8 +81,7 @@ class Scheduler:
                 f"the request needs {cost} tokens per forward, more than "
                 f"max_num_batched_tokens ({self.limits.max_num_batched_tokens})"
             )
-        if len(self.waiting) >= self.limits.max_queue:
-            raise QueueFull(f"the request queue is full ({self.limits.max_queue} waiting)")
+        self.check_room()
         self.waiting.append(request)
 
     def admit(self, now: float) -> list[ScheduledRequest]:
