@@ -5,6 +5,7 @@ import typer
 
 from dlm_cli import generate
 from dlm_cli import loadtest, validate
+from dlm_cli import serve
 
 app = typer.Typer(
     name="dlm",
@@ -21,6 +22,7 @@ def _root() -> None:
 
 
 app.command("generate")(generate.generate)
+app.command("serve")(serve.serve)
 app.command("validate")(validate.validate)
 app.command("loadtest")(loadtest.loadtest)
 
