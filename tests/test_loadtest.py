@@ -87,7 +87,7 @@ def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     # Two decoding slots, 8 steps of 10 ms: throughput doubles from 1 to 2 users, then flattens.
     with serve(Behaviour(capacity=2, step_delay=0.01)) as url:
-        result = loadtest(url, "--sweep", "1,2,4", "-t", "2s", "--max-tokens", "8", "--out", str(out),
+        result = loadtest(url, "--sweep", "1,2,4", "-t", "1.5s", "--max-tokens", "8", "--out", str(out),
                           "--slo", "e2e<=10s", "--fail-on", "error_rate>1%", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
@@ -109,7 +109,7 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}\n')
     with serve(Behaviour(step_delay=0.005)) as url:
-        result = loadtest(url, "-u", "2", "-t", "1.5s", "--prompts", str(prompts), "--steps", "4",
+        result = loadtest(url, "-u", "2", "-t", "1s", "--prompts", str(prompts), "--steps", "4",
                           "--out", str(tmp_path / "fixed"), "--fail-on", "p50_e2e>1ms", "--json")
     assert result.returncode == 1, result.stderr[-2000:]
     summary = json.loads(result.stdout)
