@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from typer.testing import CliRunner, Result
+
+from dlm_cli.main import app
 from engine.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
 from engine.checks.validate import run_validation
 from engine.client.metrics import missing_metrics, parse_samples
@@ -65,8 +68,8 @@ MISBEHAVIOURS = {
     "500 on invalid input": (Behaviour(lax_validation=True), {"invalid_params"}),
     "context too small": (Behaviour(accepted_context=64), {"context_window"}),
     "accepts over-long prompts": (Behaviour(max_model_len=256, accepted_context=100_000), {"overlong_prompt"}),
-    "503 when the queue is full": (Behaviour(queue_limit=2, step_delay=0.01, overload_status=503), {"burst"}),
-    "429 without Retry-After": (Behaviour(queue_limit=2, step_delay=0.01, retry_after=False), {"burst"}),
+    "503 when the queue is full": (Behaviour(queue_limit=2, step_delay=0.003, overload_status=503), {"burst"}),
+    "429 without Retry-After": (Behaviour(queue_limit=2, step_delay=0.003, retry_after=False), {"burst"}),
 }
 
 
@@ -77,7 +80,7 @@ def test_each_misbehaviour_fails_its_checks(case: str) -> None:
 
 
 def test_queue_full_with_429_and_retry_after_is_correct_overload_handling() -> None:
-    results = validate(Behaviour(queue_limit=2, step_delay=0.01))
+    results = validate(Behaviour(queue_limit=2, step_delay=0.003))
     assert results["burst"].status == PASSED
     assert "rejected with 429" in results["burst"].detail
     assert not results["burst"].detail.endswith(" 0 rejected with 429")
@@ -116,16 +119,15 @@ def test_metrics_names_include_labelled_counters_without_children() -> None:
     assert "dlm_generation_tokens_total" in missing_metrics(text)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlm_cli", "validate", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def run_cli(*args: str) -> Result:
+    return CliRunner().invoke(app, ["validate", *args])
 
 
 def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
     junit = tmp_path / "validate.xml"
     with serve(Behaviour()) as url:
         ok = run_cli(url, "--json", "--burst", "4", "--junit-xml", str(junit))
-    assert ok.returncode == 0, ok.stderr
+    assert ok.exit_code == 0, ok.stderr
     payload = json.loads(ok.stdout)
     assert payload["passed"] is True and payload["counts"]["failed"] == 0
     assert {c["name"] for c in payload["checks"]} >= {"completion_stream", "burst", "metrics"}
@@ -135,7 +137,7 @@ def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
 
     with serve(Behaviour(status=500)) as url:
         bad = run_cli(url, "--burst", "4", "--junit-xml", str(junit))
-    assert bad.returncode == 1
+    assert bad.exit_code == 1
     assert "FAILED" in bad.stderr and "completion" in bad.stderr
     failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase")
                 if c.find("failure") is not None}
@@ -146,10 +148,10 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
     suite = tmp_path / "suite.yaml"
     suite.write_text("cases:\n  - name: x\n    prompt: hi\n    expect: {contians: a}\n")
     result = run_cli("http://127.0.0.1:9", "--suite", str(suite))
-    assert result.returncode == 2
+    assert result.exit_code == 2
     assert "error:" in result.stderr and "contians" in result.stderr
-    assert run_cli("127.0.0.1:9").returncode == 2
-    assert run_cli("http://127.0.0.1:9", "--skip", "nonsense").returncode == 2
+    assert run_cli("127.0.0.1:9").exit_code == 2
+    assert run_cli("http://127.0.0.1:9", "--skip", "nonsense").exit_code == 2
 
 
 def test_checks_import_neither_the_engine_core_nor_locust() -> None:
