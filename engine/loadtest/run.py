@@ -57,6 +57,19 @@ def scrape(client: ApiClient) -> dict[str, float] | None:
         return None
 
 
+def settled_scrape(client: ApiClient, before: dict[str, float] | None, ok: int,
+                   patience: float = 2.0) -> dict[str, float] | None:
+    """Scrape after the run, giving the server a moment to count the last responses it sent."""
+    deadline = time.perf_counter() + patience
+    while True:
+        after = scrape(client)
+        if before is None or after is None or time.perf_counter() >= deadline:
+            return after
+        if after.get(REQUEST_SUCCESS, 0.0) - before.get(REQUEST_SUCCESS, 0.0) >= ok:
+            return after
+        gevent.sleep(0.1)
+
+
 def agreement(before: dict[str, float] | None, after: dict[str, float] | None,
               records: list[RequestRecord]) -> dict[str, Any]:
     """Client totals against the server's counter deltas over the run."""
@@ -100,7 +113,7 @@ def write_locust_reports(env: Environment, writer: StatsCSVFileWriter, out: Path
 
 
 def run_loadtest(plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every level; return per-level summaries, server agreement and the files written."""
+    """Run every level; return per-level summaries, totals and the agreement with /metrics."""
     plan.out.mkdir(parents=True, exist_ok=True)
     with ApiClient(plan.url, plan.api_key, plan.timeout) as client:
         workload = plan.workload
@@ -137,7 +150,7 @@ def run_loadtest(plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | Non
         runner.quit()  # users finish the request in flight (stop_timeout), start no other
         for greenlet in greenlets:
             greenlet.kill()
-        after = scrape(client)
+        after = settled_scrape(client, before, sum(1 for r in recorder.records if r.ok))
     write_locust_reports(env, writer, plan.out)
     records = recorder.records
     levels = []
