@@ -148,7 +148,7 @@ class Service:
                temperature: float | None, seed: int | None) -> GenerationParams:
         """The request's generation parameters, checked against the server's limits."""
         cfg = self.config
-        gen = max_tokens or cfg.default_max_tokens
+        gen = max_tokens or cfg.default_max_tokens or cfg.max_tokens
         if gen > cfg.max_tokens:
             raise bad_request(f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
                               param="max_tokens", code="max_tokens_exceeded")
