@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from engine.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 def key_id(key: str) -> str:

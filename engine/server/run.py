@@ -92,6 +92,8 @@ class DrainingServer(uvicorn.Server):
 def serve(config: ServeConfig) -> int:
     """Serve until drained or stopped; returns the process exit code."""
     configure_logging(config.log_level)
+    if not config.keys():
+        log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
     app = create_app(config)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,

@@ -135,6 +135,10 @@ class Service:
         wait = self.limiter.check(job.key, "requests")
         if wait:
             raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
+        try:  # refuse overload before reading the body or tokenizing
+            self.engine.scheduler.check_room()
+        except QueueFull as exc:
+            raise _queue_full(self.engine, exc) from None
         return self.engine
 
     def check_model(self, name: str | None) -> None:
@@ -192,8 +196,7 @@ class Service:
                 updates=job.stream or bool(job.stops),
             )
         except QueueFull as exc:
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(engine.retry_after())}) from None
+            raise _queue_full(engine, exc) from None
         except Draining as exc:
             raise APIError(503, str(exc), type="unavailable", code="draining") from None
         except UsageError as exc:
@@ -277,6 +280,11 @@ class Service:
 def _rate_limited(message: str, wait: int) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(wait)})
+
+
+def _queue_full(engine: AsyncEngine, exc: QueueFull) -> APIError:
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(engine.retry_after())})
 
 
 def _default_name(model: str | None) -> str:
