@@ -3,7 +3,7 @@
 First SIGTERM (or Ctrl-C): `/ready` turns 503 and new requests get 503, while in-flight
 requests finish or time out for up to `shutdown_grace` seconds; the rest end with an error;
 then uvicorn closes and the process exits 0. A second signal exits at once. A model that
-fails to load ends the process with exit code 1.
+fails to load ends the process with exit code 2 (unusable model) or 1.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.service.load_error is not None:
-            self.exit_code = 1
+            self.exit_code = self.service.exit_code
             return True
         if self._drain_requested and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())

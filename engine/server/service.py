@@ -70,6 +70,7 @@ class Service:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.exit_code = 1  # of the process, when loading fails (2: the model was bad usage)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class Service:
         try:
             self._load()
         except DlmError as exc:
-            self.load_error = str(exc)
+            self.load_error, self.exit_code = str(exc), exc.exit_code
         except Exception as exc:  # surfaced by /health and the exit code, never swallowed
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
