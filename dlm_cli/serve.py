@@ -23,7 +23,7 @@ def serve(
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Largest max_tokens per request [1024]."),
-    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens when a request gives none [128]."),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens when a request gives none [min(128, max-tokens)]."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Largest denoising steps per request [1024]."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + generation limit [the model's]."),
     request_timeout: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds before a request is stopped [300]."),

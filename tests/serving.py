@@ -20,7 +20,8 @@ LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None,
+                 tls: bool = False) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlm_cli", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
@@ -31,7 +32,8 @@ class ServerProcess:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.url = f"http://127.0.0.1:{self._wait_port()}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._wait_port()}"
+        self.http = httpx.Client(verify=False, timeout=120)  # tests trust their self-signed certificate
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -53,7 +55,7 @@ class ServerProcess:
     def wait_ready(self, timeout: float = 120) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if httpx.get(self.url + "/ready").status_code == 200:
+            if self.http.get(self.url + "/ready").status_code == 200:
                 return
             if self.proc.poll() is not None:
                 break
@@ -65,7 +67,7 @@ class ServerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        response = httpx.get(self.url + "/metrics", headers=headers)
+        response = self.http.get(self.url + "/metrics", headers=headers)
         response.raise_for_status()
         out = {}
         for family in text_string_to_metric_families(response.text):
@@ -146,3 +148,14 @@ def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL) -> Pat
     return directory
 
 
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A localhost certificate and key made with the openssl command."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key

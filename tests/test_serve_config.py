@@ -116,3 +116,12 @@ def test_serve_usage_errors_exit_2_with_one_line(args: list[str], message: str) 
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
+
+def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> None:
+    model = tmp_path / "mystery"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "mystery"}))
+    result = dlm_serve(str(model), "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert "unsupported model_type" in result.stderr and "Traceback" not in result.stderr

@@ -139,3 +139,21 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     assert after["dlm_request_timeouts_total"] == before["dlm_request_timeouts_total"]  # cancelled, not timed out
     aborted = [line for line in server.request_logs() if line["finish_reason"] == "abort"]
     assert len(aborted) == 2 and all(line["status"] == 499 for line in aborted)
+
+
+def test_stop_string_cuts_the_text_and_ends_denoising_early(server: ServerProcess) -> None:
+    body = {"prompt": "x", "max_tokens": 64, "block_length": 64, "steps": 64, "stop": ["Paris", "zzz"]}
+    for stream in (False, True):
+        response = httpx.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert response.status_code == 200, response.text
+        if stream:
+            events = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(e["choices"][0]["text"] for e in events)
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            text, reason = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+        assert text == '<tool_call>{"name": "get_weather", "arguments": {"city": "'
+        assert reason == "stop"
+    steps = [line["denoising_steps"] for line in server.request_logs()[-2:]]
+    assert all(s < 64 for s in steps), steps  # the answer was complete: the slot was freed

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from engine.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 def key_id(key: str) -> str:
@@ -45,7 +50,7 @@ class ServeConfig(BaseModel):
     max_num_batched_tokens: int = Field(16384, ge=1, description="canvas tokens in one forward")
     max_queue: int = Field(64, ge=0, description="waiting requests; beyond: 429")
     max_tokens: int = Field(1024, ge=1, description="largest max_tokens (gen_length) per request")
-    default_max_tokens: int = Field(128, ge=1)
+    default_max_tokens: int | None = Field(None, ge=1, description="when a request gives none; default: min(128, max_tokens)")
     max_steps: int = Field(1024, ge=1, description="largest denoising step count per request")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
@@ -143,7 +148,9 @@ def load_config(
         raise UsageError(f"invalid setting {where}: {first['msg']}") from None
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
-    if config.default_max_tokens > config.max_tokens:
+    if config.default_max_tokens is None:
+        config.default_max_tokens = min(128, config.max_tokens)
+    elif config.default_max_tokens > config.max_tokens:
         raise UsageError(
             f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})"
         )

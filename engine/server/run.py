@@ -3,7 +3,7 @@
 First SIGTERM (or Ctrl-C): `/ready` turns 503 and new requests get 503, while in-flight
 requests finish or time out for up to `shutdown_grace` seconds; the rest end with an error;
 then uvicorn closes and the process exits 0. A second signal exits at once. A model that
-fails to load ends the process with exit code 1.
+fails to load ends the process with exit code 2 (unusable model) or 1.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.service.load_error is not None:
-            self.exit_code = 1
+            self.exit_code = self.service.exit_code
             return True
         if self._drain_requested and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())
@@ -92,6 +92,8 @@ class DrainingServer(uvicorn.Server):
 def serve(config: ServeConfig) -> int:
     """Serve until drained or stopped; returns the process exit code."""
     configure_logging(config.log_level)
+    if not config.keys():
+        log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
     app = create_app(config)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,

@@ -70,6 +70,7 @@ class Service:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.exit_code = 1  # of the process, when loading fails (2: the model was bad usage)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class Service:
         try:
             self._load()
         except DlmError as exc:
-            self.load_error = str(exc)
+            self.load_error, self.exit_code = str(exc), exc.exit_code
         except Exception as exc:  # surfaced by /health and the exit code, never swallowed
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -135,6 +136,10 @@ class Service:
         wait = self.limiter.check(job.key, "requests")
         if wait:
             raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
+        try:  # refuse overload before reading the body or tokenizing
+            self.engine.scheduler.check_room()
+        except QueueFull as exc:
+            raise _queue_full(self.engine, exc) from None
         return self.engine
 
     def check_model(self, name: str | None) -> None:
@@ -148,7 +153,7 @@ class Service:
                temperature: float | None, seed: int | None) -> GenerationParams:
         """The request's generation parameters, checked against the server's limits."""
         cfg = self.config
-        gen = max_tokens or cfg.default_max_tokens
+        gen = max_tokens or cfg.default_max_tokens or cfg.max_tokens
         if gen > cfg.max_tokens:
             raise bad_request(f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
                               param="max_tokens", code="max_tokens_exceeded")
@@ -192,8 +197,7 @@ class Service:
                 updates=job.stream or bool(job.stops),
             )
         except QueueFull as exc:
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(engine.retry_after())}) from None
+            raise _queue_full(engine, exc) from None
         except Draining as exc:
             raise APIError(503, str(exc), type="unavailable", code="draining") from None
         except UsageError as exc:
@@ -277,6 +281,11 @@ class Service:
 def _rate_limited(message: str, wait: int) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(wait)})
+
+
+def _queue_full(engine: AsyncEngine, exc: QueueFull) -> APIError:
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(engine.retry_after())})
 
 
 def _default_name(model: str | None) -> str:
