@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from dlm_cli import estimate, fetch, generate, models, release, verify
-from dlm_cli import serve
+from dlm_cli import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
 
 app = typer.Typer(
     name="dlm",
@@ -29,6 +28,8 @@ app.command("release")(release.release)
 app.command("rollback")(release.rollback)
 app.command("estimate")(estimate.estimate)
 app.command("serve")(serve.serve)
+app.command("validate")(validate.validate)
+app.command("loadtest")(loadtest.loadtest)
 
 
 if __name__ == "__main__":
