@@ -53,10 +53,16 @@ def serve(
 
         config = load_config(config_file, flags)
         if config.deployment is not None:
+            from engine.errors import DlmError
+            from engine.weights.admin import running_server
             from engine.weights.releases import current_checkpoint
             from engine.weights.store import Store
 
             current_checkpoint(Store(config.store), config.deployment)  # no release: usage error now
+            other = running_server(Store(config.store), config.deployment)
+            if other is not None:  # releases would hot-swap only one of the two
+                raise DlmError(f"deployment {config.deployment} is already served by process {other.pid} "
+                               f"(admin endpoint {other.admin_url}); one server per deployment and store")
         elif config.model is not None:
             resolve_model(config.model)  # a wrong path is a usage error before anything starts
         if json_out:

@@ -2,7 +2,9 @@
 versions while clients keep sending requests, through `dlm release` and `dlm rollback`.
 
 The versions are tiny checkpoints whose every generated token is a known word (" alpha",
-" beta", ...), so each answer says which version produced it.
+" beta", ...) with a different id in each (different weights and tokenizers), so each
+answer says which version produced it, and an answer decoded with another version's
+tokenizer would not read as one word.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, fixed_output_checkpoint, wait_until
 from tests.weights_helpers import cli
 
-SHORT = {"prompt": "hi", "max_tokens": 16, "steps": 16, "block_length": 16}
+SHORT = {"model": "m", "prompt": "hi", "max_tokens": 16, "steps": 16, "block_length": 16}
 # One token per step over 256 positions: a couple of seconds on the tiny model.
 LONG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256, "steps": 256,
         "block_length": 256, "stream": True}
@@ -66,8 +68,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     base = tmp_path_factory.mktemp("hotswap")
     store = Store(base / "store")
     versions = {}
-    for word in ("alpha", "beta", "gamma"):
-        source = fixed_output_checkpoint(base / word, f" {word}")
+    for offset, word in enumerate(("alpha", "beta", "gamma")):
+        source = fixed_output_checkpoint(base / word, f" {word}", id_offset=offset)
         versions[word] = fetch(str(source), store, name="m").manifest.version
     release(store, f"m@{versions['alpha']}", "prod")
     server = ServerProcess(["--deployment", "prod", "--store", str(store.root), "--dtype", "float32"],
@@ -220,6 +222,13 @@ def test_admin_endpoint_is_loopback_only_and_needs_its_key(deployment: Deploymen
     assert "still serving" in missing.json()["error"]["message"]
     assert deployment.word() in ("alpha", "beta")
     assert not any(record.admin_key in line for line in server.lines)  # never logged
+    second = _dlm("serve", "--deployment", "prod", "--store", str(store.root), "--port", "0")
+    assert second.returncode == 1 and f"already served by process {server.proc.pid}" in second.stderr
+
+
+def test_sigterm_unregisters_the_server(deployment: Deployment) -> None:
+    assert deployment.server.terminate() == 0
+    assert not admin.record_path(deployment.store, "prod").exists()
 
 
 def test_one_swap_at_a_time(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ log = logging.getLogger("dlm.server")
 class SwapRequest(BaseModel):
     """The body `dlm release` / `dlm rollback` send (engine/weights/admin.py)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())  # newer clients may send more
 
     deployment: str | None = None
     model: str
@@ -89,7 +89,8 @@ class HotSwapper:
         return service.served
 
     async def _load(self, request: SwapRequest, old: LoadedModel) -> LoadedModel:
-        log.info("hot swap: loading %s from %s beside %s", request.ref, request.path, old.describe())
+        log.info("hot swap: loading %s from %s (content sha256 %s) beside %s", request.ref, request.path,
+                 request.content_sha256 or "-", old.describe())
         failure = None
         try:
             candidate = await asyncio.to_thread(self.service.open, request.path, request.ref, warmup=True)
