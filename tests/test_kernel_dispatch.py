@@ -105,3 +105,24 @@ def test_block_families_identical_through_triton_and_torch(
         monkeypatch.setattr(dispatch, "implementation", real)
         assert {"token_stats", "rms_norm", "rotary"} <= set(calls)
         assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
+
+
+def test_clover_identical_through_triton_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hybrid (Gated DeltaNet + gated attention) family under Clover's decoder."""
+    from tests.hybrid_checkpoints import reference_model, save_reference
+
+    directory = save_reference(
+        reference_model(seed=5), tmp_path / "clover", model_type="clover_moe",
+        architectures=["CloverMoeForCausalLM"], mask_token_id=159, eos_token_id=158,
+    )
+    llm = LLM(directory, dtype="float32", device="cpu")
+    kwargs = dict(gen_length=32, block_length=32, threshold=0.5)
+    monkeypatch.setenv("DLM_KERNELS", "torch")
+    twins = llm.generate([5, 17, 42, 99, 3, 7, 11], **kwargs)
+    monkeypatch.setenv("DLM_KERNELS", "triton")
+    calls: list[str] = []
+    real = dispatch.implementation
+    monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
+    kernels = llm.generate([5, 17, 42, 99, 3, 7, 11], **kwargs)
+    assert {"token_stats", "rms_norm", "rotary"} <= set(calls)
+    assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
