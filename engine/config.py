@@ -90,7 +90,39 @@ def _llada(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llada": _llada}
+def _dream(raw: dict[str, Any]) -> ModelConfig:
+    hidden = int(_require(raw, "hidden_size"))
+    heads = int(_require(raw, "num_attention_heads"))
+    vocab = int(_require(raw, "vocab_size"))
+    if raw.get("rope_scaling"):
+        raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
+    if raw.get("use_sliding_window"):
+        raise UsageError("Dream checkpoints with sliding-window attention are not supported")
+    return ModelConfig(
+        family="dream",
+        model_type=str(raw.get("model_type", "Dream")),
+        hidden_size=hidden,
+        num_layers=int(_require(raw, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=hidden // heads,
+        intermediate_size=int(_require(raw, "intermediate_size")),
+        vocab_size=vocab,
+        logits_size=vocab,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        # Dream-v0 / DiffuCoder MASK is 151666; the tiny and newer configs carry the field.
+        mask_token_id=int(raw.get("mask_token_id", 151666)),
+        eos_token_id=_first_int(raw.get("eos_token_id")),
+        pad_token_id=_first_int(raw.get("pad_token_id")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=raw.get("torch_dtype"),
+        raw=raw,
+    )
+
+
+PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llada": _llada, "dream": _dream}
 
 
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:

@@ -75,15 +75,17 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
+        self.family = family_for(loaded.config.raw)
         self.runner = ModelRunner(loaded.model, loaded.device)
         self.running: list[Sequence] = []
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = params.validate(len(prompt_ids), self.config.max_position_embeddings)
+        resolved = params.validate(len(prompt_ids), self.config.max_position_embeddings, self.family)
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
         if bad:
             raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
-        seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+        seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id,
+                       sampler=self.family.sampler)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         self.running.append(seq)
@@ -94,8 +96,7 @@ class LLMEngine:
         active = [s for s in self.running if not s.finished]
         if active:
             for seq, (positions, stats) in zip(active, self.runner.step(active)):
-                scheduled = seq.schedule[seq.step_in_block] if seq.step_in_block < len(seq.schedule) else 1
-                seq.commit(*decide(seq.params, positions, stats, scheduled, seq.generator))
+                seq.commit(*decide(seq, positions, stats))
         done = [s for s in self.running if s.finished]
         self.running = [s for s in self.running if not s.finished]
         return done

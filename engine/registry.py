@@ -21,6 +21,8 @@ class Family:
     architectures: tuple[str, ...]
     module: str  # dotted path of the module defining `Model`
     description: str
+    sampler: str = "llada"  # decoding rules: "llada" (generate()) or "dream" (diffusion_generate)
+    caches: tuple[str, ...] = ("none",)  # `--cache` modes the family can use
 
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
@@ -33,6 +35,16 @@ FAMILIES: tuple[Family, ...] = (
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
+        caches=("none", "prefix", "dual"),
+    ),
+    Family(
+        name="dream",
+        model_types=("Dream",),
+        architectures=("DreamModel",),
+        module="engine.models.dream",
+        description="Dream / Dream-Coder / DiffuCoder: bidirectional Qwen2-style, logits shifted one position",
+        sampler="dream",
+        caches=("none", "prefix", "dual"),
     ),
 )
 
