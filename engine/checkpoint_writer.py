@@ -103,3 +103,66 @@ def llada_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
     }
     config.update(overrides)
     return config
+
+
+def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights named and shaped exactly as a Dream (Qwen2-style) checkpoint's, shaped
+    like `random_llada_tensors` so that decisions are informative."""
+    g = torch.Generator().manual_seed(seed)
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd = d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * hd
+
+    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(d, generator=g)
+
+    tensors = {"model.embed_tokens.weight": torch.randn(v, d, generator=g), "model.norm.weight": norm()}
+    for i in range(config["num_hidden_layers"]):
+        b = f"model.layers.{i}."
+        tensors.update({
+            b + "input_layernorm.weight": norm(),
+            b + "self_attn.q_proj.weight": linear(d, d, 2.0),
+            b + "self_attn.q_proj.bias": 0.1 * torch.randn(d, generator=g),
+            b + "self_attn.k_proj.weight": linear(kv, d, 2.0),
+            b + "self_attn.k_proj.bias": 0.1 * torch.randn(kv, generator=g),
+            b + "self_attn.v_proj.weight": linear(kv, d),
+            b + "self_attn.v_proj.bias": 0.1 * torch.randn(kv, generator=g),
+            b + "self_attn.o_proj.weight": linear(d, d),
+            b + "post_attention_layernorm.weight": norm(),
+            b + "mlp.gate_proj.weight": linear(f, d),
+            b + "mlp.up_proj.weight": linear(f, d),
+            b + "mlp.down_proj.weight": linear(d, f),
+        })
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = linear(v, d, 4.0)
+    return tensors
+
+
+def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
+    """A complete Dream config.json with the reference's field names."""
+    config: dict[str, Any] = {
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "mask_token_id": mask_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
