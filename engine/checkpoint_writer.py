@@ -138,6 +138,7 @@ def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
         })
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = linear(v, d, 4.0)
+        tensors["lm_head.weight"][config["mask_token_id"]] = 0.0  # a trained model never predicts MASK
     return tensors
 
 

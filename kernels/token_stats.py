@@ -31,12 +31,16 @@ def token_stats_torch(
     generator: torch.Generator | None = None,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> TokenStats:
     """hidden [N, d] (final-normed), weight [V, d] (LM head, or a vocab shard of it).
 
     With temperature > 0 the token is argmax(logits / T + Gumbel noise), i.e. a sample from
     softmax(logits / T); the noise is drawn chunk by chunk from `generator`.
+    `exclude_token` (the MASK id) is never chosen, though it keeps its share of the softmax:
+    committing MASK would leave the position undecided forever, and the probabilities stay
+    the model's.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
@@ -65,10 +69,13 @@ def token_stats_torch(
             # Gumbel-max in float64: low-precision Gumbel noise measurably hurts MDM quality.
             u = torch.rand(logits.shape, dtype=f64, device=device, generator=generator)
             score = logits.to(f64) / temperature - torch.log(-torch.log(u))
-            chunk_best, chunk_idx = score.max(dim=-1)
         else:
-            chunk_best, chunk_idx = logits.max(dim=-1)
-            chunk_best = chunk_best.to(f64)
+            score = logits
+        if exclude_token is not None and start <= exclude_token < start + logits.shape[1]:
+            score = score.clone()
+            score[:, exclude_token - start] = float("-inf")
+        chunk_best, chunk_idx = score.max(dim=-1)
+        chunk_best = chunk_best.to(f64)
         better = chunk_best > best_score  # strict: the first maximal index wins, like argmax
         best_score = torch.where(better, chunk_best, best_score)
         best_token = torch.where(better, chunk_idx + start, best_token)
@@ -91,15 +98,19 @@ def token_stats_unfused(
     generator: torch.Generator | None = None,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
 ) -> TokenStats:
     """The straightforward path (full [N, V] logits and softmax), kept as the test oracle."""
     logits = (hidden @ weight.T).to(torch.float64)
     p = torch.softmax(logits, dim=-1)
+    score = logits
     if temperature > 0:
         u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-        token = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
-    else:
-        token = logits.argmax(-1)
+        score = logits / temperature - torch.log(-torch.log(u))
+    if exclude_token is not None:
+        score = score.clone()
+        score[:, exclude_token] = float("-inf")
+    token = score.argmax(-1)
     prob = p.gather(1, token[:, None])[:, 0]
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1) if want_entropy else None
     margin = None

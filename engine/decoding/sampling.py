@@ -35,10 +35,14 @@ def filtered_stats(
     top_p: float | None,
     top_k: int | None,
     generator: torch.Generator | None,
+    exclude_token: int | None = None,
 ) -> TokenStats:
     """logits [N, V] -> the sampled (or most likely) token and the filtered distribution's
-    probability of it, entropy and top-2 margin, in float64."""
+    probability of it, entropy and top-2 margin, in float64. `exclude_token` is never chosen."""
     logits = logits.float()
+    if exclude_token is not None:  # before filtering, so the kept set never empties
+        logits = logits.clone()
+        logits[:, exclude_token] = float("-inf")
     if temperature > 0:
         logits = logits / temperature
     probs = torch.softmax(filter_logits(logits, top_p, top_k).to(torch.float64), dim=-1)

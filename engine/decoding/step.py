@@ -18,15 +18,18 @@ from kernels.token_stats import TokenStats
 
 
 def token_stats(seq: Sequence, hidden: torch.Tensor, weight: torch.Tensor) -> TokenStats:
-    """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d]."""
-    p = seq.params
+    """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d]. The MASK
+    token is never proposed: committing it would leave the position masked forever (the
+    references loop or leave MASKs in the output there; real checkpoints never rank it first)."""
+    p, mask = seq.params, seq.mask_id
     if seq.sampler != "dream":
-        return dispatch.token_stats(hidden, weight, temperature=p.temperature, generator=seq.generator)
+        return dispatch.token_stats(hidden, weight, temperature=p.temperature, generator=seq.generator,
+                                    exclude_token=mask)
     if p.temperature > 0 or p.top_p is not None or p.top_k is not None:
         return filtered_stats(hidden @ weight.T, temperature=p.temperature, top_p=p.top_p,
-                              top_k=p.top_k, generator=seq.generator)
+                              top_k=p.top_k, generator=seq.generator, exclude_token=mask)
     return dispatch.token_stats(hidden, weight, want_entropy=p.alg == "entropy",
-                                want_margin=p.alg == "topk_margin")
+                                want_margin=p.alg == "topk_margin", exclude_token=mask)
 
 
 def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
