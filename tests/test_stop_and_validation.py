@@ -93,3 +93,19 @@ def test_dream_defaults() -> None:
     p = GenerationParams(threshold=0.8).validate(8, 512, DREAM)
     assert (p.alg, p.threshold) == ("confidence_threshold", 0.8)
     assert GenerationParams(alg="confidence_threshold").validate(8, 512, DREAM).threshold == 0.9
+
+
+def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
+    import json
+
+    from tests.test_cli import dlm
+
+    ok = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8",
+             "--cache", "prefix", "--dtype", "float32", "--json")
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert out["cache"] == "prefix" and out["params"]["alg"] == "entropy"
+    assert out["query_lengths"][:2] == [19, 16] and out["tokens_fed"] == sum(out["query_lengths"])
+    assert out["finish_reason"] in ("stop", "length")
+    bad = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--cache", "block", "--dtype", "float32")
+    assert bad.returncode == 2 and "error: cache 'block' is not available for dream" in bad.stderr
