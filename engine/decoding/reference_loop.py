@@ -154,7 +154,7 @@ def reference_dream_generate(
             mask_index = x[:, first:last] == mask_id
             mask_index[:, end - first :] = False
             confidence, x0 = _sample_tokens(logits[mask_index], "maskgit_plus" if alg == "confidence_threshold" else alg)
-            full = torch.full(mask_index.shape, -torch.inf)
+            full = torch.full(mask_index.shape, -torch.inf, dtype=confidence.dtype)
             full[mask_index] = confidence
             fed = x[:, first:last]
             n = int(mask_index.sum())
