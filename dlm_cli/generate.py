@@ -1,7 +1,6 @@
 """`dlm generate`: decode one prompt with the engine and print the result."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -21,8 +20,26 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
+    """Decode with a progress bar of committed tokens on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mask = llm.config.mask_token_id
+    columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TextColumn("{task.fields[nfe]} forwards"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("denoising", total=params.gen_length, nfe=0)
+
+        def on_step(seqs) -> None:  # noqa: ANN001
+            seq = seqs[0]
+            done = sum(1 for t in seq.canvas[seq.prompt_length :].tolist() if t != mask)
+            progress.update(task, completed=done, nfe=seq.nfe)
+
+        return llm.generate(prompt_tokens, params, on_step=on_step)[0]
+
+
 def generate(
-    model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or store name[@version] (default: the embedded tiny random model)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
@@ -35,15 +52,17 @@ def generate(
     cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
-    cache: str = typer.Option("none", "--cache", help="Fast-dLLM approximate K/V cache: none|prefix|dual (refreshed per block)."),
+    cache: str = typer.Option("none", "--cache", help="none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."),
     alg: Optional[str] = typer.Option(None, "--alg", help="Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold (default entropy)."),
     alg_temp: Optional[float] = typer.Option(None, "--alg-temp", help="Dream family: sample committed positions from softmax(confidence/alg_temp)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Dream family: nucleus filtering of the token distribution."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Dream family: keep the k most likely tokens."),
     early_stop: bool = typer.Option(True, "--early-stop/--no-early-stop", help="Stop once a finished block holds EOS (the rest is filled with EOS)."),
-    mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar."),
+    mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    backend: str = typer.Option("native", "--backend", help="native, or transformers: load any checkpoint with transformers."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
@@ -53,8 +72,10 @@ def generate(
         if (prompt is None) == (prompt_ids is None):
             raise UsageError("give exactly one of --prompt or --prompt-ids")
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-        if model is not None and not Path(model).expanduser().exists():
-            raise UsageError(f"no model at {model!r}: not a directory")
+        if model is not None:  # fail fast, before torch is imported; also resolves store names
+            from engine.resolve import resolve_model
+
+            model = str(resolve_model(model))
 
         from engine.llm import LLM
         from engine.params import GenerationParams
@@ -66,13 +87,17 @@ def generate(
             early_stop=early_stop,
         )
         with err_console.status("loading model"):
-            llm = LLM(model, dtype=dtype, device=device)
+            llm = LLM(model, dtype=dtype, device=device, backend=backend, trust_remote_code=trust_remote_code)
+        path = getattr(llm.engine, "path", None)
+        if path is not None:
+            from engine.transformers_backend import PATHS
+
+            err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
         # Validate before decoding so a bad flag fails fast, not after tokenizer work.
         source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
         prompt_tokens = llm.encode(source, chat=chat)
-        resolved = params.validate(len(prompt_tokens), llm.config.max_position_embeddings, llm.engine.family)
-        with err_console.status("denoising"):
-            out = llm.generate(prompt_tokens, params)[0]
+        resolved = llm.engine.validate(params, len(prompt_tokens))
+        out = _generate_with_progress(llm, prompt_tokens, params)
         if json_out:
             emit_json({
                 "model": str(llm.model_dir),
@@ -89,6 +114,7 @@ def generate(
                 "params": dict(resolved.__dict__),
                 "dtype": str(llm.dtype).replace("torch.", ""),
                 "device": str(llm.device),
+                "backend": {"name": backend, "path": path},
             })
             return
         if out.text is not None:

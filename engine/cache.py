@@ -64,7 +64,8 @@ def plan(seq: Sequence) -> tuple[int, int, RowKV | None]:
 
 class BatchKV:
     """The key/value side of one batched forward: per row, its fed rows' K/V plus any cached
-    K/V around them, padded to one width with a key mask. Refresh rows record their K/V."""
+    K/V around them in position order from key 0, right-padded to one width, with the real
+    keys per row (`kv_lens`) for the attention kernel. Refresh rows record their K/V."""
 
     def __init__(self, rows: list[RowKV | None], lengths: list[int], width: int) -> None:
         self.rows, self.lengths, self.width = rows, lengths, width
@@ -80,12 +81,13 @@ class BatchKV:
     def keys_values(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values and real keys per row (None = all) for layer `layer`."""
         for r, row in enumerate(self.rows):
             if row is not None and row.refresh:
                 row.cache.keys.append(k[r, :, : row.keep].clone())
                 row.cache.values.append(v[r, :, : row.keep].clone())
         if not self.reads:
-            return k, v, _key_mask(self.lengths, self.width, k.device)
+            return k, v, _kv_lens(self.lengths, self.width, k.device)
         out = []
         for fed, store in ((k, "keys"), (v, "values")):
             pieces = [
@@ -104,13 +106,12 @@ class BatchKV:
                     offset += piece.shape[1]
             out.append(full)
         spans = [out[0].shape[2]] if len(self.rows) == 1 else spans
-        return out[0], out[1], _key_mask(spans, out[0].shape[2], k.device)
+        return out[0], out[1], _kv_lens(spans, out[0].shape[2], k.device)
 
 
-def _key_mask(spans: list[int], total: int, device: torch.device) -> torch.Tensor | None:
-    """SDPA mask [B, 1, 1, total] letting row r attend to its first `spans[r]` keys; None
+def _kv_lens(spans: list[int], total: int, device: torch.device) -> torch.Tensor | None:
+    """Real keys per row [B] (row r attends to its first `spans[r]` of `total` keys); None
     when nothing is hidden."""
     if all(s == total for s in spans):
         return None
-    mask = torch.arange(total, device=device)[None, :] < torch.tensor(spans, device=device)[:, None]
-    return mask[:, None, None, :]
+    return torch.tensor(spans, device=device)

@@ -106,12 +106,15 @@ def llada_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
 
 
 def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Random weights named and shaped exactly as a Dream (Qwen2-style) checkpoint's, shaped
-    like `random_llada_tensors` so that decisions are informative."""
+    """Random weights named and shaped exactly as a Dream / DiffuCoder checkpoint's, in the
+    Qwen2 layout (`model.layers.N.self_attn.q_proj.*`, `model.layers.N.mlp.gate_proj.weight`,
+    ...): q/k/v biases, no o_proj bias. Shaped like `random_llada_tensors` so that decisions
+    are informative."""
     g = torch.Generator().manual_seed(seed)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    hd = d // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * hd
+    heads = config["num_attention_heads"]
+    hd = config.get("head_dim") or d // heads
+    q, kv = heads * hd, (config.get("num_key_value_heads") or heads) * hd
 
     def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
         return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
@@ -124,13 +127,13 @@ def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
         b = f"model.layers.{i}."
         tensors.update({
             b + "input_layernorm.weight": norm(),
-            b + "self_attn.q_proj.weight": linear(d, d, 2.0),
-            b + "self_attn.q_proj.bias": 0.1 * torch.randn(d, generator=g),
+            b + "self_attn.q_proj.weight": linear(q, d, 2.0),
+            b + "self_attn.q_proj.bias": 0.1 * torch.randn(q, generator=g),
             b + "self_attn.k_proj.weight": linear(kv, d, 2.0),
             b + "self_attn.k_proj.bias": 0.1 * torch.randn(kv, generator=g),
             b + "self_attn.v_proj.weight": linear(kv, d),
             b + "self_attn.v_proj.bias": 0.1 * torch.randn(kv, generator=g),
-            b + "self_attn.o_proj.weight": linear(d, d),
+            b + "self_attn.o_proj.weight": linear(d, q),
             b + "post_attention_layernorm.weight": norm(),
             b + "mlp.gate_proj.weight": linear(f, d),
             b + "mlp.up_proj.weight": linear(f, d),
@@ -138,7 +141,8 @@ def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
         })
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = linear(v, d, 4.0)
-        tensors["lm_head.weight"][config["mask_token_id"]] = 0.0  # a trained model never predicts MASK
+        if config.get("mask_token_id") is not None:  # a trained model never predicts MASK
+            tensors["lm_head.weight"][config["mask_token_id"]] = 0.0
     return tensors
 
 
@@ -167,3 +171,66 @@ def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
     }
     config.update(overrides)
     return config
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights for the given names and shapes: norms near 1, matrices scaled by
+    1/sqrt(fan-in), other vectors (biases, gates' parameters) small."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=g)
+        if len(shape) >= 2:
+            out[name] = t / shape[-1] ** 0.5
+        elif "norm" in name:
+            out[name] = 1.0 + 0.1 * t
+        else:
+            out[name] = 0.1 * t
+    return out
+
+
+def _swiglu(prefix: str, d: int, f: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (f, d), prefix + "up_proj.weight": (f, d), prefix + "down_proj.weight": (d, f)}
+
+
+def random_qwen3_5_moe_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The Qwen3.5-MoE text hybrid behind Clover: Gated DeltaNet layers (`linear_attn.*`),
+    gated full attention every `full_attention_interval`-th layer (q_proj emits query and
+    gate), and 256-expert MoE with a sigmoid-gated shared expert. Experts are written one
+    tensor per expert and projection, the per-expert on-disk form."""
+    d, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config["head_dim"]
+    kh, vh = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    kd, vd = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    conv = 2 * kh * kd + vh * vd
+    interval = config.get("full_attention_interval", 4)
+    experts, fe, fs = config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], d)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        if (i + 1) % interval == 0:
+            a = p + "self_attn."
+            shapes.update({
+                a + "q_proj.weight": (2 * heads * hd, d), a + "k_proj.weight": (kv * hd, d),
+                a + "v_proj.weight": (kv * hd, d), a + "o_proj.weight": (d, heads * hd),
+                a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,),
+            })
+        else:
+            g = p + "linear_attn."
+            shapes.update({
+                g + "in_proj_qkv.weight": (conv, d), g + "in_proj_z.weight": (vh * vd, d),
+                g + "in_proj_b.weight": (vh, d), g + "in_proj_a.weight": (vh, d),
+                g + "conv1d.weight": (conv, 1, config["linear_conv_kernel_dim"]),
+                g + "dt_bias": (vh,), g + "A_log": (vh,), g + "norm.weight": (vd,),
+                g + "out_proj.weight": (d, vh * vd),
+            })
+        shapes[p + "mlp.gate.weight"] = (experts, d)
+        for e in range(experts):
+            shapes.update(_swiglu(f"{p}mlp.experts.{e}.", d, fe))
+        shapes.update(_swiglu(p + "mlp.shared_expert.", d, fs))
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, d)
+    shapes["model.norm.weight"] = (d,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], d)
+    return random_tensors(shapes, seed)

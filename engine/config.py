@@ -90,39 +90,118 @@ def _llada(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _hf_standard(family: str, default_mask: int | None) -> Callable[[dict[str, Any]], ModelConfig]:
+    """Parser for configs with transformers' standard field names (Qwen/Llama/Bailing style),
+    which LLaDA2, SDAR and openPangu all use. `default_mask` is the documented MASK id of
+    a family whose config.json omits it (LLaDA2: 156895, openPangu: 45830)."""
+
+    def parse(raw: dict[str, Any]) -> ModelConfig:
+        hidden = int(_require(raw, "hidden_size"))
+        heads = int(_require(raw, "num_attention_heads"))
+        vocab = int(_require(raw, "vocab_size"))
+        mask = raw.get("mask_token_id", default_mask)
+        if mask is None:
+            raise UsageError(f"config.json has no mask_token_id, which {family} needs")
+        return ModelConfig(
+            family=family,
+            model_type=str(raw.get("model_type", family)),
+            hidden_size=hidden,
+            num_layers=int(_require(raw, "num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(_require(raw, "intermediate_size")),
+            vocab_size=vocab,
+            logits_size=vocab,
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            mask_token_id=int(mask),
+            eos_token_id=_first_int(raw.get("eos_token_id")),
+            pad_token_id=_first_int(raw.get("pad_token_id")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=raw.get("torch_dtype"),
+            raw=raw,
+        )
+
+    return parse
+
+
+def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5/3.6-MoE text fields as one flat dict.
+
+    Multimodal checkpoints (`qwen3_5_moe`) nest them under `text_config`; text-only ones
+    (`qwen3_5_moe_text`, presumably Clover) are flat. transformers 5 writes rope settings
+    under `rope_parameters`, older files at the top level; both are lifted to the top.
+    """
+    # The outer model_type names the family (a nested text_config says `..._text`).
+    flat = {**raw, **raw.get("text_config", {}), "model_type": raw.get("model_type")}
+    rope = flat.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            flat[key] = rope[key]
+    if "layer_types" not in flat and "num_hidden_layers" in flat:
+        interval = int(flat.get("full_attention_interval", 4))
+        flat["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(int(flat["num_hidden_layers"]))
+        ]
+    return flat
+
+
+def _hybrid(family: str, raw: dict[str, Any]) -> ModelConfig:
+    flat = hybrid_text_config(raw)
+    hidden = int(_require(flat, "hidden_size"))
+    heads = int(_require(flat, "num_attention_heads"))
+    vocab = int(_require(flat, "vocab_size"))
+    if family == "clover" and "mask_token_id" not in flat:
+        # Nobody has read Clover's config.json yet: refuse to guess its MASK (docs/clover.md).
+        raise UsageError("clover_moe config.json has no mask_token_id; add it (see docs/clover.md)")
+    return ModelConfig(
+        family=family,
+        model_type=str(raw.get("model_type")),
+        hidden_size=hidden,
+        num_layers=int(_require(flat, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(flat.get("num_key_value_heads", heads)),
+        head_dim=int(flat.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(flat, "moe_intermediate_size")),
+        vocab_size=vocab,
+        logits_size=vocab,
+        rope_theta=float(flat.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(flat.get("max_position_embeddings", 32768)),
+        # -1: the autoregressive base model has no MASK token.
+        mask_token_id=int(flat.get("mask_token_id", -1)),
+        eos_token_id=_first_int(flat.get("eos_token_id")),
+        pad_token_id=_first_int(flat.get("pad_token_id")),
+        tie_word_embeddings=bool(flat.get("tie_word_embeddings", False)),
+        torch_dtype=flat.get("torch_dtype") or flat.get("dtype"),
+        raw=flat,
+    )
+
+
 def _dream(raw: dict[str, Any]) -> ModelConfig:
-    hidden = int(_require(raw, "hidden_size"))
-    heads = int(_require(raw, "num_attention_heads"))
-    vocab = int(_require(raw, "vocab_size"))
+    """Dream / DiffuCoder: Qwen2 field names; refuse what the model does not implement."""
     if raw.get("rope_scaling"):
         raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
     if raw.get("use_sliding_window"):
         raise UsageError("Dream checkpoints with sliding-window attention are not supported")
-    return ModelConfig(
-        family="dream",
-        model_type=str(raw.get("model_type", "Dream")),
-        hidden_size=hidden,
-        num_layers=int(_require(raw, "num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=hidden // heads,
-        intermediate_size=int(_require(raw, "intermediate_size")),
-        vocab_size=vocab,
-        logits_size=vocab,
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        # Dream-v0 / DiffuCoder MASK is 151666; the tiny and newer configs carry the field.
-        mask_token_id=int(raw.get("mask_token_id", 151666)),
-        eos_token_id=_first_int(raw.get("eos_token_id")),
-        pad_token_id=_first_int(raw.get("pad_token_id")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        torch_dtype=raw.get("torch_dtype"),
-        raw=raw,
-    )
+    # Dream-v0 / DiffuCoder MASK is 151666; the tiny and newer configs carry the field.
+    return _hf_standard("dream", 151666)(raw)
 
 
-PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llada": _llada, "dream": _dream}
+PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "llada": _llada,
+    "dream": _dream,
+    "llada2_moe": _hf_standard("llada2_moe", 156895),
+    "sdar": _hf_standard("sdar", None),
+    "pangu": _hf_standard("pangu", 45830),
+
+
+    "qwen3_5_moe": lambda raw: _hybrid("qwen3_5_moe", raw),
+    "clover": lambda raw: _hybrid("clover", raw),
+}
 
 
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -149,4 +228,14 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path) -> ModelConfig:
-    return config_from_dict(read_config_json(path))
+    raw = read_config_json(path)
+    generation = Path(path) / "generation_config.json"
+    if "mask_token_id" not in raw and generation.is_file():
+        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json.
+        try:
+            mask = json.loads(generation.read_text()).get("mask_token_id")
+        except json.JSONDecodeError:
+            mask = None
+        if mask is not None:
+            raw = {**raw, "mask_token_id": mask}
+    return config_from_dict(raw)

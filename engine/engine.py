@@ -13,12 +13,14 @@ from typing import Callable
 
 import torch
 
+from engine.block_runner import BlockRunner
+from engine.block_sequence import BlockSequence
 from engine.config import ModelConfig, load_config
 from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.loader import load_weights
 from engine.params import GenerationParams
-from engine.registry import family_for
+from engine.registry import family_for, family_named
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 
@@ -75,26 +77,55 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
-        self.family = family_for(loaded.config.raw)
+        self.family = family_named(loaded.config.family)
         self.runner = ModelRunner(loaded.model, loaded.device)
-        self.running: list[Sequence] = []
+        # Block-causal families (exact KV cache, AR mode) run through their own runner.
+        self.block_runner = (
+            BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
+            if self.family.block_causal else None
+        )
+        self.running: list[Sequence | BlockSequence] = []
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = params.validate(len(prompt_ids), self.config.max_position_embeddings, self.family)
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
-        if bad:
-            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
-        seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id,
-                       sampler=self.family.sampler)
-        if resolved.seed is not None:
-            seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """Resolve the family's defaults and validate: what every entry point should call."""
+        if self.block_runner is not None:
+            params = self.block_runner.resolve(params)
+        return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+        seq = self.make_sequence(prompt_ids, params)
         self.running.append(seq)
         return seq
 
-    def step(self) -> list[Sequence]:
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+        """Validate a request and build its sequence without running it: the serving
+        scheduler (engine/scheduler.py) decides when it joins `running`."""
+        resolved = self.validate(params, len(prompt_ids))
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
+        seq: Sequence | BlockSequence
+        if self.block_runner is not None:
+            seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        else:
+            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id,
+                           sampler=self.family.sampler)
+        if resolved.seed is not None:
+            seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
+        return seq
+
+    def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
+        """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        self.running = [s for s in self.running if s is not seq]
+
+    def step(self) -> list[Sequence | BlockSequence]:
         """Advance every running sequence by one denoising step; return those that finished."""
         active = [s for s in self.running if not s.finished]
-        if active:
+        if active and self.block_runner is not None:
+            self.block_runner.step(active)  # type: ignore[arg-type]
+        elif active:
             for seq, (positions, stats) in zip(active, self.runner.step(active)):
                 seq.commit(*decide(seq, positions, stats))
         done = [s for s in self.running if s.finished]
@@ -103,8 +134,8 @@ class LLMEngine:
 
     def generate(
         self, prompts: list[list[int]], params: GenerationParams,
-        on_step: Callable[[list[Sequence]], None] | None = None,
-    ) -> list[Sequence]:
+        on_step: Callable[[list[Sequence | BlockSequence]], None] | None = None,
+    ) -> list[Sequence | BlockSequence]:
         seqs = [self.add_request(p, params) for p in prompts]
         while any(not s.finished for s in seqs):
             self.step()

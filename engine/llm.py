@@ -6,9 +6,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence as Seq
 
+from engine.config import read_config_json
 from engine.engine import LLMEngine, load_model, resolve_device, resolve_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
+from engine.registry import family_for
 from engine.resolve import resolve_model
 from engine.sequence import Sequence
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
@@ -33,14 +35,30 @@ class GenerationOutput:
 class LLM:
     def __init__(
         self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "auto",
-        on_load: Callable[[str], None] | None = None,
+        on_load: Callable[[str], None] | None = None, backend: str = "native",
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
-        self.engine = LLMEngine(load_model(self.model_dir, self.dtype, self.device, on_load))
-        self.config = self.engine.config
         self._tokenizer: Any = None
+        self.backend = backend
+        if backend == "transformers":
+            from engine.transformers_backend import load_transformers_engine
+
+            tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
+            self.engine = load_transformers_engine(
+                self.model_dir, self.dtype, self.device, trust_remote_code, tokenizer
+            )
+        elif backend == "native":
+            if trust_remote_code:
+                raise UsageError("--trust-remote-code only applies to --backend transformers")
+            # Which engine decodes this family is known before any weight is read.
+            engine_class = family_for(read_config_json(self.model_dir)).engine_class()
+            self.engine = engine_class(load_model(self.model_dir, self.dtype, self.device, on_load))
+        else:
+            raise UsageError(f"backend must be native or transformers, got {backend!r}")
+        self.config = self.engine.config
 
     @property
     def tokenizer(self) -> Any:

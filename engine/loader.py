@@ -6,7 +6,10 @@ never two copies of the weights. Models name their parameters as the checkpoint 
 packed projections: a model may declare `packed_modules = {"qkv_proj": ("q_proj", "k_proj",
 "v_proj")}`, and such a parameter is the concatenation (dim 0) of its sources, so one matmul
 replaces three. A parameter may also carry a `weight_loader(param, tensor) -> tensor`
-attribute when it needs a slice or a transform (tensor-parallel shards).
+attribute when it needs a slice or a transform (tensor-parallel shards). A model whose
+checkpoints come in several layouts (one tensor per expert or stacked experts, a text model
+nested under `model.language_model.`) may define `tensor_sources(name, available)` returning
+the source names for a parameter, or None for the default rule.
 """
 from __future__ import annotations
 
@@ -79,7 +82,11 @@ def load_weights(
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     locations = tensor_locations(model_dir)
     packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
-    sources = {name: checkpoint_sources(name, packed) for name, _ in model.named_parameters()}
+    custom = getattr(model, "tensor_sources", None)
+    sources = {
+        name: (custom(name, locations) if custom is not None else None) or checkpoint_sources(name, packed)
+        for name, _ in model.named_parameters()
+    }
     missing = [src for srcs in sources.values() for src in srcs if src not in locations]
     if missing:
         raise UsageError(

@@ -68,8 +68,11 @@ class GenerationParams:
     def validate(self, prompt_length: int, max_length: int, family: Family | None = None) -> "GenerationParams":
         """Return the resolved parameters or raise UsageError naming the bad field.
 
-        `family` (default: LLaDA) decides which decoding fields apply and which caches exist."""
+        `family` (default: LLaDA) decides which decoding fields apply and which caches exist.
+        Block-causal families (LLaDA2, SDAR, openPangu) take the exact `block` cache and `ar`
+        mode, and no classifier-free guidance or factor rule."""
         family = family or FAMILIES[0]
+        block_causal = family.block_causal
         p = self.resolved(family)
         assert p.block_length is not None and p.steps is not None
         if p.gen_length < 1:
@@ -101,7 +104,9 @@ class GenerationParams:
             raise UsageError(f"cfg_scale must be >= 0, got {p.cfg_scale}")
         if p.cache not in CACHES:
             raise UsageError(f"cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
-        if p.cache not in family.caches:
+        if block_causal:
+            _validate_block_causal(p)
+        elif p.cache not in family.caches:
             raise UsageError(
                 f"cache {p.cache!r} is not available for {family.name} models; "
                 f"use one of {', '.join(family.caches)}"
@@ -116,7 +121,7 @@ class GenerationParams:
         _validate_sampler(p, family)
         if p.mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, got {p.mode!r}")
-        if p.mode != "diffusion":
+        if p.mode != "diffusion" and not block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family")
         if prompt_length < 1:
             raise UsageError("the prompt is empty")
@@ -162,3 +167,15 @@ def _validate_sampler(p: GenerationParams, family: Family) -> None:
             "with a cache, Dream's first step of each block only commits the block's first token: "
             f"steps per block must be at least 2, got {p.steps_per_block}"
         )
+
+
+def _validate_block_causal(p: GenerationParams) -> None:
+    if p.cache not in ("none", "block"):
+        raise UsageError(
+            f"cache {p.cache!r} is for bidirectional models; block-causal models take "
+            "--cache block (exact KV cache) or none (recompute the prefix every step)"
+        )
+    if p.cfg_scale > 0:
+        raise UsageError("classifier-free guidance is not available for block-causal models")
+    if p.factor is not None:
+        raise UsageError("the factor rule is not available for block-causal models; use --threshold")

@@ -23,6 +23,19 @@ class Family:
     description: str
     sampler: str = "llada"  # decoding rules: "llada" (generate()) or "dream" (diffusion_generate)
     caches: tuple[str, ...] = ("none",)  # `--cache` modes the family can use
+    # Block-causal attention (causal across blocks, full inside one): these families decode
+    # with an exact KV cache through the block runner, and also in AR mode.
+    block_causal: bool = False
+    engine: str = "engine.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
+
+    def engine_class(self) -> Any:
+        if not self.engine:
+            raise UsageError(
+                f"{self.name} checkpoints are autoregressive base models: dlm loads their layers "
+                "but does not decode them natively; use --backend transformers"
+            )
+        module, _, cls = self.engine.rpartition(".")
+        return getattr(importlib.import_module(module), cls)
 
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
@@ -46,11 +59,67 @@ FAMILIES: tuple[Family, ...] = (
         sampler="dream",
         caches=("none", "prefix", "dual"),
     ),
+    Family(
+        name="llada2_moe",
+        model_types=("llada2_moe",),
+        architectures=("LLaDA2MoeModelLM",),
+        module="engine.models.llada2_moe",
+        description="LLaDA2.x: block-diffusion MoE (sigmoid group-limited routing, shared expert)",
+        block_causal=True,
+        caches=("none", "block"),
+    ),
+    Family(
+        name="sdar",
+        model_types=("sdar", "sdar_moe"),
+        architectures=("SDARForCausalLM", "SDARMoeForCausalLM"),
+        module="engine.models.sdar",
+        description="SDAR: Qwen3-style block diffusion (dense or MoE)",
+        block_causal=True,
+        caches=("none", "block"),
+    ),
+    Family(
+        name="pangu",
+        model_types=("PanguEmbedded",),
+        architectures=("PanguEmbeddedForCausalLM",),
+        module="engine.models.pangu",
+        description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
+        block_causal=True,
+        caches=("none", "block"),
+    ),
+    Family(
+        name="qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        module="engine.models.qwen3_5_moe",
+        description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
+        engine="",
+    ),
+    Family(
+        name="clover",
+        model_types=("clover_moe",),
+        architectures=(),
+        module="engine.models.qwen3_5_moe",
+        description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
+        engine="engine.clover.CloverEngine",
+    ),
 )
 
 
 def supported_names() -> str:
     return ", ".join(f"{f.name} (model_type {'/'.join(f.model_types)})" for f in FAMILIES)
+
+
+# What LLMEngine decodes a checkpoint outside the registry with (the transformers backend's
+# "forward" path): LLaDA's rules over the model's own forward, which knows no dlm cache.
+UNREGISTERED = Family(
+    name="transformers", model_types=(), architectures=(), module="",
+    description="a bidirectional model run through transformers", engine="",
+)
+
+
+def family_named(name: str) -> Family:
+    """The registered family called `name` (`ModelConfig.family`), else `UNREGISTERED`."""
+    return next((f for f in FAMILIES if f.name == name), UNREGISTERED)
 
 
 def family_for(raw_config: dict[str, Any]) -> Family:

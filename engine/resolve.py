@@ -7,7 +7,8 @@ from engine.errors import UsageError
 
 
 def resolve_model(spec: str | Path | None) -> Path:
-    """None -> the embedded default model; otherwise an existing checkpoint directory."""
+    """None -> the embedded default model; an existing checkpoint directory; or a store
+    name, `NAME` (its newest verified version) or `NAME@VERSION`."""
     if spec is None or str(spec) == "":
         from engine.default_model import ensure_default_model
 
@@ -19,4 +20,11 @@ def resolve_model(spec: str | Path | None) -> Path:
         return path
     if path.exists():
         raise UsageError(f"{path} is a file; MODEL must be a checkpoint directory")
-    raise UsageError(f"no model at {spec!r}: not a directory")
+    from engine.weights.store import NAME_RE, Store
+
+    name = str(spec).partition("@")[0]
+    store = Store()
+    if NAME_RE.match(name) and store.model_dir(name).is_dir():
+        manifest = store.find(str(spec))
+        return store.files_dir(manifest.name, manifest.version)
+    raise UsageError(f"no model at {spec!r}: not a directory, nor a model in the store at {store.root}")

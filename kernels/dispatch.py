@@ -1,35 +1,122 @@
-"""The one place that picks a kernel implementation.
+"""The one place that picks a kernel implementation; the engine calls kernels only here.
 
-`DLM_KERNELS=torch` forces the pure-torch twins everywhere; `auto` (default) would use a
-Triton kernel for CUDA tensors where one is registered in `_TRITON`. The engine calls
-kernels only through the functions below.
+`DLM_KERNELS` chooses:
+  auto (default)  Triton for CUDA tensors when triton is installed, the torch twins elsewhere;
+  torch           the torch twins everywhere;
+  triton          Triton everywhere. CPU tensors then need `TRITON_INTERPRET=1` (Triton's
+                  interpreter: how the kernels are tested without an accelerator).
+Every kernel has a torch twin in `kernels/<name>.py` and a Triton version with the same
+signature in `kernels/<name>_triton.py`, imported only when first chosen.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+from functools import cache
 from typing import Any, Callable
 
 import torch
 
+from kernels.attention import attention_torch, masked_attention_torch
+from kernels.moe import fused_moe_torch
+from kernels.rms_norm import rms_norm_torch
+from kernels.rotary import rotary_torch
 from kernels.token_stats import TokenStats, token_stats_torch
 
-_TORCH: dict[str, Callable[..., Any]] = {"token_stats": token_stats_torch}
-_TRITON: dict[str, Callable[..., Any]] = {}  # CUDA implementations, registered by name
+_TORCH: dict[str, Callable[..., Any]] = {
+    "token_stats": token_stats_torch,
+    "rms_norm": rms_norm_torch,
+    "rotary": rotary_torch,
+    "attention": attention_torch,
+    "masked_attention": masked_attention_torch,  # torch only: no Triton kernel yet
+    "fused_moe": fused_moe_torch,
+}
+_TRITON_MODULES = {
+    "token_stats": "kernels.token_stats_triton",
+    "rms_norm": "kernels.rms_norm_triton",
+    "rotary": "kernels.rotary_triton",
+    "attention": "kernels.attention_triton",
+    "fused_moe": "kernels.moe_triton",
+}
 
 
-def backend(name: str, device: torch.device) -> str:
-    """'triton' or 'torch' for kernel `name` on `device`."""
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend(device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on `device`, per `DLM_KERNELS`."""
     choice = os.environ.get("DLM_KERNELS", "auto").lower()
     if choice not in {"auto", "torch", "triton"}:
         raise ValueError(f"DLM_KERNELS must be auto, torch or triton, not {choice!r}")
-    if choice == "torch" or name not in _TRITON or device.type != "cuda":
+    if choice == "torch":
         return "torch"
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("DLM_KERNELS=triton but triton is not installed")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"DLM_KERNELS=triton on {device.type} tensors needs TRITON_INTERPRET=1")
     return "triton"
 
 
+@cache
+def _triton(name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(_TRITON_MODULES[name]), f"{name}_triton")
+
+
 def implementation(name: str, device: torch.device) -> Callable[..., Any]:
-    return (_TRITON if backend(name, device) == "triton" else _TORCH)[name]
+    if name in _TRITON_MODULES and backend(device) == "triton":
+        return _triton(name)
+    return _TORCH[name]
 
 
 def token_stats(hidden: torch.Tensor, weight: torch.Tensor, **kwargs: Any) -> TokenStats:
+    """LM head + softmax statistics (`kernels.token_stats`)."""
     return implementation("token_stats", hidden.device)(hidden, weight, **kwargs)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    residual: torch.Tensor | None = None, zero_centred: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) (`kernels.rms_norm`)."""
+    return implementation("rms_norm", x.device)(x, weight, eps, residual=residual, zero_centred=zero_centred)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k in place (`kernels.rotary`)."""
+    implementation("rotary", q.device)(q, k, cos, sin)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    kv_lens: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Bidirectional or block-causal attention over variable lengths (`kernels.attention`)."""
+    return implementation("attention", q.device)(
+        q, k, v, kv_lens=kv_lens, q_positions=q_positions, block_size=block_size
+    )
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention under an explicit boolean mask (`kernels.attention`, torch only)."""
+    return implementation("masked_attention", q.device)(q, k, v, mask)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts' SwiGLU MLPs, weighted and summed (`kernels.moe`)."""
+    return implementation("fused_moe", x.device)(x, w13, w2, topk_ids, topk_weights)

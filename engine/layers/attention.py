@@ -1,4 +1,5 @@
-"""Self-attention shared by the bidirectional families: packed QKV, RoPE, GQA through SDPA.
+"""Attention for the model families, through `kernels.dispatch` (`kernels.attention`), and the
+self-attention block the bidirectional families (LLaDA, Dream) share: packed QKV, RoPE, GQA.
 
 `select` lets the last layer compute queries only for the rows whose hidden states are
 wanted, while keys and values still cover every fed row (and any cached rows around them).
@@ -11,16 +12,27 @@ from torch import nn
 
 from engine.batch import ForwardBatch, gather_rows
 from engine.layers.rotary import Rotary
+from kernels import dispatch
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: torch.Tensor | None,
+    *,
+    q_positions: torch.Tensor | None = None,
+    block_size: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], mask bool broadcastable to [B, 1, Tq, Tk]
-    (True = may attend) or None for full bidirectional attention."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D]; kv_lens [B] real keys per row (None: all Tk).
+    Bidirectional, or block-causal over absolute `q_positions` with `block_size`; or, with
+    `mask`, an explicit boolean mask [B, 1, Tq, Tk] (True = may attend)."""
+    if mask is not None:
+        return dispatch.masked_attention(q, k, v, mask)
+    if kv_lens is not None and kv_lens.dim() != 1:
+        raise ValueError(f"kv_lens must be [batch] key counts, not a {tuple(kv_lens.shape)} mask")
+    return dispatch.attention(q, k, v, kv_lens=kv_lens, q_positions=q_positions, block_size=block_size)
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -64,5 +76,7 @@ def self_attention(
     k = rotary.apply(split_heads(k, num_kv_heads), cos, sin)
     v = split_heads(v, num_kv_heads)
     q = rotary.apply(split_heads(q, num_heads), cos_q, sin_q)
-    k, v, mask = batch.keys_values(layer, k, v)
-    return merge_heads(attention(q, k, v, mask))
+    # Cached keys sit in position order from key 0 with right padding, so real keys per row
+    # (`kv_lens`) describe the layout and the position-based kernel applies.
+    k, v, kv_lens = batch.keys_values(layer, k, v)
+    return merge_heads(attention(q, k, v, kv_lens))

@@ -1,25 +1,27 @@
-"""RMSNorm as the reference models compute it: statistics in fp32, scale in the model dtype."""
+"""RMSNorm as the reference models compute it: statistics in fp32 (`kernels.rms_norm`).
+
+Called with a residual, the norm also performs the residual add before it and returns the
+new residual stream: one fused pass instead of an add and a norm.
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # Same formula, one fused op (the step loop is overhead-bound on small models).
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+from kernels import dispatch
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, *, zero_centred: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.zero_centred = zero_centred  # weight stored as w - 1: scale by (1 + w)
         self.weight = torch.nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual)."""
+        normed, summed = dispatch.rms_norm(
+            x, self.weight, self.eps, residual=residual, zero_centred=self.zero_centred
+        )
+        return normed if residual is None else (normed, summed)

@@ -2,10 +2,13 @@
 
 Positions are explicit per token (absolute ids), never implied by the slice being fed:
 cached and gathered forwards must rotate a token exactly as the full forward would.
+The rotation itself is `kernels.rotary`, applied in place through the dispatch.
 """
 from __future__ import annotations
 
 import torch
+
+from kernels import dispatch
 
 
 class Rotary:
@@ -23,13 +26,7 @@ class Rotary:
         return angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [B, H, T, D] with cos/sin [B, T, rotary_dim]; dims past rotary_dim pass through."""
-        dtype = x.dtype
-        r = self.rotary_dim
-        rot = x[..., :r].float()
-        half = r // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos[:, None] + rotated * sin[:, None]
-        if r == x.shape[-1]:
-            return out.to(dtype)
-        return torch.cat((out.to(dtype), x[..., r:]), dim=-1)
+        """Rotate x [B, H, T, D] in place with cos/sin [B, T, rotary_dim] (dims past
+        rotary_dim pass through) and return it: x must be a fresh projection."""
+        dispatch.rotary(x, None, cos, sin)
+        return x

@@ -1,0 +1,155 @@
+"""The Qwen3.5/3.6-MoE hybrid (model_type `qwen3_5_moe`, `qwen3_5_moe_text`), the base of
+Clover-35B-A3B (`clover_moe`).
+
+Layers alternate Gated DeltaNet linear attention (`linear_attention`) and gated full
+attention (`full_attention`) as listed in `layer_types`; every layer then runs a sparse MoE
+with a gated shared expert. Norms are zero-centred except the DeltaNet output norm.
+
+Parameters mirror the checkpoint (`model.layers.N.linear_attn.out_proj.weight`, ...),
+except the packed projections (`qkv_proj` = q/k/v_proj, `in_proj` = in_proj_qkv/z/b/a,
+`gate_up_proj` = gate/up_proj of the shared expert) and the stacked experts, which
+`tensor_sources` reads from one tensor per expert or from already stacked tensors, and from
+under `model.language_model.` in multimodal checkpoints (their vision tower and MTP head
+are not loaded).
+
+Unlike the bidirectional families this model never sees a whole canvas: it runs token
+spans against a `HybridCache` (`forward_tokens`), causal for prefill, decode and Clover's
+commit pass, bidirectional inside the span for Clover's preview pass. It returns the new
+per-layer states and leaves the cache alone; the caller commits them or drops them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.hybrid_cache import HybridCache, LayerState
+from engine.layers.gated_attention import GatedAttention
+from engine.layers.gated_deltanet import GatedDeltaNet
+from engine.layers.stacked_moe import StackedSparseMoE
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import Rotary
+from engine.loader import checkpoint_sources
+
+MULTIMODAL_PREFIX = "model.language_model."
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str) -> None:
+        super().__init__()
+        raw, d, eps = config.raw, config.hidden_size, config.rms_norm_eps
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(d, eps, zero_centred=True)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                d, int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
+                int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]),
+                int(raw.get("linear_conv_kernel_dim", 4)), eps,
+            )
+        elif layer_type == "full_attention":
+            self.self_attn = GatedAttention(
+                d, config.num_heads, config.num_kv_heads, config.head_dim, eps,
+                bool(raw.get("attention_bias", False)),
+            )
+        else:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
+        self.mlp = StackedSparseMoE(
+            d, int(raw["num_experts"]), int(raw["num_experts_per_tok"]), config.intermediate_size,
+            int(raw["shared_expert_intermediate_size"]),
+        )
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        past: LayerState | None, causal: bool, chunked: bool | None,
+    ) -> tuple[torch.Tensor, LayerState]:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            # The DeltaNet is causal by construction; a bidirectional span still runs it causally.
+            mixed, state = self.linear_attn(h, past, chunked)  # type: ignore[arg-type]
+        else:
+            mixed, state = self.self_attn(h, rotary, *cos_sin, past, causal)  # type: ignore[arg-type]
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x)), state
+
+
+class HybridBody(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        types = list(config.raw["layer_types"])[: config.num_layers]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(config, t) for t in types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
+
+
+class Model(nn.Module):
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridBody(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.rotary_dim, config.rope_theta)
+        for layer in self.model.layers:
+            experts = layer.mlp.experts
+            for param in (experts.gate_up_proj, experts.down_proj):
+                # Per-expert sources arrive concatenated along dim 0: restore the expert axis.
+                param.weight_loader = lambda p, t: t.reshape(p.shape)  # type: ignore[attr-defined]
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [layer.layer_type for layer in self.model.layers]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def tensor_sources(self, name: str, available: Mapping[str, object]) -> list[str] | None:
+        """Checkpoint names for parameter `name` where they differ from the default rule:
+        per-expert tensors (when the stacked one is absent) and the multimodal prefix."""
+        if not name.startswith("model."):
+            return None  # lm_head.weight sits at the top level in both layouts
+        nested = MULTIMODAL_PREFIX + "embed_tokens.weight" in available
+        prefix = MULTIMODAL_PREFIX if nested else "model."
+        body = name[len("model.") :]
+        for stacked, parts in (("experts.gate_up_proj", ("gate_proj", "up_proj")), ("experts.down_proj", ("down_proj",))):
+            if body.endswith(stacked) and prefix + body not in available:
+                experts = prefix + body[: -len(stacked)] + "experts"
+                count = int(self.config.raw["num_experts"])
+                return [f"{experts}.{e}.{part}.weight" for e in range(count) for part in parts]
+        if not nested:
+            return None
+        return [prefix + src[len("model.") :] for src in checkpoint_sources(name, self.packed_modules)]
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache(layers=[None] * len(self.model.layers))
+
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache | None,
+        causal: bool = True, chunked: bool | None = None,
+    ) -> tuple[torch.Tensor, list[LayerState]]:
+        """Run ids [B, T] at absolute `positions` [B, T] after the cached prefix.
+
+        Returns the final-normed hidden states [B, T, d] and every layer's state after these
+        tokens (attention: prefix + new keys/values; DeltaNet: conv and recurrent state).
+        `causal=False` makes full-attention layers bidirectional within the span.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        states: list[LayerState] = []
+        for i, layer in enumerate(self.model.layers):
+            past = None if cache is None else cache.layers[i]
+            x, state = layer(x, self.rotary, cos_sin, past, causal, chunked)
+            states.append(state)
+        return self.model.norm(x), states
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head_weight.T

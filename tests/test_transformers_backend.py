@@ -1,0 +1,135 @@
+"""`--backend transformers`: the forward path (dlm's decoding over a bidirectional
+transformers model) against a literal loop over the model's own logits, the generate path
+(the model's own generation method) against calling it directly, and remote code refused
+unless explicitly trusted."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dlm_cli.main import app
+from engine.errors import UsageError
+from engine.llm import LLM
+from tests.hybrid_checkpoints import reference_model, save_reference
+
+MASK = 99
+
+
+@pytest.fixture(scope="module")
+def masked_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BertForMaskedLM (bidirectional, head with bias) with a MASK id in its config."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, mask_token_id=MASK)
+    model = BertForMaskedLM(config).eval()
+    with torch.no_grad():  # sharper than the 0.02 init, so confidences spread and ties vanish
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    directory = tmp_path_factory.mktemp("bert")
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def literal_llada(hf_model, prompt: list[int], gen_length: int, block: int, steps: int) -> list[int]:  # noqa: ANN001
+    """LLaDA's greedy low-confidence loop, written directly on the model's full logits."""
+    x = torch.tensor([prompt + [MASK] * gen_length])
+    per_block = steps // (gen_length // block)
+    for b in range(gen_length // block):
+        s, e = len(prompt) + b * block, len(prompt) + (b + 1) * block
+        counts = [block // per_block + (1 if i < block % per_block else 0) for i in range(per_block)]
+        for k in counts:
+            probs = torch.softmax(hf_model(input_ids=x).logits[0].double(), dim=-1)
+            conf, token = probs.max(-1)
+            masked = (x[0] == MASK) & (torch.arange(x.shape[1]) >= s) & (torch.arange(x.shape[1]) < e)
+            conf = torch.where(masked, conf, torch.tensor(float("-inf"), dtype=torch.float64))
+            chosen = conf.topk(k).indices
+            x[0, chosen] = token[chosen]
+    return x[0, len(prompt):].tolist()
+
+
+def test_forward_path_matches_literal_loop_and_batches(masked_lm: Path) -> None:
+    llm = LLM(masked_lm, dtype="float32", device="cpu", backend="transformers")
+    assert llm.engine.path == "forward"
+    prompts = [[5, 17, 42, 11, 3], [7, 8, 9]]
+    outs = llm.generate(prompts, gen_length=16, block_length=8, steps=16)
+    hf = llm.engine.loaded.model.hf
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs):
+            assert out.output_ids == literal_llada(hf, prompt, 16, 8, 16)
+            assert out.nfe == 16
+    single = llm.generate(prompts[1], gen_length=16, block_length=8, steps=16)[0]
+    assert single.output_ids == outs[1].output_ids  # right padding + key mask do not leak
+
+
+def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
+    """A causal LM (here transformers' own Qwen3.5-MoE) is decoded by its `generate`."""
+    ref = reference_model(seed=3)
+    directory = save_reference(ref, tmp_path / "causal", eos_token_id=158)
+    llm = LLM(directory, dtype="float32", device="cpu", backend="transformers")
+    assert llm.engine.path == "generate" and llm.engine.method_name == "generate"
+    prompt = [5, 17, 42, 99, 3, 7]
+    out = llm.generate(prompt, gen_length=8, block_length=8)[0]
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    assert out.output_ids == expected.tolist()[: len(out.output_ids)]
+    assert out.query_lengths[0] == len(prompt) and out.nfe == len(out.query_lengths) >= 1
+
+
+def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:
+    """transformers' native block-diffusion model (DiffusionGemma) through `dlm generate`."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=16,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=8)).eval()
+    model.save_pretrained(str(tmp_path))
+    prompt = [21, 82, 90, 108, 40]
+    result = CliRunner().invoke(app, [
+        "generate", str(tmp_path), "--prompt-ids", ",".join(map(str, prompt)), "--gen-length", "16",
+        "--seed", "1", "--backend", "transformers", "--dtype", "float32", "--device", "cpu", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["backend"] == {"name": "transformers", "path": "generate"}
+    assert "generate path" in result.stderr
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt):]
+    assert data["output_ids"] == expected.tolist()[:16]
+
+
+REMOTE_CONFIG = '''
+import pathlib
+from transformers import BertConfig
+pathlib.Path(__file__).with_name("EXECUTED").write_text("yes")
+class RemoteConfig(BertConfig):
+    model_type = "remote_dllm"
+'''
+
+
+def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "remote"
+    directory.mkdir()
+    for item in masked_lm.iterdir():
+        (directory / item.name).write_bytes(item.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="remote_dllm", auto_map={"AutoConfig": "configuration_remote.RemoteConfig"})
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    with pytest.raises(UsageError, match="--trust-remote-code"):
+        LLM(directory, dtype="float32", device="cpu", backend="transformers")
+    assert not (directory / "EXECUTED").exists()
+    result = CliRunner().invoke(app, ["generate", str(directory), "--prompt-ids", "1,2", "--backend",
+                                      "transformers", "--device", "cpu"])
+    assert result.exit_code == 2 and "--trust-remote-code" in result.stderr
+    with pytest.raises(UsageError, match="only applies"):
+        LLM(masked_lm, device="cpu", trust_remote_code=True)

@@ -1,0 +1,177 @@
+"""`dlm fetch` from a local directory: a real copy into the store, hashed as it goes,
+atomic under SIGKILL, idempotent, and resolvable as MODEL afterwards."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.errors import DlmError, UsageError
+from engine.resolve import resolve_model
+from engine.weights import fetch as fetch_module
+from engine.weights.fetch import fetch
+from engine.weights.store import Store
+from engine.weights.verify import verify_model
+from tests.weights_helpers import ROOT, cli, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("src") / "tiny")
+
+
+def test_fetch_copies_hashes_and_publishes(source: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--store", str(store), "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["name"] == "tiny" and out["state"] == "verified" and not out["already_present"]
+    assert out["bytes_transferred"] == out["total_size"] > 0
+    assert "copying" in stderr and "kB" in stderr  # the byte progress bar, on stderr
+    manifest = Store(store).manifest("tiny", out["version"])
+    for entry in manifest.files:
+        data = (source / entry.path).read_bytes()
+        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+        assert (Path(out["path"]) / entry.path).read_bytes() == data
+    assert out["version"] == manifest.content_sha256[:12]
+    assert manifest.verification["family"] == "llada"
+
+
+def test_second_fetch_reads_nothing(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(tmp_path / "store")
+    first = fetch(str(source), store)
+
+    def forbidden(*args: object, **kwargs: object) -> str:
+        raise AssertionError("an unchanged source must not be read again")
+
+    monkeypatch.setattr(fetch_module, "copy_hashing", forbidden)
+    monkeypatch.setattr(fetch_module, "sha256_file", forbidden)
+    again = fetch(str(source), store)
+    assert again.already_present and again.bytes_transferred == 0
+    assert again.manifest.version == first.manifest.version
+    assert [m.version for m in store.manifests("tiny")] == [first.manifest.version]
+
+
+def test_same_content_elsewhere_is_the_same_version(source: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    first = fetch(str(source), store)
+    copy = tmp_path / "elsewhere" / "tiny"
+    make_checkpoint(copy)  # same recipe, same bytes
+    again = fetch(str(copy), store)
+    assert again.already_present and again.manifest.version == first.manifest.version
+
+
+def test_changed_content_is_a_new_version(source: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    first = fetch(str(source), store, name="m")
+    other = make_checkpoint(tmp_path / "other", seed=1)
+    second = fetch(str(other), store, name="m")
+    assert second.manifest.version != first.manifest.version
+    assert [m.version for m in store.manifests("m")] == [first.manifest.version, second.manifest.version]
+
+
+def test_include_exclude_and_link(source: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    result = fetch(str(source), store, exclude=["tokenizer*"], link=True)
+    names = sorted(f.path for f in result.manifest.files)
+    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
+    assert result.manifest.verification["warnings"][0]["check"] == "tokenizer"
+    shard = "model-00001-of-00002.safetensors"
+    assert (result.path / shard).stat().st_ino == (source / shard).stat().st_ino  # hard link
+    only = fetch(str(source), store, name="cfg", include=["*.json"])
+    assert not only.manifest.verified  # no weights: stored, but never usable
+    assert any("no *.safetensors" in f["problem"] for f in only.manifest.verification["failures"])
+
+
+def test_bad_usage(source: Path, tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    for args, words in [
+        (["/no/such/dir"], "not a hub repo id"),
+        ([str(source), "--revision", "main"], "--revision applies to hub sources"),
+        ([str(source), "--name", "bad name!"], "invalid model name"),
+        ([str(source / "config.json")], "is a file"),
+    ]:
+        code, _, stderr = cli("fetch", *args, "--store", store)
+        assert code == 2 and words in stderr, (args, stderr)
+
+
+def test_store_names_resolve_as_model(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLM_STORE", str(tmp_path / "store"))
+    result = fetch(str(source), Store())
+    ref = f"tiny@{result.manifest.version}"
+    assert resolve_model(ref) == result.path
+    assert resolve_model(f"tiny@{result.manifest.version[:5]}") == result.path  # unique prefix
+    assert resolve_model("tiny") == result.path  # newest verified
+    with pytest.raises(UsageError, match="has no version"):
+        resolve_model("tiny@ffff")
+    with pytest.raises(UsageError, match="no model at 'nothing'"):
+        resolve_model("nothing")
+    code, stdout, stderr = cli("generate", ref, "--prompt", "hi", "--gen-length", "8", "--block-length", "8", "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["model"] == str(result.path)
+
+
+def _big_source(directory: Path) -> Path:
+    """A checkpoint plus a 64 MB shard, so a copy lasts long enough to be killed midway."""
+    make_checkpoint(directory, shards=1)
+    save_file({"big": torch.zeros(16 << 20)}, str(directory / "big.safetensors"))
+    return directory
+
+
+def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: Path) -> None:
+    src = _big_source(tmp_path / "big")
+    store = Store(tmp_path / "store")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlm_cli", "fetch", str(src), "--store", str(store.root), "--workers", "1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    staging = store.model_dir("big") / ".staging"
+    deadline = time.monotonic() + 60
+    partial = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        copies = list(staging.glob("local-*/files/big.safetensors")) if staging.exists() else []
+        if copies and 0 < copies[0].stat().st_size < (src / "big.safetensors").stat().st_size:
+            partial = copies[0]
+            break
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial is not None, "the fetch finished before it could be killed mid-copy"
+    assert store.manifests("big") == []  # the half-written version is not listed
+    code, stdout, _ = cli("models", "--store", str(store.root), "--json")
+    assert code == 0 and json.loads(stdout)["models"] == [{"name": "big", "versions": []}]
+    with pytest.raises(UsageError):
+        store.find("big")
+
+    result = fetch(str(src), store)
+    assert not result.already_present and result.manifest.verified
+    assert not partial.exists()  # the abandoned staging copy was cleared
+    assert verify_model(f"big@{result.manifest.version}", store).ok
+
+
+def test_source_changing_during_copy_is_refused(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(tmp_path / "store")
+    real = fetch_module.copy_hashing
+    copy = tmp_path / "moving"
+    make_checkpoint(copy)
+
+    def touching(src: Path, dst: Path, advance: object) -> str:
+        digest = real(src, dst, advance)
+        if src.name == "config.json":
+            os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
+        return digest
+
+    monkeypatch.setattr(fetch_module, "copy_hashing", touching)
+    with pytest.raises(DlmError, match="changed while it was being copied"):
+        fetch(str(copy), store)
+    assert store.manifests("moving") == []

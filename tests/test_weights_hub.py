@@ -1,0 +1,152 @@
+"""`dlm fetch ORG/NAME` through huggingface_hub's real client, against tests/fake_hub.py
+(a local HTTP server speaking the hub's file API) reached via HF_ENDPOINT."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.errors import DlmError, UsageError
+from engine.weights.fetch import fetch
+from engine.weights.store import Store
+from engine.weights.verify import verify_model
+from tests.fake_hub import FakeHub
+from tests.weights_helpers import ROOT, cli, make_checkpoint
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def repo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    return _files(make_checkpoint(tmp_path_factory.mktemp("hubsrc") / "tiny"))
+
+
+@pytest.fixture
+def hub(repo_files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    server = FakeHub("org/tiny", repo_files, commit=COMMIT)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # never the user's cache
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    yield server
+    server.close()
+
+
+def _downloads(hub: FakeHub) -> list[str]:
+    return [path for method, path, _ in hub.requests if method == "GET" and "/resolve/" in path]
+
+
+def test_fetch_resolves_commit_and_records_hub_hashes(hub: FakeHub, tmp_path: Path) -> None:
+    code, stdout, stderr = cli("fetch", "org/tiny", "--store", str(tmp_path / "store"), "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["version"] == COMMIT[:12] and out["state"] == "verified"
+    assert out["source"]["commit"] == COMMIT and out["source"]["revision"] == "main"
+    manifest = Store(tmp_path / "store").manifest("tiny", out["version"])
+    for entry in manifest.files:
+        data = hub.files[entry.path]
+        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+        if entry.path.endswith(".safetensors"):
+            assert entry.expected == {"sha256": entry.sha256}  # the hub's LFS oid
+        else:
+            assert entry.expected == {"git_sha1": hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()}
+    assert sorted(p.name for p in Path(out["path"]).iterdir()) == sorted(hub.files)  # no .cache left behind
+    assert any(path.endswith(f"/resolve/{COMMIT}/config.json") for path in _downloads(hub))  # pinned to the commit
+
+
+def test_second_fetch_costs_nothing(hub: FakeHub, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    fetch("org/tiny", store)
+    hub.requests.clear()
+    again = fetch("org/tiny", store)  # a branch: one call to learn its commit, no download
+    assert again.already_present and again.bytes_transferred == 0
+    assert _downloads(hub) == [] and len(hub.requests) <= 2
+    hub.requests.clear()
+    pinned = fetch("org/tiny", store, revision=COMMIT)  # a commit: not even that
+    assert pinned.already_present and hub.requests == []
+
+
+def test_token_include_exclude(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_for_test")
+    result = fetch("org/tiny", Store(tmp_path / "store"), exclude=["tokenizer*"])
+    assert result.manifest.version.startswith(COMMIT[:12] + "-")  # filtered: a distinct version
+    assert not any("tokenizer" in path for path in _downloads(hub))
+    auth = [{k.lower(): v for k, v in h.items()}.get("authorization") for _, path, h in hub.requests]
+    assert auth and all(a == "Bearer hf_secret_for_test" for a in auth)
+
+
+def test_corrupt_download_is_refused_then_retried(hub: FakeHub, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    shard = "model-00001-of-00002.safetensors"
+    bad = bytearray(hub.files[shard])
+    bad[-5] ^= 0xFF
+    hub.served[shard] = bytes(bad)
+    with pytest.raises(DlmError, match=f"{shard} .*did not match the hub's hash"):
+        fetch("org/tiny", store)
+    assert store.manifests("tiny") == []
+    hub.served[shard] = hub.files[shard]
+    hub.requests.clear()
+    result = fetch("org/tiny", store)
+    assert result.manifest.verified
+    assert [p for p in _downloads(hub) if p.endswith(".safetensors")] == [f"/org/tiny/resolve/{COMMIT}/{shard}"]
+
+
+def test_unknown_revision_and_repo_are_usage_errors(hub: FakeHub, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="revision not found"):
+        fetch("org/tiny", Store(tmp_path / "store"), revision="v9")
+    code, _, stderr = cli("fetch", "org/other", "--store", str(tmp_path / "store"))
+    assert code == 2 and "no such repository" in stderr
+
+
+def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub (2.x) downloads each file to a process-unique temporary name, so a
+    rerun resumes file by file: what was complete is kept, the interrupted file restarts."""
+    src = make_checkpoint(tmp_path / "src", shards=1)
+    save_file({"a": torch.zeros(1 << 18)}, str(src / "a.safetensors"))
+    save_file({"b": torch.ones(1 << 18)}, str(src / "b.safetensors"))
+    hub = FakeHub("org/big", _files(src), commit=COMMIT)
+    hub.stall = ("b.safetensors", 1 << 19)
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf_cache"),
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    store = Store(tmp_path / "store")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlm_cli", "fetch", "org/big", "--store", str(store.root), "--workers", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        staged = store.model_dir("big") / ".staging" / f"hub-{COMMIT[:12]}" / "files"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            stalled = any(p.endswith("/b.safetensors") for m, p, _ in hub.requests if m == "GET")
+            if stalled and (staged / "a.safetensors").is_file():
+                break
+            time.sleep(0.01)
+        assert (staged / "a.safetensors").is_file() and not (staged / "b.safetensors").exists()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        hub.release_stall.set()
+        assert store.manifests("big") == []  # never usable
+        hub.stall = None
+        hub.requests.clear()
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+        result = fetch("org/big", store)
+        fetched = sorted(p.rsplit("/", 1)[1] for p in _downloads(hub))
+        assert "b.safetensors" in fetched and "a.safetensors" not in fetched  # resumed, not restarted
+        assert result.manifest.verified and verify_model(f"big@{result.manifest.version}", store).ok
+        assert not staged.exists()
+    finally:
+        proc.kill()
+        hub.close()

@@ -1,0 +1,236 @@
+"""Releases and rollbacks: verified versions only, stack semantics, rm protection, the
+admin hot-swap contract, and crash safety under SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from engine.errors import DlmError, UsageError
+from engine.weights import admin
+from engine.weights.fetch import fetch
+from engine.weights.releases import current_checkpoint, load_state, release, remove_versions, rollback
+from engine.weights.store import Store
+from tests.weights_helpers import ROOT, cli, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    base = tmp_path_factory.mktemp("rel")
+    return [make_checkpoint(base / f"v{i}", shards=1, seed=i, tokenizer=False) for i in range(3)]
+
+
+@pytest.fixture
+def stocked(sources: list[Path], tmp_path: Path) -> tuple[Store, list[str]]:
+    """A store with three verified versions of model `m`; returns (store, their versions)."""
+    store = Store(tmp_path / "store")
+    return store, [fetch(str(s), store, name="m").manifest.version for s in sources]
+
+
+def _current(store: Store, deployment: str = "default") -> str | None:
+    current = load_state(store, deployment)["current"]
+    return current and current["version"]
+
+
+def test_release_and_rollback_walk_back_the_stack(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, v3) = stocked
+    for v in (v1, v2, v3):
+        assert release(store, f"m@{v}").changed
+    assert _current(store) == v3
+    assert rollback(store).current["version"] == v2
+    assert rollback(store).current["version"] == v1  # not back to v3
+    with pytest.raises(DlmError, match="no earlier good release"):
+        rollback(store)
+    assert rollback(store, to=v3[:6]).current["version"] == v3  # --to: a version of the current model
+    assert not release(store, f"m@{v3}").changed  # already current: nothing recorded
+    history = load_state(store, "default")["history"]
+    assert [(e["action"], e["version"]) for e in history] == [
+        ("release", v1), ("release", v2), ("release", v3), ("rollback", v2), ("rollback", v1), ("rollback", v3)]
+    manifest, path = current_checkpoint(store)
+    assert manifest.version == v3 and (path / "config.json").is_file()
+
+
+def test_deployments_are_independent_and_cli_contract(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, _) = stocked
+    root = str(store.root)
+    code, stdout, stderr = cli("release", f"m@{v1}", "--deployment", "canary", "--store", root, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["current"]["version"] == v1
+    assert cli("release", f"m@{v2}", "-d", "canary", "--store", root)[0] == 0
+    assert _current(store, "default") is None
+    code, stdout, _ = cli("rollback", "-d", "canary", "--store", root, "--json")
+    assert code == 0 and json.loads(stdout)["event"]["action"] == "rollback"
+    code, stdout, _ = cli("models", "--store", root, "--json")
+    listing = json.loads(stdout)
+    assert [d["deployment"] for d in listing["deployments"]] == ["canary"]
+    roles = {v["version"]: v["release_role"] for v in listing["models"][0]["versions"]}
+    assert roles[v1] == "the current release of deployment canary"
+    code, _, stderr = cli("release", "m", "--store", root)
+    assert code == 2 and "MODEL@VERSION" in stderr
+    code, _, stderr = cli("rollback", "--store", root)
+    assert code == 2 and "no release to roll back from" in stderr
+
+
+def test_release_requires_a_verified_intact_version(stocked: tuple[Store, list[str]], sources: list[Path]) -> None:
+    store, (v1, v2, _) = stocked
+    broken = fetch(str(sources[0]), store, name="cfg", include=["*.json"])  # no weights: failed
+    with pytest.raises(DlmError, match="is failed; run `dlm verify"):
+        release(store, f"cfg@{broken.manifest.version}")
+    shard = store.files_dir("m", v2) / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    code, _, stderr = cli("release", f"m@{v2}", "--store", str(store.root))
+    assert code == 1 and "changed size since it was verified" in stderr
+    assert _current(store) is None
+
+
+def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, v3) = stocked
+    release(store, f"m@{v1}")
+    release(store, f"m@{v2}")
+    for v, role in ((v2, "current"), (v1, "previous")):
+        code, _, stderr = cli("rm", f"m@{v}", "--store", str(store.root))
+        assert code == 1 and f"the {role} release of deployment default" in stderr
+    removed, kept = remove_versions(store, "m", None, keep=0)
+    assert removed == [f"m@{v3}"] and sorted(kept) == sorted([f"m@{v1}", f"m@{v2}"])
+    assert [m.version for m in store.manifests("m")] == [v1, v2]
+    with pytest.raises(UsageError):
+        remove_versions(store, "m", None, None)
+
+
+class FakeAdmin:
+    """The server side of the admin contract (engine/weights/admin.py), as a test double."""
+
+    def __init__(self, status: int = 200, message: str = "") -> None:
+        self.calls: list[tuple[str, dict, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.calls.append((self.path, dict(self.headers), body))
+                if status == 200:
+                    payload = {"status": "ok", "model": body["model"], "version": body["version"]}
+                else:
+                    payload = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_release_hot_swaps_a_registered_server(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, _) = stocked
+    release(store, f"m@{v1}")
+    fake = FakeAdmin()
+    try:
+        record = admin.register_server(store, "default", fake.url, "admin-key-1")
+        assert oct(record.stat().st_mode & 0o777) == "0o600"
+        outcome = release(store, f"m@{v2}")
+        path, headers, body = fake.calls[0]
+        assert path == "/admin/swap" and headers["Authorization"] == "Bearer admin-key-1"
+        assert body["model"] == "m" and body["version"] == v2
+        assert body["path"] == str(store.files_dir("m", v2))
+        assert body["content_sha256"] == store.manifest("m", v2).content_sha256
+        assert outcome.event["hot_swap"]["admin_url"] == fake.url and _current(store) == v2
+        rollback(store)
+        assert fake.calls[-1][2]["version"] == v1 and _current(store) == v1
+    finally:
+        admin.unregister_server(store, "default")
+        fake.close()
+    assert not admin.record_path(store, "default").exists()
+
+
+def test_failed_swap_keeps_the_old_version_and_is_recorded(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, v3) = stocked
+    release(store, f"m@{v1}")
+    release(store, f"m@{v2}")
+    fake = FakeAdmin(status=503, message="warm-up failed: out of memory")
+    try:
+        admin.register_server(store, "default", fake.url, "k")
+        code, _, stderr = cli("release", f"m@{v3}", "--store", str(store.root))
+        assert code == 1 and "still serving m@" in stderr and "out of memory" in stderr
+    finally:
+        admin.unregister_server(store, "default")
+        fake.close()
+    state = load_state(store, "default")
+    assert state["current"]["version"] == v2
+    assert state["history"][-1]["status"] == "failed" and "out of memory" in state["history"][-1]["error"]
+    assert rollback(store).current["version"] == v1  # the failed release is not on the stack
+
+
+def test_dead_or_remote_servers_are_not_called(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, _, _) = stocked
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    admin_record = admin.record_path(store, "default")
+    admin_record.parent.mkdir(parents=True, exist_ok=True)
+    admin_record.write_text(json.dumps({"deployment": "default", "pid": dead.pid, "admin_url": "http://127.0.0.1:9",
+                                        "admin_key": "k", "started_at": "x"}))
+    assert admin.running_server(store, "default") is None
+    assert release(store, f"m@{v1}").event["hot_swap"] is None
+    with pytest.raises(DlmError, match="not on 127.0.0.1"):
+        admin.register_server(store, "default", "http://10.0.0.5:8001", "k")
+
+
+def _assert_consistent(store: Store, allowed: set[str | None]) -> None:
+    state = load_state(store, "default")  # parses: never torn
+    assert _current(store) in allowed
+    if state["current"] is not None:
+        assert state["history"][-1]["version"] == state["current"]["version"] or state["history"][-1]["status"] == "failed"
+
+
+def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, _) = stocked
+    release(store, f"m@{v1}")
+    # The CLI, killed at several points from start-up to completion.
+    for delay in (0.05, 0.15, 0.25, 0.35, 0.45, 0.6, 0.8):
+        target = v2 if _current(store) == v1 else v1
+        proc = subprocess.Popen([sys.executable, "-m", "dlm_cli", "release", f"m@{target}", "--store", str(store.root)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _assert_consistent(store, {v1, v2})
+    # A process switching back and forth as fast as it can, killed at random instants.
+    loop = (
+        "import sys; from engine.weights.store import Store; from engine.weights.releases import release\n"
+        "s = Store(sys.argv[1]); vs = sys.argv[2:]\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    for v in vs: release(s, 'm@' + v)\n"
+    )
+    rng = random.Random(0)
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, "-c", loop, str(store.root), v1, v2], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.2))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _assert_consistent(store, {v1, v2})
+    assert len(load_state(store, "default")["history"]) > 10  # the loop really released
+    _, _, v3 = stocked[1]
+    assert release(store, f"m@{v3}").changed  # no stale lock; torn temporaries cleared
+    assert not [p.name for p in store.deployments_dir.iterdir() if p.name.endswith(".tmp")]

@@ -1,0 +1,200 @@
+"""`dlm verify`: every kind of damage to a checkpoint exits 1 and names the file and problem."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine.weights.fetch import fetch
+from engine.weights.safetensors_format import check_safetensors
+from engine.weights.store import Store
+from engine.weights.verify import verify_directory
+from tests.weights_helpers import cli, make_checkpoint
+
+SHARD1 = "model-00001-of-00002.safetensors"
+SHARD2 = "model-00002-of-00002.safetensors"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("src") / "tiny")
+
+
+@pytest.fixture
+def stored(source: Path, tmp_path: Path) -> tuple[Store, str, Path]:
+    """A fresh store holding one fetched, verified version: (store, ref, its files dir)."""
+    store = Store(tmp_path / "store")
+    result = fetch(str(source), store)
+    assert result.manifest.verified, result.manifest.verification
+    return store, f"{result.manifest.name}@{result.manifest.version}", result.path
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8 : 8 + n])
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Edit the JSON header in place, keeping its byte length (padded with spaces)."""
+    raw = bytearray(path.read_bytes())
+    n, header = _header(path)
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8 : 8 + n] = text + b" " * (n - len(text))
+    path.write_bytes(bytes(raw))
+
+
+def _flip_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0x01  # inside the last tensor's data: the structure stays valid
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _bad_shape(path: Path) -> None:
+    def edit(header: dict) -> None:
+        name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 1)
+        header[name]["shape"] = [header[name]["shape"][0] + 1]
+
+    _rewrite_header(path, edit)
+
+
+def _remove_tensor(path: Path) -> None:
+    tensors = load_file(str(path))
+    del tensors[sorted(tensors)[0]]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+DAMAGE = {
+    "flipped byte": (_flip_byte, SHARD1, [("sha256", "differs from the manifest")]),
+    "truncated file": (_truncate, SHARD2, [("size", "truncated"), ("safetensors", "truncated")]),
+    "edited header": (_bad_shape, SHARD1, [("sha256", "differs"), ("safetensors", "data_offsets span")]),
+    "tensor removed": (_remove_tensor, SHARD2, [("size", "bytes, the manifest says"), ("index", "does not hold it")]),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_fails_verify_naming_file_and_problem(kind: str, stored: tuple[Store, str, Path]) -> None:
+    store, ref, files = stored
+    damage, victim, expected = DAMAGE[kind]
+    damage(files / victim)
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1, stderr
+    report = json.loads(stdout)
+    assert not report["ok"]
+    found = {(f["check"], f["problem"]) for f in report["failures"]}
+    for check, words in expected:
+        assert any(c == check and words in p for c, p in found), (check, words, found)
+    named = {f["file"] for f in report["failures"]}
+    assert victim in named or "model.safetensors.index.json" in named
+    assert victim in stderr and "error: verification failed" in stderr
+    assert store.manifest(*ref.split("@")).state == "failed"  # release now refuses it
+
+
+@pytest.mark.parametrize("kind", ["truncated file", "edited header", "tensor removed"])
+def test_structural_checks_alone_catch_damage(kind: str, source: Path, tmp_path: Path) -> None:
+    """Without a manifest (a plain directory) hashes cannot help: the structure checks must."""
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    damage, victim, _ = DAMAGE[kind]
+    damage(copy / victim)
+    report = verify_directory(copy)
+    assert not report.ok
+    assert any(f.check in ("safetensors", "index") for f in report.failures), report.failures
+
+
+def test_healthy_version_verifies_and_records(stored: tuple[Store, str, Path]) -> None:
+    store, ref, _ = stored
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["ok"] and report["family"] == "llada" and report["bytes_hashed"] > 0
+    assert "hashing" in stderr  # the progress bar
+    manifest = store.manifest(*ref.split("@"))
+    assert manifest.verification["hashed"] and manifest.state == "verified"
+
+
+def test_missing_and_extra_files(stored: tuple[Store, str, Path]) -> None:
+    store, ref, files = stored
+    (files / "tokenizer_config.json").unlink()
+    (files / "stray.bin").write_bytes(b"x")
+    code, stdout, _ = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1
+    found = {(f["file"], f["problem"]) for f in json.loads(stdout)["failures"]}
+    assert ("tokenizer_config.json", "file is missing") in found
+    assert ("stray.bin", "file is not in the manifest") in found
+
+
+def test_index_problems(source: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    index = copy / "model.safetensors.index.json"
+    text = index.read_text()
+    first = next(iter(json.loads(text)["weight_map"]))
+    # a duplicate key (json would silently keep the last), and a tensor no shard holds
+    text = text.replace('"weight_map": {', f'"weight_map": {{"{first}": "{SHARD1}", "ghost.weight": "{SHARD2}", ', 1)
+    index.write_text(text)
+    problems = [f.problem for f in verify_directory(copy).failures]
+    assert any(f"names tensor {first} more than once" in p for p in problems), problems
+    assert any("ghost.weight" in p and "does not hold it" in p for p in problems), problems
+    (copy / SHARD2).unlink()
+    problems = [f.problem for f in verify_directory(copy).failures]
+    assert any(f"names shard {SHARD2}" in p and "missing" in p for p in problems), problems
+
+
+def test_config_and_tokenizer_problems(source: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    (copy / "config.json").write_text(json.dumps({"model_type": "gpt9"}))
+    (copy / "tokenizer.json").write_text("{not json")
+    report = verify_directory(copy)
+    checks = {f.check: f.problem for f in report.failures}
+    assert "unsupported model_type 'gpt9'" in checks["config"] and "llada" in checks["config"]
+    assert "tokenizer" in checks
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header, data, words",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "4 bytes follow the last tensor"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "leaves a gap at byte 0"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F16", "shape": [2], "data_offsets": [6, 10]}}, b"\0" * 10, "overlaps"),
+        ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype 'Q7'"),
+        ({"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 6 bytes"),
+        ({"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2, None),
+        ({"__metadata__": {"k": 1}}, b"", "__metadata__ must map strings to strings"),
+    ],
+)
+def test_safetensors_rules(header: dict, data: bytes, words: str | None, tmp_path: Path) -> None:
+    problems = check_safetensors(_raw_safetensors(tmp_path / "x.safetensors", header, data)).problems
+    if words is None:
+        assert problems == []
+    else:
+        assert any(words in p for p in problems), problems
+
+
+def test_safetensors_header_length_and_json(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", 10_000) + b"{}")
+    assert "runs past the end" in check_safetensors(path).problems[0]
+    path.write_bytes(struct.pack("<Q", 4) + b"{x}!")
+    assert "not valid UTF-8 JSON" in check_safetensors(path).problems[0]
+    path.write_bytes(b"\1\2")
+    assert "shorter than the 8-byte header length" in check_safetensors(path).problems[0]

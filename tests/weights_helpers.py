@@ -1,0 +1,33 @@
+"""Shared by the weights tests: tiny checkpoints in the real on-disk format, and the CLI."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = ROOT / "engine" / "assets" / "tiny_tokenizer"
+
+
+def make_checkpoint(directory: Path, shards: int = 2, seed: int = 0, tokenizer: bool = True, **overrides: object) -> Path:
+    """A tiny LLaDA checkpoint (sharded with an index when shards > 1), with the shipped
+    tokenizer files so the tokenizer check has something real to load."""
+    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+
+    config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, **overrides)
+    save_checkpoint(directory, config, random_llada_tensors(config, seed=seed), shards=shards)
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(TOKENIZER / name, directory / name)
+    return directory
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """Run `dlm ARGS` in-process: (exit code, stdout, stderr)."""
+    from dlm_cli.main import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
