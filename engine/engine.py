@@ -20,7 +20,7 @@ from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.loader import load_weights
 from engine.params import GenerationParams
-from engine.registry import family_for, is_block_causal
+from engine.registry import family_for, family_named
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 
@@ -77,11 +77,12 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
+        self.family = family_named(loaded.config.family)
         self.runner = ModelRunner(loaded.model, loaded.device)
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
-            if is_block_causal(loaded.config.family) else None
+            if self.family.block_causal else None
         )
         self.running: list[Sequence | BlockSequence] = []
 
@@ -89,9 +90,7 @@ class LLMEngine:
         """Resolve the family's defaults and validate: what every entry point should call."""
         if self.block_runner is not None:
             params = self.block_runner.resolve(params)
-        return params.validate(
-            prompt_length, self.config.max_position_embeddings, block_causal=self.block_runner is not None
-        )
+        return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
         seq = self.make_sequence(prompt_ids, params)
@@ -109,7 +108,8 @@ class LLMEngine:
         if self.block_runner is not None:
             seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
         else:
-            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id,
+                           sampler=self.family.sampler)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
@@ -127,8 +127,7 @@ class LLMEngine:
             self.block_runner.step(active)  # type: ignore[arg-type]
         elif active:
             for seq, (positions, stats) in zip(active, self.runner.step(active)):
-                scheduled = seq.schedule[seq.step_in_block] if seq.step_in_block < len(seq.schedule) else 1
-                seq.commit(*decide(seq.params, positions, stats, scheduled, seq.generator))
+                seq.commit(*decide(seq, positions, stats))
         done = [s for s in self.running if s.finished]
         self.running = [s for s in self.running if not s.finished]
         return done

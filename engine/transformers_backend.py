@@ -28,6 +28,7 @@ from engine.config import ModelConfig
 from engine.engine import LLMEngine, LoadedModel
 from engine.errors import DlmError, UsageError
 from engine.params import GenerationParams
+from engine.registry import UNREGISTERED
 from engine.sequence import Sequence
 
 PATHS = {
@@ -202,7 +203,7 @@ class GenerateMethodEngine:
 
     def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
         """The same entry-point validation as LLMEngine.validate."""
-        return params.validate(prompt_length, self.config.max_position_embeddings)
+        return params.validate(prompt_length, self.config.max_position_embeddings, UNREGISTERED)
 
     @torch.inference_mode()
     def generate(

@@ -98,7 +98,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             job.prompt_ids = service.encode_prompt(prompt)  # type: ignore[arg-type]
             job.prompt_text = prompt if isinstance(prompt, str) else None
             _options(job, body)
-            params = service.params(job, body, body.max_tokens, body.temperature, body.seed)
+            params = service.params(job, body, body.max_tokens, body.temperature, body.seed, body.top_p)
             stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)
@@ -123,7 +123,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             job.tools = tools is not None
             _options(job, body)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            params = service.params(job, body, max_tokens, body.temperature, body.seed)
+            params = service.params(job, body, max_tokens, body.temperature, body.seed, body.top_p)
             stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)

@@ -190,7 +190,7 @@ class Service:
             )
 
     def params(self, job: Job, body: DiffusionFields, max_tokens: int | None,
-               temperature: float | None, seed: int | None) -> GenerationParams:
+               temperature: float | None, seed: int | None, top_p: float | None = None) -> GenerationParams:
         """The request's generation parameters, checked against the server's limits."""
         cfg = self.config
         gen = max_tokens or cfg.default_max_tokens or cfg.max_tokens
@@ -215,6 +215,8 @@ class Service:
             remasking=body.remasking or "low_confidence", temperature=temperature or 0.0,
             cfg_scale=body.cfg_scale or 0.0, threshold=body.threshold, factor=body.factor, seed=seed,
             cache=body.cache or "none", mode=body.decode_mode or "diffusion",
+            alg=body.alg, alg_temp=body.alg_temp, top_k=body.top_k,
+            top_p=None if top_p == 1.0 else top_p,  # 1 filters nothing: any family takes it
         )
         assert self.engine is not None
         validate = self.engine.engine.validate  # the family's defaults and rules, as `dlm generate`
