@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.async_engine import AsyncEngine, Draining, RequestStream
-from engine.errors import DlmError, UsageError
+from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
 from engine.scheduler import QueueFull, SchedulerLimits
 from engine.server.auth import KeyRing
@@ -91,7 +91,8 @@ class Service:
         from engine.tokenizer import has_tokenizer
 
         cfg = self.config
-        llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
+                  trust_remote_code=cfg.trust_remote_code)
         model_len = llm.config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
             raise UsageError(f"max_model_len ({cfg.max_model_len}) exceeds the model's maximum ({model_len})")
@@ -103,7 +104,7 @@ class Service:
         self.max_model_len = cfg.max_model_len or min(model_len, cfg.max_num_batched_tokens)
         self.tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         self.eos_id = llm.config.eos_token_id
-        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_queue)
+        limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
         if cfg.warmup:
             engine.warmup()
@@ -115,6 +116,20 @@ class Service:
         )
         self.ready = True
         log.info("ready: model %s from %s (max_model_len %d)", self.model_name, llm.model_dir, self.max_model_len)
+
+    def _max_num_seqs(self, engine: Any) -> int:
+        """The batch bound, after saying which transformers-backend path serves the model and
+        what it costs; the generate path decodes one request at a time."""
+        path = getattr(engine, "path", None)
+        if path is None:
+            return self.config.max_num_seqs
+        from engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
+
+        log.info("transformers backend, %s path: %s", path, PATHS[path])
+        if path == "forward":
+            return self.config.max_num_seqs
+        log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
+        return 1
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -188,7 +203,8 @@ class Service:
                 resolved = validate(params, len(job.prompt_ids))
         except UsageError as exc:
             word = str(exc).split()[0]
-            raise bad_request(str(exc), param=_PARAM.get(word, word), code="invalid_value") from None
+            code = "unsupported" if isinstance(exc, Unsupported) else "invalid_value"
+            raise bad_request(str(exc), param=_PARAM.get(word, word), code=code) from None
         if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
             raise bad_request(f"this request needs {resolved.steps} denoising steps, over this server's "
                               f"limit of {cfg.max_steps}", param="steps", code="steps_exceeded")
