@@ -209,8 +209,10 @@ class GenerateMethodEngine(LLMEngine):
         # A plain `generate` has **kwargs but no dLLM meaning for these names.
         self.takes = frozenset(
             f for f in DIFFUSION_FIELDS if self.method_name == "diffusion_generate" and self._accepts(f))
-        # transformers' GenerationConfig has do_sample; a model with its own sampler config may not.
-        self.samples = hasattr(getattr(hf_model, "generation_config", None), "do_sample")
+        # Whether dlm's temperature can reach the method: transformers' GenerationConfig has
+        # do_sample (DiffusionGemma's own config has not); a diffusion_generate names it.
+        self.samples = (self._accepts("temperature") if self.method_name == "diffusion_generate"
+                        else hasattr(getattr(hf_model, "generation_config", None), "do_sample"))
         self._forward_lengths: list[int] = []
         hf_model.register_forward_pre_hook(self._count, with_kwargs=True)
 
@@ -250,17 +252,21 @@ class GenerateMethodEngine(LLMEngine):
         return Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
 
     def _kwargs(self, params: GenerationParams) -> dict[str, Any]:
-        """dlm's parameters under the names the method takes: the length, greedy or sampling
-        (when the model's generation config has do_sample), and the diffusion fields the
-        method accepts (with dlm's defaults resolved) plus the MASK id."""
+        """dlm's parameters under the names the method takes: the length; sampling when
+        temperature > 0, and for a plain `generate` greedy at 0 whatever the model's
+        generation config prefers (temperature 0 means greedy everywhere in dlm); for a
+        `diffusion_generate`, the diffusion fields it takes (dlm's defaults resolved) and the
+        MASK id, all filtered by its signature unless it takes **kwargs."""
         wanted: dict[str, Any] = {"max_new_tokens": params.gen_length}
-        if self.samples:
-            wanted["do_sample"] = params.temperature > 0
-            if params.temperature > 0:
-                wanted["temperature"] = params.temperature
-        wanted.update({f: getattr(params, f) for f in self.takes})
-        if self.method_name == "diffusion_generate" and self.config.mask_token_id >= 0 and self._accepts("mask_token_id"):
-            wanted["mask_token_id"] = self.config.mask_token_id
+        if params.temperature > 0:
+            wanted.update(do_sample=True, temperature=params.temperature)
+        elif self.method_name == "generate" and self.samples:
+            wanted["do_sample"] = False
+        if self.method_name == "diffusion_generate":
+            wanted.update({f: getattr(params, f) for f in self.takes})
+            if self.config.mask_token_id >= 0:
+                wanted["mask_token_id"] = self.config.mask_token_id
+            wanted = {k: v for k, v in wanted.items() if self._accepts(k)}
         return {k: v for k, v in wanted.items() if v is not None}
 
     @torch.inference_mode()

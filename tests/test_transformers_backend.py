@@ -87,6 +87,15 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
         with pytest.raises(Unsupported, match=f"^{field} does not apply"):
             llm.generate(prompt, gen_length=8, **{field: value})
     assert llm.engine.validate(GenerationParams(gen_length=8), len(prompt)).steps is None  # no step count applies
+    # Temperature 0 is greedy even when the model's generation config prefers sampling;
+    # temperature > 0 samples through the model's own generate, reproducibly with a seed.
+    llm.engine.hf.generation_config.do_sample = True
+    assert llm.generate(prompt, gen_length=8)[0].output_ids == out.output_ids
+    sampled = llm.generate(prompt, gen_length=8, temperature=5.0, seed=4)[0]
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=True, temperature=5.0)
+    assert sampled.output_ids == expected[0, len(prompt):].tolist()[: len(sampled.output_ids)]
 
 
 def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:
