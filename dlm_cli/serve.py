@@ -19,6 +19,8 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send [the directory name]."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="native, or transformers: load any checkpoint with transformers [native]."),
+    trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code [off]."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences sharing one forward [8]."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),

@@ -74,6 +74,10 @@ def load_model(
 
 
 class LLMEngine:
+    # The serving warm-up request (engine/async_engine.py): the family picks the block
+    # length; a tiny threshold commits each block in one forward.
+    warmup_params = GenerationParams(gen_length=32, threshold=1e-6)
+
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
@@ -101,9 +105,7 @@ class LLMEngine:
         """Validate a request and build its sequence without running it: the serving
         scheduler (engine/scheduler.py) decides when it joins `running`."""
         resolved = self.validate(params, len(prompt_ids))
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
-        if bad:
-            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
+        self.check_prompt(prompt_ids)
         seq: Sequence | BlockSequence
         if self.block_runner is not None:
             seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
@@ -113,6 +115,11 @@ class LLMEngine:
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
 
     def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
         """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""

@@ -10,7 +10,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
@@ -36,6 +36,9 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     dtype: str = "auto"
     device: str = "auto"
+    backend: Literal["native", "transformers"] = Field(
+        "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)")
+    trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")
     # security
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: Path | None = None

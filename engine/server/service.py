@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.async_engine import AsyncEngine, Draining, RequestStream
-from engine.errors import DlmError, UsageError
+from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
 from engine.scheduler import QueueFull, SchedulerLimits
 from engine.server.auth import KeyRing
@@ -120,7 +120,8 @@ class Service:
         from engine.tokenizer import has_tokenizer
 
         cfg = self.config
-        llm = LLM(model, dtype=cfg.dtype, device=cfg.device)
+        llm = LLM(model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
+                  trust_remote_code=cfg.trust_remote_code)
         model_len = llm.config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
             raise UsageError(f"max_model_len ({cfg.max_model_len}) exceeds the model's maximum ({model_len})")
@@ -131,7 +132,7 @@ class Service:
             )
         max_model_len = cfg.max_model_len or min(model_len, cfg.max_num_batched_tokens)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
-        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_queue)
+        limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
         if warmup:
             engine.warmup()
@@ -141,6 +142,20 @@ class Service:
     def loaded(self) -> list[LoadedModel]:
         """Every model whose engine loop may still hold requests."""
         return ([self.served] if self.served is not None else []) + self.retiring
+
+    def _max_num_seqs(self, engine: Any) -> int:
+        """The batch bound, after saying which transformers-backend path serves the model and
+        what it costs; the generate path decodes one request at a time."""
+        path = getattr(engine, "path", None)
+        if path is None:
+            return self.config.max_num_seqs
+        from engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
+
+        log.info("transformers backend, %s path: %s", path, PATHS[path])
+        if path == "forward":
+            return self.config.max_num_seqs
+        log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
+        return 1
 
     def shutdown(self) -> None:
         for model in self.loaded():
@@ -230,7 +245,8 @@ class Service:
                 resolved = validate(params, len(job.prompt_ids))
         except UsageError as exc:
             word = str(exc).split()[0]
-            raise bad_request(str(exc), param=_PARAM.get(word, word), code="invalid_value") from None
+            code = "unsupported" if isinstance(exc, Unsupported) else "invalid_value"
+            raise bad_request(str(exc), param=_PARAM.get(word, word), code=code) from None
         if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
             raise bad_request(f"this request needs {resolved.steps} denoising steps, over this server's "
                               f"limit of {cfg.max_steps}", param="steps", code="steps_exceeded")
