@@ -18,6 +18,7 @@ from engine.block_sequence import BlockSequence
 from engine.config import ModelConfig, load_config
 from engine.decoding.step import decide
 from engine.errors import UsageError
+from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams
 from engine.registry import family_for, is_block_causal
@@ -77,7 +78,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
-        self.runner = ModelRunner(loaded.model, loaded.device)
+        self.runner = ModelRunner(loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size))
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)

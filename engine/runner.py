@@ -11,13 +11,14 @@ import torch
 from engine.batch import ForwardBatch
 from engine.sequence import Sequence
 from kernels import dispatch
-from kernels.token_stats import TokenStats
+from kernels.token_stats import TokenStats, VocabShard
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None) -> None:
         self.model = model
         self.device = device
+        self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
 
     def _batch(self, rows: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> ForwardBatch:
         lengths = [len(ids) for ids, _ in rows]
@@ -61,7 +62,7 @@ class ModelRunner:
             else:
                 r += 1
             stats = dispatch.token_stats(
-                h, weight, temperature=seq.params.temperature, generator=seq.generator
+                h, weight, temperature=seq.params.temperature, generator=seq.generator, shard=self.vocab_shard
             )
             seq.nfe += 1
             seq.query_lengths.append(len(seq.canvas))
