@@ -74,6 +74,19 @@ def load_model(
     return LoadedModel(config, model.eval(), dtype, device)
 
 
+def load_engine(
+    model_dir: Path | str, dtype: torch.dtype, device: torch.device,
+    on_tensor: Callable[[str], None] | None = None,
+) -> "LLMEngine":
+    """The family's native engine over the checkpoint in `model_dir` (this rank's shard
+    under tensor parallelism). Which engine decodes a family is known before any weight
+    is read."""
+    from engine.config import read_config_json
+
+    engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
+    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
