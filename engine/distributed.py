@@ -42,6 +42,7 @@ from engine.errors import DlmError, UsageError
 from engine.params import GenerationParams
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+TIMEOUT_VAR = "DLM_DIST_TIMEOUT"  # seconds: overrides `timeout_s` (init and each collective)
 CONTROL_TIMEOUT = timedelta(days=365)  # workers wait for the driver's next step however idle it is
 WATCHDOG_GRACE_S = 5.0  # after a spawned rank dies, how long the driver may take to fail by itself
 
@@ -65,13 +66,15 @@ class ParallelConfig:
         one rank; the group size is WORLD_SIZE)."""
         env = os.environ
         config = self
+        if TIMEOUT_VAR in env:
+            config = replace(config, timeout_s=float(env[TIMEOUT_VAR]))
         if all(v in env for v in TORCHRUN_VARS):
             world = int(env["WORLD_SIZE"])
             if self.tensor_parallel_size not in (1, world):
                 raise UsageError(
                     f"--tensor-parallel-size {self.tensor_parallel_size} differs from torchrun's WORLD_SIZE {world}"
                 )
-            config = replace(self, tensor_parallel_size=world,
+            config = replace(config, tensor_parallel_size=world,
                              master_addr=env.get("MASTER_ADDR", self.master_addr),
                              master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else self.master_port)
         if config.tensor_parallel_size < 1:
@@ -157,6 +160,7 @@ class Group:
     place: Place
     backend: str
     control: Any
+    threads: int  # this process's torch threads before joining (restored on leaving)
 
 
 def join(place: Place, config: ParallelConfig, device: torch.device) -> Group:
@@ -164,6 +168,7 @@ def join(place: Place, config: ParallelConfig, device: torch.device) -> Group:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
+    threads = torch.get_num_threads()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -175,15 +180,17 @@ def join(place: Place, config: ParallelConfig, device: torch.device) -> Group:
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     parallel_state.set_state(parallel_state.TPState(place.rank, place.world, dist.group.WORLD, config.moe))
-    return Group(place, backend, control)
+    return Group(place, backend, control, threads)
 
 
-def leave() -> None:
+def leave(group: Group | None = None) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
     parallel_state.set_state(parallel_state.TPState())
+    if group is not None:
+        torch.set_num_threads(group.threads)
 
 
 def _loaded_barrier(group: Group, config: ParallelConfig) -> None:
@@ -308,7 +315,8 @@ def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
         worker_loop(engine, group)
         leave()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure by name, then exits
-        sys.stderr.write(f"error: tensor-parallel rank {place.rank}: {exc}\n")
+        # Not an `error:` line: the driver prints the one error of the command.
+        sys.stderr.write(f"tensor-parallel rank {place.rank} stopped: {exc}\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -317,8 +325,8 @@ class DistributedEngine:
     """The driver's view of the group: the interface of the local engine (attributes are
     the local engine's), with `add_request` / `step` / `generate` mirrored to every rank."""
 
-    def __init__(self, engine: Any, group: Group, spawned: SpawnedRanks | None) -> None:
-        self.engine, self.group, self.spawned = engine, group, spawned
+    def __init__(self, engine: Any, group: Group, spawned: SpawnedRanks | None, timeout_s: float) -> None:
+        self.engine, self.group, self.spawned, self.timeout_s = engine, group, spawned, timeout_s
         self._pending: list[tuple[list[int], GenerationParams]] = []
         self._closed = self._failed = False
 
@@ -356,16 +364,23 @@ class DistributedEngine:
             raise self.failure(exc) from exc
 
     def failure(self, exc: BaseException) -> DlmError:
-        """The error to report for a failed collective: which rank died, when known."""
+        """The error to report for a failed collective: the rank that died when one did
+        (ranks this process spawned), else a timeout (a hung rank) or the backend's error."""
         self._failed = True
+        timed_out = "timed out" in str(exc).lower()
         if self.spawned is not None:
             self.spawned.failing = True
-            deadline = time.monotonic() + 2.0  # the dead rank's exit code may lag its sockets
+            deadline = time.monotonic() + (0.0 if timed_out else 2.0)  # an exit code may lag the sockets
             while self.spawned.failure is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.spawned.failure is not None:
                 return DlmError(f"{self.spawned.failure}; the tensor-parallel group is down")
-        return DlmError(f"tensor-parallel group failed on rank {self.group.place.rank}'s side: {exc}")
+        if timed_out:
+            return DlmError(
+                f"a tensor-parallel collective timed out after {self.timeout_s:g}s: a rank is hung or slower "
+                f"than the timeout (set {TIMEOUT_VAR} to change it)"
+            )
+        return DlmError(f"the tensor-parallel group failed: {exc}")
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
@@ -375,12 +390,12 @@ class DistributedEngine:
         try:
             if not self._failed:  # a failed group cannot take the message: its ranks are killed
                 _broadcast(self.group, Step(stop=True))
-            if self.spawned is not None:
-                self.spawned.wait()
+                if self.spawned is not None:
+                    self.spawned.wait()
         finally:
             if self.spawned is not None:
                 self.spawned.terminate()
-            leave()
+            leave(self.group)
 
 
 def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
@@ -391,19 +406,19 @@ def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
     if place.rank != 0:
         raise UsageError(f"this process is rank {place.rank}, not the driver: run it with serve_worker")
     spawned = None if torchrun() else SpawnedRanks(spec, config, place, config.ranks_per_node)
-    driver: DistributedEngine | None = None
+    group: Group | None = None
     try:
         device = rank_device(spec.device, place.local_rank)
         group = join(place, config, device)
         engine = _build(spec, device)
-        driver = DistributedEngine(engine, group, spawned)
-        driver._guarded(lambda: _loaded_barrier(group, config))
-        driver._guarded(lambda: _seed_everyone(group))
+        driver = DistributedEngine(engine, group, spawned, config.timeout_s)
+        driver._guarded(lambda: _loaded_barrier(driver.group, config))
+        driver._guarded(lambda: _seed_everyone(driver.group))
         return driver
     except BaseException:
         if spawned is not None:
             spawned.terminate()
-        leave()
+        leave(group)
         raise
 
 
@@ -413,6 +428,7 @@ def serve_worker(spec: EngineSpec, config: ParallelConfig) -> None:
     config = config.resolved()
     place = this_process(config)
     spawned = None if torchrun() else SpawnedRanks(spec, config, place, config.ranks_per_node)
+    group: Group | None = None
     try:
         device = rank_device(spec.device, place.local_rank)
         group = join(place, config, device)
@@ -427,7 +443,7 @@ def serve_worker(spec: EngineSpec, config: ParallelConfig) -> None:
     finally:
         if spawned is not None:
             spawned.terminate()
-        leave()
+        leave(group)
 
 
 def is_driver(config: ParallelConfig) -> bool:

@@ -1,0 +1,28 @@
+"""Tiny checkpoints of every natively decoded family, for the tensor-parallel tests, and
+the decoding parameters each is run with. Shapes are chosen to be split: 4 query heads over
+2 KV heads (so 2 ranks split the KV heads and 4 ranks replicate them), 8 experts."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.block_checkpoints import write_tiny
+from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+
+PROMPT = list(range(5, 27))
+# Per family: generation parameters that exercise its decoding path (caches, threshold).
+PARAMS: dict[str, dict[str, Any]] = {
+    "llada": dict(gen_length=16, block_length=8),
+    "llada2_moe": dict(gen_length=32, threshold=0.6, cache="block"),
+    "sdar": dict(gen_length=16, cache="block"),
+    "sdar_moe": dict(gen_length=16, cache="none", threshold=0.6),
+    "pangu": dict(gen_length=32, cache="block"),
+}
+
+
+def write_family(directory: Path, family: str) -> Path:
+    if family == "llada":
+        config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
+        save_checkpoint(directory, config, random_llada_tensors(config, seed=3))
+        return directory
+    return write_tiny(directory, family, seed=3)
