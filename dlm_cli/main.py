@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from dlm_cli import estimate, fetch, generate, models, release, verify
+from dlm_cli import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
 
 app = typer.Typer(
     name="dlm",
@@ -27,6 +27,9 @@ app.command("rm")(models.rm)
 app.command("release")(release.release)
 app.command("rollback")(release.rollback)
 app.command("estimate")(estimate.estimate)
+app.command("serve")(serve.serve)
+app.command("validate")(validate.validate)
+app.command("loadtest")(loadtest.loadtest)
 
 
 if __name__ == "__main__":

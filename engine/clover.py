@@ -40,7 +40,7 @@ class CloverEngine(LLMEngine):
         self.block_size = int(self.config.raw.get("block_size", DEFAULT_BLOCK))
         self.caches: dict[int, HybridCache] = {}
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
         resolved = params.resolved()
         if resolved.block_length != self.block_size:
             raise UsageError(
@@ -49,7 +49,11 @@ class CloverEngine(LLMEngine):
             )
         if resolved.cfg_scale > 0:
             raise UsageError("classifier-free guidance is not available for clover")
-        return super().add_request(prompt_ids, params)
+        return super().make_sequence(prompt_ids, params)  # type: ignore[return-value]
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:  # type: ignore[override]
+        super().abort(seq, reason)
+        self.caches.pop(seq.seq_id, None)  # a cancelled request's cache goes with it
 
     def _causal(self, seq: Sequence, cache: HybridCache, start: int, end: int) -> None:
         """Run tokens [start, end) causally and commit their states to the cache."""

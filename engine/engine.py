@@ -108,6 +108,13 @@ class LLMEngine:
         )
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+        seq = self.make_sequence(prompt_ids, params)
+        self.running.append(seq)
+        return seq
+
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+        """Validate a request and build its sequence without running it: the serving
+        scheduler (engine/scheduler.py) decides when it joins `running`."""
         resolved = self.validate(params, len(prompt_ids))
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
         if bad:
@@ -119,8 +126,13 @@ class LLMEngine:
             seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
-        self.running.append(seq)
         return seq
+
+    def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
+        """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        self.running = [s for s in self.running if s is not seq]
 
     def step(self) -> list[Sequence | BlockSequence]:
         """Advance every running sequence by one denoising step; return those that finished."""

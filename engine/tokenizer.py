@@ -32,15 +32,26 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                return_dict=False,
-            )
-        )
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Prompt ids of a conversation through the checkpoint's own chat template (which also
+    decides how `tools` are shown to the model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+        )
+    except Exception as exc:  # jinja2 errors: the template rejected these messages
+        if type(exc).__module__.startswith("jinja2"):
+            raise UsageError(f"the chat template rejected the messages: {exc}") from exc
+        raise
+    return list(ids)
 
 
 def decode(tokenizer: Any, ids: list[int], eos_id: int | None) -> str:

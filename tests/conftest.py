@@ -27,10 +27,15 @@ def reference() -> Path:
     return path
 
 
+def session_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The DLM_HOME of this test session (also for session/module fixtures and subprocesses)."""
+    return Path(os.environ.get("DLM_TEST_HOME") or tmp_path_factory.getbasetemp() / "dlm_home")
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test session shares one DLM_HOME (the default model is built once), never ~/.cache."""
-    home = Path(os.environ.get("DLM_TEST_HOME") or tmp_path_factory.getbasetemp() / "dlm_home")
+    home = session_home(tmp_path_factory)
     monkeypatch.setenv("DLM_HOME", str(home))
     return home
 

@@ -1,0 +1,62 @@
+"""`dlm serve`: the OpenAI-compatible server with continuous batching over denoising steps."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from dlm_cli.output import cli_errors, emit_json, err_console
+
+
+def serve(
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    config_file: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML file of settings (flags and DLM_* variables override it)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Bind address [127.0.0.1]."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port [8000]; 0 picks a free one."),
+    api_key: Optional[List[str]] = typer.Option(None, "--api-key", help="Accepted API key (repeatable; also DLM_API_KEYS, --api-key-file)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="File with one API key per line."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send [the directory name]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16), float32, bfloat16, float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences sharing one forward [8]."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."),
+    max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Largest max_tokens per request [1024]."),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens when a request gives none [min(128, max-tokens)]."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Largest denoising steps per request [1024]."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + generation limit [the model's]."),
+    request_timeout: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds before a request is stopped [300]."),
+    shutdown_grace: Optional[float] = typer.Option(None, "--shutdown-grace", help="Seconds SIGTERM waits for in-flight requests [30]."),
+    requests_per_minute: Optional[float] = typer.Option(None, "--requests-per-minute", help="Per-key request rate (0: off)."),
+    tokens_per_minute: Optional[float] = typer.Option(None, "--tokens-per-minute", help="Per-key generated-token rate (0: off)."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Request body cap [1 MiB]."),
+    public_metrics: Optional[bool] = typer.Option(None, "--public-metrics/--private-metrics", help="Serve /metrics without a key [private]."),
+    log_prompts: Optional[bool] = typer.Option(None, "--log-prompts/--no-log-prompts", help="Put prompt and output text in request logs [off]."),
+    warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup", help="Run a warm-up forward before /ready [on]."),
+    ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS certificate (with --ssl-keyfile)."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS private key."),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error."),
+    json_out: bool = typer.Option(False, "--json", help="Print the effective configuration as JSON on stdout at start."),
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
+    flags = {k: v for k, v in locals().items() if k not in ("config_file", "json_out", "api_key")}
+    flags["api_keys"] = api_key or None
+    with cli_errors():
+        from engine.resolve import resolve_model
+        from engine.server.config import load_config
+
+        config = load_config(config_file, flags)
+        if config.model is not None:
+            resolve_model(config.model)  # a wrong path is a usage error before anything starts
+        if json_out:
+            emit_json(config.public())
+        else:
+            err_console.print("[bold]dlm serve[/] configuration:")
+            for key, value in config.public().items():
+                err_console.print(f"  {key} = {value}", highlight=False)
+
+        from engine.server.run import serve as run_server
+
+        code = run_server(config)
+    raise typer.Exit(code)

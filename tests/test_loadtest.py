@@ -1,0 +1,124 @@
+"""`dlm loadtest`: statistics, knee and thresholds on known numbers, then real locust runs
+against a fake server whose capacity is known, so the knee is known too."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import UsageError
+from engine.loadtest.stats import RequestRecord, summarize
+from engine.loadtest.sweep import find_knee, parse_levels
+from engine.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
+from engine.loadtest.stats import GATE_METRICS
+from engine.loadtest.workload import load_jsonl
+from tests.fake_openai import Behaviour, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_summary_of_known_records() -> None:
+    records = [RequestRecord(0, float(i), e2e, 200, None, ttft, 11, 5, 10)
+               for i, (e2e, ttft) in enumerate([(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)])]
+    records.append(RequestRecord(0, 3.0, 0.01, 429, "queue full"))
+    s = summarize(records, 10.0, parse_slo("e2e<=2s"))
+    assert s["requests"] == 4 and s["ok"] == 3
+    assert s["error_rate"] == 0.25 and s["errors_by_status"] == {"429": 1}
+    assert s["rps"] == pytest.approx(0.3) and s["output_tokens_per_s"] == pytest.approx(3.3)
+    assert s["p50_e2e"] == 2.0 and s["p50_ttft"] == pytest.approx(0.2)
+    assert records[0].tpot == pytest.approx(0.09)  # (e2e - ttft) / (tokens - 1)
+    assert s["goodput_rps"] == pytest.approx(0.2) and s["goodput_fraction"] == pytest.approx(2 / 3)
+    assert s["mean_denoising_steps"] == 10 and s["tokens_per_step"] == pytest.approx(1.1)
+
+
+def level(users: int, tokens_per_s: float, p50: float) -> dict:
+    return {"users": users, "output_tokens": 1, "output_tokens_per_s": tokens_per_s, "rps": 0.0,
+            "p50_e2e": p50}
+
+
+def test_knee_is_where_throughput_stops_rising_and_latency_climbs() -> None:
+    saturating = [level(1, 10, 1.0), level(2, 19, 1.05), level(4, 21, 1.9), level(8, 21, 3.8)]
+    assert find_knee(saturating)["users"] == 2
+    linear = [level(1, 10, 1.0), level(2, 20, 1.0), level(4, 40, 1.0)]
+    assert find_knee(linear)["users"] is None
+
+
+def test_thresholds_and_quantities() -> None:
+    conditions = parse_conditions("p95_e2e>5s, error_rate>1%,p50_ttft>=200ms", GATE_METRICS, "--fail-on")
+    assert [(c.metric, c.op, c.value) for c in conditions] == [
+        ("p95_e2e", ">", 5.0), ("error_rate", ">", 0.01), ("p50_ttft", ">=", 0.2)]
+    assert violations(conditions, {"p95_e2e": 6.0, "error_rate": 0.0, "p50_ttft": None}) == [
+        "p95_e2e>5s (measured 6)"]
+    assert parse_seconds("2m", "-t") == 120 and parse_seconds("1.5", "-t") == 1.5
+    for bad in ("p95_e2e 5s", "latency>5s"):
+        with pytest.raises(UsageError):
+            parse_conditions(bad, GATE_METRICS, "--fail-on")
+    with pytest.raises(UsageError, match="upper limits"):
+        parse_slo("ttft>1s")
+    with pytest.raises(UsageError):
+        parse_levels("4,2")
+    assert parse_levels("1, 2,8") == [1, 2, 8]
+
+
+def test_jsonl_prompts(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 4}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    assert [route for route, _ in load_jsonl(path)] == ["/v1/completions", "/v1/chat/completions"]
+    path.write_text('{"prompt": "a", "colour": "red"}\n')
+    with pytest.raises(UsageError, match="colour"):
+        load_jsonl(path)
+
+
+def loadtest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dlm_cli", "loadtest", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+
+
+OUTPUTS = {"locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv",
+           "locust_exceptions.csv", "locust_report.html", "summary.json", "requests.jsonl",
+           "latency.png", "throughput.png"}
+
+
+def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    # Two decoding slots, 8 steps of 10 ms: throughput doubles from 1 to 2 users, then flattens.
+    with serve(Behaviour(capacity=2, step_delay=0.01)) as url:
+        result = loadtest(url, "--sweep", "1,2,4", "-t", "1.5s", "--max-tokens", "8", "--out", str(out),
+                          "--slo", "e2e<=10s", "--fail-on", "error_rate>1%", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert OUTPUTS <= {p.name for p in out.iterdir()}
+    assert summary["mode"] == "sweep" and [lv["users"] for lv in summary["levels"]] == [1, 2, 4]
+    assert summary["knee"]["users"] == 2, summary["knee"]
+    assert summary["passed"] and summary["gate"]["users"] == 2
+    for key in ("requests", "output_tokens"):
+        assert summary["server_metrics"][key]["mismatch"] <= 0.02, summary["server_metrics"]
+    gate = summary["gate"]
+    assert gate["mean_denoising_steps"] == 8 and gate["goodput_fraction"] == 1.0
+    assert gate["p50_ttft"] < gate["p50_e2e"] and gate["p50_tpot"] > 0
+    rows = {(r["Type"], r["Name"]) for r in csv.DictReader(open(out / "locust_stats.csv"))}
+    assert {("POST", "/v1/completions"), ("TTFT", "/v1/completions")} <= rows
+    assert "<html" in (out / "locust_report.html").read_text()[:2000].lower()
+
+
+def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}\n')
+    with serve(Behaviour(step_delay=0.005)) as url:
+        result = loadtest(url, "-u", "2", "-t", "1s", "--prompts", str(prompts), "--steps", "4",
+                          "--out", str(tmp_path / "fixed"), "--fail-on", "p50_e2e>1ms", "--json")
+    assert result.returncode == 1, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["mode"] == "fixed" and summary["knee"] is None
+    assert summary["violations"] and summary["violations"][0].startswith("p50_e2e>1ms")
+    assert summary["gate"]["mean_denoising_steps"] == 4  # --steps reached the server
+    assert summary["totals"]["error_rate"] == 0
+
+
+def test_unreachable_server_is_a_failed_operation(tmp_path: Path) -> None:
+    result = loadtest("http://127.0.0.1:9", "-t", "1s", "--out", str(tmp_path / "x"))
+    assert result.returncode == 1 and "error:" in result.stderr

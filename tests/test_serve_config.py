@@ -1,0 +1,142 @@
+"""The server's pure parts: configuration sources and precedence, key checks, token
+buckets, tool-call parsing, and `dlm serve`'s usage errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import UsageError
+from engine.server.auth import ANONYMOUS, KeyRing
+from engine.server.config import key_id, load_config
+from engine.server.errors import APIError
+from engine.server.ratelimit import TokenBucket
+from engine.server.tools import parse_tool_calls, streamable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
+    file = tmp_path / "serve.toml"
+    file.write_text('port = 9000\nmax-num-seqs = 3\nmax_queue = 5\napi_keys = ["sk-file"]\n')
+    env = {"DLM_MAX_NUM_SEQS": "6", "DLM_MAX_QUEUE": "7", "DLM_API_KEY": "sk-env", "DLM_HOME": "/x"}
+    config = load_config(file, {"max_queue": 9, "host": None}, environ=env)
+    assert (config.port, config.max_num_seqs, config.max_queue, config.host) == (9000, 6, 9, "127.0.0.1")
+    assert config.keys() == ["sk-env"]  # the environment's list replaces the file's
+    assert load_config(file, {"api_keys": ["sk-flag"]}, environ=env).keys() == ["sk-flag"]
+
+
+def test_yaml_file_with_a_serve_table_and_a_key_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nsk-one\n\nsk-two\n")
+    file = tmp_path / "serve.yml"
+    file.write_text(f"serve:\n  request_timeout: 12.5\n  api_key_file: {keys}\n  public-metrics: true\n")
+    config = load_config(file, environ={})
+    assert config.request_timeout == 12.5 and config.public_metrics is True
+    assert config.keys() == ["sk-one", "sk-two"]
+
+
+def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
+    config = load_config(None, {"api_keys": ["sk-very-secret"]}, environ={})
+    shown = json.dumps(config.public())
+    assert "sk-very-secret" not in shown and key_id("sk-very-secret") in shown
+    assert "sk-very-secret" not in repr(config)
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    ("colour = 'blue'\n", {}, "invalid setting colour"),
+    ("port = 70000\n", {}, "invalid setting port"),
+    ("", {"max_num_seqs": 0}, "invalid setting max_num_seqs"),
+    ("", {"log_level": "loud"}, "invalid setting log_level"),
+    ("", {"ssl_certfile": "cert.pem"}, "needs both"),
+    ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
+    ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
+    ("port = [", {}, "not valid TOML"),
+])
+def test_bad_settings_are_usage_errors(tmp_path: Path, content: str, flags: dict, message: str) -> None:
+    file = tmp_path / "serve.toml"
+    file.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        load_config(file, flags, environ={})
+
+
+def test_keyring_identifies_callers_by_key_id() -> None:
+    ring = KeyRing(["sk-a", "sk-b"])
+    assert ring.identify("Bearer sk-b") == key_id("sk-b")
+    assert ring.identify("bearer  sk-a ") == key_id("sk-a")
+    for header in (None, "", "sk-a", "Basic sk-a", "Bearer", "Bearer sk-c", "Bearer sk-a2"):
+        with pytest.raises(APIError) as info:
+            ring.identify(header)
+        assert info.value.status == 401 and "sk-" not in info.value.message
+    assert KeyRing([]).identify(None) == ANONYMOUS
+
+
+def test_token_bucket_refills_continuously() -> None:
+    bucket = TokenBucket(per_minute=60, level=60, stamp=0.0)
+    assert bucket.take(60, now=0.0) == 0.0
+    assert bucket.take(1, now=0.0) == pytest.approx(1.0)  # one per second
+    assert bucket.take(1, now=1.0) == 0.0
+    assert bucket.take(30, now=11.0) == pytest.approx(20.0)  # 10 refilled, 20 short
+    assert bucket.take(10, now=11.0) == 0.0
+
+
+def test_tool_call_parsing() -> None:
+    text = 'Let me check. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' \
+           '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content.strip() == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1}), ("g", {"y": 2})]
+    assert len({c["id"] for c in calls}) == 2
+    broken = "<tool_call>{not json}</tool_call> and <tool_call>[1]</tool_call>"
+    assert parse_tool_calls(broken) == (broken, [])
+    unclosed = 'x <tool_call>{"name": "f"'
+    assert parse_tool_calls(unclosed) == (unclosed, [])
+    assert streamable("Hello <tool_ca") == "Hello "
+    assert streamable("Hello <tool_call>{") == "Hello "
+    assert streamable("a < b") == "a < b"
+
+
+def dlm_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dlm_cli", "serve", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/no/such/model"], "no model at"),
+    (["--config", "/no/such/serve.toml"], "cannot read config file"),
+    (["--port", "99999"], "invalid setting port"),
+    (["--max-queue", "-1"], "invalid setting max_queue"),
+])
+def test_serve_usage_errors_exit_2_with_one_line(args: list[str], message: str) -> None:
+    result = dlm_serve(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
+
+def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> None:
+    model = tmp_path / "mystery"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "mystery"}))
+    result = dlm_serve(str(model), "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert "unsupported model_type" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
+    from fastapi.testclient import TestClient
+
+    from engine.server.app import create_app
+
+    app = create_app(load_config(None, {"api_keys": ["sk-k"]}, environ={}))
+    client = TestClient(app)  # no lifespan: the model is never loaded
+    assert client.get("/health").json() == {"status": "loading"}
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+    refused = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-k"})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # keys first

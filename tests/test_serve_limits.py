@@ -1,0 +1,168 @@
+"""`dlm serve` under pressure, as a real process: one running slot and one queue place, a
+one-second request timeout; tool calls parsed into OpenAI `tool_calls`; client disconnects.
+
+The checkpoint writes a known token (a whole `<tool_call>...</tool_call>` block) at every
+position, so tool-call parsing is checked end to end on real model output.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import session_home
+from tests.serving import ServerProcess, fixed_output_checkpoint, wait_until
+
+LONG = {"prompt": "long", "max_tokens": 2000, "block_length": 2000, "steps": 2000}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model = fixed_output_checkpoint(tmp_path_factory.mktemp("tool_model") / "tool-model")
+    proc = ServerProcess(
+        [str(model), "--max-num-seqs", "1", "--max-queue", "1", "--request-timeout", "1",
+         "--max-tokens", "2000", "--max-steps", "2000", "--public-metrics", "--dtype", "float32"],
+        session_home(tmp_path_factory),
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.terminate() == 0, "\n".join(proc.lines)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_tool_calls_are_parsed_into_openai_tool_calls(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model="tool-model", messages=MESSAGES, max_tokens=1)
+    out = client.chat.completions.create(model="tool-model", messages=MESSAGES, tools=TOOLS, max_tokens=1)
+    # The tool definitions reached the model through the chat template.
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # Without tools (or with tool_choice none) the same text is plain content.
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content.startswith("<tool_call>")
+    unparsed = client.chat.completions.create(model="tool-model", messages=MESSAGES, tools=TOOLS,
+                                              tool_choice="none", max_tokens=1)
+    assert unparsed.choices[0].message.tool_calls is None
+
+
+def test_streamed_tool_calls(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="tool-model", messages=MESSAGES, tools=TOOLS, max_tokens=2, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather", "get_weather"]  # two blocks, two calls
+    assert [c.index for c in calls] == [0, 1]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_queue_full_is_429_at_once_and_timeouts_free_the_slot(server: ServerProcess) -> None:
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str) -> None:
+        results[name] = httpx.post(server.url + "/v1/completions", json=LONG, timeout=60)
+
+    before = server.metrics()
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 1)
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+    assert wait_until(lambda: server.metrics()["dlm_num_requests_waiting"] == 1)
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:  # connected before the clock starts
+        assert http.get("/health").status_code == 200
+        start = time.perf_counter()
+        refused = http.post("/v1/completions", json=LONG)
+        elapsed = time.perf_counter() - start
+    assert refused.status_code == 429, refused.text
+    assert elapsed < 0.1, elapsed
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving meanwhile
+
+    first.join(30)
+    second.join(30)
+    for name in ("first", "second"):
+        response = results[name]
+        assert response.status_code == 408, response.text
+        error = response.json()["error"]
+        assert error["type"] == "timeout" and error["code"] == "request_timeout"
+    after = server.metrics()
+    assert after["dlm_request_timeouts_total"] - before["dlm_request_timeouts_total"] == 2
+    assert after['dlm_request_rejections_total{reason="queue_full"}'] >= 1
+    assert after["dlm_num_requests_running"] == 0 and after["dlm_num_requests_waiting"] == 0
+    timed_out = [line for line in server.request_logs() if line["finish_reason"] == "timeout"]
+    assert timed_out and all(line["denoising_steps"] < 2000 for line in timed_out)
+    # The freed slot serves the next request.
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
+
+
+def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
+    before = server.metrics()
+    # Streaming: read the first event, then hang up.
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    assert wait_until(lambda: server.metrics()["dlm_http_requests_client_disconnected_total"]
+                      == before["dlm_http_requests_client_disconnected_total"] + 1, timeout=5)
+    # It leaves the batch before the next forward (the one in flight finishes first).
+    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
+    # Not streaming: the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.3))
+    assert wait_until(lambda: server.metrics()["dlm_http_requests_client_disconnected_total"]
+                      == before["dlm_http_requests_client_disconnected_total"] + 2, timeout=5)
+    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
+    after = server.metrics()
+    assert after["dlm_request_timeouts_total"] == before["dlm_request_timeouts_total"]  # cancelled, not timed out
+    aborted = [line for line in server.request_logs() if line["finish_reason"] == "abort"]
+    assert len(aborted) == 2 and all(line["status"] == 499 for line in aborted)
+
+
+def test_stop_string_cuts_the_text_and_ends_denoising_early(server: ServerProcess) -> None:
+    body = {"prompt": "x", "max_tokens": 64, "block_length": 64, "steps": 64, "stop": ["Paris", "zzz"]}
+    for stream in (False, True):
+        response = httpx.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert response.status_code == 200, response.text
+        if stream:
+            events = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(e["choices"][0]["text"] for e in events)
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            text, reason = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+        assert text == '<tool_call>{"name": "get_weather", "arguments": {"city": "'
+        assert reason == "stop"
+    steps = [line["denoising_steps"] for line in server.request_logs()[-2:]]
+    assert all(s < 64 for s in steps), steps  # the answer was complete: the slot was freed
+
+
+def test_a_streamed_request_that_times_out_ends_with_an_error_event(server: ServerProcess) -> None:
+    response = httpx.post(server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30)
+    assert response.status_code == 200  # the stream had begun when the deadline passed
+    events = [line for line in response.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "timeout" and error["code"] == "request_timeout"

@@ -1,0 +1,220 @@
+"""Continuous batching in process: the scheduler's bounds and the async engine's loop
+(joins at the next step, leaves at once, deadlines within one step, batched == alone)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine, committed_prefix
+from engine.engine import LLMEngine, load_model
+from engine.errors import UsageError
+from engine.params import GenerationParams
+from engine.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llada: Path) -> Iterator[LLMEngine]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/serving.py: spinning OpenMP threads on a shared machine
+    try:
+        yield LLMEngine(load_model(tiny_llada, torch.float32, torch.device("cpu")))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def request(engine: LLMEngine, n: int, gen: int = 16, deadline: float | None = None) -> ScheduledRequest:
+    seq = engine.make_sequence([5, 6, 7][: 1 + n % 3], GenerationParams(gen_length=gen, block_length=8))
+    return ScheduledRequest(f"r{n}", seq, time.monotonic(), deadline)
+
+
+def test_admission_respects_sequence_and_token_bounds(engine: LLMEngine) -> None:
+    engine.running.clear()
+    scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_num_batched_tokens=40, max_queue=3))
+    reqs = [request(engine, i) for i in range(3)]
+    for r in reqs:
+        scheduler.add(r)
+    with pytest.raises(QueueFull):
+        scheduler.add(request(engine, 9))
+    admitted = scheduler.admit(time.monotonic())
+    # Each canvas is prompt (1..3) + 16 tokens: two fit in 40 tokens and two sequences.
+    assert [r.request_id for r in admitted] == ["r0", "r1"]
+    assert [s.seq_id for s in engine.running] == [r.seq.seq_id for r in admitted]
+    assert scheduler.batch_tokens <= 40 and len(scheduler.waiting) == 1
+    engine.step()
+    scheduler.remove(admitted[0], "abort")  # leaves before the next forward
+    assert admitted[0].seq.finish_reason == "abort"
+    assert all(s is not admitted[0].seq for s in engine.running)
+    assert [r.request_id for r in scheduler.admit(time.monotonic())] == ["r2"]  # joins at the next step
+    nfe = admitted[0].seq.nfe
+    engine.step()
+    assert admitted[0].seq.nfe == nfe and reqs[2].seq.nfe == 1
+    engine.running.clear()
+
+
+def test_a_request_larger_than_the_token_budget_is_refused(engine: LLMEngine) -> None:
+    scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_num_batched_tokens=10, max_queue=3))
+    with pytest.raises(UsageError, match="max_num_batched_tokens"):
+        scheduler.add(request(engine, 0))
+
+
+def test_committed_prefix_stops_at_the_first_mask(engine: LLMEngine) -> None:
+    seq = engine.make_sequence([5], GenerationParams(gen_length=4, block_length=4))
+    seq.canvas[1:] = torch.tensor([10, 11, seq.mask_id, 12])
+    assert committed_prefix(seq) == [10, 11]
+
+
+class StepLog:
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int]] = []  # (start, end, batch size)
+
+    def on_step(self, batch_size: int, batch_tokens: int, committed: list[int], seconds: float) -> None:
+        end = time.monotonic()
+        self.steps.append((end - seconds, end, batch_size))
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+def test_requests_share_forwards_and_match_solo_outputs(engine: LLMEngine) -> None:
+    engine.running.clear()
+    params = [GenerationParams(gen_length=g, block_length=8, steps=s) for g, s in ((16, 16), (24, 12), (8, 8))]
+    prompts = [[5, 6, 7], [9, 10], [11]]
+    solo = [engine.generate([p], prm)[0].output_ids for p, prm in zip(prompts, params)]
+
+    async def main() -> list[list[int]]:
+        log = StepLog()
+        aengine = AsyncEngine(engine, SchedulerLimits(max_num_seqs=4), observer=log)
+        aengine.start()
+        try:
+            streams = [aengine.submit(f"r{i}", p, prm, timeout=None) for i, (p, prm) in enumerate(zip(prompts, params))]
+            outs = [await s.result() for s in streams]
+        finally:
+            aengine.stop()
+        assert max(size for _, _, size in log.steps) == 3  # all three in one forward
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        return [s.seq.output_ids for s in streams]
+
+    batched = run(main())
+    eos = engine.config.eos_token_id
+    for a, b in zip(solo, batched):
+        n = b.index(eos) + 1 if eos in b else len(b)  # an early EOS stop leaves the tail masked
+        assert a[:n] == b[:n]
+
+
+def test_deadline_stops_denoising_within_one_step(engine: LLMEngine) -> None:
+    engine.running.clear()
+
+    async def main() -> None:
+        log = StepLog()
+        aengine = AsyncEngine(engine, SchedulerLimits(), observer=log)
+        aengine.start()
+        try:
+            params = GenerationParams(gen_length=256, block_length=256, steps=256)
+            stream = aengine.submit("slow", [5, 6], params, timeout=0.3)
+            deadline = stream.request.deadline
+            out = await stream.result()
+            assert out.finish_reason == "timeout"
+            assert 0 < out.nfe < 256
+            assert aengine.num_running == 0 and engine.running == []
+            # No forward started after the deadline included the timed-out request.
+            assert not [s for s in log.steps if s[0] > deadline + 0.01]
+            # The slot is free: a new request runs to the end.
+            quick = aengine.submit("quick", [5], GenerationParams(gen_length=8, block_length=8), timeout=None)
+            assert (await quick.result()).finish_reason in ("stop", "length")
+        finally:
+            aengine.stop()
+
+    run(main())
+
+
+def test_abort_leaves_before_the_next_forward(engine: LLMEngine) -> None:
+    engine.running.clear()
+
+    async def main() -> None:
+        aengine = AsyncEngine(engine, SchedulerLimits())
+        aengine.start()
+        try:
+            params = GenerationParams(gen_length=256, block_length=256, steps=256)
+            stream = aengine.submit("gone", [5, 6], params, timeout=None, updates=True)
+            async for out in stream.outputs():
+                if out.nfe >= 2:
+                    break
+            aengine.abort(stream)
+            final = await stream.result()
+            assert final.finish_reason == "abort" and final.nfe < 256
+            assert aengine.num_running == 0
+        finally:
+            aengine.stop()
+
+    run(main())
+
+
+def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
+    engine.running.clear()
+
+    async def main() -> None:
+        aengine = AsyncEngine(engine, SchedulerLimits(max_num_seqs=1, max_queue=1))
+        aengine.start()
+        try:
+            params = GenerationParams(gen_length=256, block_length=256, steps=256)
+            first = aengine.submit("a", [5], params, timeout=None)
+            for _ in range(200):  # the loop admits it before its first forward
+                if aengine.num_running:
+                    break
+                await asyncio.sleep(0.01)
+            second = aengine.submit("b", [5], params, timeout=None)
+            start = time.perf_counter()
+            with pytest.raises(QueueFull):
+                aengine.submit("c", [5], params, timeout=None)
+            assert time.perf_counter() - start < 0.1
+            assert aengine.retry_after() >= 1
+            ended = await aengine.drain(grace=0.2)
+            assert ended == 2
+            assert (await first.result()).finish_reason == "shutdown"
+            assert (await second.result()).finish_reason == "shutdown"
+            with pytest.raises(Exception, match="shutting down"):
+                aengine.submit("d", [5], params, timeout=None)
+        finally:
+            aengine.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("cache", ["block", "none"])
+def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache: str) -> None:
+    from engine.block_checkpoints import write_tiny
+    from engine.llm import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(write_tiny(tmp_path / "sdar", "sdar"), dtype="float32", device="cpu")
+        block_engine = llm.engine
+        prompts = [[5, 6, 7, 8, 9], [11, 12]]
+        params = GenerationParams(gen_length=16, cache=cache)
+        solo = [block_engine.generate([p], params)[0].output_ids for p in prompts]
+
+        async def main() -> list:
+            aengine = AsyncEngine(block_engine, SchedulerLimits(max_num_seqs=2))
+            aengine.warmup()
+            aengine.start()
+            try:
+                streams = [aengine.submit(f"b{i}", p, params, timeout=None) for i, p in enumerate(prompts)]
+                return [await s.result() for s in streams]
+            finally:
+                aengine.stop()
+
+        outs = run(main())
+    finally:
+        torch.set_num_threads(threads)
+    eos = block_engine.config.eos_token_id
+    for expected, out in zip(solo, outs):
+        assert out.finish_reason in ("stop", "length")
+        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
+        assert n > 0 and out.prefix_ids[:n] == expected[:n]

@@ -1,0 +1,162 @@
+"""`dlm validate` against a fake server: it passes a conforming one, and each deliberate
+misbehaviour fails exactly the checks that name it."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from typer.testing import CliRunner, Result
+
+from dlm_cli.main import app
+from engine.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
+from engine.checks.validate import run_validation
+from engine.client.metrics import missing_metrics, parse_samples
+from engine.client.sse import SSEError, iter_events
+from tests.fake_openai import Behaviour, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ValidateOptions(ready_timeout=2.0, burst=8)
+
+
+def validate(behaviour: Behaviour, options: ValidateOptions = FAST, **kwargs) -> dict[str, CheckResult]:
+    with serve(behaviour) as url:
+        return {r.name: r for r in run_validation(url, options, timeout=10, **kwargs)}
+
+
+def failed(results: dict[str, CheckResult]) -> set[str]:
+    return {name for name, r in results.items() if r.status == FAILED}
+
+
+def test_conforming_server_passes_every_check() -> None:
+    results = validate(Behaviour())
+    assert failed(results) == set(), {n: r.detail for n, r in results.items() if r.status == FAILED}
+    # Without keys on the server there is nothing to check for missing or wrong keys.
+    assert {n for n, r in results.items() if r.status == SKIPPED} == {"missing_key", "wrong_key"}
+    assert "steps=2 -> 2" in results["steps"].detail
+    assert "block_length=4 -> 4 steps, 8 -> 2 steps" in results["block_length"].detail
+
+
+def test_keyed_server_with_the_right_key_passes_the_key_checks() -> None:
+    results = validate(Behaviour(api_keys=("k-1", "k-2")), api_key="k-2")
+    assert failed(results) == set()
+    assert results["missing_key"].status == results["wrong_key"].status == PASSED
+
+
+@pytest.mark.parametrize("api_key", ["wrong", None])
+def test_wrong_or_missing_key_fails_auth_and_skips_what_needs_it(api_key: str | None) -> None:
+    results = validate(Behaviour(api_keys=("right",)), api_key=api_key)
+    assert failed(results) == {"auth"}
+    assert results["completion"].status == SKIPPED
+    assert results["liveness"].status == PASSED  # /health needs no key
+
+
+MISBEHAVIOURS = {
+    "answers 500": (Behaviour(status=500), {"completion", "chat", "invalid_params"}),
+    "NDJSON instead of SSE": (Behaviour(sse="ndjson"), {"completion_stream", "chat_stream"}),
+    "no [DONE]": (Behaviour(sse="no_done"), {"completion_stream", "chat_stream"}),
+    "no blank line between events": (Behaviour(sse="no_blank_lines"), {"completion_stream", "chat_stream"}),
+    "stream differs from JSON": (Behaviour(stream_text_differs=True), {"completion_stream", "chat_stream"}),
+    "non-deterministic": (Behaviour(random_text=True), {"determinism", "completion_stream", "chat_stream"}),
+    "no /metrics": (Behaviour(metrics=False), {"metrics"}),
+    "ignores dLLM fields": (Behaviour(ignores_dllm=True), {"steps", "threshold", "block_length"}),
+    "500 on invalid input": (Behaviour(lax_validation=True), {"invalid_params"}),
+    "context too small": (Behaviour(accepted_context=64), {"context_window"}),
+    "accepts over-long prompts": (Behaviour(max_model_len=256, accepted_context=100_000), {"overlong_prompt"}),
+    "503 when the queue is full": (Behaviour(queue_limit=2, step_delay=0.003, overload_status=503), {"burst"}),
+    "429 without Retry-After": (Behaviour(queue_limit=2, step_delay=0.003, retry_after=False), {"burst"}),
+}
+
+
+@pytest.mark.parametrize("case", list(MISBEHAVIOURS))
+def test_each_misbehaviour_fails_its_checks(case: str) -> None:
+    behaviour, expected = MISBEHAVIOURS[case]
+    assert failed(validate(behaviour)) == expected
+
+
+def test_queue_full_with_429_and_retry_after_is_correct_overload_handling() -> None:
+    results = validate(Behaviour(queue_limit=2, step_delay=0.003))
+    assert results["burst"].status == PASSED
+    assert "rejected with 429" in results["burst"].detail
+    assert not results["burst"].detail.endswith(" 0 rejected with 429")
+
+
+def test_server_smaller_than_the_required_context_fails_context_window() -> None:
+    results = validate(Behaviour(max_model_len=512), ValidateOptions(ready_timeout=2, burst=4, min_context=4096))
+    assert failed(results) == {"context_window"}
+    assert "less than the required 4096" in results["context_window"].detail
+
+
+def test_a_server_that_never_gets_ready_fails_readiness_and_skips_the_rest() -> None:
+    results = validate(Behaviour(ready_after=60), ValidateOptions(ready_timeout=0.5))
+    assert failed(results) == {"readiness"}
+    assert all(r.status == SKIPPED for n, r in results.items() if n != "readiness")
+
+
+def test_sse_reader_accepts_comments_and_rejects_bad_framing() -> None:
+    good = ['data: {"a": 1}', "", ": keep-alive", "", "data: [DONE]", ""]
+    assert list(iter_events(good)) == [{"a": 1}]
+    bad = {
+        "not an SSE field": ['{"a": 1}', ""],
+        "without data: [DONE]": ['data: {"a": 1}', ""],
+        "inside an event": ['data: {"a": 1}'],
+        "not JSON": ["data: {oops", ""],
+        "after data: [DONE]": ["data: [DONE]", "", 'data: {"a": 1}', ""],
+    }
+    for message, lines in bad.items():
+        with pytest.raises(SSEError, match=re.escape(message)):
+            list(iter_events(lines))
+
+
+def test_metrics_names_include_labelled_counters_without_children() -> None:
+    text = "# HELP dlm_request_success x\n# TYPE dlm_request_success counter\n"
+    assert "dlm_request_success_total" in parse_samples(text)
+    assert "dlm_generation_tokens_total" in missing_metrics(text)
+
+
+def run_cli(*args: str) -> Result:
+    return CliRunner().invoke(app, ["validate", *args])
+
+
+def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
+    junit = tmp_path / "validate.xml"
+    with serve(Behaviour()) as url:
+        ok = run_cli(url, "--json", "--burst", "4", "--junit-xml", str(junit))
+    assert ok.exit_code == 0, ok.stderr
+    payload = json.loads(ok.stdout)
+    assert payload["passed"] is True and payload["counts"]["failed"] == 0
+    assert {c["name"] for c in payload["checks"]} >= {"completion_stream", "burst", "metrics"}
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and suite.get("failures") == "0"
+    assert len(suite.findall("testcase")) == len(payload["checks"])
+
+    with serve(Behaviour(status=500)) as url:
+        bad = run_cli(url, "--burst", "4", "--junit-xml", str(junit))
+    assert bad.exit_code == 1
+    assert "FAILED" in bad.stderr and "completion" in bad.stderr
+    failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase")
+                if c.find("failure") is not None}
+    assert failures == {"completion", "chat", "invalid_params"}
+
+
+def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("cases:\n  - name: x\n    prompt: hi\n    expect: {contians: a}\n")
+    result = run_cli("http://127.0.0.1:9", "--suite", str(suite))
+    assert result.exit_code == 2
+    assert "error:" in result.stderr and "contians" in result.stderr
+    assert run_cli("127.0.0.1:9").exit_code == 2
+    assert run_cli("http://127.0.0.1:9", "--skip", "nonsense").exit_code == 2
+
+
+def test_checks_import_neither_the_engine_core_nor_locust() -> None:
+    code = ("import sys, engine.checks.validate, engine.checks.report, engine.loadtest.report, "
+            "engine.loadtest.plots; print(sorted(m for m in ('torch', 'locust', 'engine.server', "
+            "'engine.llm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
