@@ -210,9 +210,16 @@ def _broadcast(group: Group, message: Any) -> Any:
 
 @dataclass
 class Step:
-    """The driver's message before each step: requests to add first; `stop` ends the workers."""
+    """The driver's message before each step. `new`: sequences made since the last step
+    (request id, prompt ids, params); `running`: the ids of the running set, in order, as
+    the driver's engine holds it now (however it got there: `add_request`, a scheduler
+    admitting or aborting requests), so every rank steps the same sequences; `forget`:
+    ids the driver dropped without running them (a waiting request that was cancelled);
+    `stop` ends the workers."""
 
-    requests: list[tuple[list[int], GenerationParams]] = field(default_factory=list)
+    new: list[tuple[int, list[int], GenerationParams]] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    forget: list[int] = field(default_factory=list)
     stop: bool = False
 
 
@@ -228,13 +235,24 @@ def _seed_everyone(group: Group) -> None:
 
 
 def worker_loop(engine: Any, group: Group) -> None:
-    """A non-driver rank: apply each step message, run the step, until told to stop."""
+    """A non-driver rank: mirror each step message's running set, run the step, until told
+    to stop. A sequence that left the running set unfinished was aborted by the driver."""
+    seqs: dict[int, Any] = {}
+    running: list[int] = []
     while True:
         message: Step = _broadcast(group, None)
         if message.stop:
             return
-        for prompt_ids, params in message.requests:
-            engine.add_request(prompt_ids, params)
+        for rid, prompt_ids, params in message.new:
+            seqs[rid] = engine.make_sequence(prompt_ids, params)
+        for rid in set(running) - set(message.running):
+            seq = seqs.pop(rid)
+            if not seq.finished:
+                engine.abort(seq)
+        for rid in message.forget:
+            seqs.pop(rid, None)
+        running = message.running
+        engine.running = [seqs[rid] for rid in running]
         engine.step()
 
 
@@ -327,25 +345,46 @@ class DistributedEngine:
 
     def __init__(self, engine: Any, group: Group, spawned: SpawnedRanks | None, timeout_s: float) -> None:
         self.engine, self.group, self.spawned, self.timeout_s = engine, group, spawned, timeout_s
-        self._pending: list[tuple[list[int], GenerationParams]] = []
+        self._pending: list[tuple[int, list[int], GenerationParams]] = []
+        self._ids: dict[int, tuple[int, Any]] = {}  # id(sequence) -> (request id, sequence)
+        self._next_id = 0
         self._closed = self._failed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
     @property
+    def running(self) -> list[Any]:
+        return self.engine.running
+
+    @running.setter
+    def running(self, seqs: list[Any]) -> None:  # the local engine's list, never a copy here
+        self.engine.running = seqs
+
+    @property
     def tensor_parallel_size(self) -> int:
         return self.group.place.world
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Any:
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Any:
         if params.seed is None:  # every rank must draw the same sampling noise
             params = replace(params, seed=secrets.randbits(31))
-        seq = self.engine.add_request(prompt_ids, params)  # validates before anything is sent
-        self._pending.append((list(prompt_ids), params))
+        seq = self.engine.make_sequence(prompt_ids, params)  # validates before anything is sent
+        rid = self._next_id = self._next_id + 1
+        self._ids[id(seq)] = (rid, seq)
+        self._pending.append((rid, list(prompt_ids), params))
+        return seq
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Any:
+        seq = self.make_sequence(prompt_ids, params)
+        self.engine.running.append(seq)
         return seq
 
     def step(self) -> list[Any]:
-        message, self._pending = Step(self._pending), []
+        running = [self._ids[id(seq)][0] for seq in self.engine.running]
+        live = {id(seq) for seq in self.engine.running}
+        forget = [rid for key, (rid, seq) in self._ids.items() if key not in live and seq.finished]
+        self._ids = {k: v for k, v in self._ids.items() if k in live or not v[1].finished}
+        message, self._pending = Step(self._pending, running, forget), []
         return self._guarded(lambda: (_broadcast(self.group, message), self.engine.step())[1])
 
     def generate(self, prompts: list[list[int]], params: GenerationParams,

@@ -9,6 +9,7 @@ import pytest
 
 from engine.distributed import ParallelConfig
 from engine.llm import LLM
+from engine.params import GenerationParams
 from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
 
@@ -34,3 +35,23 @@ def test_four_ranks_moe_with_tensor_parallel_experts(checkpoints: dict[str, Path
     expert parallelism); the 2 KV heads are replicated, one per pair of ranks."""
     single = _decode(checkpoints["llada2_moe"], "llada2_moe")
     assert _decode(checkpoints["llada2_moe"], "llada2_moe", ParallelConfig(tensor_parallel_size=4, moe="tp")) == single
+
+
+def _scheduled(engine, prompts: list[list[int]], params: GenerationParams) -> list[list[int]]:  # noqa: ANN001
+    """A serving scheduler's pattern: make sequences, admit them into `running` directly,
+    abort one mid-way, admit a late one, step until the rest finish."""
+    first, doomed, late = (engine.make_sequence(p, params) for p in prompts)
+    engine.running += [first, doomed]
+    engine.step()
+    engine.abort(doomed)
+    engine.running.append(late)
+    while engine.running:
+        engine.step()
+    return [first.output_ids, late.output_ids, [doomed.finish_reason]]
+
+
+def test_driver_mirrors_admission_and_aborts(checkpoints: dict[str, Path]) -> None:
+    prompts, params = [PROMPT, PROMPT[:9], PROMPT[3:]], GenerationParams(**PARAMS["sdar"])
+    single = _scheduled(LLM(checkpoints["sdar"], dtype="float32", device="cpu").engine, prompts, params)
+    with LLM(checkpoints["sdar"], dtype="float32", device="cpu", parallel=ParallelConfig(2)) as llm:
+        assert _scheduled(llm.engine, prompts, params) == single
