@@ -68,10 +68,11 @@ class Shard:
 
     `reads(i, shape)` gives, for source i (in `checkpoint_sources` order) of full shape
     `shape`, the index tuples to read from it; every piece read, over all sources in order,
-    is concatenated along `cat_dim`."""
+    is concatenated along `cat_dim` (or `cat_dim(shape of the first source)` when the
+    checkpoint may come in layouts of different ranks)."""
 
     reads: Callable[[int, tuple[int, ...]], list[Index]]
-    cat_dim: int = 0
+    cat_dim: int | Callable[[tuple[int, ...]], int] = 0
 
 
 def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -131,7 +132,10 @@ def load_weights(
                 parts, dim = [], shard.cat_dim
                 for i, src in enumerate(srcs):
                     view = handle(src).get_slice(src)
-                    parts += [view[index] for index in shard.reads(i, tuple(view.get_shape()))]
+                    shape = tuple(view.get_shape())
+                    parts += [view[index] for index in shard.reads(i, shape)]
+                    if callable(dim):
+                        dim = dim(shape)
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
             del parts
             loader = getattr(param, "weight_loader", None)

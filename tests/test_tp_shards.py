@@ -15,16 +15,24 @@ from engine import distributed, loader, parallel_state
 from engine.decoding.block_reference_loop import masked_logits
 from engine.decoding.reference_loop import full_logits
 from engine.engine import load_model
-from tests.tp_checkpoints import PARAMS, PROMPT, write_family
+from tests.tp_checkpoints import LAYOUTS, PARAMS, PROMPT, write_family
+
+CHECKPOINTS = [*PARAMS, *LAYOUTS]
 
 RANKS = 2
 # Parameters every rank holds whole: norms, routers, biases added after a reduce.
-REPLICATED = re.compile(r"(norm|ln_f)\.weight$|\.gate\.(weight|expert_bias)$|(dense|o_proj|attn_out|down_proj|ff_out)\.bias$")
+REPLICATED = re.compile(
+    r"(norm|ln_f)\.weight$|\.gate\.(weight|expert_bias)$|shared_expert_gate\.weight$"
+    r"|(dense|o_proj|attn_out|down_proj|ff_out)\.bias$"
+)
 
 
 def _logits(model: torch.nn.Module, family: str, mask_id: int) -> torch.Tensor:
     """This rank's logits (its vocabulary columns) at every position of a prompt + MASK canvas."""
     x = torch.tensor(PROMPT + [mask_id] * 16)
+    if family in ("clover", "qwen3_5_moe_stacked"):
+        hidden, _ = model.forward_tokens(x[None], torch.arange(len(x))[None], None)
+        return model.logits(hidden[0])
     if family == "llada":
         return full_logits(model, x[None])[0]
     groups = torch.where(torch.arange(len(x)) < len(PROMPT), torch.arange(len(x)), len(PROMPT))
@@ -59,7 +67,7 @@ def _entry(rank: int, port: int, dirs: dict[str, str], result: str) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {f: write_family(tmp_path_factory.mktemp(f), f) for f in PARAMS}
+    return {f: write_family(tmp_path_factory.mktemp(f), f) for f in CHECKPOINTS}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ def ranks(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return torch.load(result)
 
 
-@pytest.mark.parametrize("family", list(PARAMS))
+@pytest.mark.parametrize("family", CHECKPOINTS)
 def test_sharded_logits_match_one_process(checkpoints: dict[str, Path], ranks: dict[str, Any], family: str) -> None:
     loaded = load_model(checkpoints[family], torch.float32, torch.device("cpu"))
     want = _logits(loaded.model, family, loaded.config.mask_token_id)
@@ -79,7 +87,7 @@ def test_sharded_logits_match_one_process(checkpoints: dict[str, Path], ranks: d
     assert (got - want).abs().max().item() <= 1e-4 * want.std().item()
 
 
-@pytest.mark.parametrize("family", list(PARAMS))
+@pytest.mark.parametrize("family", CHECKPOINTS)
 def test_each_rank_holds_its_share_of_the_weights(checkpoints: dict[str, Path], ranks: dict[str, Any], family: str) -> None:
     full = {n: p.numel() * p.element_size()
             for n, p in load_model(checkpoints[family], torch.float32, torch.device("meta")).model.named_parameters()}
@@ -131,3 +139,23 @@ def test_a_rank_reads_only_its_slices(checkpoints: dict[str, Path], monkeypatch:
     assert torch.equal(qkv[32:48], ref[b + "k_proj.weight"][16:])  # KV head 1 of 2
     assert torch.equal(model.get_parameter(b + "attn_out.weight"), ref[b + "attn_out.weight"][:, 32:])
     assert torch.equal(model.get_parameter("model.transformer.wte.weight"), ref["model.transformer.wte.weight"][150:])
+
+
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+@pytest.mark.parametrize("layout", ["clover", "qwen3_5_moe_stacked"])
+def test_stacked_experts_load_their_share(checkpoints: dict[str, Path], layout: str, moe: str) -> None:
+    """Rank 1 of 2 of the hybrid's stacked experts, from per-expert tensors (clover) and
+    from tensors stacked on disk: its experts (ep), or its rows of every expert (tp)."""
+    cpu = torch.device("cpu")
+    whole = load_model(checkpoints[layout], torch.float32, cpu).model.model.layers[0].mlp.experts
+    with parallel_state.using(parallel_state.TPState(rank=1, size=2, moe=moe)):
+        part = load_model(checkpoints[layout], torch.float32, cpu).model.model.layers[0].mlp.experts
+    full = whole.intermediate_size
+    if moe == "ep":
+        assert torch.equal(part.gate_up_proj, whole.gate_up_proj[4:])
+        assert torch.equal(part.down_proj, whole.down_proj[4:])
+    else:
+        half = full // 2
+        gate_up = torch.cat((whole.gate_up_proj[:, half:full], whole.gate_up_proj[:, full + half :]), dim=1)
+        assert torch.equal(part.gate_up_proj, gate_up)
+        assert torch.equal(part.down_proj, whole.down_proj[:, :, half:])

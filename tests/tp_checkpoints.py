@@ -17,10 +17,20 @@ PARAMS: dict[str, dict[str, Any]] = {
     "sdar": dict(gen_length=16, cache="block"),
     "sdar_moe": dict(gen_length=16, cache="none", threshold=0.6),
     "pangu": dict(gen_length=32, cache="block"),
+    "clover": dict(gen_length=32, threshold=0.3),
 }
+# Checkpoint layouts loaded (not decoded) under tensor parallelism as well: the Qwen3.5-MoE
+# release layout (experts stacked on disk, weights under `model.language_model.`).
+LAYOUTS = ["qwen3_5_moe_stacked"]
 
 
 def write_family(directory: Path, family: str) -> Path:
+    if family in ("clover", "qwen3_5_moe_stacked"):
+        from tests.hybrid_checkpoints import reference_model, save_reference, to_multimodal_layout
+
+        text = save_reference(reference_model(seed=5), directory / "text", model_type="clover_moe",
+                              mask_token_id=159, eos_token_id=158)
+        return text if family == "clover" else to_multimodal_layout(text, directory / "stacked")
     if family == "llada":
         config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
         save_checkpoint(directory, config, random_llada_tensors(config, seed=3))

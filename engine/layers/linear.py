@@ -46,6 +46,13 @@ def _rows(ranges: Sequence[tuple[int, int]]) -> Shard:
     return Shard(lambda i, shape: [(slice(*ranges[i]),)])
 
 
+def mark_rows(param: torch.Tensor, ranges: Sequence[Sequence[tuple[int, int]]]) -> None:
+    """Make `param` (dim 0 split) read, from checkpoint source i, the rows ranges[i]
+    (several ranges of one source are concatenated in order). A no-op at one rank."""
+    if parallel_state.current().size > 1:
+        _mark(param, Shard(lambda i, shape: [(slice(a, b),) for a, b in ranges[i]]))
+
+
 def _fused_rows(parts: Sequence[int], ranges: Sequence[tuple[int, int]]) -> Shard:
     """Shard reading, from one source holding every part (a fused checkpoint tensor such as
     LLaDA2's `query_key_value`), rows ranges[j] of each part j."""
