@@ -56,6 +56,10 @@ def _render(report: dict[str, Any]) -> None:
     mem.add_row("[bold]total (peak)[/]", f"[bold]{_size(report['memory_per_gpu']['total_bytes'])}[/]",
                 "weights + caches + the larger transient + overhead + margin")
     err_console.print(mem)
+    seq = report["memory_per_gpu"]["per_sequence"]
+    fixed = (f", linear-attention state {_size(seq['linear_state_bytes'])} whatever its length"
+             if seq["linear_state_bytes"] else "")
+    err_console.print(f"per sequence and rank: KV cache {_size(seq['kv_bytes_per_token'])} per cached token{fixed}")
 
     verdicts = Table(title=f"verdicts at TP {s['tp']}, context {s['context']}", title_justify="left")
     for col in ("GPU", "memory", f"fits (batch {s['batch']})", "headroom", "smallest TP", "max batch"):

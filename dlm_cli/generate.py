@@ -52,7 +52,12 @@ def generate(
     cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
-    cache: str = typer.Option("none", "--cache", help="none|prefix|dual|block (block: exact KV cache of block-causal models)."),
+    cache: str = typer.Option("none", "--cache", help="none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."),
+    alg: Optional[str] = typer.Option(None, "--alg", help="Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold (default entropy)."),
+    alg_temp: Optional[float] = typer.Option(None, "--alg-temp", help="Dream family: sample committed positions from softmax(confidence/alg_temp)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Dream family: nucleus filtering of the token distribution."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Dream family: keep the k most likely tokens."),
+    early_stop: bool = typer.Option(True, "--early-stop/--no-early-stop", help="Stop once a finished block holds EOS (the rest is filled with EOS)."),
     mode: str = typer.Option("diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -81,6 +86,7 @@ def generate(
         from engine.distributed import EngineSpec, ParallelConfig, is_driver, serve_worker
         from engine.llm import LLM
         from engine.params import GenerationParams
+        from engine.resolve import resolve_model
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
@@ -89,11 +95,11 @@ def generate(
         if not is_driver(parallel):  # another node's (or torchrun's) rank: serve until done
             serve_worker(EngineSpec(str(resolve_model(model)), dtype, device), parallel)
             return
-
         params = GenerationParams(
             gen_length=gen_length, steps=steps, block_length=block_length, remasking=remasking,
             temperature=temperature, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
-            seed=seed, cache=cache, mode=mode,
+            seed=seed, cache=cache, mode=mode, alg=alg, alg_temp=alg_temp, top_p=top_p, top_k=top_k,
+            early_stop=early_stop,
         )
         with err_console.status("loading model"):
             llm = LLM(model, dtype=dtype, device=device, backend=backend, trust_remote_code=trust_remote_code,
@@ -122,6 +128,8 @@ def generate(
                     "tokens_per_second": round(out.tokens_per_second, 3),
                     "finish_reason": out.finish_reason,
                     "query_lengths": out.query_lengths,
+                    "cache": out.cache,
+                    "tokens_fed": sum(out.query_lengths),
                     "params": dict(resolved.__dict__),
                     "dtype": str(llm.dtype).replace("torch.", ""),
                     "device": str(llm.device),
@@ -134,6 +142,7 @@ def generate(
             else:
                 typer.echo(",".join(map(str, out.output_ids)))
             err_console.print(
-                f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards, {out.seconds:.2f}s "
-                f"({out.tokens_per_second:.1f} tok/s), finish_reason={out.finish_reason}[/]"
+                f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
+                f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
+                f"finish_reason={out.finish_reason}[/]"
             )

@@ -19,6 +19,8 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send [the directory name]."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="native, or transformers: load any checkpoint with transformers [native]."),
+    trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code [off]."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences sharing one forward [8]."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),
@@ -37,9 +39,14 @@ def serve(
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="TLS certificate (with --ssl-keyfile)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="TLS private key."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error."),
+    deployment: Optional[str] = typer.Option(None, "--deployment", "-d", help="Serve this store deployment's current release and accept hot swaps from `dlm release`/`dlm rollback`."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Model store for --deployment (also DLM_STORE) [$DLM_HOME/store]."),
+    admin_port: Optional[int] = typer.Option(None, "--admin-port", help="Admin endpoint port, always on 127.0.0.1 [0: any free one]."),
+    admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Admin endpoint key (prefer DLM_ADMIN_KEY or --admin-key-file) [random]."),
+    admin_key_file: Optional[Path] = typer.Option(None, "--admin-key-file", help="File holding the admin key."),
     json_out: bool = typer.Option(False, "--json", help="Print the effective configuration as JSON on stdout at start."),
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
+    """Serve MODEL (or a store deployment) over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     flags = {k: v for k, v in locals().items() if k not in ("config_file", "json_out", "api_key")}
     flags["api_keys"] = api_key or None
     with cli_errors():
@@ -47,7 +54,18 @@ def serve(
         from engine.server.config import load_config
 
         config = load_config(config_file, flags)
-        if config.model is not None:
+        if config.deployment is not None:
+            from engine.errors import DlmError
+            from engine.weights.admin import running_server
+            from engine.weights.releases import current_checkpoint
+            from engine.weights.store import Store
+
+            current_checkpoint(Store(config.store), config.deployment)  # no release: usage error now
+            other = running_server(Store(config.store), config.deployment)
+            if other is not None:  # releases would hot-swap only one of the two
+                raise DlmError(f"deployment {config.deployment} is already served by process {other.pid} "
+                               f"(admin endpoint {other.admin_url}); one server per deployment and store")
+        elif config.model is not None:
             resolve_model(config.model)  # a wrong path is a usage error before anything starts
         if json_out:
             emit_json(config.public())

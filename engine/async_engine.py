@@ -134,11 +134,10 @@ class AsyncEngine:
 
     def warmup(self) -> None:
         """A real request before serving, so the first client does not pay for lazy
-        initialisation; must run before `start()`. The family picks the block length; a
-        tiny threshold commits each block in one forward."""
+        initialisation; must run before `start()`. The engine says which request is cheap."""
         assert self._thread is None, "warm up before starting the loop"
         prompt = [self.engine.config.eos_token_id or 0]
-        self.engine.generate([prompt], GenerationParams(gen_length=32, threshold=1e-6))
+        self.engine.generate([prompt], self.engine.warmup_params)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)

@@ -105,6 +105,74 @@ def llada_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
     return config
 
 
+def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights named and shaped exactly as a Dream / DiffuCoder checkpoint's, in the
+    Qwen2 layout (`model.layers.N.self_attn.q_proj.*`, `model.layers.N.mlp.gate_proj.weight`,
+    ...): q/k/v biases, no o_proj bias. Shaped like `random_llada_tensors` so that decisions
+    are informative."""
+    g = torch.Generator().manual_seed(seed)
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    hd = config.get("head_dim") or d // heads
+    q, kv = heads * hd, (config.get("num_key_value_heads") or heads) * hd
+
+    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(d, generator=g)
+
+    tensors = {"model.embed_tokens.weight": torch.randn(v, d, generator=g), "model.norm.weight": norm()}
+    for i in range(config["num_hidden_layers"]):
+        b = f"model.layers.{i}."
+        tensors.update({
+            b + "input_layernorm.weight": norm(),
+            b + "self_attn.q_proj.weight": linear(q, d, 2.0),
+            b + "self_attn.q_proj.bias": 0.1 * torch.randn(q, generator=g),
+            b + "self_attn.k_proj.weight": linear(kv, d, 2.0),
+            b + "self_attn.k_proj.bias": 0.1 * torch.randn(kv, generator=g),
+            b + "self_attn.v_proj.weight": linear(kv, d),
+            b + "self_attn.v_proj.bias": 0.1 * torch.randn(kv, generator=g),
+            b + "self_attn.o_proj.weight": linear(d, q),
+            b + "post_attention_layernorm.weight": norm(),
+            b + "mlp.gate_proj.weight": linear(f, d),
+            b + "mlp.up_proj.weight": linear(f, d),
+            b + "mlp.down_proj.weight": linear(d, f),
+        })
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = linear(v, d, 4.0)
+        if config.get("mask_token_id") is not None:  # a trained model never predicts MASK
+            tensors["lm_head.weight"][config["mask_token_id"]] = 0.0
+    return tensors
+
+
+def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
+    """A complete Dream config.json with the reference's field names."""
+    config: dict[str, Any] = {
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "mask_token_id": mask_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """Random weights for the given names and shapes: norms near 1, matrices scaled by
     1/sqrt(fan-in), other vectors (biases, gates' parameters) small."""
@@ -123,26 +191,6 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
 
 def _swiglu(prefix: str, d: int, f: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (f, d), prefix + "up_proj.weight": (f, d), prefix + "down_proj.weight": (d, f)}
-
-
-def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Dream / DiffuCoder, in the Qwen2 checkpoint layout (`model.layers.N.self_attn.q_proj.*`,
-    `model.layers.N.mlp.gate_proj.weight`, ...): q/k/v biases, no o_proj bias."""
-    d, heads = config["hidden_size"], config["num_attention_heads"]
-    hd = config.get("head_dim") or d // heads
-    q, kv = heads * hd, config.get("num_key_value_heads", heads) * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], d)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes.update({f"{p}self_attn.{name}.weight": (rows, d), f"{p}self_attn.{name}.bias": (rows,)})
-        shapes[p + "self_attn.o_proj.weight"] = (d, q)
-        shapes.update(_swiglu(p + "mlp.", d, config["intermediate_size"]))
-    shapes["model.norm.weight"] = (d,)
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (config["vocab_size"], d)
-    return random_tensors(shapes, seed)
 
 
 def random_qwen3_5_moe_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:

@@ -85,8 +85,7 @@ class CloverEngine(LLMEngine):
         )
         seq.nfe += 1
         seq.query_lengths.append(end - start)
-        scheduled = seq.schedule[seq.step_in_block] if seq.step_in_block < len(seq.schedule) else 1
-        seq.commit(*decide(seq.params, positions, stats, scheduled, seq.generator))
+        seq.commit(*decide(seq, positions, stats))
         if seq.block == block and not seq.finished:
             return
         eos = self.config.eos_token_id

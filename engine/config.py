@@ -181,8 +181,19 @@ def _hybrid(family: str, raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _dream(raw: dict[str, Any]) -> ModelConfig:
+    """Dream / DiffuCoder: Qwen2 field names; refuse what the model does not implement."""
+    if raw.get("rope_scaling"):
+        raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
+    if raw.get("use_sliding_window"):
+        raise UsageError("Dream checkpoints with sliding-window attention are not supported")
+    # Dream-v0 / DiffuCoder MASK is 151666; the tiny and newer configs carry the field.
+    return _hf_standard("dream", 151666)(raw)
+
+
 PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "llada": _llada,
+    "dream": _dream,
     "llada2_moe": _hf_standard("llada2_moe", 156895),
     "sdar": _hf_standard("sdar", None),
     "pangu": _hf_standard("pangu", 45830),

@@ -21,7 +21,7 @@ from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams
-from engine.registry import family_for, is_block_causal
+from engine.registry import family_for, family_named
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 
@@ -88,14 +88,19 @@ def load_engine(
 
 
 class LLMEngine:
+    # The serving warm-up request (engine/async_engine.py): the family picks the block
+    # length; a tiny threshold commits each block in one forward.
+    warmup_params = GenerationParams(gen_length=32, threshold=1e-6)
+
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
+        self.family = family_named(loaded.config.family)
         self.runner = ModelRunner(loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size))
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
-            if is_block_causal(loaded.config.family) else None
+            if self.family.block_causal else None
         )
         self.running: list[Sequence | BlockSequence] = []
 
@@ -103,9 +108,7 @@ class LLMEngine:
         """Resolve the family's defaults and validate: what every entry point should call."""
         if self.block_runner is not None:
             params = self.block_runner.resolve(params)
-        return params.validate(
-            prompt_length, self.config.max_position_embeddings, block_causal=self.block_runner is not None
-        )
+        return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
         seq = self.make_sequence(prompt_ids, params)
@@ -116,17 +119,21 @@ class LLMEngine:
         """Validate a request and build its sequence without running it: the serving
         scheduler (engine/scheduler.py) decides when it joins `running`."""
         resolved = self.validate(params, len(prompt_ids))
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
-        if bad:
-            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
+        self.check_prompt(prompt_ids)
         seq: Sequence | BlockSequence
         if self.block_runner is not None:
             seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
         else:
-            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+            seq = Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id,
+                           sampler=self.family.sampler)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
 
     def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
         """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""
@@ -141,8 +148,7 @@ class LLMEngine:
             self.block_runner.step(active)  # type: ignore[arg-type]
         elif active:
             for seq, (positions, stats) in zip(active, self.runner.step(active)):
-                scheduled = seq.schedule[seq.step_in_block] if seq.step_in_block < len(seq.schedule) else 1
-                seq.commit(*decide(seq.params, positions, stats, scheduled, seq.generator))
+                seq.commit(*decide(seq, positions, stats))
         done = [s for s in self.running if s.finished]
         self.running = [s for s in self.running if not s.finished]
         return done

@@ -16,3 +16,8 @@ class UsageError(DlmError):
     """The user asked for something invalid: a bad path, flag value or model."""
 
     exit_code = 2
+
+
+class Unsupported(UsageError):
+    """A well-formed request field this model or decoding path cannot honour: refused
+    rather than silently ignored, so a client (or `dlm validate`) learns it has no effect."""

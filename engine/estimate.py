@@ -22,6 +22,7 @@ from engine.gpus import CATALOGUE, Gpu, find_gpu
 from engine.safetensors_headers import CheckpointHeaders, hub_headers, local_headers
 
 GIB = 1024**3
+FP32_BYTES = 4
 
 
 # --------------------------------------------------------------------------- architecture
@@ -50,6 +51,15 @@ class LinearAttention:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, act_bytes: int, tp: int = 1) -> int:
+        """Bytes of DeltaNet state one sequence holds on one rank, whatever its length: per
+        layer the recurrent matrix of each value head (dk x dv, always fp32) and the conv
+        ring (kernel-1 pre-conv rows of conv_dim channels, activation dtype), heads split
+        over TP. This is what engine/hybrid_cache.py allocates (tests/test_hybrid_memory.py)."""
+        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * FP32_BYTES
+        conv = self.conv_dim // tp * (self.conv_kernel - 1) * act_bytes
+        return self.layers * (recurrent + conv)
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,12 @@ class Architecture:
     linear: LinearAttention | None = None
     sub_blocks: int = 1  # a block is denoised in this many sub-blocks: rows decided per forward
     notes: tuple[str, ...] = ()
+
+    def kv_bytes_per_token(self, kv_bytes: int, tp: int = 1) -> int:
+        """Keys + values one cached token adds on one rank: full-attention layers only (a
+        hybrid's DeltaNet layers keep fixed state instead); KV heads split over TP, each
+        rank keeping at least one."""
+        return 2 * self.full_attention_layers * max(1, self.kv_heads // tp) * self.head_dim * kv_bytes
 
 
 def _int(raw: dict[str, Any], key: str, default: Any = None) -> int:
@@ -466,6 +482,9 @@ class MemoryPlan:
     peak_transient: int  # max(forward + routing, logits): the two never coexist
     total: int
     notes: list[str] = field(default_factory=list)
+    # What one sequence holds on one rank, for capacity planning beyond this plan's shape:
+    kv_bytes_per_token: int = 0  # grows with every cached token
+    linear_state_bytes: int = 0  # fixed (hybrids: DeltaNet recurrent + conv state; else 0)
 
 
 def _act_bytes(s: Serving) -> int:
@@ -538,7 +557,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
 
     # Cache: what each sequence keeps between forwards.
     kv_heads_rank = max(1, a.kv_heads // tp)
-    per_token_kv = 2 * a.full_attention_layers * kv_heads_rank * a.head_dim * kv_bytes
+    per_token_kv = a.kv_bytes_per_token(kv_bytes, tp)
     cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": s.context - s.block_length}[s.cache]
     kv_text = {
         "none": "no cache: every forward recomputes the whole sequence",
@@ -550,12 +569,14 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
     }[s.cache]
     rows.append(Row("KV cache", per_token_kv * cached_tokens * s.batch,
                     f"{kv_text}; {s.kv_dtype}, {kv_heads_rank} KV heads x {a.head_dim} per rank, batch {s.batch}"))
+    state = a.linear.state_bytes(act, tp) if a.linear is not None else 0
     if a.linear is not None:
         la = a.linear
-        state = la.layers * (la.value_heads // tp * la.key_dim * la.value_dim * 4 + la.conv_dim // tp * (la.conv_kernel - 1) * act)
         rows.append(Row("linear-attention state", state * s.batch,
-                        f"per sequence and GDN layer: fp32 recurrent state [heads, {la.key_dim}, {la.value_dim}] "
-                        f"+ conv state of {la.conv_kernel - 1} rows; batch {s.batch}"))
+                        f"{state:,} bytes per sequence whatever its length: per GDN layer ({la.layers}), "
+                        f"fp32 recurrent state [{la.value_heads // tp} heads, {la.key_dim}, {la.value_dim}] "
+                        f"+ conv state of {la.conv_kernel - 1} rows x {la.conv_dim // tp} channels; "
+                        f"batch {s.batch}"))
 
     # Tokens in the largest forward.
     if s.cache == "block":
@@ -609,7 +630,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
                     "(--fragmentation)"))
     weights = sum(r.bytes for r in rows if r.name.startswith("weights:"))
     total = weights + cache_bytes + peak_transient + round(overhead * GIB) + frag
-    return MemoryPlan(rows, peak_transient, total, notes)
+    return MemoryPlan(rows, peak_transient, total, notes, per_token_kv, state)
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -759,6 +780,10 @@ def plan_report(
             "rows": [asdict(r) for r in plan.rows],
             "peak_transient_bytes": plan.peak_transient,
             "total_bytes": plan.total,
+            "per_sequence": {
+                "kv_bytes_per_token": plan.kv_bytes_per_token,
+                "linear_state_bytes": plan.linear_state_bytes,
+            },
         },
         "verdicts": verdicts,
         "notes": plan.notes,

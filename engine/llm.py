@@ -25,8 +25,9 @@ class GenerationOutput:
     nfe: int  # model forwards spent on this request
     seconds: float
     tokens_per_second: float
-    finish_reason: str
+    finish_reason: str  # "stop" (EOS generated) or "length"
     query_lengths: list[int]  # tokens fed to each forward
+    cache: str = "none"  # approximate K/V cache used: its cost shows in nfe and query_lengths
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +123,7 @@ class LLM:
                 tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,
                 finish_reason=s.finish_reason or "length",
                 query_lengths=s.query_lengths,
+                cache=s.params.cache,
             )
             for s in seqs
         ]

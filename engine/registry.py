@@ -21,6 +21,8 @@ class Family:
     architectures: tuple[str, ...]
     module: str  # dotted path of the module defining `Model`
     description: str
+    sampler: str = "llada"  # decoding rules: "llada" (generate()) or "dream" (diffusion_generate)
+    caches: tuple[str, ...] = ("none",)  # `--cache` modes the family can use
     # Block-causal attention (causal across blocks, full inside one): these families decode
     # with an exact KV cache through the block runner, and also in AR mode.
     block_causal: bool = False
@@ -46,6 +48,16 @@ FAMILIES: tuple[Family, ...] = (
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
+        caches=("none", "prefix", "dual"),
+    ),
+    Family(
+        name="dream",
+        model_types=("Dream",),
+        architectures=("DreamModel",),
+        module="engine.models.dream",
+        description="Dream / Dream-Coder / DiffuCoder: bidirectional Qwen2-style, logits shifted one position",
+        sampler="dream",
+        caches=("none", "prefix", "dual"),
     ),
     Family(
         name="llada2_moe",
@@ -54,6 +66,7 @@ FAMILIES: tuple[Family, ...] = (
         module="engine.models.llada2_moe",
         description="LLaDA2.x: block-diffusion MoE (sigmoid group-limited routing, shared expert)",
         block_causal=True,
+        caches=("none", "block"),
     ),
     Family(
         name="sdar",
@@ -62,6 +75,7 @@ FAMILIES: tuple[Family, ...] = (
         module="engine.models.sdar",
         description="SDAR: Qwen3-style block diffusion (dense or MoE)",
         block_causal=True,
+        caches=("none", "block"),
     ),
     Family(
         name="pangu",
@@ -70,6 +84,7 @@ FAMILIES: tuple[Family, ...] = (
         module="engine.models.pangu",
         description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
         block_causal=True,
+        caches=("none", "block"),
     ),
     Family(
         name="qwen3_5_moe",
@@ -94,10 +109,17 @@ def supported_names() -> str:
     return ", ".join(f"{f.name} (model_type {'/'.join(f.model_types)})" for f in FAMILIES)
 
 
-def is_block_causal(family_name: str) -> bool:
-    """Whether a family decodes block-causally (False for families not in the registry,
-    such as models served through the transformers backend)."""
-    return any(f.name == family_name and f.block_causal for f in FAMILIES)
+# What LLMEngine decodes a checkpoint outside the registry with (the transformers backend's
+# "forward" path): LLaDA's rules over the model's own forward, which knows no dlm cache.
+UNREGISTERED = Family(
+    name="transformers", model_types=(), architectures=(), module="",
+    description="a bidirectional model run through transformers", engine="",
+)
+
+
+def family_named(name: str) -> Family:
+    """The registered family called `name` (`ModelConfig.family`), else `UNREGISTERED`."""
+    return next((f for f in FAMILIES if f.name == name), UNREGISTERED)
 
 
 def family_for(raw_config: dict[str, Any]) -> Family:

@@ -2,12 +2,15 @@
 
 The canvas is the prompt followed by `gen_length` MASK tokens. Decoding walks the blocks
 left to right (semi-autoregressive); inside a block each step commits some masked
-positions, and committed tokens are never remasked.
+positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
+holding EOS ends the request: the rest of the canvas is filled with EOS (what the model would
+be forced to emit after it, and what dInfer writes) instead of being denoised for nothing.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +35,8 @@ class Sequence:
     query_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # set by the engine on its device when seeded
+    sampler: str = "llada"  # decoding rules of the model family: "llada" or "dream"
+    kv_cache: Any = None  # engine.cache.KVCache while an approximate cache is in use
 
     def __post_init__(self) -> None:
         gen = self.params.gen_length
@@ -51,6 +56,14 @@ class Sequence:
         assert b is not None
         start = self.prompt_length + self.block * b
         return start, start + b
+
+    def positions_to_decide(self) -> torch.Tensor:
+        """Absolute positions the next step decides: the block's MASK tokens, except that
+        Fast-dLLM's Dream block sampler commits only the block's first token in the forward
+        that refreshes the cache."""
+        if self.sampler == "dream" and self.params.cache != "none" and self.step_in_block == 0:
+            return self.block_bounds()[0] + torch.zeros(1, dtype=torch.long)
+        return self.masked_positions()
 
     def masked_positions(self) -> torch.Tensor:
         """Absolute positions of the MASK tokens in the current block."""
@@ -72,14 +85,22 @@ class Sequence:
         self.canvas[positions] = tokens
         self.step_in_block += 1
         while not self.finished and len(self.masked_positions()) == 0:
-            if self.block + 1 < self.params.num_blocks:
+            start, end = self.block_bounds()
+            if self.params.early_stop and self._holds_eos(start, end) and end < len(self.canvas):
+                self.canvas[end:] = self.eos_id
+                self._finish()
+            elif self.block + 1 < self.params.num_blocks:
                 self.block += 1
                 self._start_block()
             else:
-                generated = self.output_ids
-                self.finish_reason = (
-                    "stop" if self.eos_id is not None and self.eos_id in generated else "length"
-                )
+                self._finish()
+
+    def _holds_eos(self, start: int, end: int) -> bool:
+        return self.eos_id is not None and bool((self.canvas[start:end] == self.eos_id).any())
+
+    def _finish(self) -> None:
+        self.finish_reason = "stop" if self._holds_eos(self.prompt_length, len(self.canvas)) else "length"
+        self.kv_cache = None  # free the cache as soon as the request is done
 
     @property
     def output_ids(self) -> list[int]:

@@ -13,10 +13,14 @@ The checkpoint is loaded with transformers (its remote code only when the caller
   remote-code dLLM with its own sampler). The model's own generation method is called,
   `diffusion_generate` when it has one, else `generate`, one request at a time: no
   cross-request batching, no dlm caches, dlm's commit rules do not apply.
+
+Both paths present LLMEngine's interface, so `dlm generate` and `dlm serve` (its scheduler,
+limits, metrics) drive them like a native model.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,8 +30,9 @@ from torch import nn
 from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
 from engine.engine import LLMEngine, LoadedModel
-from engine.errors import DlmError, UsageError
+from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
+from engine.registry import UNREGISTERED
 from engine.sequence import Sequence
 
 PATHS = {
@@ -36,6 +41,12 @@ PATHS = {
     "generate": "the model's own generation method, one request at a time "
                 "(no cross-request batching, no dlm caches, dlm commit rules unused)",
 }
+# What the generate path further costs a server (said at `dlm serve` start-up after PATHS).
+GENERATE_SERVING_COSTS = (
+    "max_num_seqs is 1; a stream sends the answer in one piece at the end; a timeout or "
+    "disconnect stops a queued request but not a running generation; dLLM fields the method "
+    "does not take (steps, block_length, threshold, ...) are refused with 400"
+)
 
 
 def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> Any:
@@ -169,63 +180,118 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
     )
 
 
-class GenerateMethodEngine:
-    """Calls the model's own generation method for each request in turn."""
+# dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
+DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
+# Fields only dlm's own decoding honours; a model's method never receives them.
+DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode")
+_DEFAULTS = GenerationParams()
+
+
+class GenerateMethodEngine(LLMEngine):
+    """The model's own generation method behind LLMEngine's interface (`make_sequence`,
+    `running`, `step`, `abort`, `generate`), so `dlm generate` and the server's scheduler
+    drive it unchanged. The method decodes one prompt per call, so each `step()` runs one
+    whole request.
+
+    A field the method cannot honour is refused (`Unsupported`), never silently dropped:
+    a client asking for `steps=2` must not believe it got them."""
 
     path = "generate"
+    warmup_params = GenerationParams(gen_length=8)
 
-    def __init__(self, loaded: LoadedModel, hf_model: Any) -> None:
+    def __init__(self, loaded: LoadedModel, hf_model: Any) -> None:  # no dlm runner: the model decodes
         self.loaded, self.config, self.hf = loaded, loaded.config, hf_model
+        self.running: list[Sequence] = []  # type: ignore[assignment]
         self.method_name = "diffusion_generate" if hasattr(hf_model, "diffusion_generate") else "generate"
         self._method: Callable[..., Any] = getattr(hf_model, self.method_name)
+        accepted = inspect.signature(self._method).parameters
+        self._named = frozenset(accepted)
+        self._open = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        # A plain `generate` has **kwargs but no dLLM meaning for these names.
+        self.takes = frozenset(
+            f for f in DIFFUSION_FIELDS if self.method_name == "diffusion_generate" and self._accepts(f))
+        # Whether dlm's temperature can reach the method: transformers' GenerationConfig has
+        # do_sample (DiffusionGemma's own config has not); a diffusion_generate names it.
+        self.samples = (self._accepts("temperature") if self.method_name == "diffusion_generate"
+                        else hasattr(getattr(hf_model, "generation_config", None), "do_sample"))
         self._forward_lengths: list[int] = []
         hf_model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _accepts(self, name: str) -> bool:
+        return self._open or name in self._named
 
     def _count(self, _module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._forward_lengths.append(int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0)
 
+    def _refuse_unsupported(self, params: GenerationParams) -> None:
+        for name in (*DIFFUSION_FIELDS, *DLM_FIELDS):
+            if name not in self.takes and getattr(params, name) != getattr(_DEFAULTS, name):
+                taken = ", ".join(sorted(self.takes)) or "none of steps, block_length, threshold"
+                raise Unsupported(
+                    f"{name} does not apply here: this model decodes with its own {self.method_name} "
+                    f"(transformers backend, generate path), which takes {taken}"
+                )
+        if params.temperature > 0 and not self.samples:
+            raise Unsupported(f"temperature cannot be set here: this model's {self.method_name} samples "
+                              "with its own generation config")
+
+    def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        self._refuse_unsupported(params)
+        return params.validate(prompt_length, self.config.max_position_embeddings, UNREGISTERED)
+
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
+        Fields the method does not take come back as None: no dlm step count or block applies
+        (the server's step limit, for one, has nothing to bound)."""
+        resolved = self._resolve(params, prompt_length)
+        return replace(resolved, **{f: None for f in ("steps", "block_length") if f not in self.takes})
+
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
+        resolved = self._resolve(params, len(prompt_ids))
+        self.check_prompt(prompt_ids)
+        return Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+
     def _kwargs(self, params: GenerationParams) -> dict[str, Any]:
-        """dlm's parameters under the names the method takes. A plain `generate` gets only
-        the length and sampling; a `diffusion_generate` also steps, block length, threshold
-        and MASK id, filtered by its signature unless it takes **kwargs."""
+        """dlm's parameters under the names the method takes: the length; sampling when
+        temperature > 0, and for a plain `generate` greedy at 0 whatever the model's
+        generation config prefers (temperature 0 means greedy everywhere in dlm); for a
+        `diffusion_generate`, the diffusion fields it takes (dlm's defaults resolved) and the
+        MASK id, all filtered by its signature unless it takes **kwargs."""
         wanted: dict[str, Any] = {"max_new_tokens": params.gen_length}
         if params.temperature > 0:
             wanted.update(do_sample=True, temperature=params.temperature)
+        elif self.method_name == "generate" and self.samples:
+            wanted["do_sample"] = False
         if self.method_name == "diffusion_generate":
-            wanted.update(steps=params.steps, block_length=params.block_length, threshold=params.threshold,
-                          mask_token_id=self.config.mask_token_id if self.config.mask_token_id >= 0 else None)
-            accepted = inspect.signature(self._method).parameters
-            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-                wanted = {k: v for k, v in wanted.items() if k in accepted}
+            wanted.update({f: getattr(params, f) for f in self.takes})
+            if self.config.mask_token_id >= 0:
+                wanted["mask_token_id"] = self.config.mask_token_id
+            wanted = {k: v for k, v in wanted.items() if self._accepts(k)}
         return {k: v for k, v in wanted.items() if v is not None}
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """The same entry-point validation as LLMEngine.validate."""
-        return params.validate(prompt_length, self.config.max_position_embeddings)
-
     @torch.inference_mode()
-    def generate(
-        self, prompts: list[list[int]], params: GenerationParams,
-        on_step: Callable[[list[Sequence]], None] | None = None,
-    ) -> list[Sequence]:
-        resolved = [self.validate(params, len(p)) for p in prompts]
-        seqs = [Sequence(list(p), r, self.config.mask_token_id, self.config.eos_token_id) for p, r in zip(prompts, resolved)]
-        for seq in seqs:
-            if seq.params.seed is not None:
-                torch.manual_seed(seq.params.seed)
-            self._forward_lengths.clear()
-            ids = torch.tensor([seq.prompt_ids], device=self.loaded.device)
-            out = self._method(ids, **self._kwargs(seq.params))
-            tokens = getattr(out, "sequences", out)[0, seq.prompt_length :].tolist()[: seq.params.gen_length]
-            seq.canvas = torch.tensor(seq.prompt_ids + tokens, dtype=torch.long)
-            seq.nfe = len(self._forward_lengths)
-            seq.query_lengths = list(self._forward_lengths)
-            eos = self.config.eos_token_id
-            seq.finish_reason = "stop" if eos is not None and eos in tokens else "length"
-            if on_step is not None:
-                on_step(seqs)
-        return seqs
+    def step(self) -> list[Sequence]:  # type: ignore[override]
+        """Run the first unfinished request to its end; return the requests that finished."""
+        active = [s for s in self.running if not s.finished]
+        if active:
+            self._run(active[0])
+        done = [s for s in self.running if s.finished]
+        self.running = [s for s in self.running if not s.finished]
+        return done
+
+    def _run(self, seq: Sequence) -> None:
+        if seq.params.seed is not None:
+            torch.manual_seed(seq.params.seed)
+        self._forward_lengths.clear()
+        ids = torch.tensor([seq.prompt_ids], device=self.loaded.device)
+        out = self._method(ids, **self._kwargs(seq.params))
+        tokens = getattr(out, "sequences", out)[0, seq.prompt_length :].tolist()[: seq.params.gen_length]
+        seq.canvas = torch.tensor(seq.prompt_ids + tokens, dtype=torch.long)
+        seq.nfe = len(self._forward_lengths)
+        seq.query_lengths = list(self._forward_lengths)
+        eos = self.config.eos_token_id
+        seq.finish_reason = "stop" if eos is not None and eos in tokens else "length"
 
 
 class ForwardEngine(LLMEngine):

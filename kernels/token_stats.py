@@ -99,6 +99,7 @@ class VocabShard:
     (P = devices); only these few scalars per row cross devices, never logits."""
 
     start: int
+    size: int  # the whole vocabulary
     gather: Callable[[VocabPartial], VocabPartial]
 
 
@@ -110,10 +111,12 @@ def token_stats_partial_torch(
     seed: int = 0,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
     vocab_start: int = 0,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> VocabPartial:
-    """Statistics of the vocabulary range `weight` covers (ids vocab_start + row), P = 1."""
+    """Statistics of the vocabulary range `weight` covers (ids vocab_start + row), P = 1.
+    `exclude_token` is a global vocab id (it may lie outside this range)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     f64 = torch.float64
@@ -144,9 +147,16 @@ def token_stats_partial_torch(
             cols = torch.arange(logits.shape[1], device=device)[None, :] + (vocab_start + start)
             u = uniform53(seed, rows, cols)
             score = logits.to(f64) / temperature - torch.log(-torch.log(u))
-            chunk_best, chunk_idx = score.max(dim=-1)
         else:
+            score = None
+        excluded = None if exclude_token is None else exclude_token - vocab_start - start
+        if excluded is not None and 0 <= excluded < logits.shape[1]:
+            score = logits.to(f64) if score is None else score  # a fresh tensor either way
+            score[:, excluded] = float("-inf")
+        if score is None:
             chunk_best, chunk_idx = chunk_max.to(f64), chunk_argmax
+        else:
+            chunk_best, chunk_idx = score.max(dim=-1)
         better = chunk_best > best_score  # strict: the first maximal index wins, like argmax
         best_score = torch.where(better, chunk_best, best_score)
         best_token = torch.where(better, chunk_idx + (vocab_start + start), best_token)
@@ -165,6 +175,7 @@ def token_stats_torch(
     generator: torch.Generator | None = None,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> TokenStats:
     """hidden [N, d] (final-normed), weight [V, d] (LM head).
@@ -172,11 +183,14 @@ def token_stats_torch(
     With temperature > 0 the token is argmax(logits / T + Gumbel noise), i.e. a sample from
     softmax(logits / T); one seed per call is drawn from `generator` and the noise of each
     (row, token) derives from it (`kernels.gumbel`).
+    `exclude_token` (the MASK id) is never chosen, though it keeps its share of the softmax:
+    committing MASK would leave the position undecided forever, and the probabilities stay
+    the model's.
     """
     seed = draw_seed(generator, hidden.device) if temperature > 0 else 0
     return combine(token_stats_partial_torch(
         hidden, weight, temperature=temperature, seed=seed, want_entropy=want_entropy,
-        want_margin=want_margin, chunk_size=chunk_size,
+        want_margin=want_margin, exclude_token=exclude_token, chunk_size=chunk_size,
     ))
 
 
@@ -188,18 +202,22 @@ def token_stats_unfused(
     generator: torch.Generator | None = None,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
 ) -> TokenStats:
     """The straightforward path (full [N, V] logits and softmax): the test oracle and the
     benchmark baseline. Same noise as the chunked paths, materialised for every token."""
     logits = (hidden @ weight.T).to(torch.float64)
     p = torch.softmax(logits, dim=-1)
+    score = logits
     if temperature > 0:
         seed = draw_seed(generator, hidden.device)
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
         cols = torch.arange(logits.shape[1], device=logits.device)[None, :]
-        token = (logits / temperature - torch.log(-torch.log(uniform53(seed, rows, cols)))).argmax(-1)
-    else:
-        token = logits.argmax(-1)
+        score = logits / temperature - torch.log(-torch.log(uniform53(seed, rows, cols)))
+    if exclude_token is not None:
+        score = score.clone()
+        score[:, exclude_token] = float("-inf")
+    token = score.argmax(-1)
     prob = p.gather(1, token[:, None])[:, 0]
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1) if want_entropy else None
     margin = None

@@ -42,11 +42,11 @@ def _uniform53(seed, rows, cols):
 
 
 # An int argument equal to 1 would otherwise be specialised into a constexpr (no `.to`).
-@triton.jit(do_not_specialize=["seed", "vocab_start"])
+@triton.jit(do_not_specialize=["seed", "vocab_start", "exclude"])
 def _token_stats_kernel(
     h_ptr, w_ptr, max_ptr, sum_ptr, sum_logit_ptr, top2_ptr, score_ptr, token_ptr, logit_ptr,
-    N, V, D, stride_h, stride_w, split_size, vocab_start, temperature, seed,
-    WANT_ENTROPY: tl.constexpr, WANT_MARGIN: tl.constexpr, SAMPLE: tl.constexpr,
+    N, V, D, stride_h, stride_w, split_size, vocab_start, temperature, seed, exclude,
+    WANT_ENTROPY: tl.constexpr, WANT_MARGIN: tl.constexpr, SAMPLE: tl.constexpr, EXCLUDE: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -98,8 +98,14 @@ def _token_stats_kernel(
         if SAMPLE:
             u = _uniform53(seed, rows, vocab_start + cols)
             score = logits.to(tl.float64) / temperature - tl.log(-tl.log(u))
+            if EXCLUDE:  # never chosen; its logit still counts in the softmax above
+                score = tl.where((vocab_start + cols == exclude)[None, :], float("-inf"), score)
             tile_best = tl.max(score, axis=1)
             tile_idx = tl.argmax(score, axis=1, tie_break_left=True)
+        elif EXCLUDE:
+            allowed = tl.where((vocab_start + cols == exclude)[None, :], float("-inf"), logits)
+            tile_best = tl.max(allowed, axis=1).to(tl.float64)
+            tile_idx = tl.argmax(allowed, axis=1, tie_break_left=True)
         else:
             tile_best = tile_max.to(tl.float64)
             tile_idx = tl.argmax(logits, axis=1, tie_break_left=True)
@@ -129,6 +135,7 @@ def token_stats_partial_triton(
     seed: int = 0,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
     vocab_start: int = 0,
     chunk_size: int = DEFAULT_SPLIT,
 ) -> VocabPartial:
@@ -161,7 +168,9 @@ def token_stats_partial_triton(
         part.best_score, part.best_token, part.best_logit,
         n, vocab, d, hidden.stride(0), weight.stride(0), split, vocab_start,
         float(temperature) if temperature > 0 else 1.0, int(seed),
+        -1 if exclude_token is None else int(exclude_token),
         WANT_ENTROPY=want_entropy, WANT_MARGIN=want_margin, SAMPLE=temperature > 0,
+        EXCLUDE=exclude_token is not None,
         UPCAST=upcast_dot(hidden.dtype), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
     )
     return part
@@ -175,11 +184,12 @@ def token_stats_triton(
     generator: torch.Generator | None = None,
     want_entropy: bool = False,
     want_margin: bool = False,
+    exclude_token: int | None = None,
     chunk_size: int = DEFAULT_SPLIT,
 ) -> TokenStats:
     """Same contract as `token_stats_torch` (same seed draw, so the same sampled ids)."""
     seed = draw_seed(generator, hidden.device) if temperature > 0 else 0
     return combine(token_stats_partial_triton(
         hidden, weight, temperature=temperature, seed=seed, want_entropy=want_entropy,
-        want_margin=want_margin, chunk_size=chunk_size,
+        want_margin=want_margin, exclude_token=exclude_token, chunk_size=chunk_size,
     ))

@@ -49,3 +49,14 @@ def tiny_llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
     save_checkpoint(directory, config, random_llada_tensors(config, seed=0))
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Dream checkpoint (4 query heads over 2 KV heads, q/k/v biases), single file."""
+    from engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny_dream")
+    config = dream_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
+    save_checkpoint(directory, config, random_dream_tensors(config, seed=0))
+    return directory

@@ -39,6 +39,7 @@ class Behaviour:
     max_model_len: int = 2048  # advertised in /v1/models
     accepted_context: int | None = None  # what it really accepts (None: max_model_len)
     ignores_dllm: bool = False  # steps / threshold / block_length have no effect
+    refuses_dllm: str | None = None  # steps / threshold / block_length get a 400 with this error code
     lax_validation: bool = False  # invalid parameters crash into a 500
     queue_limit: int | None = None  # in-flight requests beyond this are rejected
     overload_status: int = 429
@@ -57,7 +58,9 @@ def error(status: int, message: str, kind: str = "invalid_request_error",
 
 
 class Invalid(Exception):
-    pass
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
@@ -76,6 +79,10 @@ def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
         raise Invalid("unknown remasking")
     if body.get("cache", "none") not in ("none", "prefix", "dual", "block"):
         raise Invalid("unknown cache")
+    if b.refuses_dllm is not None:
+        for name in ("steps", "block_length", "threshold"):
+            if body.get(name) is not None:
+                raise Invalid(f"{name} is not supported by this model", param=name, code=b.refuses_dllm)
     if b.ignores_dllm:
         return max_tokens
     if threshold is not None:
@@ -162,6 +169,9 @@ def make_app(b: Behaviour) -> FastAPI:
         except (Invalid, KeyError, TypeError) as exc:
             if b.lax_validation:
                 return PlainTextResponse("Internal Server Error", status_code=500)
+            if isinstance(exc, Invalid) and exc.code is not None:
+                return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
+                                               "param": exc.param, "code": exc.code}}, status_code=400)
             return error(400, str(exc) or "bad request")
         if n_prompt + max_tokens > (b.accepted_context or b.max_model_len):
             return error(400, "prompt is longer than the context")

@@ -113,8 +113,11 @@ TOOLS_TEMPLATE = (
 )
 
 
-def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL) -> Path:
+def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL, id_offset: int = 0) -> Path:
     """A tiny LLaDA checkpoint that writes one known token at every masked position.
+
+    The token's id is the first free one plus `id_offset`: checkpoints made with different
+    offsets differ in their weights, not only in their tokenizers.
 
     The token is added to the shipped tokenizer with `token_text` as its content, and the
     chat template shows `tools` to the model (Hermes style), so the server's tool-call path
@@ -128,11 +131,13 @@ def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL) -> Pat
 
     assets = ROOT / "engine" / "assets" / "tiny_tokenizer"
     tokenizer = json.loads((assets / "tokenizer.json").read_text())
-    token_id = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
-    tokenizer["added_tokens"].append({
-        "id": token_id, "content": token_text, "single_word": False, "lstrip": False,
-        "rstrip": False, "normalized": False, "special": False,
-    })
+    first_free = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
+    token_id = first_free + id_offset
+    for i, text in enumerate([*(f"<|unused_{j}|>" for j in range(id_offset)), token_text]):
+        tokenizer["added_tokens"].append({  # ids must be contiguous: fillers before the known token
+            "id": first_free + i, "content": text, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": text != token_text,
+        })
     config = llada_config(vocab_size=token_id + 1, mask_token_id=1, eos_token_id=0, max_sequence_length=2048)
     tensors = random_llada_tensors(config, seed=1)
     p = "model.transformer."

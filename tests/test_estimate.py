@@ -220,6 +220,8 @@ def _measured_peak_bytes(llm: Any, prompts: list[list[int]], **params: Any) -> i
 MEASURE: dict[str, Callable[[Path], Path]] = {
     "llada": lambda d: tiny_checkpoint(d, "llada", vocab_size=512, mask_token_id=511, eos_token_id=510,
                                        embedding_size=512, mlp_hidden_size=256, max_sequence_length=1024),
+    "dream": lambda d: tiny_checkpoint(d, "dream", vocab_size=512, mask_token_id=511, eos_token_id=510,
+                                       intermediate_size=256, max_position_embeddings=1024),
     "llada2_moe": lambda d: tiny_checkpoint(d, "llada2", intermediate_size=256, vocab_size=512,
                                             mask_token_id=511, eos_token_id=510),
     "sdar": lambda d: tiny_checkpoint(d, "sdar", intermediate_size=256, vocab_size=512,

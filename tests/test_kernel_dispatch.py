@@ -33,6 +33,20 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         dispatch.backend(cpu)
 
 
+def through_both(llm: LLM, prompts: list[list[int]], kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Generate with the torch twins, then with the Triton kernels (interpreted): (twins'
+    outputs, kernels' outputs, the kernels the second run dispatched)."""
+    monkeypatch.setenv("DLM_KERNELS", "torch")
+    twins = llm.generate(prompts, **kwargs)
+    monkeypatch.setenv("DLM_KERNELS", "triton")
+    calls: list[str] = []
+    real = dispatch.implementation
+    monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
+    kernels = llm.generate(prompts, **kwargs)
+    monkeypatch.setattr(dispatch, "implementation", real)
+    return twins, kernels, set(calls)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -45,16 +59,33 @@ def test_engine_ids_identical_through_triton_and_torch(
 ) -> None:
     llm = LLM(tiny_llada, dtype="float32", device="cpu")
     prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3]]  # ragged: padding and kv_lens
-    monkeypatch.setenv("DLM_KERNELS", "torch")
-    twins = llm.generate(prompts, **kwargs)
-    monkeypatch.setenv("DLM_KERNELS", "triton")
-    calls: list[str] = []
-    real = dispatch.implementation
-    monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
-    kernels = llm.generate(prompts, **kwargs)
-    assert {"token_stats", "rms_norm", "rotary", "attention"} <= set(calls)
+    twins, kernels, calls = through_both(llm, prompts, kwargs, monkeypatch)
+    assert {"token_stats", "rms_norm", "rotary", "attention"} <= calls
     assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
     assert [o.nfe for o in kernels] == [o.nfe for o in twins]
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [
+        ("dream", dict(gen_length=8, block_length=4, steps=4)),  # entropy: token_stats' entropy
+        ("dream", dict(gen_length=8, block_length=4, steps=4, alg="topk_margin", cache="prefix")),
+        ("dream", dict(gen_length=8, block_length=4, alg="confidence_threshold", threshold=0.3, cache="dual")),
+        ("llada", dict(gen_length=8, block_length=4, threshold=0.3, cache="dual")),
+    ],
+)
+def test_bidirectional_caches_identical_through_triton_and_torch(
+    tiny_dream: Path, tiny_llada: Path, monkeypatch: pytest.MonkeyPatch, family: str, kwargs: dict
+) -> None:
+    """Dream (shifted logits, MASK excluded by the token_stats kernel) and the Fast-dLLM
+    prefix/dual caches (cached keys through the attention kernel's kv_lens): same ids with
+    the Triton kernels (interpreted) as with the torch twins, ragged prompts batched."""
+    llm = LLM(tiny_dream if family == "dream" else tiny_llada, dtype="float32", device="cpu")
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3]]
+    twins, kernels, calls = through_both(llm, prompts, kwargs, monkeypatch)
+    assert {"token_stats", "rms_norm", "rotary", "attention"} <= calls
+    assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
+    assert [o.query_lengths for o in kernels] == [o.query_lengths for o in twins]
 
 
 def test_chunked_lm_head_stats_use_an_eighth_of_the_unfused_peak() -> None:
@@ -88,20 +119,34 @@ def test_block_families_identical_through_triton_and_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
     """Every block-causal family: same ids with the Triton kernels (interpreted) as with
-    the torch twins, exact cache and recompute alike."""
+    the torch twins, on the serving path (exact block cache). openPangu decodes its fixed
+    32-token blocks in sub-blocks, so it gets one short prompt to stay within the budget."""
     from engine.block_checkpoints import write_tiny
 
     llm = LLM(write_tiny(tmp_path / family, family), dtype="float32", device="cpu")
-    prompts = [[5, 17, 42, 8, 9], [9, 8, 7]]
-    for cache in ("block", "none"):
-        kwargs = dict(gen_length=8, block_length=4, threshold=0.5, cache=cache)
-        monkeypatch.setenv("DLM_KERNELS", "torch")
-        twins = llm.generate(prompts, **kwargs)
-        monkeypatch.setenv("DLM_KERNELS", "triton")
-        calls: list[str] = []
-        real = dispatch.implementation
-        monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
-        kernels = llm.generate(prompts, **kwargs)
-        monkeypatch.setattr(dispatch, "implementation", real)
-        assert {"token_stats", "rms_norm", "rotary"} <= set(calls)
-        assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
+    prompts = [[5, 17, 42, 8, 9]] if family == "pangu" else [[5, 17, 42, 8, 9], [9, 8, 7]]
+    kwargs = dict(gen_length=8, block_length=4, threshold=0.5, cache="block")
+    twins, kernels, calls = through_both(llm, prompts, kwargs, monkeypatch)
+    assert {"token_stats", "rms_norm", "rotary"} <= calls
+    assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
+
+
+def test_clover_identical_through_triton_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hybrid (Gated DeltaNet + gated attention) family under Clover's decoder."""
+    from tests.hybrid_checkpoints import reference_model, save_reference
+
+    directory = save_reference(
+        reference_model(seed=5), tmp_path / "clover", model_type="clover_moe",
+        architectures=["CloverMoeForCausalLM"], mask_token_id=159, eos_token_id=158,
+    )
+    llm = LLM(directory, dtype="float32", device="cpu")
+    kwargs = dict(gen_length=32, block_length=32, threshold=0.5)
+    monkeypatch.setenv("DLM_KERNELS", "torch")
+    twins = llm.generate([5, 17, 42, 99, 3, 7, 11], **kwargs)
+    monkeypatch.setenv("DLM_KERNELS", "triton")
+    calls: list[str] = []
+    real = dispatch.implementation
+    monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
+    kernels = llm.generate([5, 17, 42, 99, 3, 7, 11], **kwargs)
+    assert {"token_stats", "rms_norm", "rotary"} <= set(calls)
+    assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]

@@ -96,6 +96,37 @@ def test_vocab_shards_combine_to_the_whole(partial) -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)  # fp32 logits: summation order
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_excluded_token_is_never_chosen_but_keeps_its_softmax_share(temperature: float) -> None:
+    # Token 333 (in the second 128-column tile of the first split) is every row's favourite.
+    hidden, weight = randn(21, 16, seed=12), randn(500, 16, seed=13)
+    weight[333] = hidden.mean(0) * 8
+    kw = dict(temperature=temperature, want_entropy=True, want_margin=True)
+    free = token_stats_unfused(hidden, weight, generator=torch.Generator().manual_seed(3), **kw)
+    assert (free.token == 333).sum() > 5
+    results = [
+        fn(hidden, weight, generator=torch.Generator().manual_seed(3), exclude_token=333, **kw)
+        for fn in (token_stats_unfused, token_stats_triton, token_stats_torch)
+    ]
+    oracle = results[0]
+    assert (oracle.token != 333).all()
+    assert torch.allclose(oracle.entropy, free.entropy) and torch.allclose(oracle.margin, free.margin)
+    logp = torch.log_softmax((hidden @ weight.T).double(), -1)  # MASK keeps its share
+    assert torch.allclose(oracle.prob, logp.gather(1, oracle.token[:, None])[:, 0].exp())
+    for stats in results[1:]:
+        assert torch.equal(stats.token, oracle.token)
+        assert torch.allclose(stats.prob, oracle.prob, rtol=1e-5, atol=1e-8)
+    shards = [
+        partial(hidden, weight[lo:hi], vocab_start=lo, seed=5, exclude_token=333, **kw)
+        for partial in (token_stats_partial_torch, token_stats_partial_triton)
+        for lo, hi in ((0, 300), (300, 500))
+    ]
+    merged_torch, merged_triton = (combine(VocabPartial.cat(shards[i : i + 2])) for i in (0, 2))
+    whole = combine(token_stats_partial_torch(hidden, weight, seed=5, exclude_token=333, **kw))
+    assert (whole.token != 333).all()
+    assert torch.equal(merged_torch.token, whole.token) and torch.equal(merged_triton.token, whole.token)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centred", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -1,4 +1,4 @@
-"""The engine reproduces the LLaDA and Fast-dLLM reference vectors (no-cache variants)."""
+"""The engine reproduces the LLaDA and Fast-dLLM reference vectors, without and with caches."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,20 @@ VECTORS = [
     "fastdllm_llada_generate_gen128",
     "fastdllm_llada_generate_thr0.9_gen64",
     "fastdllm_llada_generate_thr0.9_gen128",
+    "fastdllm_llada_prefix_cache_gen64",
+    "fastdllm_llada_prefix_cache_gen128",
+    "fastdllm_llada_prefix_cache_thr0.9_gen64",
+    "fastdllm_llada_prefix_cache_thr0.9_gen128",
+    "fastdllm_llada_dual_cache_gen64",
+    "fastdllm_llada_dual_cache_gen128",
+    "fastdllm_llada_dual_cache_thr0.9_gen64",
+    "fastdllm_llada_dual_cache_thr0.9_gen128",
 ]
+
+
+def cache_of(reference: str) -> str:
+    """The vector's cache variant, from the reference function's name."""
+    return "prefix" if "prefix_cache" in reference else "dual" if "dual_cache" in reference else "none"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +54,7 @@ def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
         meta["prompt_ids"], gen_length=meta["gen_length"], steps=meta["steps"],
         block_length=meta["block_length"], remasking=meta["remasking"],
         temperature=meta["temperature"], threshold=meta["extra_kwargs"].get("threshold"),
+        cache=cache_of(meta["reference"]), early_stop=False,
     )[0]
     assert out.output_ids == meta["generated_ids"]
     assert out.nfe == meta["nfe"]

@@ -121,6 +121,19 @@ def test_server_output_equals_dlm_generate(server: ServerProcess, tmp_path_facto
     assert body["usage"]["prompt_tokens"] == len(expected["prompt_ids"])
 
 
+def test_fast_dllm_caches_are_served(server: ServerProcess) -> None:
+    """The prefix/dual caches are request fields; the cost shows in fewer tokens per forward,
+    not in fewer answers."""
+    for cache in ("prefix", "dual"):
+        response = post(server, "/v1/completions", {
+            "model": MODEL, "prompt": "Hello", "max_tokens": 16, "block_length": 8, "steps": 8,
+            "cache": cache, "return_token_ids": True,
+        })
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length") and choice["token_ids"]
+
+
 LONG_PROMPT = list(range(10, 600))
 
 
@@ -138,7 +151,10 @@ LONG_PROMPT = list(range(10, 600))
     (dict(body={"prompt": "x", "max_tokens": 30, "block_length": 8}), 400, "invalid_request_error", "max_tokens", "invalid_value"),
     (dict(body={"prompt": "x", "threshold": 1.5}), 400, "invalid_request_error", "threshold", "invalid_value"),
     (dict(body={"prompt": "x", "remasking": "sideways"}), 400, "invalid_request_error", "remasking", "invalid_value"),
-    (dict(body={"prompt": "x", "cache": "dual"}), 400, "invalid_request_error", "cache", "invalid_value"),
+    (dict(body={"prompt": "x", "cache": "block"}), 400, "invalid_request_error", "cache", "invalid_value"),
+    (dict(body={"prompt": "x", "cache": "quad"}), 400, "invalid_request_error", "cache", "invalid_value"),
+    (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "invalid_value"),
+    (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "invalid_value"),
     (dict(body={"prompt": "x", "decode_mode": "ar"}), 400, "invalid_request_error", "decode_mode", "invalid_value"),
     (dict(body={"prompt": "x", "n": 2}), 400, "invalid_request_error", "n", "unsupported"),
     (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", None),

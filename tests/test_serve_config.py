@@ -51,6 +51,7 @@ def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
     ("port = 70000\n", {}, "invalid setting port"),
     ("", {"max_num_seqs": 0}, "invalid setting max_num_seqs"),
     ("", {"log_level": "loud"}, "invalid setting log_level"),
+    ("", {"backend": "onnx"}, "invalid setting backend"),
     ("", {"ssl_certfile": "cert.pem"}, "needs both"),
     ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
     ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
@@ -125,6 +126,12 @@ def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> N
     result = dlm_serve(str(model), "--port", "0")
     assert result.returncode == 2, result.stderr
     assert "unsupported model_type" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_remote_code_trust_without_the_transformers_backend_is_bad_usage() -> None:
+    result = dlm_serve("--trust-remote-code", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert "--trust-remote-code only applies to --backend transformers" in result.stderr
 
 
 def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:

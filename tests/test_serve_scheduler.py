@@ -218,3 +218,41 @@ def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache:
         assert out.finish_reason in ("stop", "length")
         n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
         assert n > 0 and out.prefix_ids[:n] == expected[:n]
+
+
+def test_dream_with_caches_serves_through_the_same_loop(tiny_dream: Path) -> None:
+    """Dream requests with different caches (none, prefix, dual) and algorithms share the
+    server loop's forwards and give what each gives alone (batch invariance)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dream = LLMEngine(load_model(tiny_dream, torch.float32, torch.device("cpu")))
+        params = [
+            GenerationParams(gen_length=16, block_length=8, steps=8, cache="prefix"),
+            GenerationParams(gen_length=16, block_length=8, cache="dual", alg="confidence_threshold"),
+            GenerationParams(gen_length=8, steps=4, alg="topk_margin"),
+        ]
+        prompts = [[5, 6, 7], [9, 10], [11]]
+        solo = [dream.generate([p], prm)[0].output_ids for p, prm in zip(prompts, params)]
+
+        async def main() -> list:
+            log = StepLog()
+            aengine = AsyncEngine(dream, SchedulerLimits(max_num_seqs=4), observer=log)
+            aengine.start()
+            try:
+                streams = [aengine.submit(f"d{i}", p, prm, timeout=None)
+                           for i, (p, prm) in enumerate(zip(prompts, params))]
+                outs = [await s.result() for s in streams]
+            finally:
+                aengine.stop()
+            assert max(size for _, _, size in log.steps) == 3  # all three in one forward
+            return outs
+
+        outs = run(main())
+    finally:
+        torch.set_num_threads(threads)
+    eos = dream.config.eos_token_id
+    for expected, out in zip(solo, outs):
+        assert out.finish_reason in ("stop", "length")
+        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
+        assert n > 0 and out.prefix_ids[:n] == expected[:n]

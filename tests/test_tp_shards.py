@@ -33,7 +33,7 @@ def _logits(model: torch.nn.Module, family: str, mask_id: int) -> torch.Tensor:
     if family in ("clover", "qwen3_5_moe_stacked"):
         hidden, _ = model.forward_tokens(x[None], torch.arange(len(x))[None], None)
         return model.logits(hidden[0])
-    if family == "llada":
+    if family in ("llada", "dream"):
         return full_logits(model, x[None])[0]
     groups = torch.where(torch.arange(len(x)) < len(PROMPT), torch.arange(len(x)), len(PROMPT))
     return masked_logits(model, x, groups)

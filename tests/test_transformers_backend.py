@@ -12,8 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
-from engine.errors import UsageError
+from engine.errors import Unsupported, UsageError
 from engine.llm import LLM
+from engine.params import GenerationParams
 from tests.hybrid_checkpoints import reference_model, save_reference
 
 MASK = 99
@@ -75,11 +76,26 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     llm = LLM(directory, dtype="float32", device="cpu", backend="transformers")
     assert llm.engine.path == "generate" and llm.engine.method_name == "generate"
     prompt = [5, 17, 42, 99, 3, 7]
-    out = llm.generate(prompt, gen_length=8, block_length=8)[0]
+    out = llm.generate(prompt, gen_length=8)[0]
     with torch.inference_mode():
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
     assert out.output_ids == expected.tolist()[: len(out.output_ids)]
     assert out.query_lengths[0] == len(prompt) and out.nfe == len(out.query_lengths) >= 1
+    # dLLM fields a plain `generate` cannot honour are refused, not silently dropped.
+    for field in ("steps", "block_length", "threshold", "remasking", "cfg_scale"):
+        value = {"steps": 2, "block_length": 4, "threshold": 0.5, "remasking": "random", "cfg_scale": 1.0}[field]
+        with pytest.raises(Unsupported, match=f"^{field} does not apply"):
+            llm.generate(prompt, gen_length=8, **{field: value})
+    assert llm.engine.validate(GenerationParams(gen_length=8), len(prompt)).steps is None  # no step count applies
+    # Temperature 0 is greedy even when the model's generation config prefers sampling;
+    # temperature > 0 samples through the model's own generate, reproducibly with a seed.
+    llm.engine.hf.generation_config.do_sample = True
+    assert llm.generate(prompt, gen_length=8)[0].output_ids == out.output_ids
+    sampled = llm.generate(prompt, gen_length=8, temperature=5.0, seed=4)[0]
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=True, temperature=5.0)
+    assert sampled.output_ids == expected[0, len(prompt):].tolist()[: len(sampled.output_ids)]
 
 
 def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ MISBEHAVIOURS = {
     "non-deterministic": (Behaviour(random_text=True), {"determinism", "completion_stream", "chat_stream"}),
     "no /metrics": (Behaviour(metrics=False), {"metrics"}),
     "ignores dLLM fields": (Behaviour(ignores_dllm=True), {"steps", "threshold", "block_length"}),
+    "refuses dLLM fields as invalid": (Behaviour(refuses_dllm="invalid_value"), {"steps", "threshold", "block_length"}),
     "500 on invalid input": (Behaviour(lax_validation=True), {"invalid_params"}),
     "context too small": (Behaviour(accepted_context=64), {"context_window"}),
     "accepts over-long prompts": (Behaviour(max_model_len=256, accepted_context=100_000), {"overlong_prompt"}),
@@ -77,6 +78,16 @@ MISBEHAVIOURS = {
 def test_each_misbehaviour_fails_its_checks(case: str) -> None:
     behaviour, expected = MISBEHAVIOURS[case]
     assert failed(validate(behaviour)) == expected
+
+
+def test_dllm_checks_are_skipped_when_the_server_refuses_the_fields_as_unsupported() -> None:
+    """A server that says it cannot honour steps (a model decoding with its own generate
+    method) is not failed for it, and says why; one that ignores them still fails (above)."""
+    results = validate(Behaviour(refuses_dllm="unsupported"))
+    assert failed(results) == set()
+    for name in ("steps", "threshold", "block_length"):
+        assert results[name].status == SKIPPED
+        assert "refuses steps as unsupported: steps is not supported by this model" in results[name].detail
 
 
 def test_queue_full_with_429_and_retry_after_is_correct_overload_handling() -> None:

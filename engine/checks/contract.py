@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from engine.checks.runner import Check, CheckFailed, Context, expect_status, json_body
-from engine.client.api import StreamResult
+from engine.checks.runner import Check, CheckFailed, CheckSkipped, Context, expect_status, json_body
+from engine.client.api import StreamResult, error_message
 
 PROMPT = "Write one sentence about the sea."
 FINISH_REASONS = ("stop", "length")
@@ -88,7 +88,11 @@ def chat_body(ctx: Context, **fields: Any) -> dict[str, Any]:
 
 
 def post_ok(ctx: Context, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = ctx.client.post(path, body)
+    return choices_body(ctx.client.post(path, body), path)
+
+
+def choices_body(response: httpx.Response, path: str) -> dict[str, Any]:
+    """The 200 JSON body of a generation request, with at least one choice."""
     expect_status(response, 200, path)
     result = json_body(response, path)
     if not isinstance(result, dict) or not result.get("choices"):
@@ -183,12 +187,32 @@ def determinism(ctx: Context) -> str:
     return "3 identical answers at temperature 0"
 
 
+def refused_field(response: httpx.Response, fields: dict[str, Any]) -> str | None:
+    """The field a 400 `unsupported` error names, when it is one of `fields`: the server says
+    it cannot honour it (e.g. a model decoding with its own generate method), rather than
+    ignoring it. Anything else, a bad status included, is left to the caller to judge."""
+    if response.status_code != 400:
+        return None
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if isinstance(error, dict) and error.get("code") == "unsupported" and error.get("param") in fields:
+        return str(error["param"])
+    return None
+
+
 def denoising(ctx: Context, **fields: Any) -> tuple[int, str]:
-    """(usage.denoising_steps, finish_reason) of a 16-token completion with these dLLM fields."""
+    """(usage.denoising_steps, finish_reason) of a 16-token completion with these dLLM fields.
+    Skips the calling check when the server refuses one of the fields as unsupported."""
     key = tuple(sorted(fields.items()))
     cache = ctx.facts.setdefault("denoising", {})
     if key not in cache:
-        body = post_ok(ctx, "/v1/completions", completion_body(ctx, max_tokens=DLLM_TOKENS, **fields))
+        response = ctx.client.post("/v1/completions", completion_body(ctx, max_tokens=DLLM_TOKENS, **fields))
+        refused = refused_field(response, fields)
+        if refused is not None:
+            raise CheckSkipped(f"the server refuses {refused} as unsupported: {error_message(response)}")
+        body = choices_body(response, "/v1/completions")
         steps = (body.get("usage") or {}).get("denoising_steps")
         if not isinstance(steps, int):
             raise CheckFailed("usage.denoising_steps is missing")

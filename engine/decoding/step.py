@@ -1,11 +1,42 @@
-"""One denoising decision for one sequence: which masked positions to commit, and to what."""
+"""One denoising decision for one sequence: which positions to commit, and to what.
+
+Two families of rules: LLaDA's `generate()` (linear schedule, threshold, factor, random
+remasking) and Dream's `diffusion_generate` (engine/decoding/dream.py). This module picks the
+statistics each needs from the LM head and applies the rule.
+"""
 from __future__ import annotations
 
 import torch
 
+from engine.decoding import dream
 from engine.decoding.commit import above_threshold, factor_rule, top_k
+from engine.decoding.sampling import filtered_stats
+from engine.layers.linear import gather_logits
 from engine.params import GenerationParams
-from kernels.token_stats import TokenStats
+from engine.sequence import Sequence
+from kernels import dispatch
+from kernels.token_stats import TokenStats, VocabShard
+
+
+def token_stats(
+    seq: Sequence, hidden: torch.Tensor, weight: torch.Tensor, shard: VocabShard | None = None
+) -> TokenStats:
+    """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d]. The MASK
+    token is never proposed: committing it would leave the position masked forever (the
+    references loop or leave MASKs in the output there; real checkpoints never rank it first).
+    `shard`: `weight` is this rank's vocabulary range (tensor parallelism)."""
+    p, mask = seq.params, seq.mask_id
+    if seq.sampler != "dream":
+        return dispatch.token_stats(hidden, weight, temperature=p.temperature, generator=seq.generator,
+                                    exclude_token=mask, shard=shard)
+    if p.temperature > 0 or p.top_p is not None or p.top_k is not None:
+        # Top-p / top-k filtering needs the sorted distribution: the decided rows' logits
+        # (gathered over the vocabulary shards under tensor parallelism).
+        logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
+        return filtered_stats(logits, temperature=p.temperature, top_p=p.top_p,
+                              top_k=p.top_k, generator=seq.generator, exclude_token=mask)
+    return dispatch.token_stats(hidden, weight, want_entropy=p.alg == "entropy",
+                                want_margin=p.alg == "topk_margin", exclude_token=mask, shard=shard)
 
 
 def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
@@ -17,20 +48,21 @@ def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Gen
     return stats.prob
 
 
-def decide(
-    params: GenerationParams,
-    positions: torch.Tensor,
-    stats: TokenStats,
-    scheduled: int,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [n] (masked, current block), stats for them; `scheduled` is the linear
-    schedule's count for this step. Returns (positions, tokens) to commit."""
-    conf = confidence(params, stats, generator).cpu()
-    if params.threshold is not None:
-        chosen = above_threshold(conf, params.threshold)
-    elif params.factor is not None:
-        chosen = factor_rule(conf, params.factor)
+def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n] (`seq.positions_to_decide()`), stats for them. Returns (positions,
+    tokens) to commit."""
+    params, step = seq.params, seq.step_in_block
+    if seq.sampler == "dream":
+        if params.cache != "none" and step == 0:
+            chosen = torch.zeros(1, dtype=torch.long)  # the refresh commits the block's first token
+        else:
+            chosen = dream.choose(params, step, stats, seq.generator)
     else:
-        chosen = top_k(conf, scheduled)
+        conf = confidence(params, stats, seq.generator).cpu()
+        if params.threshold is not None:
+            chosen = above_threshold(conf, params.threshold)
+        elif params.factor is not None:
+            chosen = factor_rule(conf, params.factor)
+        else:
+            chosen = top_k(conf, seq.schedule[step] if step < len(seq.schedule) else 1)
     return positions[chosen], stats.token.cpu()[chosen]

@@ -195,7 +195,18 @@ def lm_head_shard(vocab: int) -> VocabShard | None:
     """How `kernels.dispatch.token_stats` meets this rank's LM-head rows (None at one rank)."""
     if parallel_state.current().size == 1:
         return None
-    return VocabShard(start=vocab_range(vocab)[0], gather=_gather_partial)
+    return VocabShard(start=vocab_range(vocab)[0], size=vocab, gather=_gather_partial)
+
+
+def gather_logits(local: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, local vocab] logits of every rank -> [N, vocab] (for samplers that need the whole
+    sorted distribution; the LM-head statistics never do this)."""
+    if parallel_state.current().size == 1:
+        return local
+    width = -(-vocab // parallel_state.current().size)  # every shard padded to the first's width
+    padded = F.pad(local, (0, width - local.shape[-1]))
+    every = parallel_state.all_gather(padded)  # [P, N, width]
+    return every.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :vocab]
 
 
 def local_kv_heads(num_heads: int, num_kv_heads: int) -> int:

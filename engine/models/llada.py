@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
-from engine.layers.attention import attention, merge_heads, split_heads
+from engine.layers.attention import self_attention
 from engine.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
 )
@@ -23,16 +23,15 @@ from engine.layers.rotary import Rotary
 
 
 class LLaDABlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
         bias = bool(config.raw.get("include_bias", False))
         qkv_bias = bias or bool(config.raw.get("include_qkv_bias", False))
+        self.layer = layer
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
         self.qkv_proj = QKVParallelLinear(d, config.num_heads, config.num_kv_heads, hd, qkv_bias)
-        # This rank's heads (all of them outside tensor parallelism).
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.heads = (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)  # this rank's heads
         self.attn_out = RowParallelLinear(config.num_heads * hd, d, bias=bias)
         self.ff_norm = RMSNorm(d, config.rms_norm_eps)
         self.gate_up_proj = ColumnParallelLinear(d, [config.intermediate_size] * 2, bias=bias)
@@ -49,24 +48,10 @@ class LLaDABlock(nn.Module):
     ) -> torch.Tensor:
         """One block; with `select`, queries (and the output) are only the selected rows."""
         h = self.attn_norm(x)
-        cos, sin = cos_sin
-        if select is None:
-            q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        else:
-            # Keys and values for every position, queries only where hidden states are wanted.
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            k, v = F.linear(h, w[self.q_size :], None if b is None else b[self.q_size :]).split(
-                [self.kv_size, self.kv_size], dim=-1
-            )
-            x, h = gather_rows(x, select), gather_rows(h, select)
-            q = F.linear(h, w[: self.q_size], None if b is None else b[: self.q_size])
-            cos_q, sin_q = gather_rows(cos, select), gather_rows(sin, select)
-        k = rotary.apply(split_heads(k, self.num_kv_heads), cos, sin)
-        v = split_heads(v, self.num_kv_heads)
+        out = self_attention(h, self.qkv_proj, self.heads, rotary, cos_sin, batch, self.layer, select)
         if select is not None:
-            cos, sin = cos_q, sin_q
-        q = rotary.apply(split_heads(q, self.num_heads), cos, sin)
-        x = x + self.attn_out(merge_heads(attention(q, k, v, batch.kv_lens)))
+            x = gather_rows(x, select)
+        x = x + self.attn_out(out)
         gate, up = self.gate_up_proj(self.ff_norm(x)).split([self.ffn, self.ffn], dim=-1)
         return x + self.ff_out(F.silu(gate) * up)
 
@@ -75,7 +60,7 @@ class LLaDATransformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.logits_size, config.hidden_size)
-        self.blocks = nn.ModuleList(LLaDABlock(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(LLaDABlock(config, i) for i in range(config.num_layers))
         self.ln_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.ff_out = ParallelLMHead(config.hidden_size, config.logits_size)
@@ -90,6 +75,7 @@ class _Root(nn.Module):
 
 
 class Model(nn.Module):
+    logits_shift = 0  # row i predicts token i
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ff_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig) -> None:

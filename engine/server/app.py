@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from engine.server import errors
+from engine.server.admin import AdminEndpoint
 from engine.server.config import ServeConfig
 from engine.server.errors import APIError, bad_request
 from engine.server.generation import Responder
@@ -28,17 +29,23 @@ Body = TypeVar("Body", bound=BaseModel)
 
 def create_app(config: ServeConfig) -> FastAPI:
     service = Service(config)
+    admin = AdminEndpoint(service) if config.admin_enabled else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if admin is not None:  # registered before loading reads the deployment's current version
+            await admin.start()
         loading = asyncio.create_task(asyncio.to_thread(service.load))
         yield
         service.draining = True
+        if admin is not None:
+            await admin.stop()
         await loading
         service.shutdown()
 
     app = FastAPI(title="dlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.state.admin = admin
     errors.install(app)
 
     @app.get("/health")
@@ -69,13 +76,16 @@ def create_app(config: ServeConfig) -> FastAPI:
         service.keys.identify(request.headers.get("authorization"))
         card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "dlm",
                 "max_model_len": service.max_model_len or None}
+        served = service.served
+        if served is not None and served.ref is not None:  # a deployment: which release serves
+            card.update(root=served.ref, version=served.version)
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         job = Job("completions")
         try:
-            engine = service.admit(job, request.headers.get("authorization"))
+            service.admit(job, request.headers.get("authorization"))
             body = await _parse(request, CompletionRequest, config.max_body_bytes)
             _supported(body)
             service.check_model(body.model)
@@ -88,8 +98,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             job.prompt_ids = service.encode_prompt(prompt)  # type: ignore[arg-type]
             job.prompt_text = prompt if isinstance(prompt, str) else None
             _options(job, body)
-            params = service.params(job, body, body.max_tokens, body.temperature, body.seed)
-            stream = service.submit(engine, job, params)
+            params = service.params(job, body, body.max_tokens, body.temperature, body.seed, body.top_p)
+            stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)
             raise
@@ -100,7 +110,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         job = Job("chat.completions")
         try:
-            engine = service.admit(job, request.headers.get("authorization"))
+            service.admit(job, request.headers.get("authorization"))
             body = await _parse(request, ChatRequest, config.max_body_bytes)
             _supported(body)
             service.check_model(body.model)
@@ -113,8 +123,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             job.tools = tools is not None
             _options(job, body)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            params = service.params(job, body, max_tokens, body.temperature, body.seed)
-            stream = service.submit(engine, job, params)
+            params = service.params(job, body, max_tokens, body.temperature, body.seed, body.top_p)
+            stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)
             raise

@@ -10,7 +10,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
@@ -36,6 +36,9 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     dtype: str = "auto"
     device: str = "auto"
+    backend: Literal["native", "transformers"] = Field(
+        "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)")
+    trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")
     # security
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: Path | None = None
@@ -55,6 +58,12 @@ class ServeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
+    # releases (docs/weights.md): serve a store deployment and accept hot swaps
+    deployment: str | None = Field(None, description="store deployment to serve (its current version)")
+    store: Path | None = Field(None, description="model store; default $DLM_HOME/store")
+    admin_port: int = Field(0, ge=0, le=65535, description="admin endpoint port on 127.0.0.1; 0: any free one")
+    admin_key: SecretStr | None = Field(None, description="admin endpoint key; default: a random one")
+    admin_key_file: Path | None = None
     # operations
     warmup: bool = True
     log_prompts: bool = False
@@ -83,9 +92,31 @@ class ServeConfig(BaseModel):
 
     def public(self) -> dict[str, Any]:
         """The configuration as printed at start: no secrets, only key ids."""
-        data = self.model_dump(mode="json", exclude={"api_keys"})
+        data = self.model_dump(mode="json", exclude={"api_keys", "admin_key"})
         data["api_keys"] = [key_id(k) for k in self.keys()]
+        admin = self.configured_admin_key()
+        data["admin_key"] = key_id(admin) if admin else None
         return data
+
+    @property
+    def admin_enabled(self) -> bool:
+        """The admin endpoint runs for a deployment, or when an admin key was given."""
+        return self.deployment is not None or self.admin_key is not None or self.admin_key_file is not None
+
+    def configured_admin_key(self) -> str | None:
+        """The admin key from `admin_key` or the content of `admin_key_file`, if any."""
+        if self.admin_key is not None:
+            key = self.admin_key.get_secret_value().strip()
+        elif self.admin_key_file is not None:
+            try:
+                key = self.admin_key_file.read_text().strip()
+            except OSError as exc:
+                raise UsageError(f"cannot read admin_key_file {self.admin_key_file}: {exc.strerror}") from exc
+        else:
+            return None
+        if not key:
+            raise UsageError("the admin key is empty")
+        return key
 
 
 def _normalise(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -155,4 +186,7 @@ def load_config(
             f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})"
         )
     config.keys()  # a missing key file is a start-up error, not a runtime one
+    config.configured_admin_key()
+    if config.deployment is not None and config.model is not None:
+        raise UsageError("give MODEL or --deployment, not both: a deployment serves its current release")
     return config

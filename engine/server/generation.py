@@ -46,6 +46,8 @@ class Responder:
 
     def __init__(self, service: Service, job: Job, stream: RequestStream) -> None:
         self.service, self.job, self.stream = service, job, stream
+        assert job.served is not None, "submitted requests know their model"
+        self.served = job.served  # the version it runs on, even after a hot swap
         self.chat = job.endpoint == "chat.completions"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + job.id
         self.patience = service.config.request_timeout + 30
@@ -54,19 +56,19 @@ class Responder:
 
     def text(self, out: RequestOutput) -> tuple[str, bool]:
         """Decoded prefix cut at the first stop string, and whether a stop string was hit."""
-        text = self.service.decode(out.prefix_ids)
+        text = self.served.decode(out.prefix_ids)
         cut = find_stop(text, self.job.stops)
         if cut is None:
             return text, False
         if not out.finished:  # the answer is complete: free the slot now
-            self.service.engine.abort(self.stream, "stop")  # type: ignore[union-attr]
+            self.served.engine.abort(self.stream, "stop")
         return text[:cut], True
 
     def close(self, out: RequestOutput, text: str, stopped: bool, calls: list[Any]) -> str:
         """Account for a finished request; returns the OpenAI finish reason."""
         reason = "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
         job = self.job
-        job.completion_ids = self.service.completion_ids(out.prefix_ids)
+        job.completion_ids = self.served.completion_ids(out.prefix_ids)
         job.output_text = text
         self.service.finish(job, self.stream, reason, 200)
         return reason
@@ -88,7 +90,7 @@ class Responder:
         done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if waiter not in done:
             waiter.cancel()
-            self.service.engine.abort(self.stream, "abort")  # type: ignore[union-attr]
+            self.served.engine.abort(self.stream, "abort")
             self.service.finish(self.job, self.stream, "abort", CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
         watcher.cancel()
@@ -188,7 +190,7 @@ class Responder:
                 yield "data: [DONE]\n\n"
         finally:
             if not completed:  # the client went away (the response task was cancelled)
-                self.service.engine.abort(self.stream, "abort")  # type: ignore[union-attr]
+                self.served.engine.abort(self.stream, "abort")
                 self.service.finish(self.job, self.stream, "abort", CLIENT_CLOSED)
 
 

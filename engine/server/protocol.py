@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API as dlm accepts them, plus the dLLM fields.
 
 Unknown fields are ignored (OpenAI SDKs send fields dlm has no use for); known fields are
-type-checked, and fields dlm cannot honour (n > 1, logprobs, top_p < 1, ...) are refused by
-`unsupported()` rather than silently ignored.
+type-checked, and fields dlm cannot honour (n > 1, logprobs, penalties, ...) are refused by
+`unsupported()` rather than silently ignored; fields only some families take (Dream's `alg`,
+`top_p`, `top_k`, a cache mode) are refused by the family's validation (engine/params.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class DiffusionFields(_Body):
     cfg_scale: float | None = Field(None, ge=0)
     cache: StrictStr | None = None
     decode_mode: StrictStr | None = None
+    # Dream family (diffusion_generate); `top_p` is on the generation body.
+    alg: StrictStr | None = None
+    alg_temp: float | None = None
+    top_k: int | None = None
 
 
 class _Generation(DiffusionFields):
@@ -56,8 +61,6 @@ class _Generation(DiffusionFields):
         """(param, reason) for a field dlm cannot honour, else None."""
         if self.n != 1:
             return "n", "n must be 1: send one request per choice (requests are batched on the server)"
-        if self.top_p not in (None, 1.0):
-            return "top_p", "top_p is not supported by diffusion decoding; use temperature"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 return name, f"{name} is not supported by diffusion decoding"

@@ -82,7 +82,7 @@ class DrainingServer(uvicorn.Server):
         service.draining = True
         grace = service.config.shutdown_grace
         log.info("draining: no new requests; in-flight ones get up to %gs", grace)
-        ended = await service.engine.drain(grace) if service.engine is not None else 0
+        ended = sum(await asyncio.gather(*(m.engine.drain(grace) for m in service.loaded())))
         if ended:
             log.warning("grace period over: ended %d unfinished requests", ended)
         await asyncio.sleep(0.2)  # let the handlers write their final responses

@@ -3,6 +3,11 @@ metrics, readiness, and the one JSON log line per request.
 
 Loading runs in a worker thread after the socket is open, so `/health` answers while the
 weights load and `/ready` turns 200 only once a warm-up forward has run.
+
+The served model is one `LoadedModel` that a hot swap (engine/server/hotswap.py) replaces
+on the event loop. A request handler reads the tokenizer, limits and engine of
+`self.served` from encoding its prompt to `submit()` without awaiting in between, so
+all three belong to one version, and the request keeps that version (`Job.served`) to the end.
 """
 from __future__ import annotations
 
@@ -15,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.async_engine import AsyncEngine, Draining, RequestStream
-from engine.errors import DlmError, UsageError
+from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
 from engine.scheduler import QueueFull, SchedulerLimits
 from engine.server.auth import KeyRing
 from engine.server.config import ServeConfig
 from engine.server.errors import APIError, bad_request
+from engine.server.loaded import LoadedModel
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import DiffusionFields
 from engine.server.ratelimit import RateLimiter
@@ -54,6 +60,7 @@ class Job:
     steps: int = 0
     prompt_text: str | None = None
     output_text: str | None = None
+    served: LoadedModel | None = None  # the model version the request was submitted to
 
 
 class Service:
@@ -62,11 +69,9 @@ class Service:
         self.metrics = ServerMetrics()
         self.keys = KeyRing(config.keys())
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
-        self.model_name = config.served_model_name or _default_name(config.model)
-        self.engine: AsyncEngine | None = None
-        self.tokenizer: Any = None
-        self.eos_id: int | None = None
-        self.max_model_len = 0
+        self.model_name = config.served_model_name or _default_name(config)
+        self.served: LoadedModel | None = None
+        self.retiring: list[LoadedModel] = []  # replaced by a hot swap, finishing their requests
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -87,11 +92,36 @@ class Service:
             log.error("error: %s", self.load_error)
 
     def _load(self) -> None:
+        model, ref = self.initial_checkpoint()
+        self.served = self.open(model, ref, warmup=self.config.warmup)
+        self.metrics.bind(
+            lambda: sum(m.engine.num_running for m in self.loaded()),
+            lambda: sum(m.engine.num_waiting for m in self.loaded()),
+            lambda: sum(m.engine.batch_tokens for m in self.loaded()) / self.config.max_num_batched_tokens,
+        )
+        self.ready = True
+        log.info("ready: model %s from %s (max_model_len %d)", self.model_name, self.served.describe(),
+                 self.served.max_model_len)
+
+    def initial_checkpoint(self) -> tuple[str | None, str | None]:
+        """What to load at start: MODEL, or the deployment's current release (read now, after
+        the admin endpoint registered, so a release made meanwhile reaches this server)."""
+        if self.config.deployment is None:
+            return self.config.model, None
+        from engine.weights.releases import current_checkpoint
+        from engine.weights.store import Store
+
+        manifest, path = current_checkpoint(Store(self.config.store), self.config.deployment)
+        return str(path), f"{manifest.name}@{manifest.version}"
+
+    def open(self, model: str | None, ref: str | None, *, warmup: bool) -> LoadedModel:
+        """Load a checkpoint, check it against the limits, warm it up and start its engine loop."""
         from engine.llm import LLM
         from engine.tokenizer import has_tokenizer
 
         cfg = self.config
-        llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        llm = LLM(model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
+                  trust_remote_code=cfg.trust_remote_code)
         model_len = llm.config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
             raise UsageError(f"max_model_len ({cfg.max_model_len}) exceeds the model's maximum ({model_len})")
@@ -100,25 +130,49 @@ class Service:
                 f"max_model_len ({cfg.max_model_len}) exceeds max_num_batched_tokens "
                 f"({cfg.max_num_batched_tokens}): such a request could never run"
             )
-        self.max_model_len = cfg.max_model_len or min(model_len, cfg.max_num_batched_tokens)
-        self.tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
-        self.eos_id = llm.config.eos_token_id
-        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_queue)
+        max_model_len = cfg.max_model_len or min(model_len, cfg.max_num_batched_tokens)
+        tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
+        limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
-        if cfg.warmup:
+        if warmup:
             engine.warmup()
         engine.start()
-        self.engine = engine
-        self.metrics.bind(
-            lambda: engine.num_running, lambda: engine.num_waiting,
-            lambda: engine.batch_tokens / cfg.max_num_batched_tokens,
-        )
-        self.ready = True
-        log.info("ready: model %s from %s (max_model_len %d)", self.model_name, llm.model_dir, self.max_model_len)
+        return LoadedModel(engine, tokenizer, llm.config.eos_token_id, max_model_len, llm.model_dir, ref)
+
+    def loaded(self) -> list[LoadedModel]:
+        """Every model whose engine loop may still hold requests."""
+        return ([self.served] if self.served is not None else []) + self.retiring
+
+    def _max_num_seqs(self, engine: Any) -> int:
+        """The batch bound, after saying which transformers-backend path serves the model and
+        what it costs; the generate path decodes one request at a time."""
+        path = getattr(engine, "path", None)
+        if path is None:
+            return self.config.max_num_seqs
+        from engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
+
+        log.info("transformers backend, %s path: %s", path, PATHS[path])
+        if path == "forward":
+            return self.config.max_num_seqs
+        log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
+        return 1
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
+        for model in self.loaded():
+            model.engine.stop()
+
+    # The served model's parts, for the code that serves new requests.
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.served.engine if self.served is not None else None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.served.tokenizer if self.served is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len if self.served is not None else 0
 
     @property
     def alive(self) -> bool:
@@ -126,8 +180,8 @@ class Service:
 
     # ---- admission ---------------------------------------------------------------------
 
-    def admit(self, job: Job, authorization: str | None) -> AsyncEngine:
-        """Authenticate, check readiness and the per-key request rate; the engine to use."""
+    def admit(self, job: Job, authorization: str | None) -> None:
+        """Authenticate, check readiness, the per-key request rate and the queue."""
         job.key = self.keys.identify(authorization)
         if self.draining:
             raise APIError(503, "the server is shutting down", type="unavailable", code="draining")
@@ -140,17 +194,18 @@ class Service:
             self.engine.scheduler.check_room()
         except QueueFull as exc:
             raise _queue_full(self.engine, exc) from None
-        return self.engine
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """The served name, or NAME@VERSION of the version served now."""
+        current = self.served.ref if self.served is not None else None
+        if name is not None and name not in (self.model_name, current):
             raise APIError(
                 404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                 type="not_found_error", param="model", code="model_not_found",
             )
 
     def params(self, job: Job, body: DiffusionFields, max_tokens: int | None,
-               temperature: float | None, seed: int | None) -> GenerationParams:
+               temperature: float | None, seed: int | None, top_p: float | None = None) -> GenerationParams:
         """The request's generation parameters, checked against the server's limits."""
         cfg = self.config
         gen = max_tokens or cfg.default_max_tokens or cfg.max_tokens
@@ -175,6 +230,8 @@ class Service:
             remasking=body.remasking or "low_confidence", temperature=temperature or 0.0,
             cfg_scale=body.cfg_scale or 0.0, threshold=body.threshold, factor=body.factor, seed=seed,
             cache=body.cache or "none", mode=body.decode_mode or "diffusion",
+            alg=body.alg, alg_temp=body.alg_temp, top_k=body.top_k,
+            top_p=None if top_p == 1.0 else top_p,  # 1 filters nothing: any family takes it
         )
         assert self.engine is not None
         validate = self.engine.engine.validate  # the family's defaults and rules, as `dlm generate`
@@ -188,18 +245,23 @@ class Service:
                 resolved = validate(params, len(job.prompt_ids))
         except UsageError as exc:
             word = str(exc).split()[0]
-            raise bad_request(str(exc), param=_PARAM.get(word, word), code="invalid_value") from None
+            code = "unsupported" if isinstance(exc, Unsupported) else "invalid_value"
+            raise bad_request(str(exc), param=_PARAM.get(word, word), code=code) from None
         if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
             raise bad_request(f"this request needs {resolved.steps} denoising steps, over this server's "
                               f"limit of {cfg.max_steps}", param="steps", code="steps_exceeded")
         return params
 
-    def submit(self, engine: AsyncEngine, job: Job, params: GenerationParams) -> RequestStream:
-        """Charge the token rate, then queue the request (429 at once when the queue is full)."""
+    def submit(self, job: Job, params: GenerationParams) -> RequestStream:
+        """Charge the token rate, then queue the request on the served model (429 at once when
+        the queue is full); the request stays on that model to its end."""
         wait = self.limiter.check(job.key, "tokens", params.gen_length)
         if wait:
             raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
         job.params = params
+        assert self.served is not None
+        job.served = self.served
+        engine = self.served.engine
         try:
             stream = engine.submit(
                 job.id, job.prompt_ids, params, timeout=self.config.request_timeout,
@@ -234,17 +296,6 @@ class Service:
             return encode_chat(self.tokenizer, messages, tools)
         except UsageError as exc:
             raise bad_request(str(exc), param="messages") from None
-
-    def decode(self, ids: list[int]) -> str:
-        from engine.tokenizer import decode
-
-        return "" if self.tokenizer is None else decode(self.tokenizer, ids, self.eos_id)
-
-    def completion_ids(self, prefix: list[int]) -> list[int]:
-        """Generated ids that count as the completion: up to and including the first EOS."""
-        if self.eos_id is not None and self.eos_id in prefix:
-            return prefix[: prefix.index(self.eos_id) + 1]
-        return prefix
 
     # ---- accounting --------------------------------------------------------------------
 
@@ -297,9 +348,16 @@ def _queue_full(engine: AsyncEngine, exc: QueueFull) -> APIError:
                     headers={"Retry-After": str(engine.retry_after())})
 
 
-def _default_name(model: str | None) -> str:
-    if model is None:
+def _default_name(config: ServeConfig) -> str:
+    """The directory name; for a deployment, the store name of the model it serves."""
+    if config.deployment is not None:
+        from engine.weights.releases import load_state
+        from engine.weights.store import Store
+
+        current = load_state(Store(config.store), config.deployment)["current"]
+        return current["model"] if current else config.deployment
+    if config.model is None:
         from engine.default_model import NAME
 
         return NAME
-    return Path(model).expanduser().resolve().name
+    return Path(config.model).expanduser().resolve().name

@@ -1,0 +1,111 @@
+"""EOS early stop with finish_reason, and the parameter combinations dlm rejects."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import engine.runner
+from engine.errors import UsageError
+from engine.llm import LLM
+from engine.registry import FAMILIES
+from engine.params import GenerationParams
+
+PROMPT = [5, 17, 42, 99]
+
+
+@pytest.fixture(scope="module")
+def llada(tiny_llada: Path) -> LLM:
+    return LLM(tiny_llada, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the model 'predict' EOS at chosen absolute positions (random tiny weights never
+    emit EOS on cue); everything else is the real forward."""
+    positions: list[int] = []
+    real = engine.runner.token_stats
+
+    def patched(seq, hidden, weight):  # type: ignore[no-untyped-def]
+        stats = real(seq, hidden, weight)
+        for i, p in enumerate(seq.positions_to_decide().tolist()):
+            if p in positions:
+                stats.token[i] = seq.eos_id
+        return stats
+
+    monkeypatch.setattr(engine.runner, "token_stats", patched)
+    return positions
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_eos_in_a_finished_block_stops_the_request(llada: LLM, eos_at: list[int], cache: str) -> None:
+    eos = llada.config.eos_token_id
+    eos_at.append(len(PROMPT) + 3)  # inside block 0 of 4
+    params = dict(gen_length=32, steps=32, block_length=8, cache=cache)
+    stopped = llada.generate(PROMPT, **params)[0]
+    assert stopped.nfe == 8  # block 0's steps only
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids[3] == eos and stopped.output_ids[8:] == [eos] * 24
+    full = llada.generate(PROMPT, early_stop=False, **params)[0]
+    assert full.nfe == 32 and full.finish_reason == "stop"
+    assert full.output_ids[:8] == stopped.output_ids[:8]
+
+
+def test_no_eos_means_length(llada: LLM) -> None:
+    out = llada.generate(PROMPT, gen_length=16, block_length=8)[0]
+    assert llada.config.eos_token_id not in out.output_ids
+    assert out.finish_reason == "length" and out.nfe == 16
+
+
+LLADA, DREAM = FAMILIES[0], next(f for f in FAMILIES if f.name == "dream")
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "message"),
+    [
+        (LLADA, dict(cache="block"), "not available for llada"),
+        (DREAM, dict(cache="block"), "not available for dream"),
+        (LLADA, dict(cache="lru"), "cache must be one of"),
+        (LLADA, dict(threshold=0.9, remasking="random"), "random remasking"),
+        (LLADA, dict(factor=1.0, remasking="random"), "random remasking"),
+        (LLADA, dict(cfg_scale=1.0, cache="dual"), "classifier-free guidance"),
+        (LLADA, dict(alg="entropy"), "Dream-family"),
+        (LLADA, dict(top_p=0.9), "Dream-family"),
+        (DREAM, dict(remasking="random"), "--alg"),
+        (DREAM, dict(factor=1.0), "factor rule"),
+        (DREAM, dict(cfg_scale=1.0), "classifier-free guidance"),
+        (DREAM, dict(alg="greedy"), "alg must be one of"),
+        (DREAM, dict(alg="entropy", threshold=0.9), "confidence_threshold"),
+        (DREAM, dict(alg="origin", alg_temp=0.5), "alg_temp"),
+        (DREAM, dict(top_p=1.5), "top_p"),
+        (DREAM, dict(top_k=0), "top_k"),
+        (DREAM, dict(eps=0.0), "eps"),
+        (DREAM, dict(gen_length=64, steps=2, block_length=32, cache="dual"), "at least 2"),
+    ],
+)
+def test_invalid_combinations_are_rejected(family, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UsageError, match=message):
+        GenerationParams(**kwargs).validate(8, 512, family)
+
+
+def test_dream_defaults() -> None:
+    assert GenerationParams().validate(8, 512, DREAM).alg == "entropy"
+    p = GenerationParams(threshold=0.8).validate(8, 512, DREAM)
+    assert (p.alg, p.threshold) == ("confidence_threshold", 0.8)
+    assert GenerationParams(alg="confidence_threshold").validate(8, 512, DREAM).threshold == 0.9
+
+
+def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
+    import json
+
+    from tests.test_cli import dlm
+
+    ok = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8",
+             "--cache", "prefix", "--dtype", "float32", "--json")
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert out["cache"] == "prefix" and out["params"]["alg"] == "entropy"
+    assert out["query_lengths"][:2] == [19, 16] and out["tokens_fed"] == sum(out["query_lengths"])
+    assert out["finish_reason"] in ("stop", "length")
+    bad = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--cache", "block", "--dtype", "float32")
+    assert bad.returncode == 2 and "error: cache 'block' is not available for dream" in bad.stderr
