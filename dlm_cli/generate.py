@@ -63,6 +63,12 @@ def generate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option("native", "--backend", help="native, or transformers: load any checkpoint with transformers."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Split the model over N processes (one per GPU; gloo CPU processes without CUDA)."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes the tensor-parallel ranks span (run the command on each)."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This node's index (0 = the node that prints the result)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address (multi-node)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Node 0's rendezvous port (multi-node)."),
+    moe_parallel: str = typer.Option("auto", "--moe-parallel", help="auto, ep (experts split over ranks) or tp (each expert split)."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
@@ -77,9 +83,18 @@ def generate(
 
             model = str(resolve_model(model))
 
+        from engine.distributed import EngineSpec, ParallelConfig, is_driver, serve_worker
         from engine.llm import LLM
         from engine.params import GenerationParams
+        from engine.resolve import resolve_model
 
+        parallel = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
+            master_addr=master_addr, master_port=master_port, moe=moe_parallel,
+        ).resolved()
+        if not is_driver(parallel):  # another node's (or torchrun's) rank: serve until done
+            serve_worker(EngineSpec(str(resolve_model(model)), dtype, device), parallel)
+            return
         params = GenerationParams(
             gen_length=gen_length, steps=steps, block_length=block_length, remasking=remasking,
             temperature=temperature, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
@@ -87,42 +102,47 @@ def generate(
             early_stop=early_stop,
         )
         with err_console.status("loading model"):
-            llm = LLM(model, dtype=dtype, device=device, backend=backend, trust_remote_code=trust_remote_code)
-        path = getattr(llm.engine, "path", None)
-        if path is not None:
-            from engine.transformers_backend import PATHS
+            llm = LLM(model, dtype=dtype, device=device, backend=backend, trust_remote_code=trust_remote_code,
+                      parallel=parallel)
+        with llm:  # stops the worker ranks of a tensor-parallel model however this ends
+            if getattr(llm.engine, "tensor_parallel_size", 1) > 1:
+                err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
+            path = getattr(llm.engine, "path", None)
+            if path is not None:
+                from engine.transformers_backend import PATHS
 
-            err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
-        # Validate before decoding so a bad flag fails fast, not after tokenizer work.
-        source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
-        prompt_tokens = llm.encode(source, chat=chat)
-        resolved = llm.engine.validate(params, len(prompt_tokens))
-        out = _generate_with_progress(llm, prompt_tokens, params)
-        if json_out:
-            emit_json({
-                "model": str(llm.model_dir),
-                "prompt_ids": out.prompt_ids,
-                "output_ids": out.output_ids,
-                "text": out.text,
-                "nfe": out.nfe,
-                "seconds": round(out.seconds, 6),
-                "tokens_per_second": round(out.tokens_per_second, 3),
-                "finish_reason": out.finish_reason,
-                "query_lengths": out.query_lengths,
-                "cache": out.cache,
-                "tokens_fed": sum(out.query_lengths),
-                "params": dict(resolved.__dict__),
-                "dtype": str(llm.dtype).replace("torch.", ""),
-                "device": str(llm.device),
-                "backend": {"name": backend, "path": path},
-            })
-            return
-        if out.text is not None:
-            typer.echo(out.text)
-        else:
-            typer.echo(",".join(map(str, out.output_ids)))
-        err_console.print(
-            f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
-            f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
-            f"finish_reason={out.finish_reason}[/]"
-        )
+                err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
+            # Validate before decoding so a bad flag fails fast, not after tokenizer work.
+            source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
+            prompt_tokens = llm.encode(source, chat=chat)
+            resolved = llm.engine.validate(params, len(prompt_tokens))
+            out = _generate_with_progress(llm, prompt_tokens, params)
+            if json_out:
+                emit_json({
+                    "model": str(llm.model_dir),
+                    "prompt_ids": out.prompt_ids,
+                    "output_ids": out.output_ids,
+                    "text": out.text,
+                    "nfe": out.nfe,
+                    "seconds": round(out.seconds, 6),
+                    "tokens_per_second": round(out.tokens_per_second, 3),
+                    "finish_reason": out.finish_reason,
+                    "query_lengths": out.query_lengths,
+                    "cache": out.cache,
+                    "tokens_fed": sum(out.query_lengths),
+                    "params": dict(resolved.__dict__),
+                    "dtype": str(llm.dtype).replace("torch.", ""),
+                    "device": str(llm.device),
+                    "backend": {"name": backend, "path": path},
+                    "tensor_parallel_size": getattr(llm.engine, "tensor_parallel_size", 1),
+                })
+                return
+            if out.text is not None:
+                typer.echo(out.text)
+            else:
+                typer.echo(",".join(map(str, out.output_ids)))
+            err_console.print(
+                f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
+                f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
+                f"finish_reason={out.finish_reason}[/]"
+            )

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 err_console = Console(stderr=True)
 
@@ -29,7 +30,7 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except DlmError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/]")

@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.decoding.block_diffusion import choose, resolve_block_params
 from engine.decoding.step import confidence
 from engine.kv_cache import SequenceKVCache
+from engine.layers.linear import lm_head_shard, local_kv_heads
 from engine.params import GenerationParams
 from kernels import dispatch
 
@@ -25,6 +26,7 @@ class BlockRunner:
         self.model, self.config = model, config
         self.dtype, self.device = dtype, device
         self.rules = model.block_rules
+        self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         return resolve_block_params(params, self.model.default_block_length)
@@ -34,7 +36,8 @@ class BlockRunner:
         c = self.config
         cache = None
         if params.cache == "block":
-            cache = SequenceKVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+            heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
+            cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
         return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, self.rules, cache)
 
     def _batch(self, seqs: list[BlockSequence], works: list[Work]) -> BlockBatch:
@@ -78,7 +81,8 @@ class BlockRunner:
                 continue
             p = seq.params
             stats = dispatch.token_stats(
-                hidden[r, : len(work.rows)], weight, temperature=p.temperature, generator=seq.generator
+                hidden[r, : len(work.rows)], weight, temperature=p.temperature, generator=seq.generator,
+                shard=self.vocab_shard,
             )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id)

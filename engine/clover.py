@@ -81,7 +81,7 @@ class CloverEngine(LLMEngine):
         positions = seq.masked_positions()
         stats = dispatch.token_stats(
             hidden[0, (positions - start).to(device)], self.model.lm_head_weight,
-            temperature=seq.params.temperature, generator=seq.generator,
+            temperature=seq.params.temperature, generator=seq.generator, shard=self.runner.vocab_shard,
         )
         seq.nfe += 1
         seq.query_lengths.append(end - start)

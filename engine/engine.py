@@ -18,6 +18,7 @@ from engine.block_sequence import BlockSequence
 from engine.config import ModelConfig, load_config
 from engine.decoding.step import decide
 from engine.errors import UsageError
+from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams
 from engine.registry import family_for, family_named
@@ -73,6 +74,19 @@ def load_model(
     return LoadedModel(config, model.eval(), dtype, device)
 
 
+def load_engine(
+    model_dir: Path | str, dtype: torch.dtype, device: torch.device,
+    on_tensor: Callable[[str], None] | None = None,
+) -> "LLMEngine":
+    """The family's native engine over the checkpoint in `model_dir` (this rank's shard
+    under tensor parallelism). Which engine decodes a family is known before any weight
+    is read."""
+    from engine.config import read_config_json
+
+    engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
+    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
+
+
 class LLMEngine:
     # The serving warm-up request (engine/async_engine.py): the family picks the block
     # length; a tiny threshold commits each block in one forward.
@@ -82,7 +96,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = loaded.config
         self.family = family_named(loaded.config.family)
-        self.runner = ModelRunner(loaded.model, loaded.device)
+        self.runner = ModelRunner(loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size))
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)

@@ -4,16 +4,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Sequence as Seq
 
-from engine.config import read_config_json
-from engine.engine import LLMEngine, load_model, resolve_device, resolve_dtype
+from engine.engine import load_engine, resolve_device, resolve_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
-from engine.registry import family_for
 from engine.resolve import resolve_model
 from engine.sequence import Sequence
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.distributed import ParallelConfig
 
 
 @dataclass
@@ -36,14 +37,18 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "auto",
         on_load: Callable[[str], None] | None = None, backend: str = "native",
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = False, parallel: ParallelConfig | None = None,
     ) -> None:
+        """`parallel`: split the model over several processes (engine/distributed.py); this
+        process is then rank 0 and drives the others until `close()`."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self._tokenizer: Any = None
         self.backend = backend
         if backend == "transformers":
+            if parallel is not None and parallel.resolved().parallel:
+                raise UsageError("--tensor-parallel-size needs the native backend")
             from engine.transformers_backend import load_transformers_engine
 
             tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
@@ -53,12 +58,28 @@ class LLM:
         elif backend == "native":
             if trust_remote_code:
                 raise UsageError("--trust-remote-code only applies to --backend transformers")
-            # Which engine decodes this family is known before any weight is read.
-            engine_class = family_for(read_config_json(self.model_dir)).engine_class()
-            self.engine = engine_class(load_model(self.model_dir, self.dtype, self.device, on_load))
+            if parallel is not None and parallel.resolved().parallel:
+                from engine.distributed import EngineSpec, start_driver
+
+                self.engine = start_driver(EngineSpec(str(self.model_dir), dtype, device), parallel)
+                self.device = self.engine.loaded.device
+            else:
+                self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load)
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config
+
+    def close(self) -> None:
+        """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

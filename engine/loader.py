@@ -6,7 +6,9 @@ never two copies of the weights. Models name their parameters as the checkpoint 
 packed projections: a model may declare `packed_modules = {"qkv_proj": ("q_proj", "k_proj",
 "v_proj")}`, and such a parameter is the concatenation (dim 0) of its sources, so one matmul
 replaces three. A parameter may also carry a `weight_loader(param, tensor) -> tensor`
-attribute when it needs a slice or a transform (tensor-parallel shards). A model whose
+attribute when it needs a transform (a reshape). A tensor-parallel shard carries a `shard`
+(`Shard`): which ranges of each source tensor it holds; those ranges are read with
+safetensors' `get_slice`, so a rank never reads (or holds) more than its part. A model whose
 checkpoints come in several layouts (one tensor per expert or stacked experts, a text model
 nested under `model.language_model.`) may define `tensor_sources(name, available)` returning
 the source names for a parameter, or None for the default rule.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -54,6 +57,22 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
             for name in handle.keys():
                 locations[name] = file
     return locations
+
+
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What part of its checkpoint sources a parameter holds on this rank.
+
+    `reads(i, shape)` gives, for source i (in `checkpoint_sources` order) of full shape
+    `shape`, the index tuples to read from it; every piece read, over all sources in order,
+    is concatenated along `cat_dim` (or `cat_dim(shape of the first source)` when the
+    checkpoint may come in layouts of different ranks)."""
+
+    reads: Callable[[int, tuple[int, ...]], list[Index]]
+    cat_dim: int | Callable[[tuple[int, ...]], int] = 0
 
 
 def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -97,16 +116,27 @@ def load_weights(
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
-        def read(src: str) -> torch.Tensor:
+        def handle(src: str) -> Any:
             file = locations[src]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            return handles[file].get_tensor(src)
+            return handles[file]
 
         for name, srcs in sources.items():
             param = params[name]
-            parts = [read(src) for src in srcs]
-            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            shard: Shard | None = getattr(param, "shard", None)
+            if shard is None:
+                parts = [handle(src).get_tensor(src) for src in srcs]
+                dim = 0
+            else:
+                parts, dim = [], shard.cat_dim
+                for i, src in enumerate(srcs):
+                    view = handle(src).get_slice(src)
+                    shape = tuple(view.get_shape())
+                    parts += [view[index] for index in shard.reads(i, shape)]
+                    if callable(dim):
+                        dim = dim(shape)
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
             del parts
             loader = getattr(param, "weight_loader", None)
             if loader is not None:

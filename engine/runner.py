@@ -22,7 +22,7 @@ from engine import cache
 from engine.batch import ForwardBatch
 from engine.decoding.step import token_stats
 from engine.sequence import Sequence
-from kernels.token_stats import TokenStats
+from kernels.token_stats import TokenStats, VocabShard
 
 MIN_ROWS = 16
 
@@ -36,10 +36,11 @@ class _Row:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None) -> None:
         self.model = model
         self.device = device
         self.shift = int(getattr(model, "logits_shift", 0))
+        self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
 
     def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
         lengths = [len(r.ids) for r in rows]
@@ -87,7 +88,7 @@ class ModelRunner:
                 r += 2
             else:
                 r += 1
-            stats = token_stats(seq, h, weight)
+            stats = token_stats(seq, h, weight, self.vocab_shard)
             seq.nfe += 1
             seq.query_lengths.append(fed)
             out.append((positions, stats))

@@ -22,10 +22,12 @@ from kernels.attention import attention_torch, masked_attention_torch
 from kernels.moe import fused_moe_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_torch
-from kernels.token_stats import TokenStats, token_stats_torch
+from kernels.gumbel import draw_seed
+from kernels.token_stats import TokenStats, VocabShard, combine, merge, token_stats_partial_torch, token_stats_torch
 
 _TORCH: dict[str, Callable[..., Any]] = {
     "token_stats": token_stats_torch,
+    "token_stats_partial": token_stats_partial_torch,
     "rms_norm": rms_norm_torch,
     "rotary": rotary_torch,
     "attention": attention_torch,
@@ -34,6 +36,7 @@ _TORCH: dict[str, Callable[..., Any]] = {
 }
 _TRITON_MODULES = {
     "token_stats": "kernels.token_stats_triton",
+    "token_stats_partial": "kernels.token_stats_triton",
     "rms_norm": "kernels.rms_norm_triton",
     "rotary": "kernels.rotary_triton",
     "attention": "kernels.attention_triton",
@@ -78,9 +81,25 @@ def implementation(name: str, device: torch.device) -> Callable[..., Any]:
     return _TORCH[name]
 
 
-def token_stats(hidden: torch.Tensor, weight: torch.Tensor, **kwargs: Any) -> TokenStats:
-    """LM head + softmax statistics (`kernels.token_stats`)."""
-    return implementation("token_stats", hidden.device)(hidden, weight, **kwargs)
+def token_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, *, shard: VocabShard | None = None,
+    temperature: float = 0.0, generator: torch.Generator | None = None, **kwargs: Any,
+) -> TokenStats:
+    """LM head + softmax statistics (`kernels.token_stats`). With `shard`, `weight` is this
+    device's vocabulary range: its statistics are reduced to one partial, the devices'
+    partials gathered and combined, so every device gets the statistics of the whole
+    vocabulary. Every device draws the same sampling seed from its (identically seeded)
+    `generator`, and the noise of a token depends only on (seed, row, vocab id)."""
+    device = hidden.device
+    if shard is None:
+        return implementation("token_stats", device)(
+            hidden, weight, temperature=temperature, generator=generator, **kwargs
+        )
+    seed = draw_seed(generator, device) if temperature > 0 else 0
+    part = implementation("token_stats_partial", device)(
+        hidden, weight, temperature=temperature, seed=seed, vocab_start=shard.start, **kwargs
+    )
+    return combine(shard.gather(merge(part)))
 
 
 def rms_norm(

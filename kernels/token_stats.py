@@ -9,11 +9,13 @@ reference softmax precision) and accumulated in float64; Gumbel sampling noise i
 
 A vocabulary range (a chunk, a Triton program's split, a tensor-parallel shard) reduces to a
 `VocabPartial`; partials of disjoint ranges combine exactly, which is how the Triton kernel
-splits the vocabulary across programs and how vocab shards would merge across devices.
+splits the vocabulary across programs and how tensor-parallel vocabulary shards merge across
+devices (`VocabShard`: each device reduces its shard to one partial, the partials are gathered).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -52,26 +54,53 @@ class VocabPartial:
         return VocabPartial(**values)
 
 
-def combine(part: VocabPartial) -> TokenStats:
-    """Merge the P ranges of `part` and finish the statistics (exact log-sum-exp merge)."""
+def merge(part: VocabPartial) -> VocabPartial:
+    """Merge the P ranges of `part` into one (P = 1): the exact log-sum-exp merge.
+
+    Merging is associative up to float64 rounding, so partials may be merged in stages
+    (a device's chunks or Triton splits, then the devices' shards)."""
     f64 = torch.float64
     m = part.max_logit.max(dim=0).values
     scale = torch.exp((part.max_logit - m).to(f64))
     s = (part.sum_exp * scale).sum(0)
     # argmax returns the first maximal index: the lowest vocab id wins ties, like torch.argmax.
     which = part.best_score.argmax(dim=0, keepdim=True)
-    token = part.best_token.gather(0, which)[0]
-    m, best_logit = m.to(f64), part.best_logit.gather(0, which)[0].to(f64)
+    t = None if part.sum_exp_logit is None else (part.sum_exp_logit * scale).sum(0)[None]
+    top2 = None
+    if part.top2 is not None:
+        top2 = part.top2.permute(1, 0, 2).reshape(m.shape[0], -1).topk(2, dim=-1).values[None]
+    return VocabPartial(
+        m[None], s[None], t, top2, part.best_score.gather(0, which),
+        part.best_token.gather(0, which), part.best_logit.gather(0, which),
+    )
+
+
+def combine(part: VocabPartial) -> TokenStats:
+    """Merge the P ranges of `part` and finish the statistics."""
+    f64 = torch.float64
+    one = merge(part)
+    m, s, best_logit = one.max_logit[0].to(f64), one.sum_exp[0], one.best_logit[0].to(f64)
     prob = torch.exp(best_logit - m) / s
     entropy = None
-    if part.sum_exp_logit is not None:
-        t = (part.sum_exp_logit * scale).sum(0)
-        entropy = torch.log(s) + m - t / s
+    if one.sum_exp_logit is not None:
+        entropy = torch.log(s) + m - one.sum_exp_logit[0] / s
     margin = None
-    if part.top2 is not None:
-        top2 = part.top2.permute(1, 0, 2).reshape(m.shape[0], -1).topk(2, dim=-1).values.to(f64)
+    if one.top2 is not None:
+        top2 = one.top2[0].to(f64)
         margin = (torch.exp(top2[:, 0] - m) - torch.exp(top2[:, 1] - m)) / s
-    return TokenStats(token, prob, entropy, margin)
+    return TokenStats(one.best_token[0], prob, entropy, margin)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary range this device's LM-head weight holds when the vocabulary is split
+    across devices (tensor parallelism): ids [start, start + weight rows). `gather` takes
+    this device's merged partial (P = 1) and returns every device's, in vocabulary order
+    (P = devices); only these few scalars per row cross devices, never logits."""
+
+    start: int
+    size: int  # the whole vocabulary
+    gather: Callable[[VocabPartial], VocabPartial]
 
 
 def token_stats_partial_torch(

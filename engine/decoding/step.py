@@ -11,25 +11,32 @@ import torch
 from engine.decoding import dream
 from engine.decoding.commit import above_threshold, factor_rule, top_k
 from engine.decoding.sampling import filtered_stats
+from engine.layers.linear import gather_logits
 from engine.params import GenerationParams
 from engine.sequence import Sequence
 from kernels import dispatch
-from kernels.token_stats import TokenStats
+from kernels.token_stats import TokenStats, VocabShard
 
 
-def token_stats(seq: Sequence, hidden: torch.Tensor, weight: torch.Tensor) -> TokenStats:
+def token_stats(
+    seq: Sequence, hidden: torch.Tensor, weight: torch.Tensor, shard: VocabShard | None = None
+) -> TokenStats:
     """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d]. The MASK
     token is never proposed: committing it would leave the position masked forever (the
-    references loop or leave MASKs in the output there; real checkpoints never rank it first)."""
+    references loop or leave MASKs in the output there; real checkpoints never rank it first).
+    `shard`: `weight` is this rank's vocabulary range (tensor parallelism)."""
     p, mask = seq.params, seq.mask_id
     if seq.sampler != "dream":
         return dispatch.token_stats(hidden, weight, temperature=p.temperature, generator=seq.generator,
-                                    exclude_token=mask)
+                                    exclude_token=mask, shard=shard)
     if p.temperature > 0 or p.top_p is not None or p.top_k is not None:
-        return filtered_stats(hidden @ weight.T, temperature=p.temperature, top_p=p.top_p,
+        # Top-p / top-k filtering needs the sorted distribution: the decided rows' logits
+        # (gathered over the vocabulary shards under tensor parallelism).
+        logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
+        return filtered_stats(logits, temperature=p.temperature, top_p=p.top_p,
                               top_k=p.top_k, generator=seq.generator, exclude_token=mask)
     return dispatch.token_stats(hidden, weight, want_entropy=p.alg == "entropy",
-                                want_margin=p.alg == "topk_margin", exclude_token=mask)
+                                want_margin=p.alg == "topk_margin", exclude_token=mask, shard=shard)
 
 
 def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:

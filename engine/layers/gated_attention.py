@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import attention, merge_heads, split_heads
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
@@ -28,10 +29,11 @@ class GatedAttention(nn.Module):
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, bias: bool
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.split = [2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self.qkv_proj = nn.Linear(hidden_size, sum(self.split), bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, num_heads, num_kv_heads, head_dim, bias, q_rows=2 * head_dim)
+        # This rank's heads (all of them outside tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim, self.split = head_dim, self.qkv_proj.local_parts
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps, zero_centred=True)
         self.k_norm = RMSNorm(head_dim, eps, zero_centred=True)
 

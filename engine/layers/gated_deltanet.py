@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import RowParallelLinear, mark_rows, split
+
 CHUNK = 64
 
 
@@ -146,6 +148,11 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        # Tensor parallelism splits the heads (value heads with the key heads they read).
+        k0, k1 = split(num_k_heads, "linear-attention key heads")
+        v0, v1 = split(num_v_heads, "linear-attention value heads")
+        full_key_dim, full_value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        num_k_heads, num_v_heads = k1 - k0, v1 - v0
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -158,7 +165,16 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(full_value_dim, hidden_size)
+        # This rank's rows of q, k and v inside in_proj_qkv (and the conv channels).
+        qkv = [(k0 * head_k_dim, k1 * head_k_dim),
+               (full_key_dim + k0 * head_k_dim, full_key_dim + k1 * head_k_dim),
+               (2 * full_key_dim + v0 * head_v_dim, 2 * full_key_dim + v1 * head_v_dim)]
+        heads = [(v0, v1)]
+        mark_rows(self.in_proj.weight, [qkv, [(v0 * head_v_dim, v1 * head_v_dim)], heads, heads])
+        mark_rows(self.conv1d.weight, [qkv])
+        mark_rows(self.dt_bias, [heads])
+        mark_rows(self.A_log, [heads])
 
     def empty_state(self, batch: int, dtype: torch.dtype, device: torch.device) -> LinearAttentionState:
         return LinearAttentionState(

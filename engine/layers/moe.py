@@ -13,6 +13,13 @@ Two routers cover the supported families:
   scores; weights are the *unbiased* scores of the chosen experts, renormalised, times
   `routed_scaling_factor`. A shared expert is added unweighted.
 - SDAR-MoE (Qwen3-MoE style): softmax over expert logits, top-k, optional renormalisation.
+
+Across tensor-parallel ranks (activations are replicated, so every rank routes every token
+identically with the replicated router) the experts are placed by `expert_placement`:
+expert parallelism gives each rank whole experts (the others are `NotLocal` placeholders),
+tensor-parallel experts split every expert's intermediate features. Either way each rank
+produces a partial sum of the routed (and shared) experts' output, and one all-reduce per
+layer combines them.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import parallel_state
+from engine.layers.linear import split
 from engine.layers.mlp import GatedMLP
 
 
@@ -56,21 +65,42 @@ def softmax_route(
     return chosen, weights
 
 
+class NotLocal(nn.Module):
+    """The place of an expert held by another rank (expert parallelism): no parameters."""
+
+
+def expert_placement(num_experts: int, expert_ffn: int) -> tuple[str, range]:
+    """How this rank holds a layer's experts: ("single", all) outside tensor parallelism,
+    ("ep", its experts) or ("tp", all, each split). `auto` picks expert parallelism when
+    the experts divide evenly over the ranks, tensor-parallel experts otherwise."""
+    tp = parallel_state.current()
+    if tp.size == 1:
+        return "single", range(num_experts)
+    mode = tp.moe
+    if mode == "auto":
+        mode = "ep" if num_experts % tp.size == 0 else "tp"
+    if mode == "ep":
+        return "ep", range(*split(num_experts, "the number of experts"))
+    split(expert_ffn, "the expert intermediate size")
+    return "tp", range(num_experts)
+
+
 def grouped_experts(
     x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList
 ) -> torch.Tensor:
-    """x [T, d], chosen/weights [T, k] -> sum_k weights * expert_k(x), one matmul per expert."""
+    """x [T, d], chosen/weights [T, k] -> sum_k weights * expert_k(x), one matmul per expert
+    (experts of other ranks contribute zero here)."""
     tokens, k = chosen.shape
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    out = x.new_empty((tokens * k, x.shape[-1]))
+    out = x.new_zeros((tokens * k, x.shape[-1]))
     start = 0
     for e, n in enumerate(counts):
-        if n:
+        if n and not isinstance(experts[e], NotLocal):
             rows = order[start : start + n]
             out[rows] = experts[e](x[rows // k])
-            start += n
+        start += n
     return (out.view(tokens, k, x.shape[-1]) * weights[..., None]).sum(1).to(x.dtype)
 
 
@@ -111,9 +141,13 @@ class SparseMoE(nn.Module):
     def __init__(self, gate: nn.Module, hidden: int, expert_ffn: int, num_experts: int,
                  shared_ffn: int = 0) -> None:
         super().__init__()
-        self.gate = gate
-        self.experts = nn.ModuleList(GatedMLP(hidden, expert_ffn) for _ in range(num_experts))
-        self.shared_experts = GatedMLP(hidden, shared_ffn) if shared_ffn else None
+        self.gate = gate  # replicated: every rank routes every token the same way
+        self.placement, local = expert_placement(num_experts, expert_ffn)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, expert_ffn, reduce=False, sharded=self.placement != "ep") if e in local else NotLocal()
+            for e in range(num_experts)
+        )
+        self.shared_experts = GatedMLP(hidden, shared_ffn, reduce=False) if shared_ffn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -121,4 +155,4 @@ class SparseMoE(nn.Module):
         out = grouped_experts(flat, chosen, weights, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return out.view(x.shape)
+        return parallel_state.all_reduce(out).view(x.shape)

@@ -9,12 +9,13 @@ samplers read position p's distribution from row p-1. Parameters mirror the chec
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
 from engine.layers.attention import self_attention
+from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
@@ -23,31 +24,19 @@ class DreamAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hd = config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * hd, bias=True)
-        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
-
-
-class DreamMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.ffn = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.ffn, bias=False)
-        self.down_proj = nn.Linear(self.ffn, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.ffn, self.ffn], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads, config.num_kv_heads, hd, bias=True)
+        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, bias=False)
 
 
 class DreamLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.heads = (config.num_heads, config.num_kv_heads)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DreamAttention(config)
+        self.heads = (self.self_attn.qkv_proj.num_heads, self.self_attn.qkv_proj.num_kv_heads)  # this rank's
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DreamMLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
@@ -68,7 +57,7 @@ class DreamLayer(nn.Module):
 class DreamBase(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.logits_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.logits_size, config.hidden_size)
         self.layers = nn.ModuleList(DreamLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -82,7 +71,7 @@ class Model(nn.Module):
         self.config = config
         self.model = DreamBase(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.logits_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.logits_size)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
 
     @property

@@ -15,6 +15,9 @@ from torch import nn
 from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
 from engine.layers.attention import self_attention
+from engine.layers.linear import (
+    ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
@@ -26,14 +29,14 @@ class LLaDABlock(nn.Module):
         bias = bool(config.raw.get("include_bias", False))
         qkv_bias = bias or bool(config.raw.get("include_qkv_bias", False))
         self.layer = layer
-        self.heads = (config.num_heads, config.num_kv_heads)
-        self.ffn = config.intermediate_size
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(d, (config.num_heads + 2 * config.num_kv_heads) * hd, bias=qkv_bias)
-        self.attn_out = nn.Linear(config.num_heads * hd, d, bias=bias)
+        self.qkv_proj = QKVParallelLinear(d, config.num_heads, config.num_kv_heads, hd, qkv_bias)
+        self.heads = (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)  # this rank's heads
+        self.attn_out = RowParallelLinear(config.num_heads * hd, d, bias=bias)
         self.ff_norm = RMSNorm(d, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(d, 2 * self.ffn, bias=bias)
-        self.ff_out = nn.Linear(self.ffn, d, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(d, [config.intermediate_size] * 2, bias=bias)
+        self.ffn = self.gate_up_proj.local_parts[0]
+        self.ff_out = RowParallelLinear(config.intermediate_size, d, bias=bias)
 
     def forward(
         self,
@@ -56,11 +59,11 @@ class LLaDABlock(nn.Module):
 class LLaDATransformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.logits_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.logits_size, config.hidden_size)
         self.blocks = nn.ModuleList(LLaDABlock(config, i) for i in range(config.num_layers))
         self.ln_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.ff_out = nn.Linear(config.hidden_size, config.logits_size, bias=False)
+            self.ff_out = ParallelLMHead(config.hidden_size, config.logits_size)
 
 
 class _Root(nn.Module):

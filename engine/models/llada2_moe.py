@@ -20,6 +20,7 @@ from engine.block_batch import BlockBatch
 from engine.config import ModelConfig
 from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
+from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SigmoidGroupGate, SparseMoE
 from engine.layers.norm import RMSNorm
@@ -30,10 +31,13 @@ class LLaDA2Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         raw, hd = config.raw, config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
-        self.query_key_value = nn.Linear(config.hidden_size, sum(self.sizes), bias=bool(raw.get("use_qkv_bias", False)))
-        self.dense = nn.Linear(self.sizes[0], config.hidden_size, bias=bool(raw.get("use_bias", False)))
+        self.query_key_value = QKVParallelLinear(
+            config.hidden_size, config.num_heads, config.num_kv_heads, hd, bool(raw.get("use_qkv_bias", False)),
+            fused=True,
+        )
+        self.num_heads, self.num_kv_heads = self.query_key_value.num_heads, self.query_key_value.num_kv_heads
+        self.sizes = self.query_key_value.local_parts
+        self.dense = RowParallelLinear(config.num_heads * hd, config.hidden_size, bias=bool(raw.get("use_bias", False)))
         qk_norm = bool(raw.get("use_qk_norm", True))
         self.query_layernorm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.key_layernorm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
@@ -76,7 +80,7 @@ class LLaDA2Layer(DecoderLayer):
 class LLaDA2Inner(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.logits_size, config.hidden_size)
+        self.word_embeddings = VocabParallelEmbedding(config.logits_size, config.hidden_size)
         self.layers = nn.ModuleList(LLaDA2Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,7 +94,7 @@ class Model(nn.Module):
         self.config = config
         self.model = LLaDA2Inner(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.logits_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.logits_size)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
 
     @property

@@ -28,6 +28,7 @@ from engine.config import ModelConfig
 from engine.hybrid_cache import HybridCache, LayerState
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
+from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.stacked_moe import StackedSparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
@@ -79,7 +80,7 @@ class HybridBody(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         types = list(config.raw["layer_types"])[: config.num_layers]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridLayer(config, t) for t in types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
@@ -96,7 +97,7 @@ class Model(nn.Module):
         self.config = config
         self.model = HybridBody(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
         for layer in self.model.layers:
             experts = layer.mlp.experts
@@ -123,8 +124,8 @@ class Model(nn.Module):
         for stacked, parts in (("experts.gate_up_proj", ("gate_proj", "up_proj")), ("experts.down_proj", ("down_proj",))):
             if body.endswith(stacked) and prefix + body not in available:
                 experts = prefix + body[: -len(stacked)] + "experts"
-                count = int(self.config.raw["num_experts"])
-                return [f"{experts}.{e}.{part}.weight" for e in range(count) for part in parts]
+                local = self.get_submodule(name.rpartition(".")[0]).local  # this rank's experts
+                return [f"{experts}.{e}.{part}.weight" for e in local for part in parts]
         if not nested:
             return None
         return [prefix + src[len("model.") :] for src in checkpoint_sources(name, self.packed_modules)]

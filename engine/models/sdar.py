@@ -19,6 +19,7 @@ from engine.block_batch import BlockBatch
 from engine.config import ModelConfig
 from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
+from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SoftmaxGate, SparseMoE
 from engine.layers.norm import RMSNorm
@@ -29,10 +30,10 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool, bias: bool) -> None:
         super().__init__()
         hd = config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=bias)
-        self.o_proj = nn.Linear(self.sizes[0], config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads, config.num_kv_heads, hd, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.sizes = self.qkv_proj.local_parts
+        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
@@ -71,7 +72,7 @@ class QwenLayer(DecoderLayer):
 class QwenInner(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool, bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.logits_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.logits_size, config.hidden_size)
         self.layers = nn.ModuleList(QwenLayer(config, i, qk_norm, bias) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,7 +86,7 @@ class LlamaStyleModel(nn.Module):
         self.config = config
         self.model = QwenInner(config, self.qk_norm, self.attention_bias(config))
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.logits_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.logits_size)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
 
     @staticmethod

@@ -1,0 +1,77 @@
+"""`dlm generate --tensor-parallel-size 2` as a user runs it: the same JSON ids as one
+process, and a worker killed mid-generation (or hung) ends the command with exit 1 and a
+message naming what failed, within a bounded time."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.tp_checkpoints import write_family
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_family(tmp_path_factory.mktemp("llada"), "llada")
+
+
+def _command(model: Path, *extra: str, gen_length: int = 16) -> list[str]:
+    return [sys.executable, "-m", "dlm_cli", "generate", str(model), "--prompt-ids", "5,17,42,99",
+            "--gen-length", str(gen_length), "--block-length", "8", "--dtype", "float32", "--device", "cpu",
+            "--json", *extra]
+
+
+def test_cli_two_ranks_print_the_single_process_ids(llada: Path) -> None:
+    runs = [subprocess.run(_command(llada, *tp), capture_output=True, text=True, cwd=ROOT, timeout=120)
+            for tp in ((), ("--tensor-parallel-size", "2"))]
+    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr
+    single, parallel = (json.loads(r.stdout) for r in runs)
+    assert parallel["output_ids"] == single["output_ids"] and parallel["nfe"] == single["nfe"]
+    assert (single["tensor_parallel_size"], parallel["tensor_parallel_size"]) == (1, 2)
+
+
+def _worker_pid(parent: int) -> int:
+    """The spawned rank among the CLI's children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+
+
+def _wait_for(proc: subprocess.Popen, text: str, limit: float) -> None:
+    assert proc.stderr is not None
+    deadline, seen = time.monotonic() + limit, ""
+    while text not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, f"never saw {text!r}: {seen}"
+        if select.select([proc.stderr], [], [], left)[0]:
+            seen += proc.stderr.readline()
+
+
+@pytest.mark.parametrize(("sig", "message"), [
+    (signal.SIGKILL, "error: tensor-parallel rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)"),
+    (signal.SIGSTOP, "error: a tensor-parallel collective timed out after 5s"),
+])
+def test_a_dead_or_hung_worker_fails_the_command(llada: Path, sig: signal.Signals, message: str) -> None:
+    env = {**os.environ, "DLM_DIST_TIMEOUT": "5"}
+    proc = subprocess.Popen(_command(llada, "--tensor-parallel-size", "2", gen_length=480), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(proc, "ranks ready", limit=60)
+        time.sleep(0.3)  # into the denoising loop (480 steps: seconds of work)
+        pid = _worker_pid(proc.pid)
+        os.kill(pid, sig)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 20
+        assert proc.returncode == 1
+        assert message.format(pid=pid) in err, err
+    finally:
+        proc.kill()
+        proc.wait()
