@@ -229,11 +229,6 @@ def _build(spec: EngineSpec, device: torch.device) -> Any:
     return load_engine(spec.model_dir, resolve_dtype(spec.dtype), device)
 
 
-def _seed_everyone(group: Group) -> None:
-    """Same default RNG on every rank (anything drawn outside a request's own generator)."""
-    torch.manual_seed(_broadcast(group, secrets.randbits(62) if group.place.rank == 0 else None))
-
-
 def worker_loop(engine: Any, group: Group) -> None:
     """A non-driver rank: mirror each step message's running set, run the step, until told
     to stop. A sequence that left the running set unfinished was aborted by the driver."""
@@ -329,7 +324,6 @@ def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
         group = join(place, config, device)
         engine = _build(spec, device)
         _loaded_barrier(group, config)
-        _seed_everyone(group)
         worker_loop(engine, group)
         leave()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure by name, then exits
@@ -452,7 +446,6 @@ def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
         engine = _build(spec, device)
         driver = DistributedEngine(engine, group, spawned, config.timeout_s)
         driver._guarded(lambda: _loaded_barrier(driver.group, config))
-        driver._guarded(lambda: _seed_everyone(driver.group))
         return driver
     except BaseException:
         if spawned is not None:
@@ -473,7 +466,6 @@ def serve_worker(spec: EngineSpec, config: ParallelConfig) -> None:
         group = join(place, config, device)
         engine = _build(spec, device)
         _loaded_barrier(group, config)
-        _seed_everyone(group)
         worker_loop(engine, group)
         if spawned is not None:
             spawned.wait()

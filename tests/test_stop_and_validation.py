@@ -26,8 +26,8 @@ def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     positions: list[int] = []
     real = engine.runner.token_stats
 
-    def patched(seq, hidden, weight):  # type: ignore[no-untyped-def]
-        stats = real(seq, hidden, weight)
+    def patched(seq, hidden, weight, *shard):  # type: ignore[no-untyped-def]
+        stats = real(seq, hidden, weight, *shard)
         for i, p in enumerate(seq.positions_to_decide().tolist()):
             if p in positions:
                 stats.token[i] = seq.eos_id

@@ -29,13 +29,33 @@ def _command(model: Path, *extra: str, gen_length: int = 16) -> list[str]:
             "--json", *extra]
 
 
-def test_cli_two_ranks_print_the_single_process_ids(llada: Path) -> None:
-    runs = [subprocess.run(_command(llada, *tp), capture_output=True, text=True, cwd=ROOT, timeout=120)
-            for tp in ((), ("--tensor-parallel-size", "2"))]
-    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr
-    single, parallel = (json.loads(r.stdout) for r in runs)
+@pytest.fixture(scope="module")
+def single(llada: Path) -> dict:
+    run = subprocess.run(_command(llada), capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_cli_two_ranks_print_the_single_process_ids(llada: Path, single: dict) -> None:
+    run = subprocess.run(_command(llada, "--tensor-parallel-size", "2"), capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    parallel = json.loads(run.stdout)
     assert parallel["output_ids"] == single["output_ids"] and parallel["nfe"] == single["nfe"]
     assert (single["tensor_parallel_size"], parallel["tensor_parallel_size"]) == (1, 2)
+
+
+def test_cli_two_nodes(llada: Path, single: dict) -> None:
+    """`--nnodes 2`: the same command on two "nodes" (here two local processes, one rank
+    each); node 0 prints the result, node 1 serves and prints nothing."""
+    from engine.distributed import _free_port
+
+    flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    nodes = [subprocess.Popen(_command(llada, *flags, "--node-rank", str(rank)), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (1, 0)]
+    (out1, err1), (out0, err0) = (node.communicate(timeout=120) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
+    assert out1 == "" and json.loads(out0)["output_ids"] == single["output_ids"]
 
 
 def _worker_pid(parent: int) -> int:
