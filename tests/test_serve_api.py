@@ -245,9 +245,12 @@ def test_continuous_batching_beats_sequential(server: ServerProcess) -> None:
     # forward's fixed cost, which batching shares, dominates on a CPU.
     requests = [{"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 16 + 16 * (i % 2),
                  "steps": 16, "block_length": 16} for i in range(8)]
-    sequential = _timed(requests, server, concurrent=False)
-    concurrent = _timed(requests, server, concurrent=True)
-    assert concurrent < 0.75 * sequential, (concurrent, sequential)
+    # Best of three alternating runs each: other processes on a shared 2-core machine add
+    # noise to single timings, not to the best ones.
+    runs = [(_timed(requests, server, concurrent=False), _timed(requests, server, concurrent=True))
+            for _ in range(3)]
+    sequential, concurrent = min(r[0] for r in runs), min(r[1] for r in runs)
+    assert concurrent < 0.75 * sequential, runs
     m = server.metrics(KEY)
     assert m["dlm_batch_size_count"] > m['dlm_batch_size_bucket{le="1.0"}']  # some forwards held >1 sequence
     assert m['dlm_batch_size_bucket{le="4.0"}'] == m["dlm_batch_size_count"]  # never more than 4
