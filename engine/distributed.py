@@ -333,6 +333,35 @@ def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
         os._exit(1)
 
 
+class Deadline:
+    """The driver's backstop: a thread that ends the process (after killing the ranks it
+    spawned) when an armed deadline passes, whatever the driver is blocked in. Collectives
+    have their own timeouts; this covers anything that does not time out by itself."""
+
+    def __init__(self, spawned: SpawnedRanks | None) -> None:
+        self.spawned = spawned
+        self._at: float | None = None
+        self._what = ""
+        threading.Thread(target=self._watch, daemon=True, name="dlm-tp-deadline").start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        self._what, self._at = what, time.monotonic() + seconds
+
+    def disarm(self) -> None:
+        self._at = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            at = self._at
+            if at is not None and time.monotonic() > at:
+                sys.stderr.write(f"error: {self._what}\n")
+                sys.stderr.flush()
+                if self.spawned is not None:
+                    self.spawned.terminate()
+                os._exit(1)
+
+
 class DistributedEngine:
     """The driver's view of the group: the interface of the local engine (attributes are
     the local engine's), with `add_request` / `step` / `generate` mirrored to every rank."""
@@ -343,6 +372,7 @@ class DistributedEngine:
         self._ids: dict[int, tuple[int, Any]] = {}  # id(sequence) -> (request id, sequence)
         self._next_id = 0
         self._closed = self._failed = False
+        self._deadline = Deadline(spawned)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -390,11 +420,18 @@ class DistributedEngine:
                 on_step(seqs)
         return seqs
 
-    def _guarded(self, run: Callable[[], Any]) -> Any:
+    def _guarded(self, run: Callable[[], Any], limit_s: float | None = None) -> Any:
+        """Run a step (or the load barrier) of the group: a backend error becomes the
+        failure's message, and the process ends if it overruns its time limit."""
+        limit = self.timeout_s if limit_s is None else limit_s
+        self._deadline.arm(limit + WATCHDOG_GRACE_S,
+                           f"the tensor-parallel group made no progress for {limit:g}s (a rank is hung)")
         try:
             return run()
         except Exception as exc:  # noqa: BLE001 - collectives raise backend-specific errors
             raise self.failure(exc) from exc
+        finally:
+            self._deadline.disarm()
 
     def failure(self, exc: BaseException) -> DlmError:
         """The error to report for a failed collective: the rank that died when one did
@@ -420,6 +457,7 @@ class DistributedEngine:
         if self._closed:
             return
         self._closed = True
+        self._deadline.arm(self.timeout_s + WATCHDOG_GRACE_S, "the tensor-parallel group did not stop in time")
         try:
             if not self._failed:  # a failed group cannot take the message: its ranks are killed
                 _broadcast(self.group, Step(stop=True))
@@ -429,6 +467,7 @@ class DistributedEngine:
             if self.spawned is not None:
                 self.spawned.terminate()
             leave(self.group)
+            self._deadline.disarm()
 
 
 def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
@@ -445,7 +484,7 @@ def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
         group = join(place, config, device)
         engine = _build(spec, device)
         driver = DistributedEngine(engine, group, spawned, config.timeout_s)
-        driver._guarded(lambda: _loaded_barrier(driver.group, config))
+        driver._guarded(lambda: _loaded_barrier(driver.group, config), config.load_timeout_s)
         return driver
     except BaseException:
         if spawned is not None:

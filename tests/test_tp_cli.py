@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -75,8 +76,10 @@ def _wait_for(proc: subprocess.Popen, text: str, limit: float) -> None:
 
 
 @pytest.mark.parametrize(("sig", "message"), [
-    (signal.SIGKILL, "error: tensor-parallel rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)"),
-    (signal.SIGSTOP, "error: a tensor-parallel collective timed out after 5s"),
+    (signal.SIGKILL, r"error: tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
+    # The collective's own timeout, or the driver's deadline if it is blocked elsewhere.
+    (signal.SIGSTOP, r"error: (a tensor-parallel collective timed out after 5s|the tensor-parallel group made "
+                     r"no progress for 5s \(a rank is hung\))"),
 ])
 def test_a_dead_or_hung_worker_fails_the_command(llada: Path, sig: signal.Signals, message: str) -> None:
     env = {**os.environ, "DLM_DIST_TIMEOUT": "5"}
@@ -91,7 +94,7 @@ def test_a_dead_or_hung_worker_fails_the_command(llada: Path, sig: signal.Signal
         _, err = proc.communicate(timeout=30)
         assert time.monotonic() - start < 20
         assert proc.returncode == 1
-        assert message.format(pid=pid) in err, err
+        assert re.search(message.format(pid=pid), err), err
     finally:
         proc.kill()
         proc.wait()
