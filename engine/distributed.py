@@ -229,11 +229,6 @@ def _build(spec: EngineSpec, device: torch.device) -> Any:
     return load_engine(spec.model_dir, resolve_dtype(spec.dtype), device)
 
 
-def _seed_everyone(group: Group) -> None:
-    """Same default RNG on every rank (anything drawn outside a request's own generator)."""
-    torch.manual_seed(_broadcast(group, secrets.randbits(62) if group.place.rank == 0 else None))
-
-
 def worker_loop(engine: Any, group: Group) -> None:
     """A non-driver rank: mirror each step message's running set, run the step, until told
     to stop. A sequence that left the running set unfinished was aborted by the driver."""
@@ -329,7 +324,6 @@ def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
         group = join(place, config, device)
         engine = _build(spec, device)
         _loaded_barrier(group, config)
-        _seed_everyone(group)
         worker_loop(engine, group)
         leave()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure by name, then exits
@@ -337,6 +331,35 @@ def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
         sys.stderr.write(f"tensor-parallel rank {place.rank} stopped: {exc}\n")
         sys.stderr.flush()
         os._exit(1)
+
+
+class Deadline:
+    """The driver's backstop: a thread that ends the process (after killing the ranks it
+    spawned) when an armed deadline passes, whatever the driver is blocked in. Collectives
+    have their own timeouts; this covers anything that does not time out by itself."""
+
+    def __init__(self, spawned: SpawnedRanks | None) -> None:
+        self.spawned = spawned
+        self._at: float | None = None
+        self._what = ""
+        threading.Thread(target=self._watch, daemon=True, name="dlm-tp-deadline").start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        self._what, self._at = what, time.monotonic() + seconds
+
+    def disarm(self) -> None:
+        self._at = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            at = self._at
+            if at is not None and time.monotonic() > at:
+                sys.stderr.write(f"error: {self._what}\n")
+                sys.stderr.flush()
+                if self.spawned is not None:
+                    self.spawned.terminate()
+                os._exit(1)
 
 
 class DistributedEngine:
@@ -349,6 +372,7 @@ class DistributedEngine:
         self._ids: dict[int, tuple[int, Any]] = {}  # id(sequence) -> (request id, sequence)
         self._next_id = 0
         self._closed = self._failed = False
+        self._deadline = Deadline(spawned)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -396,11 +420,18 @@ class DistributedEngine:
                 on_step(seqs)
         return seqs
 
-    def _guarded(self, run: Callable[[], Any]) -> Any:
+    def _guarded(self, run: Callable[[], Any], limit_s: float | None = None) -> Any:
+        """Run a step (or the load barrier) of the group: a backend error becomes the
+        failure's message, and the process ends if it overruns its time limit."""
+        limit = self.timeout_s if limit_s is None else limit_s
+        self._deadline.arm(limit + WATCHDOG_GRACE_S,
+                           f"the tensor-parallel group made no progress for {limit:g}s (a rank is hung)")
         try:
             return run()
         except Exception as exc:  # noqa: BLE001 - collectives raise backend-specific errors
             raise self.failure(exc) from exc
+        finally:
+            self._deadline.disarm()
 
     def failure(self, exc: BaseException) -> DlmError:
         """The error to report for a failed collective: the rank that died when one did
@@ -426,6 +457,7 @@ class DistributedEngine:
         if self._closed:
             return
         self._closed = True
+        self._deadline.arm(self.timeout_s + WATCHDOG_GRACE_S, "the tensor-parallel group did not stop in time")
         try:
             if not self._failed:  # a failed group cannot take the message: its ranks are killed
                 _broadcast(self.group, Step(stop=True))
@@ -435,6 +467,7 @@ class DistributedEngine:
             if self.spawned is not None:
                 self.spawned.terminate()
             leave(self.group)
+            self._deadline.disarm()
 
 
 def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
@@ -451,8 +484,7 @@ def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
         group = join(place, config, device)
         engine = _build(spec, device)
         driver = DistributedEngine(engine, group, spawned, config.timeout_s)
-        driver._guarded(lambda: _loaded_barrier(driver.group, config))
-        driver._guarded(lambda: _seed_everyone(driver.group))
+        driver._guarded(lambda: _loaded_barrier(driver.group, config), config.load_timeout_s)
         return driver
     except BaseException:
         if spawned is not None:
@@ -473,7 +505,6 @@ def serve_worker(spec: EngineSpec, config: ParallelConfig) -> None:
         group = join(place, config, device)
         engine = _build(spec, device)
         _loaded_barrier(group, config)
-        _seed_everyone(group)
         worker_loop(engine, group)
         if spawned is not None:
             spawned.wait()
