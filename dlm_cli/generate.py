@@ -5,6 +5,7 @@ from typing import Optional
 
 import typer
 
+from dlm_cli import parallel as tp
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -63,12 +64,12 @@ def generate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option("native", "--backend", help="native, or transformers: load any checkpoint with transformers."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Split the model over N processes (one per GPU; gloo CPU processes without CUDA)."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Nodes the tensor-parallel ranks span (run the command on each)."),
-    node_rank: int = typer.Option(0, "--node-rank", help="This node's index (0 = the node that prints the result)."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address (multi-node)."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Node 0's rendezvous port (multi-node)."),
-    moe_parallel: str = typer.Option("auto", "--moe-parallel", help="auto, ep (experts split over ranks) or tp (each expert split)."),
+    tensor_parallel_size: Optional[int] = tp.TENSOR_PARALLEL_SIZE,
+    nnodes: Optional[int] = tp.NNODES,
+    node_rank: Optional[int] = tp.NODE_RANK,
+    master_addr: Optional[str] = tp.MASTER_ADDR,
+    master_port: Optional[int] = tp.MASTER_PORT,
+    moe_parallel: Optional[str] = tp.MOE_PARALLEL,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
@@ -83,17 +84,11 @@ def generate(
 
             model = str(resolve_model(model))
 
-        from engine.distributed import EngineSpec, ParallelConfig, is_driver, serve_worker
         from engine.llm import LLM
         from engine.params import GenerationParams
-        from engine.resolve import resolve_model
 
-        parallel = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
-            master_addr=master_addr, master_port=master_port, moe=moe_parallel,
-        ).resolved()
-        if not is_driver(parallel):  # another node's (or torchrun's) rank: serve until done
-            serve_worker(EngineSpec(str(resolve_model(model)), dtype, device), parallel)
+        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
+        if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
             return
         params = GenerationParams(
             gen_length=gen_length, steps=steps, block_length=block_length, remasking=remasking,

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from dlm_cli import parallel as tp
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -44,6 +45,12 @@ def serve(
     admin_port: Optional[int] = typer.Option(None, "--admin-port", help="Admin endpoint port, always on 127.0.0.1 [0: any free one]."),
     admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Admin endpoint key (prefer DLM_ADMIN_KEY or --admin-key-file) [random]."),
     admin_key_file: Optional[Path] = typer.Option(None, "--admin-key-file", help="File holding the admin key."),
+    tensor_parallel_size: Optional[int] = tp.TENSOR_PARALLEL_SIZE,
+    nnodes: Optional[int] = tp.NNODES,
+    node_rank: Optional[int] = tp.NODE_RANK,
+    master_addr: Optional[str] = tp.MASTER_ADDR,
+    master_port: Optional[int] = tp.MASTER_PORT,
+    moe_parallel: Optional[str] = tp.MOE_PARALLEL,
     json_out: bool = typer.Option(False, "--json", help="Print the effective configuration as JSON on stdout at start."),
 ) -> None:
     """Serve MODEL (or a store deployment) over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
@@ -67,12 +74,16 @@ def serve(
                                f"(admin endpoint {other.admin_url}); one server per deployment and store")
         elif config.model is not None:
             resolve_model(config.model)  # a wrong path is a usage error before anything starts
+        parallel = config.parallel()
         if json_out:
             emit_json(config.public())
         else:
             err_console.print("[bold]dlm serve[/] configuration:")
             for key, value in config.public().items():
                 err_console.print(f"  {key} = {value}", highlight=False)
+
+        if tp.run_worker(config.model, config.dtype, config.device, parallel):  # not rank 0: no HTTP
+            return
 
         from engine.server.run import serve as run_server
 

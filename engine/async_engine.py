@@ -9,6 +9,10 @@ Callers on the event loop `submit()` a request and read its `RequestStream`: sna
 committed left-to-right prefix (what can be streamed: a dLLM commits tokens anywhere in the
 block, but only the prefix before the first MASK is final text) and a final output.
 
+A step that fails fails its batch; an engine that fails (`EngineFailed`: a tensor-parallel
+rank died or hung) fails every request it holds, refuses new ones and ends the loop, so no
+request waits on an engine that cannot answer (`failure` says why).
+
 The engine core knows nothing of HTTP: metrics reach the server through `EngineObserver`.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import AsyncIterator, Protocol
 import torch
 
 from engine.engine import LLMEngine
-from engine.errors import DlmError
+from engine.errors import DlmError, EngineFailed
 from engine.params import GenerationParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
 from engine.sequence import Sequence
@@ -127,6 +131,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._cancels: list[tuple[ScheduledRequest, str]] = []
         self._stopping = False
+        self.failure: str | None = None  # why the engine can run nothing more
         self._thread: threading.Thread | None = None
         self._service_seconds = 1.0  # running average of admitted -> finished, for Retry-After
 
@@ -149,6 +154,21 @@ class AsyncEngine:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # stuck in a step: the engine is not ours to close
+                return
+        close = getattr(self.engine, "close", None)  # a tensor-parallel engine stops its ranks
+        if close is not None:
+            close()
+
+    def fail(self, reason: str) -> None:
+        """The engine can run nothing more (any thread may say so): end every request with
+        `reason`, refuse new ones, end the loop."""
+        with self._cv:
+            if self.failure is None:
+                self.failure = reason
+                log.error("error: %s", reason)
+            self.accepting = False
+            self._cv.notify_all()
 
     @property
     def alive(self) -> bool:
@@ -177,6 +197,8 @@ class AsyncEngine:
 
         With `updates`, every step that extends the committed prefix posts a snapshot.
         """
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
         if not self.accepting:
             raise Draining("the server is shutting down and admits no new requests")
         self.scheduler.check_room()  # refuse before building the canvas: overload answers fast
@@ -235,8 +257,13 @@ class AsyncEngine:
     def _prepare_step(self) -> list[ScheduledRequest] | None:
         """Under the lock: apply cancellations and deadlines, admit; None means stop."""
         with self._cv:
-            while not (self._stopping or self._cancels or self.scheduler.has_work()):
+            while not (self._stopping or self.failure or self._cancels or self.scheduler.has_work()):
                 self._cv.wait(timeout=1.0)
+            if self.failure is not None:
+                for request in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self.scheduler.remove(request, "error")
+                    self._finish(request, error=self.failure)
+                return None
             if self._stopping:
                 return None
             cancels, self._cancels = self._cancels, []
@@ -260,6 +287,9 @@ class AsyncEngine:
             start = time.perf_counter()
             try:
                 self.engine.step()
+            except EngineFailed as exc:  # its requests end with the rest, in _prepare_step
+                self.fail(str(exc))
+                continue
             except Exception as exc:  # a failed forward fails its batch, never the server
                 log.exception("denoising step failed for %d sequences", len(batch))
                 with self._cv:

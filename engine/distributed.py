@@ -19,8 +19,10 @@ variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) take preceden
 
 Failure: init and every collective have a timeout (`timeout_s`), so a hung rank fails the
 group instead of hanging it; a dead rank breaks its connections, so collectives fail at once.
-The driver watches the ranks it spawned: a failure names the rank that died and how, and a
-watchdog ends the driver process if it is not already failing a few seconds later.
+The driver watches the ranks it spawned: a failure names the rank that died and how, at once
+to a listener (`DistributedEngine.on_failure`: a server idles between requests, so no
+collective would notice), and a watchdog ends the driver process if it is not already
+failing a few seconds later. A group that failed runs no more steps (`EngineFailed`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from engine import parallel_state
-from engine.errors import DlmError, UsageError
+from engine.errors import DlmError, EngineFailed, UsageError
 from engine.params import GenerationParams
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -281,6 +283,7 @@ class SpawnedRanks:
             self.processes[place.rank] = p
         self.failure: str | None = None
         self.failing = False  # set once the driver reports the failure itself
+        self.on_failure: Callable[[str], None] | None = None  # told of a death at once
         self.closing = False
         self._thread = threading.Thread(target=self._watch, daemon=True, name="dlm-tp-watchdog")
         self._thread.start()
@@ -293,6 +296,8 @@ class SpawnedRanks:
                 # same instant are usually its peers reporting the broken connection.
                 rank, p = min(dead, key=lambda item: (item[1].exitcode >= 0, item[0]))
                 self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
                 deadline = time.monotonic() + WATCHDOG_GRACE_S
                 while time.monotonic() < deadline and not self.failing:
                     time.sleep(0.05)
@@ -311,10 +316,10 @@ class SpawnedRanks:
                 p.kill()
 
     def wait(self) -> None:
-        """Wait for the ranks to finish (after a stop message)."""
+        """Wait for the ranks to finish (after a stop message): their exits are expected."""
+        self.closing = True
         for p in self.processes.values():
             p.join()
-        self.closing = True
 
 
 def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
@@ -371,7 +376,9 @@ class DistributedEngine:
         self._pending: list[tuple[int, list[int], GenerationParams]] = []
         self._ids: dict[int, tuple[int, Any]] = {}  # id(sequence) -> (request id, sequence)
         self._next_id = 0
-        self._closed = self._failed = False
+        self._lock = threading.Lock()  # a server makes sequences on its event loop during steps
+        self._closed = False
+        self._failure: EngineFailed | None = None  # the group is down: no collective may run
         self._deadline = Deadline(spawned)
 
     def __getattr__(self, name: str) -> Any:
@@ -393,9 +400,10 @@ class DistributedEngine:
         if params.seed is None:  # every rank must draw the same sampling noise
             params = replace(params, seed=secrets.randbits(31))
         seq = self.engine.make_sequence(prompt_ids, params)  # validates before anything is sent
-        rid = self._next_id = self._next_id + 1
-        self._ids[id(seq)] = (rid, seq)
-        self._pending.append((rid, list(prompt_ids), params))
+        with self._lock:
+            rid = self._next_id = self._next_id + 1
+            self._ids[id(seq)] = (rid, seq)
+            self._pending.append((rid, list(prompt_ids), params))
         return seq
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Any:
@@ -403,12 +411,30 @@ class DistributedEngine:
         self.engine.running.append(seq)
         return seq
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(message)` as soon as a rank this process spawned dies, even between
+        steps; the group then refuses further steps."""
+        if self.spawned is None:
+            return
+
+        def notify(message: str) -> None:
+            self.spawned.failing = True  # handled: the watchdog leaves the process to the listener
+            self._failure = self._failure or _down(message)
+            callback(str(self._failure))
+
+        self.spawned.on_failure = notify
+        if self.spawned.failure is not None:  # a rank died before anyone listened
+            notify(self.spawned.failure)
+
     def step(self) -> list[Any]:
-        running = [self._ids[id(seq)][0] for seq in self.engine.running]
-        live = {id(seq) for seq in self.engine.running}
-        forget = [rid for key, (rid, seq) in self._ids.items() if key not in live and seq.finished]
-        self._ids = {k: v for k, v in self._ids.items() if k in live or not v[1].finished}
-        message, self._pending = Step(self._pending, running, forget), []
+        if self._failure is not None:
+            raise self._failure
+        with self._lock:
+            running = [self._ids[id(seq)][0] for seq in self.engine.running]
+            live = {id(seq) for seq in self.engine.running}
+            forget = [rid for key, (rid, seq) in self._ids.items() if key not in live and seq.finished]
+            self._ids = {k: v for k, v in self._ids.items() if k in live or not v[1].finished}
+            message, self._pending = Step(self._pending, running, forget), []
         return self._guarded(lambda: (_broadcast(self.group, message), self.engine.step())[1])
 
     def generate(self, prompts: list[list[int]], params: GenerationParams,
@@ -433,10 +459,14 @@ class DistributedEngine:
         finally:
             self._deadline.disarm()
 
-    def failure(self, exc: BaseException) -> DlmError:
-        """The error to report for a failed collective: the rank that died when one did
-        (ranks this process spawned), else a timeout (a hung rank) or the backend's error."""
-        self._failed = True
+    def failure(self, exc: BaseException) -> EngineFailed:
+        """The error to report for a failed collective (and every later step): the rank that
+        died when one did (ranks this process spawned), else a timeout (a hung rank) or the
+        backend's error."""
+        self._failure = self._failure or self._diagnose(exc)
+        return self._failure
+
+    def _diagnose(self, exc: BaseException) -> EngineFailed:
         timed_out = "timed out" in str(exc).lower()
         if self.spawned is not None:
             self.spawned.failing = True
@@ -444,13 +474,13 @@ class DistributedEngine:
             while self.spawned.failure is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.spawned.failure is not None:
-                return DlmError(f"{self.spawned.failure}; the tensor-parallel group is down")
+                return _down(self.spawned.failure)
         if timed_out:
-            return DlmError(
+            return EngineFailed(
                 f"a tensor-parallel collective timed out after {self.timeout_s:g}s: a rank is hung or slower "
                 f"than the timeout (set {TIMEOUT_VAR} to change it)"
             )
-        return DlmError(f"the tensor-parallel group failed: {exc}")
+        return EngineFailed(f"the tensor-parallel group failed: {exc}")
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
@@ -459,7 +489,7 @@ class DistributedEngine:
         self._closed = True
         self._deadline.arm(self.timeout_s + WATCHDOG_GRACE_S, "the tensor-parallel group did not stop in time")
         try:
-            if not self._failed:  # a failed group cannot take the message: its ranks are killed
+            if self._failure is None:  # a failed group cannot take the message: its ranks are killed
                 _broadcast(self.group, Step(stop=True))
                 if self.spawned is not None:
                     self.spawned.wait()
@@ -468,6 +498,10 @@ class DistributedEngine:
                 self.spawned.terminate()
             leave(self.group)
             self._deadline.disarm()
+
+
+def _down(death: str) -> EngineFailed:
+    return EngineFailed(f"{death}; the tensor-parallel group is down")
 
 
 def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:

@@ -21,3 +21,8 @@ class UsageError(DlmError):
 class Unsupported(UsageError):
     """A well-formed request field this model or decoding path cannot honour: refused
     rather than silently ignored, so a client (or `dlm validate`) learns it has no effect."""
+
+
+class EngineFailed(DlmError):
+    """The engine itself broke, not one request: nothing more can run on it (a
+    tensor-parallel rank died or hung). A server fails every request it holds and exits."""

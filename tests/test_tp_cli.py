@@ -60,8 +60,9 @@ def test_cli_two_nodes(llada: Path, single: dict) -> None:
 
 
 def _worker_pid(parent: int) -> int:
-    """The spawned rank among the CLI's children (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    """The spawned rank among the process's children (not multiprocessing's resource tracker),
+    whichever of its threads started it."""
+    children = [c for task in Path(f"/proc/{parent}/task").iterdir() for c in (task / "children").read_text().split()]
     return next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
 
 

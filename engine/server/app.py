@@ -51,9 +51,8 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         """Alive: the process answers and the engine loop runs (or the model is loading)."""
-        if not service.alive:
-            reason = service.load_error or "the engine loop stopped"
-            return APIError(503, reason, type="unavailable", code="unhealthy").response()
+        if service.failure is not None:
+            return APIError(503, service.failure, type="unavailable", code="unhealthy").response()
         return JSONResponse({"status": "ok" if service.ready else "loading"})
 
     @app.get("/ready")

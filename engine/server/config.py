@@ -10,11 +10,14 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from engine.errors import UsageError
+
+if TYPE_CHECKING:
+    from engine.distributed import ParallelConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +42,13 @@ class ServeConfig(BaseModel):
     backend: Literal["native", "transformers"] = Field(
         "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)")
     trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")
+    # tensor parallelism (docs/parallelism.md): as `dlm generate`; torchrun's variables win
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over; rank 0 serves HTTP")
+    nnodes: int = Field(1, ge=1, description="nodes the ranks span (run `dlm serve` on each)")
+    node_rank: int = Field(0, ge=0, description="this node's index; 0 serves HTTP")
+    master_addr: str | None = Field(None, description="node 0's address (multi-node)")
+    master_port: int | None = Field(None, ge=1, le=65535, description="node 0's rendezvous port (multi-node)")
+    moe_parallel: Literal["auto", "ep", "tp"] = "auto"
     # security
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: Path | None = None
@@ -102,6 +112,20 @@ class ServeConfig(BaseModel):
     def admin_enabled(self) -> bool:
         """The admin endpoint runs for a deployment, or when an admin key was given."""
         return self.deployment is not None or self.admin_key is not None or self.admin_key_file is not None
+
+    def parallel(self) -> ParallelConfig:
+        """The tensor-parallel layout, resolved with torchrun's variables. Hot swaps would load
+        a second model beside the first, which a process group of fixed shards cannot do."""
+        from engine.distributed import ParallelConfig
+
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes, node_rank=self.node_rank,
+            master_addr=self.master_addr, master_port=self.master_port, moe=self.moe_parallel,
+        ).resolved()
+        if parallel.parallel and self.admin_enabled:
+            raise UsageError("hot swaps (--deployment, the admin endpoint) are not supported with tensor "
+                             "parallelism: serve the release's checkpoint and restart the server to change it")
+        return parallel
 
     def configured_admin_key(self) -> str | None:
         """The admin key from `admin_key` or the content of `admin_key_file`, if any."""

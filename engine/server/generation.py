@@ -38,7 +38,10 @@ def _failure(service: Service, out: RequestOutput) -> APIError | None:
     if out.finish_reason not in _FAILURES:
         return None
     status, kind, code, message = _FAILURES[out.finish_reason]
-    return APIError(status, message.format(timeout=service.config.request_timeout), type=kind, code=code)
+    message = message.format(timeout=service.config.request_timeout)
+    if out.error is not None:  # e.g. which tensor-parallel rank died
+        message = f"{message}: {out.error}"
+    return APIError(status, message, type=kind, code=code)
 
 
 class Responder:

@@ -4,6 +4,10 @@ First SIGTERM (or Ctrl-C): `/ready` turns 503 and new requests get 503, while in
 requests finish or time out for up to `shutdown_grace` seconds; the rest end with an error;
 then uvicorn closes and the process exits 0. A second signal exits at once. A model that
 fails to load ends the process with exit code 2 (unusable model) or 1.
+
+An engine that fails while serving (a tensor-parallel rank died or hung) cannot recover:
+its requests end with errors at once, `/health` and `/ready` answer 503 naming the cause for
+`FAILED_EXIT_DELAY_S`, then the process exits 1 so a supervisor restarts it (as vLLM does).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from engine.server.config import ServeConfig
 from engine.server.service import Service
 
 log = logging.getLogger("dlm.server")
+
+FAILED_EXIT_DELAY_S = 3.0  # after an engine failure: time to answer its requests and probes
 
 
 class JsonFormatter(logging.Formatter):
@@ -53,6 +59,7 @@ class DrainingServer(uvicorn.Server):
         self.exit_code = 0
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
+        self._failed_at: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's handler, the signal is not re-raised after shutdown: a drained
@@ -73,6 +80,15 @@ class DrainingServer(uvicorn.Server):
         if self.service.load_error is not None:
             self.exit_code = self.service.exit_code
             return True
+        failure = self.service.engine_failure
+        if failure is not None:
+            now = time.monotonic()
+            if self._failed_at is None:
+                self._failed_at = now
+                log.error("the engine failed; exiting with code 1 in %gs: %s", FAILED_EXIT_DELAY_S, failure)
+            elif now - self._failed_at >= FAILED_EXIT_DELAY_S:
+                self.exit_code = 1
+                return True
         if self._drain_requested and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())
         return await super().on_tick(counter)

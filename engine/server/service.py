@@ -17,10 +17,10 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncEngine, Draining, RequestStream
-from engine.errors import DlmError, Unsupported, UsageError
+from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
 from engine.params import GenerationParams
 from engine.scheduler import QueueFull, SchedulerLimits
 from engine.server.auth import KeyRing
@@ -30,6 +30,9 @@ from engine.server.loaded import LoadedModel
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import DiffusionFields
 from engine.server.ratelimit import RateLimiter
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 log = logging.getLogger("dlm.server")
 request_log = logging.getLogger("dlm.requests")
@@ -117,11 +120,20 @@ class Service:
     def open(self, model: str | None, ref: str | None, *, warmup: bool) -> LoadedModel:
         """Load a checkpoint, check it against the limits, warm it up and start its engine loop."""
         from engine.llm import LLM
-        from engine.tokenizer import has_tokenizer
 
         cfg = self.config
         llm = LLM(model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
-                  trust_remote_code=cfg.trust_remote_code)
+                  trust_remote_code=cfg.trust_remote_code, parallel=cfg.parallel())
+        try:
+            return self._serve(llm, ref, warmup)
+        except BaseException:
+            llm.close()  # a tensor-parallel model stops its ranks
+            raise
+
+    def _serve(self, llm: LLM, ref: str | None, warmup: bool) -> LoadedModel:
+        from engine.tokenizer import has_tokenizer
+
+        cfg = self.config
         model_len = llm.config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
             raise UsageError(f"max_model_len ({cfg.max_model_len}) exceeds the model's maximum ({model_len})")
@@ -134,6 +146,10 @@ class Service:
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
+        ranks = getattr(llm.engine, "tensor_parallel_size", 1)
+        if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
+            llm.engine.on_failure(engine.fail)
+            log.info("tensor parallel: %d ranks ready", ranks)
         if warmup:
             engine.warmup()
         engine.start()
@@ -176,7 +192,21 @@ class Service:
 
     @property
     def alive(self) -> bool:
-        return self.load_error is None and (self.engine is None or self.engine.alive)
+        return self.failure is None
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the served engine can run nothing more (a tensor-parallel rank died or hung)."""
+        return self.engine.failure if self.engine is not None else None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the server is unhealthy; None while it is healthy (or still loading)."""
+        if self.load_error is not None or self.engine is None:
+            return self.load_error
+        if self.engine.failure is not None:
+            return self.engine.failure
+        return None if self.engine.alive else "the engine loop stopped"
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -187,6 +217,8 @@ class Service:
             raise APIError(503, "the server is shutting down", type="unavailable", code="draining")
         if not self.ready or self.engine is None:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        if self.engine_failure is not None:
+            raise _engine_failed(self.engine_failure)
         wait = self.limiter.check(job.key, "requests")
         if wait:
             raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
@@ -271,6 +303,8 @@ class Service:
             raise _queue_full(engine, exc) from None
         except Draining as exc:
             raise APIError(503, str(exc), type="unavailable", code="draining") from None
+        except EngineFailed as exc:
+            raise _engine_failed(str(exc)) from None
         except UsageError as exc:
             raise bad_request(str(exc), code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -341,6 +375,10 @@ class Service:
 def _rate_limited(message: str, wait: int) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(wait)})
+
+
+def _engine_failed(reason: str) -> APIError:
+    return APIError(503, f"the engine failed: {reason}", type="unavailable", code="engine_failed")
 
 
 def _queue_full(engine: AsyncEngine, exc: QueueFull) -> APIError:
