@@ -56,14 +56,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         finally:
             assert single.terminate() == 0
         tp.wait_ready()
+        worker = _worker_pid(tp.proc.pid)
         yield tp, answers
     finally:
-        worker = _worker_pid(tp.proc.pid) if tp.proc.poll() is None else None
         assert tp.terminate() == 0, "\n".join(tp.lines)  # drained, ranks stopped
         assert not [line for line in tp.lines if '"level": "error"' in line or "tensor-parallel rank" in line], \
             "\n".join(tp.lines)
-        assert worker is None or wait_until(lambda: not Path(f"/proc/{worker}").exists(), timeout=5), \
-            "rank 1 outlived the server"
+    assert wait_until(lambda: not Path(f"/proc/{worker}").exists(), timeout=5), "rank 1 outlived the server"
 
 
 def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict[str, Any]]]) -> None:
