@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -504,6 +505,19 @@ def _down(death: str) -> EngineFailed:
     return EngineFailed(f"{death}; the tensor-parallel group is down")
 
 
+def check_split(spec: EngineSpec, config: ParallelConfig) -> None:
+    """Refuse, before any process starts, a group size the model's layers cannot split
+    (heads, intermediate size, vocabulary, experts): rank 0's shard is built on `meta`
+    under the target group, so the layers' own rules answer."""
+    from engine.config import load_config
+    from engine.engine import build_on_meta
+
+    model_config = load_config(Path(spec.model_dir))
+    target = parallel_state.TPState(rank=0, size=config.tensor_parallel_size, moe=config.moe)
+    with parallel_state.using(target):
+        build_on_meta(model_config)
+
+
 def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
     """Rank 0: spawn this node's other ranks (unless torchrun did), join, load, and return
     the engine that drives the group."""
@@ -511,6 +525,7 @@ def start_driver(spec: EngineSpec, config: ParallelConfig) -> DistributedEngine:
     place = this_process(config)
     if place.rank != 0:
         raise UsageError(f"this process is rank {place.rank}, not the driver: run it with serve_worker")
+    check_split(spec, config)
     spawned = None if torchrun() else SpawnedRanks(spec, config, place, config.ranks_per_node)
     group: Group | None = None
     try:

@@ -59,6 +59,17 @@ class LoadedModel:
     device: torch.device
 
 
+def build_on_meta(config: ModelConfig) -> torch.nn.Module:
+    """The family's model without storage, shaped for this process's tensor-parallel shard;
+    a split the layers cannot make raises `UsageError` (one line, not a traceback)."""
+    cls = family_for(config.raw).model_class()
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except ValueError as exc:  # the parallel layers refuse an uneven split
+        raise UsageError(str(exc)) from exc
+
+
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
@@ -67,9 +78,7 @@ def load_model(
     if not model_dir.is_dir():
         raise UsageError(f"model directory {model_dir} does not exist")
     config = load_config(model_dir)
-    cls = family_for(config.raw).model_class()
-    with torch.device("meta"):
-        model = cls(config)
+    model = build_on_meta(config)
     load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
     return LoadedModel(config, model.eval(), dtype, device)
 

@@ -46,6 +46,18 @@ def test_cli_two_ranks_print_the_single_process_ids(llada: Path, single: dict) -
     assert (single["tensor_parallel_size"], parallel["tensor_parallel_size"]) == (1, 2)
 
 
+def test_a_split_the_model_cannot_make_is_a_usage_error(llada: Path) -> None:
+    """3 ranks over 4 query heads: refused in one line (exit 2) before any rank starts."""
+    started = time.monotonic()
+    run = subprocess.run(_command(llada, "--tensor-parallel-size", "3"), capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "not divisible by the tensor-parallel size 3" in lines[-1], run.stderr
+    assert "Traceback" not in run.stderr and "rank1" not in run.stderr
+    assert time.monotonic() - started < 30
+
+
 def test_cli_two_nodes(llada: Path, single: dict) -> None:
     """`--nnodes 2`: the same command on two "nodes" (here two local processes, one rank
     each); node 0 prints the result, node 1 serves and prints nothing."""
