@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint_writer import save_checkpoint
+from engine.checkpoint_writer import RandomWeights, save_checkpoint
 
 SHAPE = {
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -61,53 +61,43 @@ def qwen_style_config(family: str, **overrides: Any) -> dict[str, Any]:
 
 
 def _tensors(config: dict[str, Any], seed: int, llada2: bool) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    r = RandomWeights(seed)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-
-    def lin(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
-
-    def norm(n: int, gain: float = 1.0) -> torch.Tensor:
-        return gain * (1.0 + 0.1 * torch.randn(n, generator=g))
-
-    def mlp(prefix: str, ffn: int) -> dict[str, torch.Tensor]:
-        return {prefix + "gate_proj.weight": lin(ffn, d), prefix + "up_proj.weight": lin(ffn, d),
-                prefix + "down_proj.weight": lin(d, ffn)}
-
     embed = "model.word_embeddings.weight" if llada2 else "model.embed_tokens.weight"
-    t = {embed: torch.randn(v, d, generator=g), "model.norm.weight": norm(d), "lm_head.weight": lin(v, d, 8.0)}
+    t = {embed: r.normal(v, d), "model.norm.weight": r.norm(d), "lm_head.weight": r.linear(v, d, 8.0)}
     bias = bool(config.get("bias", config.get("attention_bias", False)))
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = norm(d)
-        t[p + "post_attention_layernorm.weight"] = norm(d)
+        t[p + "input_layernorm.weight"] = r.norm(d)
+        t[p + "post_attention_layernorm.weight"] = r.norm(d)
         if llada2:
-            t[p + "attention.query_key_value.weight"] = lin(q + 2 * kv, d, 2.0)
-            t[p + "attention.dense.weight"] = lin(d, q)
-            t[p + "attention.query_layernorm.weight"] = norm(hd, 2.0)
-            t[p + "attention.key_layernorm.weight"] = norm(hd, 2.0)
+            t[p + "attention.query_key_value.weight"] = r.linear(q + 2 * kv, d, 2.0)
+            t[p + "attention.dense.weight"] = r.linear(d, q)
+            t[p + "attention.query_layernorm.weight"] = r.norm(hd, 2.0)
+            t[p + "attention.key_layernorm.weight"] = r.norm(hd, 2.0)
         else:
             for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", d)):
-                t[f"{p}self_attn.{name}.weight"] = lin(rows, q if name == "o_proj" else d, 2.0)
+                t[f"{p}self_attn.{name}.weight"] = r.linear(rows, q if name == "o_proj" else d, 2.0)
                 if bias:
-                    t[f"{p}self_attn.{name}.bias"] = 0.1 * torch.randn(rows, generator=g)
+                    t[f"{p}self_attn.{name}.bias"] = r.bias(rows)
             if "PanguEmbedded" != config["model_type"]:
-                t[p + "self_attn.q_norm.weight"] = norm(hd, 2.0)
-                t[p + "self_attn.k_norm.weight"] = norm(hd, 2.0)
+                t[p + "self_attn.q_norm.weight"] = r.norm(hd, 2.0)
+                t[p + "self_attn.k_norm.weight"] = r.norm(hd, 2.0)
         experts = config.get("num_experts") or 0
         moe = experts and i >= config.get("first_k_dense_replace", 0)
         if not moe:
-            t.update(mlp(p + "mlp.", f))
+            t.update(r.swiglu(p + "mlp.", d, f))
             continue
-        t[p + "mlp.gate.weight"] = lin(experts, d, 2.0)
+        t[p + "mlp.gate.weight"] = r.linear(experts, d, 2.0)
         if config.get("moe_router_enable_expert_bias"):
-            t[p + "mlp.gate.expert_bias"] = 0.1 * torch.randn(experts, generator=g)
+            t[p + "mlp.gate.expert_bias"] = r.bias(experts)
         for e in range(experts):
-            t.update(mlp(f"{p}mlp.experts.{e}.", config["moe_intermediate_size"]))
+            t.update(r.swiglu(f"{p}mlp.experts.{e}.", d, config["moe_intermediate_size"]))
         if config.get("num_shared_experts"):
-            t.update(mlp(p + "mlp.shared_experts.", config["moe_intermediate_size"] * config["num_shared_experts"]))
+            shared = config["moe_intermediate_size"] * config["num_shared_experts"]
+            t.update(r.swiglu(p + "mlp.shared_experts.", d, shared))
     return t
 
 

@@ -86,4 +86,12 @@ class BlockRunner:
             )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id)
+            if chosen.numel() == 0:
+                # Progress is counted in `pending` positions (a committed MASK argmax, as dInfer
+                # and SDAR commit it, still settles its position): a forward that settles none
+                # would repeat forever on the unchanged block.
+                raise RuntimeError(
+                    f"decoding invariant violated: a forward decided none of positions "
+                    f"{work.decide.tolist()}; the block would never finish"
+                )
             seq.commit(work.decide[chosen], tokens[chosen])

@@ -38,42 +38,66 @@ def save_checkpoint(
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def random_llada_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Random weights named and shaped exactly as a LLaDA checkpoint's.
+class RandomWeights:
+    """Random tensors for tiny checkpoints, drawn from one seeded generator in call order (a
+    writer fixes its values by the order in which it names tensors). Shaped so decisions are
+    informative: norms near 1 (times `gain`), matrices scaled by gain/sqrt(fan-in) (sharper
+    q/k with a gain above 1, a larger LM head so confidences spread), small biases."""
 
-    Shaped so that decisions are informative: norms near 1, sharper q/k for
-    position-dependent attention, a larger LM head so confidences spread.
-    """
-    g = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def normal(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def linear(self, out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
+        return self.normal(out_dim, in_dim) * (gain / in_dim**0.5)
+
+    def norm(self, size: int, gain: float = 1.0) -> torch.Tensor:
+        return gain * (1.0 + 0.1 * self.normal(size))
+
+    def bias(self, size: int) -> torch.Tensor:
+        return 0.1 * self.normal(size)
+
+    def swiglu(self, prefix: str, d: int, f: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+               ) -> dict[str, torch.Tensor]:
+        """A SwiGLU MLP's gate, up and down projections under the checkpoint's `names`."""
+        gate, up, down = names
+        return {prefix + f"{gate}.weight": self.linear(f, d), prefix + f"{up}.weight": self.linear(f, d),
+                prefix + f"{down}.weight": self.linear(d, f)}
+
+
+def random_llada_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights named and shaped exactly as a LLaDA checkpoint's (`RandomWeights`)."""
+    r = RandomWeights(seed)
     d, f = config["d_model"], config["mlp_hidden_size"]
     v = config.get("embedding_size") or config["vocab_size"]
     hd = d // config["n_heads"]
     kv = (config.get("n_kv_heads") or config["n_heads"]) * hd
-
-    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
-
-    def norm() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(d, generator=g)
-
     p = "model.transformer."
-    tensors = {p + "wte.weight": torch.randn(v, d, generator=g), p + "ln_f.weight": norm()}
+    tensors = {p + "wte.weight": r.normal(v, d), p + "ln_f.weight": r.norm(d)}
     for i in range(config["n_layers"]):
         b = f"{p}blocks.{i}."
         tensors.update({
-            b + "attn_norm.weight": norm(),
-            b + "q_proj.weight": linear(d, d, 2.0),
-            b + "k_proj.weight": linear(kv, d, 2.0),
-            b + "v_proj.weight": linear(kv, d),
-            b + "attn_out.weight": linear(d, d),
-            b + "ff_norm.weight": norm(),
-            b + "ff_proj.weight": linear(f, d),
-            b + "up_proj.weight": linear(f, d),
-            b + "ff_out.weight": linear(d, f),
+            b + "attn_norm.weight": r.norm(d),
+            b + "q_proj.weight": r.linear(d, d, 2.0),
+            b + "k_proj.weight": r.linear(kv, d, 2.0),
+            b + "v_proj.weight": r.linear(kv, d),
+            b + "attn_out.weight": r.linear(d, d),
+            b + "ff_norm.weight": r.norm(d),
+            **r.swiglu(b, d, f, ("ff_proj", "up_proj", "ff_out")),
         })
     if not config.get("weight_tying", False):
-        tensors[p + "ff_out.weight"] = linear(v, d, 4.0)
+        tensors[p + "ff_out.weight"] = r.linear(v, d, 4.0)
     return tensors
+
+
+def _with_tokens(
+    config: dict[str, Any], mask_token_id: int, eos_token_id: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """A family's fields, then the special tokens (EOS pads) and fp32, then the caller's overrides."""
+    tokens = {"mask_token_id": mask_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
+    return {**config, **tokens, "torch_dtype": "float32", **overrides}
 
 
 def llada_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
@@ -96,51 +120,36 @@ def llada_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
         "rms_norm_eps": 1e-5,
         "include_bias": False,
         "weight_tying": False,
-        "mask_token_id": mask_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
-        "torch_dtype": "float32",
     }
-    config.update(overrides)
-    return config
+    return _with_tokens(config, mask_token_id, eos_token_id, overrides)
 
 
 def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Random weights named and shaped exactly as a Dream / DiffuCoder checkpoint's, in the
     Qwen2 layout (`model.layers.N.self_attn.q_proj.*`, `model.layers.N.mlp.gate_proj.weight`,
-    ...): q/k/v biases, no o_proj bias. Shaped like `random_llada_tensors` so that decisions
-    are informative."""
-    g = torch.Generator().manual_seed(seed)
+    ...): q/k/v biases, no o_proj bias (`RandomWeights`)."""
+    r = RandomWeights(seed)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
     hd = config.get("head_dim") or d // heads
     q, kv = heads * hd, (config.get("num_key_value_heads") or heads) * hd
-
-    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=g) * (gain / in_dim**0.5)
-
-    def norm() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(d, generator=g)
-
-    tensors = {"model.embed_tokens.weight": torch.randn(v, d, generator=g), "model.norm.weight": norm()}
+    tensors = {"model.embed_tokens.weight": r.normal(v, d), "model.norm.weight": r.norm(d)}
     for i in range(config["num_hidden_layers"]):
         b = f"model.layers.{i}."
         tensors.update({
-            b + "input_layernorm.weight": norm(),
-            b + "self_attn.q_proj.weight": linear(q, d, 2.0),
-            b + "self_attn.q_proj.bias": 0.1 * torch.randn(q, generator=g),
-            b + "self_attn.k_proj.weight": linear(kv, d, 2.0),
-            b + "self_attn.k_proj.bias": 0.1 * torch.randn(kv, generator=g),
-            b + "self_attn.v_proj.weight": linear(kv, d),
-            b + "self_attn.v_proj.bias": 0.1 * torch.randn(kv, generator=g),
-            b + "self_attn.o_proj.weight": linear(d, q),
-            b + "post_attention_layernorm.weight": norm(),
-            b + "mlp.gate_proj.weight": linear(f, d),
-            b + "mlp.up_proj.weight": linear(f, d),
-            b + "mlp.down_proj.weight": linear(d, f),
+            b + "input_layernorm.weight": r.norm(d),
+            b + "self_attn.q_proj.weight": r.linear(q, d, 2.0),
+            b + "self_attn.q_proj.bias": r.bias(q),
+            b + "self_attn.k_proj.weight": r.linear(kv, d, 2.0),
+            b + "self_attn.k_proj.bias": r.bias(kv),
+            b + "self_attn.v_proj.weight": r.linear(kv, d),
+            b + "self_attn.v_proj.bias": r.bias(kv),
+            b + "self_attn.o_proj.weight": r.linear(d, q),
+            b + "post_attention_layernorm.weight": r.norm(d),
+            **r.swiglu(b + "mlp.", d, f),
         })
     if not config.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = linear(v, d, 4.0)
+        tensors["lm_head.weight"] = r.linear(v, d, 4.0)
         if config.get("mask_token_id") is not None:  # a trained model never predicts MASK
             tensors["lm_head.weight"][config["mask_token_id"]] = 0.0
     return tensors
@@ -164,13 +173,8 @@ def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
         "rms_norm_eps": 1e-6,
         "use_sliding_window": False,
         "tie_word_embeddings": False,
-        "mask_token_id": mask_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
-        "torch_dtype": "float32",
     }
-    config.update(overrides)
-    return config
+    return _with_tokens(config, mask_token_id, eos_token_id, overrides)
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ every assumption is listed in docs/clover.md. The loop, per sequence:
       DeltaNet layers run causally from the committed state. The states these passes
       produce are dropped, so previews never change the recurrent or conv state. Each
       preview decides the block's masked positions with dlm's commit rules (threshold,
-      factor, or the linear schedule) through `kernels.dispatch.token_stats`.
+      factor, or the linear schedule) through `kernels.dispatch.token_stats`, which never
+      proposes the MASK token (as for LLaDA: committing it would leave the position masked).
    b. commit pass: once the block has no MASK, one causal pass over it advances the cache
       (KV appended, DeltaNet state and conv ring moved on).
 3. stop after the block that contains EOS (skipping its commit pass), or after gen_length.
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.decoding.step import decide
+from engine.decoding.step import decide, token_stats
 from engine.engine import LLMEngine, LoadedModel
 from engine.errors import UsageError
 from engine.hybrid_cache import HybridCache
 from engine.params import GenerationParams
 from engine.sequence import Sequence
-from kernels import dispatch
 
 DEFAULT_BLOCK = 32  # Clover's training block size (model card); `block_size` in config.json overrides
 
@@ -79,10 +79,10 @@ class CloverEngine(LLMEngine):
             ids, torch.arange(start, end, device=device)[None], cache, causal=False
         )  # preview: the states are dropped
         positions = seq.masked_positions()
-        stats = dispatch.token_stats(
-            hidden[0, (positions - start).to(device)], self.model.lm_head_weight,
-            temperature=seq.params.temperature, generator=seq.generator, shard=self.runner.vocab_shard,
-        )
+        # The family's statistics (MASK never proposed): a preview that kept predicting MASK
+        # would commit nothing and never fill the block.
+        stats = token_stats(seq, hidden[0, (positions - start).to(device)], self.model.lm_head_weight,
+                            self.runner.vocab_shard)
         seq.nfe += 1
         seq.query_lengths.append(end - start)
         seq.commit(*decide(seq, positions, stats))

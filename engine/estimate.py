@@ -2,8 +2,9 @@
 
 Nothing is loaded and torch is never imported, so the plan answers "does it fit" on a
 laptop, before any download. Parameters are counted per component from the config's own
-fields (one parser per family below); for a local checkpoint or a hub repository the count
-is cross-checked against the safetensors headers. Runtime memory adds what a dLLM server
+fields (one parser per family below, on top of the engine's own normalisation in
+engine/config.py for LLaDA and the block-causal families); for a local checkpoint or a hub
+repository the count is cross-checked against the safetensors headers. Runtime memory adds what a dLLM server
 holds beyond the weights: the KV cache (exact for block-causal models, approximate
 prefix/dual caches for bidirectional ones), the linear-attention state of hybrid models,
 the activations of one denoising forward over the canvas, MoE routing buffers, the logits
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.config import PARSERS as ENGINE_PARSERS
+from engine.config import ModelConfig
 from engine.errors import DlmError, UsageError
 from engine.gpus import CATALOGUE, Gpu, find_gpu
 from engine.safetensors_headers import CheckpointHeaders, hub_headers, local_headers
@@ -105,24 +108,36 @@ def _int(raw: dict[str, Any], key: str, default: Any = None) -> int:
     return int(value)
 
 
-def _llada(raw: dict[str, Any]) -> Architecture:
-    """LLaDA: reuses the engine's own normalisation (engine/config.py)."""
-    from engine.config import config_from_dict
+def _engine_config(family: str, raw: dict[str, Any]) -> ModelConfig:
+    """The engine's own normalisation of a family's config.json (engine/config.py), so the
+    plan sizes what the engine builds. The MASK id matters only for decoding: a config
+    without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
+    return ENGINE_PARSERS[family]({"mask_token_id": -1, **raw})
 
-    c = config_from_dict(raw)
+
+def _engine_shape(c: ModelConfig) -> dict[str, Any]:
+    """The `Architecture` fields a normalised engine config gives directly."""
+    return dict(
+        model_type=c.model_type, hidden=c.hidden_size, layers=c.num_layers, vocab=c.logits_size,
+        heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
+        tie_embeddings=c.tie_word_embeddings, max_position=c.max_position_embeddings,
+    )
+
+
+def _llada(raw: dict[str, Any]) -> Architecture:
+    """LLaDA: the engine's parser; `include_bias` / `include_qkv_bias` as the model reads them."""
+    c = _engine_config("llada", raw)
     bias = bool(raw.get("include_bias", False))
     return Architecture(
-        family="llada", model_type=c.model_type, attention="bidirectional",
-        hidden=c.hidden_size, layers=c.num_layers, vocab=c.logits_size, heads=c.num_heads,
-        kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-        full_attention_layers=c.num_layers, dense_ffn=c.intermediate_size, dense_layers=c.num_layers,
-        tie_embeddings=c.tie_word_embeddings, max_position=c.max_position_embeddings,
-        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)), o_bias=bias, mlp_bias=bias,
+        family="llada", attention="bidirectional", full_attention_layers=c.num_layers,
+        dense_ffn=c.intermediate_size, dense_layers=c.num_layers,
+        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)), o_bias=bias, mlp_bias=bias, **_engine_shape(c),
     )
 
 
 def _qwen_shape(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields every Qwen/LLaMA-layout config spells the same way."""
+    """Fields every Qwen/LLaMA-layout config spells the same way (Dream, and the hybrids,
+    whose AR base and experimental Clover the engine parses with their own rules)."""
     d, heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     head_dim = int(raw.get("head_dim") or d // heads)
     rope = raw.get("rope_parameters") or {}
@@ -148,11 +163,11 @@ def _dream(raw: dict[str, Any]) -> Architecture:
 def _pangu(raw: dict[str, Any]) -> Architecture:
     """openPangu (PanguEmbedded): LLaMA layout with biases on q/k/v/o (`bias`, default true);
     its decoder denoises a block in 4 sub-blocks (the reference's num_small_blocks=4)."""
-    s = _qwen_shape(raw)
+    c = _engine_config("pangu", raw)
     bias = bool(raw.get("bias", True))
-    return Architecture(family="pangu", attention="block-causal", full_attention_layers=s["layers"],
-                        dense_ffn=_int(raw, "intermediate_size"), dense_layers=s["layers"],
-                        qkv_bias=bias, o_bias=bias, sub_blocks=4, **s)
+    return Architecture(family="pangu", attention="block-causal", full_attention_layers=c.num_layers,
+                        dense_ffn=c.intermediate_size, dense_layers=c.num_layers,
+                        qkv_bias=bias, o_bias=bias, sub_blocks=4, **_engine_shape(c))
 
 
 def _moe_layer_count(raw: dict[str, Any], layers: int) -> int:
@@ -165,28 +180,28 @@ def _moe_layer_count(raw: dict[str, Any], layers: int) -> int:
 def _sdar(raw: dict[str, Any]) -> Architecture:
     """SDAR: Qwen3 layout (q/k RMSNorm, optional `attention_bias`), block-causal; the MoE
     variant (SDARMoe) takes Qwen3-MoE's expert fields."""
-    s = _qwen_shape(raw)
+    c = _engine_config("sdar", raw)
     bias = bool(raw.get("attention_bias", False))
     moe = None
-    dense_layers = s["layers"]
+    dense_layers = c.num_layers
     if int(raw.get("num_experts") or 0) > 0:
-        moe_layers = _moe_layer_count(raw, s["layers"])
-        dense_layers = s["layers"] - moe_layers
+        moe_layers = _moe_layer_count(raw, c.num_layers)
+        dense_layers = c.num_layers - moe_layers
         moe = MoE(layers=moe_layers, num_experts=_int(raw, "num_experts"),
                   top_k=_int(raw, "num_experts_per_tok"), expert_ffn=_int(raw, "moe_intermediate_size"),
                   shared_ffn=0, shared_gate=False, router_bias=False)
-    return Architecture(family="sdar", attention="block-causal", full_attention_layers=s["layers"],
-                        dense_ffn=int(raw.get("intermediate_size") or 0), dense_layers=dense_layers,
-                        qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, **s)
+    return Architecture(family="sdar", attention="block-causal", full_attention_layers=c.num_layers,
+                        dense_ffn=c.intermediate_size, dense_layers=dense_layers,
+                        qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, **_engine_shape(c))
 
 
 def _llada2(raw: dict[str, Any]) -> Architecture:
     """LLaDA2.x MoE: fused query_key_value, q/k norm, partial rotary, the first
     `first_k_dense_replace` layers dense, the rest 256-expert MoE with a shared expert."""
-    s = _qwen_shape(raw)
-    first_dense = min(int(raw.get("first_k_dense_replace", 0)), s["layers"])
+    c = _engine_config("llada2_moe", raw)
+    first_dense = min(int(raw.get("first_k_dense_replace", 0)), c.num_layers)
     fe = _int(raw, "moe_intermediate_size")
-    moe = MoE(layers=s["layers"] - first_dense, num_experts=_int(raw, "num_experts"),
+    moe = MoE(layers=c.num_layers - first_dense, num_experts=_int(raw, "num_experts"),
               top_k=_int(raw, "num_experts_per_tok"), expert_ffn=fe,
               shared_ffn=fe * int(raw.get("num_shared_experts") or 0), shared_gate=False,
               router_bias=bool(raw.get("moe_router_enable_expert_bias", False)))
@@ -194,10 +209,10 @@ def _llada2(raw: dict[str, Any]) -> Architecture:
     if int(raw.get("num_nextn_predict_layers") or 0) > 0:
         notes = ("multi-token-prediction layers (num_nextn_predict_layers) are not counted: "
                  "dLLM decoding does not run them",)
-    return Architecture(family="llada2", attention="block-causal", full_attention_layers=s["layers"],
-                        dense_ffn=int(raw.get("intermediate_size") or 0), dense_layers=first_dense,
+    return Architecture(family="llada2", attention="block-causal", full_attention_layers=c.num_layers,
+                        dense_ffn=c.intermediate_size, dense_layers=first_dense,
                         qkv_bias=bool(raw.get("use_qkv_bias", False)), o_bias=bool(raw.get("use_bias", False)),
-                        qk_norm=bool(raw.get("use_qk_norm", False)), moe=moe, notes=notes, **s)
+                        qk_norm=bool(raw.get("use_qk_norm", False)), moe=moe, notes=notes, **_engine_shape(c))
 
 
 def _hybrid(raw: dict[str, Any]) -> Architecture:

@@ -81,7 +81,16 @@ class Sequence:
         self.schedule = linear_schedule(len(self.masked_positions()), self.params.steps_per_block)
 
     def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Write decided tokens; move to the next block (or finish) once this one is full."""
+        """Write decided tokens; move to the next block (or finish) once this one is full.
+
+        Progress is counted by the MASK tokens left in the block, so committing the MASK id
+        would leave its position undecided forever: the statistics exclude it, and this
+        refuses it rather than loop."""
+        if bool((tokens == self.mask_id).any()):
+            raise RuntimeError(
+                f"decoding invariant violated: the MASK token {self.mask_id} was committed at "
+                f"{positions[tokens == self.mask_id].tolist()}; the block would never finish"
+            )
         self.canvas[positions] = tokens
         self.step_in_block += 1
         while not self.finished and len(self.masked_positions()) == 0:

@@ -141,6 +141,12 @@ def test_batched_requests_match_single_runs(tiny: dict[str, LLM]) -> None:
         assert seq.generated_ids == llm.engine.generate([prompt], params)[0].generated_ids
 
 
+def test_a_forward_that_settles_nothing_fails_loudly(tiny: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("engine.block_runner.choose", lambda *args: torch.zeros(0, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="decided none of positions"):
+        _run(tiny["sdar"], PROMPT, gen_length=8, block_length=4)
+
+
 def test_validation(tiny: dict[str, LLM]) -> None:
     engine = tiny["sdar"].engine
     with pytest.raises(UsageError, match="bidirectional"):

@@ -108,3 +108,41 @@ def test_rejections(clover_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match="mask_token_id"):
         LLM(tmp_path, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def mask_loving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seed 0 (which the fixture above avoids) with an LM head whose MASK row points along
+    the mean final hidden state of a masked block: MASK is then every position's argmax, so
+    a preview that may propose MASK commits it and never fills the block."""
+    model = reference_model(seed=0)
+    with torch.no_grad():
+        hidden = model(torch.tensor([PROMPT + [MASK] * 32]), output_hidden_states=True).hidden_states[-1]
+        mean = hidden[0, len(PROMPT):].mean(0)
+        model.lm_head.weight[MASK] = 3 * mean / mean.norm()
+    return save_reference(
+        model, tmp_path_factory.mktemp("clover_mask"),
+        model_type="clover_moe", architectures=["CloverMoeForCausalLM"], mask_token_id=MASK, eos_token_id=EOS,
+    )
+
+
+def test_preview_never_commits_mask_and_finishes(mask_loving_dir: Path) -> None:
+    llm = LLM(mask_loving_dir, dtype="float32", device="cpu")
+    engine, model = llm.engine, llm.engine.loaded.model
+    start = len(PROMPT)
+    with torch.inference_mode():  # the precondition: the raw preview argmax is MASK everywhere
+        cache = model.new_cache()
+        _, states = model.forward_tokens(torch.tensor([PROMPT]), torch.arange(start)[None], None)
+        cache.commit(states, start)
+        hidden, _ = model.forward_tokens(
+            torch.tensor([[MASK] * 32]), torch.arange(start, start + 32)[None], cache, causal=False)
+        assert (model.logits(hidden[0]).argmax(-1) == MASK).all()
+    seq = engine.add_request(PROMPT, GenerationParams(gen_length=32, threshold=1.0))
+    bound = 1 + 32  # prefill, then one token per preview
+    for _ in range(bound):
+        if seq.finished:
+            break
+        engine.step()
+    assert seq.finished, "the previews kept proposing MASK"
+    assert MASK not in seq.output_ids and len(seq.output_ids) == 32
+    assert seq.nfe == bound

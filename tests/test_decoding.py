@@ -9,7 +9,10 @@ import torch
 from engine.decoding.commit import above_threshold, factor_rule, top_k
 from engine.decoding.reference_loop import reference_generate
 from engine.decoding.schedule import linear_schedule
+from engine.decoding.step import require_progress
 from engine.llm import LLM
+from engine.params import GenerationParams
+from engine.sequence import Sequence
 from kernels.token_stats import token_stats_torch, token_stats_unfused
 
 
@@ -39,6 +42,21 @@ def test_factor_rule() -> None:
     # A walk stopping at the last rank accepts every position (the reference's bookkeeping).
     conf = torch.tensor([0.99, 0.90, 0.10], dtype=torch.float64)
     assert set(factor_rule(conf, 1.0).tolist()) == {0, 1, 2}
+
+
+def test_steps_that_cannot_finish_a_block_fail_loudly() -> None:
+    params = GenerationParams(gen_length=8, block_length=8, steps=4).resolved()
+    seq = Sequence([1, 2], params, mask_id=99, eos_id=None)
+    with pytest.raises(RuntimeError, match="MASK token 99 was committed at \\[3\\]"):
+        seq.commit(torch.tensor([2, 3]), torch.tensor([5, 99]))
+    nothing, masked = torch.zeros(0, dtype=torch.long), seq.masked_positions()
+    with pytest.raises(RuntimeError, match="committed none of its 8 masked positions"):
+        require_progress(seq, masked, nothing)  # LLaDA's rules promise a commit every step
+    dream = Sequence([1, 2], params, mask_id=99, eos_id=None, sampler="dream")
+    require_progress(dream, masked, nothing)  # Dream's timesteps may commit nothing early on
+    dream.step_in_block = params.steps_per_block - 1
+    with pytest.raises(RuntimeError, match="dream rules"):
+        require_progress(dream, masked, nothing)  # ...but not at the block's last step
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])

@@ -65,4 +65,23 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
             chosen = factor_rule(conf, params.factor)
         else:
             chosen = top_k(conf, seq.schedule[step] if step < len(seq.schedule) else 1)
+    require_progress(seq, positions, chosen)
     return positions[chosen], stats.token.cpu()[chosen]
+
+
+def require_progress(seq: Sequence, positions: torch.Tensor, chosen: torch.Tensor) -> None:
+    """Fail loudly instead of spinning: a block must finish in a bounded number of steps.
+
+    LLaDA's rules commit at least one position per step (the schedule sums to the block's
+    masks, the threshold and factor rules keep the most confident one); Dream's timestep
+    rules may commit nothing before the block's last scheduled step, but from then on commit
+    every remaining position. A step that commits nothing where its rule promises a commit
+    would repeat forever on the unchanged canvas."""
+    if chosen.numel() > 0 or positions.numel() == 0:
+        return
+    if seq.sampler == "dream" and seq.step_in_block < seq.params.steps_per_block - 1:
+        return
+    raise RuntimeError(
+        f"decoding invariant violated: step {seq.step_in_block} of block {seq.block} committed none of "
+        f"its {positions.numel()} masked positions ({seq.sampler} rules); the block would never finish"
+    )

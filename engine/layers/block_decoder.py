@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.batch import gather_rows
+from engine.batch import ForwardBatch, gather_rows
 from engine.block_batch import BlockBatch
 from engine.layers.attention import merge_heads, split_heads
 from engine.layers.norm import RMSNorm
@@ -66,9 +66,10 @@ class DecoderLayer(nn.Module):
 
 
 def decoder_stack(
-    x: torch.Tensor, layers: nn.ModuleList, norm: RMSNorm, rotary: Rotary, batch: BlockBatch
+    x: torch.Tensor, layers: nn.ModuleList, norm: RMSNorm, rotary: Rotary, batch: ForwardBatch | BlockBatch
 ) -> torch.Tensor:
-    """Embedded inputs -> final-normed hidden states [B, S, d] at `batch.select`."""
+    """Embedded inputs -> final-normed hidden states [B, S, d] at `batch.select`. Every
+    family's layer loop (the bidirectional families' layers take the same arguments)."""
     cos_sin = rotary.cos_sin(batch.positions)
     last = len(layers) - 1
     for i, layer in enumerate(layers):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +25,9 @@ from engine.server.protocol import ChatRequest, CompletionRequest
 from engine.server.service import Job, Service
 
 Body = TypeVar("Body", bound=BaseModel)
+Req = TypeVar("Req", CompletionRequest, ChatRequest)
+# A generation route's own part: encode the body's prompt into the job, return max tokens.
+Encoder = Callable[[Service, Job, Req], int | None]
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -80,48 +83,18 @@ def create_app(config: ServeConfig) -> FastAPI:
             card.update(root=served.ref, version=served.version)
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        job = Job("completions")
+    async def generate(request: Request, job: Job, model: type[Req], encode: Encoder[Req]) -> Response:
+        """What both generation routes do, in the contract's order: API key, readiness and
+        request rate (`admit`), body, fields, model; the route's prompt (`encode`, which
+        returns the requested max tokens); options, limits, queue. A refusal anywhere is
+        counted and logged once (`reject`)."""
         try:
             service.admit(job, request.headers.get("authorization"))
-            body = await _parse(request, CompletionRequest, config.max_body_bytes)
+            body = await _parse(request, model, config.max_body_bytes)
             _supported(body)
             service.check_model(body.model)
-            prompt = body.prompt
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                if len(prompt) != 1:
-                    raise bad_request("one prompt per request: send several requests (they are batched "
-                                      "on the server)", param="prompt")
-                prompt = prompt[0]  # type: ignore[assignment]
-            job.prompt_ids = service.encode_prompt(prompt)  # type: ignore[arg-type]
-            job.prompt_text = prompt if isinstance(prompt, str) else None
+            max_tokens = encode(service, job, body)
             _options(job, body)
-            params = service.params(job, body, body.max_tokens, body.temperature, body.seed, body.top_p)
-            stream = service.submit(job, params)
-        except APIError as exc:
-            service.reject(job, exc)
-            raise
-        responder = Responder(service, job, stream)
-        return responder.streaming() if body.stream else await responder.respond(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        job = Job("chat.completions")
-        try:
-            service.admit(job, request.headers.get("authorization"))
-            body = await _parse(request, ChatRequest, config.max_body_bytes)
-            _supported(body)
-            service.check_model(body.model)
-            messages = [m.for_template() for m in body.messages]
-            tools = None
-            if body.tools and body.tool_choice != "none":
-                tools = [t.model_dump(exclude_none=True) for t in body.tools]
-            job.prompt_ids = service.encode_chat(messages, tools)
-            job.prompt_text = json.dumps(messages, ensure_ascii=False)
-            job.tools = tools is not None
-            _options(job, body)
-            max_tokens = body.max_completion_tokens or body.max_tokens
             params = service.params(job, body, max_tokens, body.temperature, body.seed, body.top_p)
             stream = service.submit(job, params)
         except APIError as exc:
@@ -129,6 +102,14 @@ def create_app(config: ServeConfig) -> FastAPI:
             raise
         responder = Responder(service, job, stream)
         return responder.streaming() if body.stream else await responder.respond(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, Job("completions"), CompletionRequest, _completion_prompt)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, Job("chat.completions"), ChatRequest, _chat_prompt)
 
     return app
 
@@ -153,6 +134,32 @@ async def _parse(request: Request, model: type[Body], limit: int) -> Body:
         return model.model_validate(data)
     except ValidationError as exc:
         raise errors.validation_error(list(exc.errors())) from None
+
+
+def _completion_prompt(service: Service, job: Job, body: CompletionRequest) -> int | None:
+    """Encode a completion's prompt (text, or token ids) into `job`; its max_tokens."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("one prompt per request: send several requests (they are batched "
+                              "on the server)", param="prompt")
+        prompt = prompt[0]  # type: ignore[assignment]
+    job.prompt_ids = service.encode_prompt(prompt)  # type: ignore[arg-type]
+    job.prompt_text = prompt if isinstance(prompt, str) else None
+    return body.max_tokens
+
+
+def _chat_prompt(service: Service, job: Job, body: ChatRequest) -> int | None:
+    """Render the chat template (with the tools, unless tool_choice is none) into `job`;
+    its max tokens (max_completion_tokens, else the legacy max_tokens)."""
+    messages = [m.for_template() for m in body.messages]
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    job.prompt_ids = service.encode_chat(messages, tools)
+    job.prompt_text = json.dumps(messages, ensure_ascii=False)
+    job.tools = tools is not None
+    return body.max_completion_tokens or body.max_tokens
 
 
 def _supported(body: CompletionRequest | ChatRequest) -> None:
