@@ -53,7 +53,7 @@ def generate(
     cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
-    cache: str = typer.Option("none", "--cache", help="none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."),
+    cache: str = typer.Option("auto", "--cache", help="auto (block where the family has it, else none)|none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."),
     alg: Optional[str] = typer.Option(None, "--alg", help="Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold (default entropy)."),
     alg_temp: Optional[float] = typer.Option(None, "--alg-temp", help="Dream family: sample committed positions from softmax(confidence/alg_temp)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Dream family: nucleus filtering of the token distribution."),

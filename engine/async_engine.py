@@ -183,6 +183,11 @@ class AsyncEngine:
         return len(self.scheduler.waiting)
 
     @property
+    def cache_bytes(self) -> int:
+        with self._cv:
+            return self.engine.cache_bytes()
+
+    @property
     def batch_tokens(self) -> int:
         with self._cv:
             return self.scheduler.batch_tokens

@@ -78,6 +78,11 @@ class BlockSequence:
         return len(self.prompt_ids)
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of exact block K/V cache this request holds now (allocated capacity)."""
+        return 0 if self.cache is None else self.cache.nbytes
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

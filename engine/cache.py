@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kv_cache import tensor_bytes
+
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
@@ -32,6 +34,10 @@ class KVCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [Hkv, T, D]
     values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys + self.values)
 
 
 @dataclass

@@ -55,6 +55,9 @@ class CloverEngine(LLMEngine):
         super().abort(seq, reason)
         self.caches.pop(seq.seq_id, None)  # a cancelled request's cache goes with it
 
+    def cache_bytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches.values())
+
     def _causal(self, seq: Sequence, cache: HybridCache, start: int, end: int) -> None:
         """Run tokens [start, end) causally and commit their states to the cache."""
         device = self.loaded.device

@@ -144,6 +144,11 @@ class LLMEngine:
         if bad:
             raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
 
+    def cache_bytes(self) -> int:
+        """Bytes of K/V cache (and recurrent state) the running requests hold on this
+        process: what grows with concurrency and context besides the weights."""
+        return sum(seq.cache_bytes for seq in self.running)
+
     def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
         """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""
         if seq.finish_reason is None:

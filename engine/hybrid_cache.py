@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-import torch
-
+from engine.kv_cache import tensor_bytes
 from engine.layers.gated_attention import KeyValue
 from engine.layers.gated_deltanet import LinearAttentionState
 
@@ -31,14 +30,13 @@ class HybridCache:
         self.layers = list(states)
         self.length += tokens
 
-    def state_bytes(self) -> int:
+    @property
+    def nbytes(self) -> int:
         """Bytes held now (keys/values grow with length; DeltaNet states do not)."""
         total = 0
         for state in self.layers:
-            tensors: tuple[torch.Tensor, ...] = ()
             if isinstance(state, LinearAttentionState):
-                tensors = (state.conv, state.recurrent)
+                total += tensor_bytes((state.conv, state.recurrent))
             elif state is not None:
-                tensors = state
-            total += sum(t.numel() * t.element_size() for t in tensors)
+                total += tensor_bytes(state)
         return total

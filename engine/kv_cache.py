@@ -9,9 +9,16 @@ never truncated: a 32K-token prompt simply grows it.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 INITIAL_CAPACITY = 256
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of storage the given tensors (None: absent) view, counted as allocated."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class SequenceKVCache:
@@ -56,4 +63,4 @@ class SequenceKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not only the live length)."""
-        return sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
+        return tensor_bytes(self._k + self._v)

@@ -11,7 +11,7 @@ from engine.errors import UsageError
 from engine.registry import FAMILIES, Family
 
 REMASKING = ("low_confidence", "random")
-CACHES = ("none", "prefix", "dual", "block")
+CACHES = ("auto", "none", "prefix", "dual", "block")
 MODES = ("diffusion", "ar")
 # Dream's diffusion_generate algorithms, plus Fast-dLLM's threshold rule.
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
@@ -31,7 +31,7 @@ class GenerationParams:
     threshold: float | None = None  # Fast-dLLM parallel decoding: commit all conf >= threshold
     factor: float | None = None  # Fast-dLLM factor rule: accept rank n while conf >= 1 - f/(n+1)
     seed: int | None = None
-    cache: str = "none"  # Fast-dLLM approximate K/V cache: none | prefix | dual
+    cache: str = "auto"  # auto (the family's exact cache, if any) | none | prefix | dual | block
     mode: str = "diffusion"
     early_stop: bool = True  # once a finished block holds EOS, fill the rest with EOS and stop
     # Dream family (diffusion_generate):
@@ -46,7 +46,10 @@ class GenerationParams:
         block = self.block_length
         if block is None:
             block = 32 if self.gen_length % 32 == 0 else self.gen_length
-        p = replace(self, block_length=block, steps=self.steps or self.gen_length)
+        cache = self.cache
+        if cache == "auto":
+            cache = family.default_cache if family is not None else "none"
+        p = replace(self, block_length=block, steps=self.steps or self.gen_length, cache=cache)
         if family is not None and family.sampler == "dream":
             alg = p.alg or ("confidence_threshold" if p.threshold is not None else DREAM_DEFAULT_ALG)
             threshold = p.threshold

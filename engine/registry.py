@@ -37,6 +37,13 @@ class Family:
         module, _, cls = self.engine.rpartition(".")
         return getattr(importlib.import_module(module), cls)
 
+    @property
+    def default_cache(self) -> str:
+        """What `--cache auto` means: the exact block cache where the family has one (same
+        tokens as recomputing, far less work); otherwise none, since Fast-dLLM's prefix and
+        dual caches are approximate and so an explicit choice."""
+        return "block" if "block" in self.caches else "none"
+
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
 

@@ -48,6 +48,11 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of approximate K/V cache this request holds now."""
+        return 0 if self.kv_cache is None else self.kv_cache.nbytes
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -56,6 +56,27 @@ def test_finished_sequences_leave_the_batch(models: dict[str, LLM]) -> None:
     assert short.query_lengths == [len(PROMPTS[0]) + 8, 8, 8, 8]
 
 
+def test_cache_bytes_follow_the_running_requests(models: dict[str, LLM]) -> None:
+    """The engine's K/V byte count (the server's dlm_kv_cache_bytes gauge) is exactly the
+    caches the running requests hold: a dual cache keeps every layer's K and V for the whole
+    canvas, and a finished request's cache is released."""
+    engine = models["dream"].engine
+    c = engine.config
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V, every layer
+    params = GenerationParams(gen_length=8, steps=4, block_length=8, cache="dual")
+    short = engine.add_request(PROMPTS[0], params)
+    long = engine.add_request(PROMPTS[1], GenerationParams(gen_length=32, steps=16, block_length=8, cache="dual"))
+    assert engine.cache_bytes() == 0  # nothing cached before the first (refresh) forward
+    engine.step()
+    assert engine.cache_bytes() == per_token * (len(PROMPTS[0]) + 8 + len(PROMPTS[1]) + 32)
+    while short in engine.running:
+        engine.step()
+    assert engine.cache_bytes() == per_token * (len(PROMPTS[1]) + 32)
+    while engine.running:
+        engine.step()
+    assert engine.cache_bytes() == 0 and long.finished
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_batched_statistics_are_bitwise_those_of_a_solo_forward(

@@ -262,7 +262,7 @@ def test_metrics_names_and_auth(server: ServerProcess) -> None:
     assert post(server, "/v1/completions", {"prompt": "no key"}, headers={}).status_code == 401
     names = {k.split("{")[0] for k in server.metrics(KEY)}
     for name in (
-        "dlm_num_requests_running", "dlm_num_requests_waiting", "dlm_batch_token_usage_perc",
+        "dlm_num_requests_running", "dlm_num_requests_waiting", "dlm_batch_token_usage_perc", "dlm_kv_cache_bytes",
         "dlm_e2e_request_latency_seconds_count", "dlm_time_to_first_token_seconds_count",
         "dlm_request_queue_time_seconds_count", "dlm_request_denoising_steps_count",
         "dlm_tokens_per_step_count", "dlm_step_duration_seconds_count", "dlm_batch_size_count",
@@ -274,6 +274,7 @@ def test_metrics_names_and_auth(server: ServerProcess) -> None:
     m = server.metrics(KEY)
     assert m['dlm_request_rejections_total{reason="invalid_api_key"}'] >= 1
     assert m["dlm_tokens_per_step_sum"] > 0 and m["dlm_prompt_tokens_total"] > 0
+    assert m["dlm_kv_cache_bytes"] == 0  # every request is done: no cache is held
 
 
 def test_request_log_lines_carry_ids_not_secrets_or_text(server: ServerProcess) -> None:

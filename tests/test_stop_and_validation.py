@@ -109,3 +109,16 @@ def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
     assert out["finish_reason"] in ("stop", "length")
     bad = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--cache", "block", "--dtype", "float32")
     assert bad.returncode == 2 and "error: cache 'block' is not available for dream" in bad.stderr
+
+
+def test_auto_cache_is_the_familys_exact_cache() -> None:
+    """No `cache` asked: block-causal families take their exact block cache (same tokens,
+    less work); bidirectional ones recompute, since their caches are approximate."""
+    from engine.registry import family_named
+
+    params = GenerationParams(gen_length=32)
+    for name, expected in (("sdar", "block"), ("llada2_moe", "block"), ("pangu", "block"),
+                           ("llada", "none"), ("dream", "none"), ("clover", "none")):
+        assert params.validate(4, 4096, family_named(name)).cache == expected, name
+    with pytest.raises(UsageError, match="auto, none, prefix, dual, block"):
+        GenerationParams(gen_length=32, cache="exact").validate(4, 4096, family_named("llada"))

@@ -26,6 +26,11 @@ class ServerMetrics:
             "dlm_batch_token_usage_perc",
             "Canvas tokens in the running batch over max_num_batched_tokens (1 = full).", registry=r,
         )
+        self.cache_bytes = Gauge(
+            "dlm_kv_cache_bytes",
+            "K/V cache (and recurrent state) bytes the running requests hold on this process "
+            "(rank 0's shard under tensor parallelism).", registry=r,
+        )
         self.e2e = Histogram("dlm_e2e_request_latency_seconds", "Arrival to last byte.", buckets=LATENCY, registry=r)
         self.ttft = Histogram(
             "dlm_time_to_first_token_seconds", "Arrival to first streamed text.", buckets=LATENCY, registry=r,
@@ -71,11 +76,15 @@ class ServerMetrics:
         for reason in ("error", "shutdown"):
             self.failures.labels(reason)
 
-    def bind(self, running: Callable[[], int], waiting: Callable[[], int], token_usage: Callable[[], float]) -> None:
+    def bind(
+        self, running: Callable[[], int], waiting: Callable[[], int], token_usage: Callable[[], float],
+        cache_bytes: Callable[[], int],
+    ) -> None:
         """Read the gauges from the engine at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
         self.batch_token_usage.set_function(token_usage)
+        self.cache_bytes.set_function(cache_bytes)
 
     def on_step(self, batch_size: int, batch_tokens: int, committed: list[int], seconds: float) -> None:
         self.batch_size.observe(batch_size)

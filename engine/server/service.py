@@ -101,6 +101,7 @@ class Service:
             lambda: sum(m.engine.num_running for m in self.loaded()),
             lambda: sum(m.engine.num_waiting for m in self.loaded()),
             lambda: sum(m.engine.batch_tokens for m in self.loaded()) / self.config.max_num_batched_tokens,
+            lambda: sum(m.engine.cache_bytes for m in self.loaded()),
         )
         self.ready = True
         log.info("ready: model %s from %s (max_model_len %d)", self.model_name, self.served.describe(),
@@ -261,7 +262,7 @@ class Service:
             gen_length=gen, steps=body.steps, block_length=body.block_length,
             remasking=body.remasking or "low_confidence", temperature=temperature or 0.0,
             cfg_scale=body.cfg_scale or 0.0, threshold=body.threshold, factor=body.factor, seed=seed,
-            cache=body.cache or "none", mode=body.decode_mode or "diffusion",
+            cache=body.cache or "auto", mode=body.decode_mode or "diffusion",
             alg=body.alg, alg_temp=body.alg_temp, top_k=body.top_k,
             top_p=None if top_p == 1.0 else top_p,  # 1 filters nothing: any family takes it
         )
