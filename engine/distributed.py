@@ -323,14 +323,21 @@ class SpawnedRanks:
             p.join()
 
 
+def _follow_driver(spec: EngineSpec, config: ParallelConfig, place: Place) -> Group:
+    """What every worker rank does, however it was started: join the group, load its shard,
+    run the driver's steps until the driver stops the group."""
+    device = rank_device(spec.device, place.local_rank)
+    group = join(place, config, device)
+    engine = _build(spec, device)
+    _loaded_barrier(group, config)
+    worker_loop(engine, group)
+    return group
+
+
 def _rank_main(spec: EngineSpec, config: ParallelConfig, place: Place) -> None:
     """Entry point of a spawned rank (and of a torchrun rank other than 0)."""
     try:
-        device = rank_device(spec.device, place.local_rank)
-        group = join(place, config, device)
-        engine = _build(spec, device)
-        _loaded_barrier(group, config)
-        worker_loop(engine, group)
+        _follow_driver(spec, config, place)
         leave()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure by name, then exits
         # Not an `error:` line: the driver prints the one error of the command.
@@ -548,13 +555,9 @@ def serve_worker(spec: EngineSpec, config: ParallelConfig) -> None:
     config = config.resolved()
     place = this_process(config)
     spawned = None if torchrun() else SpawnedRanks(spec, config, place, config.ranks_per_node)
-    group: Group | None = None
+    group: Group | None = None  # known once the driver stopped it; leave() ends it regardless
     try:
-        device = rank_device(spec.device, place.local_rank)
-        group = join(place, config, device)
-        engine = _build(spec, device)
-        _loaded_barrier(group, config)
-        worker_loop(engine, group)
+        group = _follow_driver(spec, config, place)
         if spawned is not None:
             spawned.wait()
     except Exception as exc:  # noqa: BLE001
