@@ -137,5 +137,6 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Routed experts' SwiGLU MLPs, weighted and summed (`kernels.moe`)."""
+    """Routed experts' SwiGLU MLPs, weighted and summed (`kernels.moe`); an id equal to the
+    number of experts in `w13` marks a slot whose expert another device holds."""
     return implementation("fused_moe", x.device)(x, w13, w2, topk_ids, topk_weights)

@@ -3,7 +3,9 @@ combine (torch twin).
 
 The router has already chosen `topk_ids` [T, K] and `topk_weights` [T, K]. Every
 (token, slot) pair is sorted by expert so each expert runs two dense matmuls over all of its
-tokens at once (a loop over experts, never over tokens). Expert weights are stacked:
+tokens at once (a loop over experts, never over tokens). An id equal to E (the number of
+experts in `w13`) marks a slot whose expert another device holds (expert parallelism): it
+contributes zero here, and the caller sums the devices' partials. Expert weights are stacked:
 `w13` [E, 2F, d] (gate rows then up rows, as a packed gate_up projection) and `w2` [E, d, F].
 Numerics (shared with the Triton twin): projections in the weight dtype with fp32
 accumulation, rounded to that dtype; SwiGLU in fp32 rounded once; the routing weight and
@@ -22,14 +24,16 @@ class ExpertOrder:
     """(token, slot) pairs grouped by expert: `order` indexes the flattened [T * K] pairs."""
 
     order: torch.Tensor  # [T*K] long, pair ids sorted by expert (stable: token order inside)
-    counts: torch.Tensor  # [E] long, pairs per expert
-    starts: torch.Tensor  # [E] long, offset of each expert's group in `order`
+    counts: torch.Tensor  # [E + 1] long, pairs per expert; the last: pairs held elsewhere
+    starts: torch.Tensor  # [E + 1] long, offset of each expert's group in `order`
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertOrder:
+    """Group pairs by expert; ids in [0, num_experts], num_experts meaning "held elsewhere"
+    (sorted last, so the local groups stay contiguous from the start)."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     return ExpertOrder(order, counts, torch.cumsum(counts, 0) - counts)
 
 
@@ -40,17 +44,27 @@ def fused_moe_torch(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """x [T, d] -> [T, d]: sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])."""
+    """x [T, d] -> [T, d]: sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
+
+    This is CPU serving's MoE, where small batches make it bound by per-op overhead: token
+    rows and weights are gathered once in expert order, each expert works on contiguous
+    slices of them and writes its weighted rows in place, and one scatter restores the
+    (token, slot) order."""
     t, k = topk_ids.shape
-    f = w2.shape[2]
+    d, f = x.shape[1], w2.shape[2]
     groups = sort_by_expert(topk_ids, w13.shape[0])
-    out = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).float()
-    for e, (start, count) in enumerate(zip(groups.starts.tolist(), groups.counts.tolist())):
+    rows = x[groups.order // k]
+    weights = topk_weights.reshape(-1)[groups.order].float()[:, None]
+    sorted_out = torch.zeros((t * k, d), dtype=torch.float32, device=x.device)  # experts held elsewhere: 0
+    start = 0
+    for e, count in enumerate(groups.counts[:-1].tolist()):
         if count == 0:
             continue
-        pairs = groups.order[start : start + count]
-        gate_up = x[pairs // k] @ w13[e].T
-        act = (F.silu(gate_up[:, :f].float()) * gate_up[:, f:].float()).to(x.dtype)
-        out[pairs] = (act @ w2[e].T).float() * weights[pairs, None]
-    return out.view(t, k, -1).sum(1).to(x.dtype)
+        end = start + count
+        gate_up = F.linear(rows[start:end], w13[e]).float()
+        act = F.silu(gate_up[:, :f]).mul_(gate_up[:, f:]).to(x.dtype)
+        torch.mul(F.linear(act, w2[e]).float(), weights[start:end], out=sorted_out[start:end])
+        start = end
+    out = torch.empty_like(sorted_out)
+    out[groups.order] = sorted_out
+    return out.view(t, k, d).sum(1).to(x.dtype)

@@ -32,7 +32,7 @@ def _gate_up_kernel(
     ok = pair < NP
     token = tl.where(ok, pair // K, 0)
     e_safe = tl.minimum(e, E - 1)
-    d_end = tl.where(e < E, D, 0)  # tiles past the last group (all pad rows) do no work
+    d_end = tl.where(e < E, D, 0)  # held elsewhere (e == E) or past the end: zeros
     acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
     w_base = w_ptr + e_safe * sw_e
@@ -84,16 +84,22 @@ def _down_kernel(
     tl.store(out_ptr + pair[:, None] * D + n[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
-def expert_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_tiles(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, exact: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair ids laid out in expert tiles, padded with NP; the expert of each tile, E = none).
 
-    The tile count is an upper bound (every expert's padding at its worst), so its size is
-    known without reading the group sizes back from the device."""
+    Pairs of experts held elsewhere (id E) get tiles of their own with expert E: the
+    kernels do no arithmetic there and write zeros. On a GPU (`exact=False`) the tile
+    count is an upper bound (every group's padding at its worst), so its size is known
+    without reading the group sizes back from the device; the extra tiles hold only pad
+    rows. Where reading back is free (CPU tensors, Triton's interpreter, which pays per
+    program) the count is exact."""
     groups = sort_by_expert(topk_ids, num_experts)
     pairs = groups.order.numel()
     padded = (groups.counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    tiles = triton.cdiv(pairs, block_m) + num_experts
+    tiles = int(padded_end[-1]) // block_m if exact else triton.cdiv(pairs, block_m) + num_experts + 1
     ids = torch.full((tiles * block_m,), pairs, dtype=torch.long, device=topk_ids.device)
     expert_of = topk_ids.reshape(-1)[groups.order]
     rank = torch.arange(pairs, device=topk_ids.device) - groups.starts[expert_of]
@@ -117,7 +123,7 @@ def fused_moe_triton(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     block_m = 16 if t * k <= 1024 else 64
-    ids, experts = expert_tiles(topk_ids, e, block_m)
+    ids, experts = expert_tiles(topk_ids, e, block_m, exact=x.device.type != "cuda")
     act = torch.empty((t * k, f), dtype=x.dtype, device=x.device)
     out = torch.empty((t * k, d), dtype=torch.float32, device=x.device)
     if t * k == 0:

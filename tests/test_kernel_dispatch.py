@@ -128,6 +128,7 @@ def test_block_families_identical_through_triton_and_torch(
     kwargs = dict(gen_length=8, block_length=4, threshold=0.5, cache="block")
     twins, kernels, calls = through_both(llm, prompts, kwargs, monkeypatch)
     assert {"token_stats", "rms_norm", "rotary"} <= calls
+    assert ("fused_moe" in calls) == family.endswith("_moe")  # the MoE layers go through the kernel
     assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
 
 
@@ -148,5 +149,5 @@ def test_clover_identical_through_triton_and_torch(tmp_path: Path, monkeypatch: 
     real = dispatch.implementation
     monkeypatch.setattr(dispatch, "implementation", lambda name, device: calls.append(name) or real(name, device))
     kernels = llm.generate([5, 17, 42, 99, 3, 7, 11], **kwargs)
-    assert {"token_stats", "rms_norm", "rotary"} <= set(calls)
+    assert {"token_stats", "rms_norm", "rotary", "fused_moe"} <= set(calls)
     assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]

@@ -20,7 +20,7 @@ import torch
 from kernels.attention import attention_torch
 from kernels.attention_triton import attention_triton
 from kernels.moe import fused_moe_torch
-from kernels.moe_triton import fused_moe_triton
+from kernels.moe_triton import expert_tiles, fused_moe_triton
 from kernels.rms_norm import rms_norm_torch
 from kernels.rms_norm_triton import rms_norm_triton
 from kernels.rotary import rotary_torch
@@ -250,3 +250,40 @@ def test_fused_moe(dtype: torch.dtype) -> None:
         assert_as_accurate(ours, twin, oracle)
     else:  # same roundings in the same places: equal up to one ulp
         assert ulps(ours, twin) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_skips_experts_held_elsewhere(dtype: torch.dtype) -> None:
+    """Expert parallelism: this device holds experts 2..4 of 6 as its local 0..2; slots of
+    the others carry id 3 (= its expert count) and add nothing, so the devices' partial
+    sums add up to the whole layer."""
+    t, k, d, f = 21, 3, 40, 24
+    x = randn(t, d, seed=30, dtype=dtype)
+    w13 = randn(6, 2 * f, d, seed=31, dtype=dtype, scale=d**-0.5)
+    w2 = randn(6, d, f, seed=32, dtype=dtype, scale=f**-0.5)
+    weights, ids = randn(t, 6, seed=33).softmax(-1).topk(k, -1)
+    local = ids - 2
+    local = local.masked_fill((local < 0) | (local >= 3), 3)
+    mine = torch.where(local < 3, weights, 0.0)
+    ours = fused_moe_triton(x, w13[2:5], w2[2:5], local, weights)
+    twin = fused_moe_torch(x, w13[2:5], w2[2:5], local, weights)
+    oracle = naive_moe(x, w13, w2, ids, mine)  # the other experts weighted zero
+    assert (twin.double() - oracle).abs().max() < 20 * torch.finfo(dtype).eps * oracle.abs().max()
+    if dtype == torch.float32:
+        assert_as_accurate(ours, twin, oracle)
+    else:
+        assert ulps(ours, twin) <= 1
+
+
+def test_expert_tiles_upper_bound_only_adds_pad_tiles() -> None:
+    """The GPU grid (an upper bound on the tile count, no read-back) is the exact grid the
+    CPU tests run, followed by tiles of pad rows only (expert past E: no work)."""
+    ids = torch.tensor([[0, 3], [3, 1], [4, 3], [3, 0], [2, 4]])  # 4 = held elsewhere
+    exact_ids, exact_experts = expert_tiles(ids, 4, 2, exact=True)
+    bound_ids, bound_experts = expert_tiles(ids, 4, 2, exact=False)
+    tiles = exact_experts.numel()
+    assert tiles == 1 + 1 + 1 + 2 + 1  # experts 0-3 (1, 1, 1, 2 tiles of 2 pairs), elsewhere
+    assert torch.equal(bound_ids[: tiles * 2], exact_ids) and torch.equal(bound_experts[:tiles], exact_experts)
+    assert (bound_ids[tiles * 2 :] == ids.numel()).all() and (bound_experts[tiles:] > 4).all()
+    assert exact_experts.tolist() == [0, 1, 2, 3, 3, 4]
+    assert exact_ids.tolist() == [0, 7, 3, 10, 8, 10, 1, 2, 5, 6, 4, 9]  # token * 2 + slot; 10 = pad

@@ -1,13 +1,19 @@
-"""MoE routing and grouped expert dispatch against a naive per-token oracle."""
+"""MoE routing, and the MoE layer (routed experts through `kernels.dispatch.fused_moe`)
+against a naive per-token oracle, alone and split over ranks (what a rank reads from the
+checkpoint: tests/test_tp_shards.py)."""
 from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from engine.layers.mlp import GatedMLP
-from engine.layers.moe import (
-    SigmoidGroupGate, SoftmaxGate, SparseMoE, grouped_experts, sigmoid_group_limited_route, softmax_route,
-)
+from engine import parallel_state
+from engine.layers.moe import SigmoidGroupGate, SoftmaxGate, SparseMoE, sigmoid_group_limited_route, softmax_route
+from kernels import dispatch
 
 
 def naive_sigmoid_route(logits, bias, top_k, n_group, topk_group, scaling):  # noqa: ANN001, ANN201
@@ -57,13 +63,18 @@ def test_softmax_route() -> None:
 
 
 def _naive_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, from the stacked weights."""
+    experts, f = moe.experts, moe.experts.intermediate_size
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         chosen, weights = moe.gate(x[t : t + 1])
         for e, w in zip(chosen[0].tolist(), weights[0]):
-            out[t] += w * moe.experts[e](x[t : t + 1])[0]
+            gate_up = experts.gate_up_proj[e] @ x[t]
+            out[t] += w * (experts.down_proj[e] @ (F.silu(gate_up[:f]) * gate_up[f:]))
         if moe.shared_experts is not None:
             out[t] += moe.shared_experts(x[t : t + 1])[0]
+        if moe.shared_expert is not None:
+            out[t] += torch.sigmoid(moe.shared_expert_gate(x[t : t + 1]))[0] * moe.shared_expert(x[t : t + 1])[0]
     return out
 
 
@@ -74,28 +85,97 @@ def _init(module: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
-@pytest.mark.parametrize("kind", ["llada2", "qwen3"])
-def test_sparse_moe_matches_per_token_oracle_and_groups_tokens(kind: str) -> None:
-    d, experts = 24, 8
+KINDS = ["llada2", "qwen3", "qwen3_5"]  # sigmoid-group + shared; softmax; softmax + gated shared
+
+
+def _moe(kind: str, d: int = 24, experts: int = 8, ffn: int = 16) -> SparseMoE:
     gate = (SigmoidGroupGate(d, experts, 2, 4, 2, 2.5, True, bias=True) if kind == "llada2"
             else SoftmaxGate(d, experts, 2, True))
-    moe = SparseMoE(gate, d, 16, experts, shared_ffn=16 if kind == "llada2" else 0)
+    return SparseMoE(gate, d, ffn, experts, shared_ffn=0 if kind == "qwen3" else 16, gated_shared=kind == "qwen3_5")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sparse_moe_matches_per_token_oracle_through_one_fused_moe_call(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    moe = _moe(kind)
     _init(moe, 1)
-    x = torch.randn(50, d, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(2))
     calls = []
-    hooks = [e.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0])) for e in moe.experts]
+    real = dispatch.fused_moe
+    monkeypatch.setattr(dispatch, "fused_moe", lambda *a: calls.append(a) or real(*a))
     with torch.no_grad():
         got = moe(x[None])[0]
-    for h in hooks:
-        h.remove()
-    # One call per used expert over all its (token, slot) rows, never one per token.
-    assert len(calls) <= experts and sum(calls) == 50 * 2
+    # All (token, slot) pairs in one call, with the layer's stacked weights.
+    assert len(calls) == 1 and calls[0][1] is moe.experts.gate_up_proj and calls[0][3].shape == (50, 2)
     with torch.no_grad():
         want = _naive_moe(moe, x)
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_grouped_experts_handles_no_tokens() -> None:
-    experts = torch.nn.ModuleList(GatedMLP(4, 8) for _ in range(3))
-    out = grouped_experts(torch.empty(0, 4), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), experts)
-    assert out.shape == (0, 4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_sparse_moe_same_through_triton_and_torch(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = _moe(kind)
+    _init(moe, 3)
+    x = torch.randn(1, 37, 24, generator=torch.Generator().manual_seed(4))
+    outs, backends = [], []
+    real = dispatch.implementation
+    monkeypatch.setattr(dispatch, "implementation", lambda n, dev: backends.append(dispatch.backend(dev)) or real(n, dev))
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("DLM_KERNELS", choice)
+        with torch.no_grad():
+            outs.append(moe(x))
+    assert backends == ["torch", "triton"]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("ranks", "mode"), [(2, "ep"), (4, "ep"), (2, "tp"), (4, "tp")])
+def test_ranks_partial_sums_add_up_to_the_layer(
+    kind: str, ranks: int, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank's layer (its experts, or its slice of every expert, and its slice of the
+    shared expert), with the weights a rank loads, gives a partial output; the all-reduce
+    (here: a sum in this process) gives the single-process layer's output."""
+    whole = _moe(kind)
+    _init(whole, 5)
+    x = torch.randn(1, 30, 24, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = whole(x)
+    monkeypatch.setattr(parallel_state, "all_reduce", lambda t: t)  # each rank's partial sum
+    total = torch.zeros_like(want)
+    f, sf = whole.experts.intermediate_size, 16
+    for rank in range(ranks):
+        with parallel_state.using(parallel_state.TPState(rank=rank, size=ranks, moe=mode)):
+            part = _moe(kind)
+            assert part.experts.placement == mode
+            state = {}
+            for name, p in whole.state_dict().items():
+                if name == "experts.gate_up_proj" and mode == "ep":
+                    per = 8 // ranks
+                    state[name] = p[rank * per : (rank + 1) * per]
+                elif name == "experts.down_proj" and mode == "ep":
+                    state[name] = p[rank * (8 // ranks) : (rank + 1) * (8 // ranks)]
+                elif name == "experts.gate_up_proj":
+                    i = slice(rank * f // ranks, (rank + 1) * f // ranks)
+                    state[name] = torch.cat((p[:, i], p[:, f:][:, i]), dim=1)
+                elif name == "experts.down_proj":
+                    state[name] = p[:, :, rank * f // ranks : (rank + 1) * f // ranks]
+                elif name.endswith("gate_up_proj.weight"):  # shared expert: column-parallel
+                    i = slice(rank * sf // ranks, (rank + 1) * sf // ranks)
+                    state[name] = torch.cat((p[i], p[sf:][i]))
+                elif name.endswith("down_proj.weight"):  # row-parallel
+                    state[name] = p[:, rank * sf // ranks : (rank + 1) * sf // ranks]
+                else:
+                    state[name] = p  # routers, the shared expert's gate: replicated
+            part.load_state_dict(state)
+            with torch.no_grad():
+                total += part(x)
+    assert torch.allclose(total, want, atol=1e-5)
+
+
+def test_sparse_moe_handles_no_tokens() -> None:
+    moe = _moe("llada2")
+    _init(moe, 7)
+    with torch.no_grad():
+        assert moe(torch.empty(1, 0, 24)).shape == (1, 0, 24)

@@ -102,31 +102,43 @@ def test_each_rank_holds_its_share_of_the_weights(checkpoints: dict[str, Path], 
         assert sum(r.values()) == pytest.approx((total - kept) / RANKS + kept, rel=0.01)
 
 
+class Reads:
+    """The tensors the loader reads, whole (`get_tensor`) or through `get_slice`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.whole: list[str] = []
+        self.sliced: list[str] = []
+        reads, real_open = self, loader.safe_open
+
+        class Recording:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self.handle = real_open(*args, **kwargs)
+
+            def __enter__(self) -> "Recording":
+                self.handle.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                self.handle.__exit__(*exc)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                reads.whole.append(name)
+                return self.handle.get_tensor(name)
+
+            def get_slice(self, name: str) -> Any:
+                reads.sliced.append(name)
+                return self.handle.get_slice(name)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.handle, name)
+
+        monkeypatch.setattr(loader, "safe_open", Recording)
+
+
 def test_a_rank_reads_only_its_slices(checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 of 2, built in this process (no collective runs while loading): sharded
     tensors are read through get_slice and never whole, and hold the right rows."""
-    whole: list[str] = []
-    real_open = loader.safe_open
-
-    class Recording:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self) -> "Recording":
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            self.handle.__exit__(*exc)
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            whole.append(name)
-            return self.handle.get_tensor(name)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.handle, name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
+    whole = Reads(monkeypatch).whole
     with parallel_state.using(parallel_state.TPState(rank=1, size=2)):
         model = load_model(checkpoints["llada"], torch.float32, torch.device("cpu")).model
     assert whole and all(REPLICATED.search(n) for n in whole), whole
@@ -159,3 +171,21 @@ def test_stacked_experts_load_their_share(checkpoints: dict[str, Path], layout: 
         gate_up = torch.cat((whole.gate_up_proj[:, half:full], whole.gate_up_proj[:, full + half :]), dim=1)
         assert torch.equal(part.gate_up_proj, gate_up)
         assert torch.equal(part.down_proj, whole.down_proj[:, :, half:])
+
+
+def test_expert_parallel_rank_reads_only_its_experts(checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2 under expert parallelism opens the per-expert tensors of experts 4-7
+    only, and stacks them in order into the layer's fused-MoE weights."""
+    from safetensors.torch import load_file
+
+    reads = Reads(monkeypatch)
+    with parallel_state.using(parallel_state.TPState(rank=1, size=2, moe="ep")):
+        model = load_model(checkpoints["llada2_moe"], torch.float32, torch.device("cpu")).model
+    opened = [n for n in reads.whole + reads.sliced if ".mlp.experts." in n]
+    assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in opened} == {4, 5, 6, 7}
+    ref = load_file(str(checkpoints["llada2_moe"] / "model.safetensors"))
+    stacked, p = model.model.layers[1].mlp.experts, "model.layers.1.mlp.experts."
+    for local, e in enumerate(range(4, 8)):
+        gate_up = torch.cat((ref[f"{p}{e}.gate_proj.weight"], ref[f"{p}{e}.up_proj.weight"]))
+        assert torch.equal(stacked.gate_up_proj[local], gate_up)
+        assert torch.equal(stacked.down_proj[local], ref[f"{p}{e}.down_proj.weight"])

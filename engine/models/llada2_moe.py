@@ -2,8 +2,9 @@
 
 Parameters mirror the checkpoint (`model.word_embeddings`, `model.layers.N.attention.
 query_key_value` / `dense` / `query_layernorm` / `key_layernorm`, `mlp.gate.weight`,
-`mlp.gate.expert_bias`, `mlp.experts.E.*`, `mlp.shared_experts.*`, `model.norm`,
-`lm_head`), except the packed `gate_up_proj` (gate_proj, up_proj) of every MLP.
+`mlp.gate.expert_bias`, `mlp.shared_experts.*`, `model.norm`, `lm_head`), except the
+packed `gate_up_proj` (gate_proj, up_proj) of every MLP and the stacked routed experts
+(`mlp.experts.gate_up_proj` / `down_proj`, read from the checkpoint's `mlp.experts.E.*`).
 
 - The fused `query_key_value` output is all Q heads, then all K heads, then all V heads.
 - Per-head RMSNorm of q and k (`use_qk_norm`) runs before RoPE; RoPE is partial
@@ -22,7 +23,7 @@ from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
 from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import SigmoidGroupGate, SparseMoE
+from engine.layers.moe import SigmoidGroupGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
@@ -87,6 +88,7 @@ class LLaDA2Inner(nn.Module):
 
 class Model(nn.Module):
     packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
+    tensor_sources = expert_sources
     block_rules = BlockRules(aligned_grid=True, causal_context=False, logit_shift=0, threshold_rule="dinfer")
 
     def __init__(self, config: ModelConfig) -> None:

@@ -8,9 +8,9 @@ with a gated shared expert. Norms are zero-centred except the DeltaNet output no
 Parameters mirror the checkpoint (`model.layers.N.linear_attn.out_proj.weight`, ...),
 except the packed projections (`qkv_proj` = q/k/v_proj, `in_proj` = in_proj_qkv/z/b/a,
 `gate_up_proj` = gate/up_proj of the shared expert) and the stacked experts, which
-`tensor_sources` reads from one tensor per expert or from already stacked tensors, and from
-under `model.language_model.` in multimodal checkpoints (their vision tower and MTP head
-are not loaded).
+`tensor_sources` reads from one tensor per expert or from already stacked tensors
+(`engine.layers.moe.expert_sources`), and from under `model.language_model.` in multimodal
+checkpoints (their vision tower and MTP head are not loaded).
 
 Unlike the bidirectional families this model never sees a whole canvas: it runs token
 spans against a `HybridCache` (`forward_tokens`), causal for prefill, decode and Clover's
@@ -29,7 +29,7 @@ from engine.hybrid_cache import HybridCache, LayerState
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.stacked_moe import StackedSparseMoE
+from engine.layers.moe import SoftmaxGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.loader import checkpoint_sources
@@ -57,9 +57,10 @@ class HybridLayer(nn.Module):
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
         self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
-        self.mlp = StackedSparseMoE(
-            d, int(raw["num_experts"]), int(raw["num_experts_per_tok"]), config.intermediate_size,
-            int(raw["shared_expert_intermediate_size"]),
+        experts = int(raw["num_experts"])
+        self.mlp = SparseMoE(
+            SoftmaxGate(d, experts, int(raw["num_experts_per_tok"]), renormalize=True), d,
+            config.intermediate_size, experts, int(raw["shared_expert_intermediate_size"]), gated_shared=True,
         )
 
     def forward(
@@ -99,11 +100,6 @@ class Model(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
-        for layer in self.model.layers:
-            experts = layer.mlp.experts
-            for param in (experts.gate_up_proj, experts.down_proj):
-                # Per-expert sources arrive concatenated along dim 0: restore the expert axis.
-                param.weight_loader = lambda p, t: t.reshape(p.shape)  # type: ignore[attr-defined]
 
     @property
     def layer_types(self) -> list[str]:
@@ -115,17 +111,14 @@ class Model(nn.Module):
 
     def tensor_sources(self, name: str, available: Mapping[str, object]) -> list[str] | None:
         """Checkpoint names for parameter `name` where they differ from the default rule:
-        per-expert tensors (when the stacked one is absent) and the multimodal prefix."""
+        the routed experts' tensors (`expert_sources`) and the multimodal prefix."""
         if not name.startswith("model."):
             return None  # lm_head.weight sits at the top level in both layouts
         nested = MULTIMODAL_PREFIX + "embed_tokens.weight" in available
         prefix = MULTIMODAL_PREFIX if nested else "model."
-        body = name[len("model.") :]
-        for stacked, parts in (("experts.gate_up_proj", ("gate_proj", "up_proj")), ("experts.down_proj", ("down_proj",))):
-            if body.endswith(stacked) and prefix + body not in available:
-                experts = prefix + body[: -len(stacked)] + "experts"
-                local = self.get_submodule(name.rpartition(".")[0]).local  # this rank's experts
-                return [f"{experts}.{e}.{part}.weight" for e in local for part in parts]
+        experts = expert_sources(self, name, available, prefix + name[len("model.") :])
+        if experts is not None:
+            return experts
         if not nested:
             return None
         return [prefix + src[len("model.") :] for src in checkpoint_sources(name, self.packed_modules)]

@@ -4,8 +4,9 @@ Parameters mirror the Qwen3 checkpoint layout (`model.embed_tokens`, `model.laye
 self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.*`, `model.norm`, `lm_head`),
 except the packed `qkv_proj` (q/k/v_proj) and `gate_up_proj` (gate_proj/up_proj).
 The MoE variant (`SDARMoeForCausalLM`, from Qwen3-30B-A3B) has Qwen3-MoE layers:
-`mlp.gate` (softmax router, top-k, `norm_topk_prob`) and `mlp.experts.E.*`, on the layers
-that `decoder_sparse_step` / `mlp_only_layers` select.
+`mlp.gate` (softmax router, top-k, `norm_topk_prob`) and the routed experts, stacked
+(`mlp.experts.gate_up_proj` / `down_proj`, read from the checkpoint's `mlp.experts.E.*`),
+on the layers that `decoder_sparse_step` / `mlp_only_layers` select.
 
 `LlamaStyleModel` is the whole architecture with its options (q/k norm, projection biases);
 openPangu (engine/models/pangu.py) is the same network without q/k norm and with biases.
@@ -21,7 +22,7 @@ from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
 from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import SoftmaxGate, SparseMoE
+from engine.layers.moe import SoftmaxGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 
@@ -79,6 +80,7 @@ class QwenInner(nn.Module):
 
 class LlamaStyleModel(nn.Module):
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    tensor_sources = expert_sources
     qk_norm = True
 
     def __init__(self, config: ModelConfig) -> None:
