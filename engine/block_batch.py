@@ -38,6 +38,10 @@ class BlockBatch:
         """Boolean [B, 1, Tq, L + T] mask, or None when every query sees every key."""
         if selected not in self._masks:
             q_groups = gather_rows(self.groups, self.select) if selected else self.groups
+            # Padding queries see what the row's last real query sees, never padding keys:
+            # so the keys any query of a row sees are exactly those it would see alone.
+            real = self.groups.masked_fill(self.groups == PAD_GROUP, -1).amax(dim=1, keepdim=True)
+            q_groups = torch.where(q_groups == PAD_GROUP, real, q_groups)
             fresh = self.groups[:, None, :] <= q_groups[:, :, None]
             if past:
                 width = max(past)

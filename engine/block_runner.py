@@ -18,6 +18,7 @@ from engine.decoding.step import confidence
 from engine.kv_cache import SequenceKVCache
 from engine.layers.linear import lm_head_shard, local_kv_heads
 from engine.params import GenerationParams
+from engine.runner import MIN_ROWS
 from kernels import dispatch
 
 
@@ -41,8 +42,9 @@ class BlockRunner:
         return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, self.rules, cache)
 
     def _batch(self, seqs: list[BlockSequence], works: list[Work]) -> BlockBatch:
-        width = max(w.end - w.start for w in works)
-        picks = max(len(w.rows) for w in works)
+        # At least MIN_ROWS fed and selected rows, so a GEMM rounds the same solo as batched.
+        width = max(max(w.end - w.start for w in works), MIN_ROWS)
+        picks = max(max(len(w.rows) for w in works), MIN_ROWS)
         n = len(works)
         ids = torch.full((n, width), self.config.mask_token_id, dtype=torch.long)
         positions = torch.zeros((n, width), dtype=torch.long)

@@ -8,6 +8,7 @@ import torch
 
 from engine.llm import LLM
 from engine.params import GenerationParams
+from tests.tp_checkpoints import PARAMS, write_family
 
 PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [100], [33, 44, 55, 66, 77, 88]]
 
@@ -97,3 +98,14 @@ def test_batched_statistics_are_bitwise_those_of_a_solo_forward(
             assert torch.equal(pos_a, pos_b) and torch.equal(a.token, b.token) and torch.equal(a.prob, b.prob)
         engine.step()
     assert all(s.finished for s in seqs)
+
+
+@pytest.mark.parametrize("family", list(PARAMS))
+def test_bf16_batch_of_four_equals_each_prompt_alone(tmp_path: Path, family: str) -> None:
+    """The CPU serving dtype too: bf16 rounding is coarse enough that a padded row's
+    attention or a GEMM over a different row count would change tokens, so attention runs
+    per row over its real keys and every forward has at least MIN_ROWS rows per sequence."""
+    llm = LLM(write_family(tmp_path, family), dtype="bfloat16", device="cpu")
+    together = llm.generate(PROMPTS, **PARAMS[family])
+    for prompt, out in zip(PROMPTS, together):
+        assert out.output_ids == llm.generate(prompt, **PARAMS[family])[0].output_ids, prompt
