@@ -30,7 +30,7 @@ def test_estimate_terms_equal_a_real_cache(tmp_path: Path) -> None:
     memory = json.loads(result.stdout)["memory_per_gpu"]
     seq = memory["per_sequence"]
     assert seq["linear_state_bytes"] > 0
-    assert cache.state_bytes() == tokens * seq["kv_bytes_per_token"] + seq["linear_state_bytes"]
+    assert cache.nbytes == tokens * seq["kv_bytes_per_token"] + seq["linear_state_bytes"]
     rows = {r["name"]: r["bytes"] for r in memory["rows"]}
     assert rows["linear-attention state"] == batch * seq["linear_state_bytes"]
     assert rows["KV cache"] == batch * 64 * seq["kv_bytes_per_token"]
