@@ -12,6 +12,7 @@ from dlm_cli.output import cli_errors, emit_json, err_console
 
 def serve(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    model_path: Optional[str] = typer.Option(None, "--model-path", "--model", help="MODEL as an option, as other servers spell it."),
     config_file: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML file of settings (flags and DLM_* variables override it)."),
     host: Optional[str] = typer.Option(None, "--host", help="Bind address [127.0.0.1]."),
     port: Optional[int] = typer.Option(None, "--port", help="Port [8000]; 0 picks a free one."),
@@ -22,12 +23,14 @@ def serve(
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     backend: Optional[str] = typer.Option(None, "--backend", help="native, or transformers: load any checkpoint with transformers [native]."),
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code [off]."),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences sharing one forward [8]."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", "--max-concurrency", help="Sequences sharing one forward (decoded concurrently) [8]."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Largest max_tokens per request [1024]."),
     default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens when a request gives none [min(128, max-tokens)]."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Largest denoising steps per request [1024]."),
+    refinement_steps: Optional[int] = typer.Option(None, "--refinement-steps", help="Denoising steps per block when a request gives no steps [one token per step]."),
+    block_length: Optional[int] = typer.Option(None, "--block-length", help="Block length when a request gives none [the family's]."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + generation limit [the model's]."),
     request_timeout: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds before a request is stopped [300]."),
     shutdown_grace: Optional[float] = typer.Option(None, "--shutdown-grace", help="Seconds SIGTERM waits for in-flight requests [30]."),
@@ -54,9 +57,15 @@ def serve(
     json_out: bool = typer.Option(False, "--json", help="Print the effective configuration as JSON on stdout at start."),
 ) -> None:
     """Serve MODEL (or a store deployment) over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
-    flags = {k: v for k, v in locals().items() if k not in ("config_file", "json_out", "api_key")}
+    flags = {k: v for k, v in locals().items() if k not in ("config_file", "json_out", "api_key", "model_path")}
     flags["api_keys"] = api_key or None
     with cli_errors():
+        if model_path is not None:
+            if model is not None and model != model_path:
+                from engine.errors import UsageError
+
+                raise UsageError(f"MODEL ({model}) and --model-path ({model_path}) disagree: give one")
+            flags["model"] = model_path
         from engine.resolve import resolve_model
         from engine.server.config import load_config
 

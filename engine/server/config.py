@@ -65,6 +65,9 @@ class ServeConfig(BaseModel):
     max_tokens: int = Field(1024, ge=1, description="largest max_tokens (gen_length) per request")
     default_max_tokens: int | None = Field(None, ge=1, description="when a request gives none; default: min(128, max_tokens)")
     max_steps: int = Field(1024, ge=1, description="largest denoising step count per request")
+    refinement_steps: int | None = Field(
+        None, ge=1, description="denoising steps per block when a request gives none; default: one token per step")
+    block_length: int | None = Field(None, ge=1, description="block length when a request gives none; default: the family's")
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")

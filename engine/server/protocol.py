@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 
 class _Body(BaseModel):
@@ -24,6 +24,8 @@ class DiffusionFields(_Body):
     """dLLM parameters as top-level body fields (OpenAI SDKs send them via `extra_body`)."""
 
     steps: int | None = Field(None, ge=1)
+    # Denoising steps per block (the deployment guides' "refinement steps"); `steps` is the total.
+    refinement_steps: int | None = Field(None, ge=1)
     block_length: int | None = Field(None, ge=1)
     remasking: Literal["low_confidence", "random"] | None = None
     threshold: float | None = None
@@ -40,6 +42,7 @@ class DiffusionFields(_Body):
 class _Generation(DiffusionFields):
     model: StrictStr | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)  # the Responses API's name for max_tokens
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1)
@@ -51,6 +54,15 @@ class _Generation(DiffusionFields):
     frequency_penalty: float | None = None
     user: StrictStr | None = None
     return_token_ids: StrictBool = False  # as in vLLM: also return the generated token ids
+
+    @model_validator(mode="after")
+    def _output_tokens(self) -> "_Generation":
+        """`max_output_tokens` is read as `max_tokens` (the two may not disagree)."""
+        if self.max_output_tokens is not None:
+            if self.max_tokens not in (None, self.max_output_tokens):
+                raise ValueError("give max_tokens or max_output_tokens, not both")
+            self.max_tokens = self.max_output_tokens
+        return self
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -252,6 +252,9 @@ class Service:
                 param="messages" if job.endpoint == "chat.completions" else "prompt",
                 code="context_length_exceeded",
             )
+        if body.steps is not None and body.refinement_steps is not None:
+            raise bad_request("give steps (in all) or refinement_steps (per block), not both", param="refinement_steps")
+        per_block = body.refinement_steps or (cfg.refinement_steps if body.steps is None else None)
         if body.steps is not None and body.steps > cfg.max_steps:
             raise bad_request(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}",
                               param="steps", code="steps_exceeded")
@@ -259,7 +262,7 @@ class Service:
             raise bad_request(f"max_tokens ({gen}) exceeds the per-key limit of "
                               f"{cfg.tokens_per_minute:g} tokens per minute", param="max_tokens")
         params = GenerationParams(
-            gen_length=gen, steps=body.steps, block_length=body.block_length,
+            gen_length=gen, steps=body.steps, block_length=body.block_length or cfg.block_length,
             remasking=body.remasking or "low_confidence", temperature=temperature or 0.0,
             cfg_scale=body.cfg_scale or 0.0, threshold=body.threshold, factor=body.factor, seed=seed,
             cache=body.cache or "auto", mode=body.decode_mode or "diffusion",
@@ -270,7 +273,13 @@ class Service:
         validate = self.engine.engine.validate  # the family's defaults and rules, as `dlm generate`
         try:
             resolved = validate(params, len(job.prompt_ids))
-            if body.steps is None and resolved.steps is not None and resolved.steps > cfg.max_steps:
+            if per_block is not None and resolved.block_length is not None:
+                # Per-block steps over the resolved block layout (the family's block length);
+                # a block cannot take more steps than it has tokens.
+                steps = min(per_block, resolved.block_length) * resolved.num_blocks
+                params = replace(params, steps=steps)
+                resolved = validate(params, len(job.prompt_ids))
+            elif body.steps is None and resolved.steps is not None and resolved.steps > cfg.max_steps:
                 # One token per step would exceed the limit: take the most steps within it
                 # that still divide evenly over the blocks.
                 blocks = max(1, resolved.num_blocks)
