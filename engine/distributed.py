@@ -310,6 +310,20 @@ class SpawnedRanks:
                 return
             time.sleep(0.1)
 
+    def stopped(self) -> str | None:
+        """A live rank that is not running (stopped by a signal or a debugger), named, else
+        None. Read from /proc (Linux only): a rank hung while running (a deadlock, a slow
+        device) cannot be told from a slow one, so only this kind of hang gets a name."""
+        for rank, p in self.processes.items():
+            try:
+                with open(f"/proc/{p.pid}/stat") as stat:
+                    state = stat.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state in ("T", "t"):
+                return f"tensor-parallel rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger)"
+        return None
+
     def terminate(self) -> None:
         self.closing = True
         for p in self.processes.values():
@@ -368,7 +382,8 @@ class Deadline:
             time.sleep(0.2)
             at = self._at
             if at is not None and time.monotonic() > at:
-                sys.stderr.write(f"error: {self._what}\n")
+                hung = self.spawned.stopped() if self.spawned is not None else None
+                sys.stderr.write(f"error: {self._what}{f': {hung}' if hung else ''}\n")
                 sys.stderr.flush()
                 if self.spawned is not None:
                     self.spawned.terminate()
@@ -484,9 +499,10 @@ class DistributedEngine:
             if self.spawned.failure is not None:
                 return _down(self.spawned.failure)
         if timed_out:
+            hung = self.spawned.stopped() if self.spawned is not None else None
             return EngineFailed(
-                f"a tensor-parallel collective timed out after {self.timeout_s:g}s: a rank is hung or slower "
-                f"than the timeout (set {TIMEOUT_VAR} to change it)"
+                f"a tensor-parallel collective timed out after {self.timeout_s:g}s: "
+                f"{hung or 'a rank is hung or slower than the timeout'} (set {TIMEOUT_VAR} to change it)"
             )
         return EngineFailed(f"the tensor-parallel group failed: {exc}")
 

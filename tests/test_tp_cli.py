@@ -92,7 +92,7 @@ def _wait_for(proc: subprocess.Popen, text: str, limit: float) -> None:
     (signal.SIGKILL, r"error: tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
     # The collective's own timeout, or the driver's deadline if it is blocked elsewhere.
     (signal.SIGSTOP, r"error: (a tensor-parallel collective timed out after 5s|the tensor-parallel group made "
-                     r"no progress for 5s \(a rank is hung\))"),
+                     r"no progress for 5s \(a rank is hung\)): tensor-parallel rank 1 \(pid {pid}\) is stopped"),
 ])
 def test_a_dead_or_hung_worker_fails_the_command(llada: Path, sig: signal.Signals, message: str) -> None:
     env = {**os.environ, "DLM_DIST_TIMEOUT": "5"}

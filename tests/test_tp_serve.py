@@ -93,7 +93,8 @@ LONG = {"prompt": "x", "max_tokens": 512, "steps": 512, "block_length": 32}
 
 @pytest.mark.parametrize(("sig", "cause"), [
     (signal.SIGKILL, r"tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
-    (signal.SIGSTOP, r"a tensor-parallel collective timed out after 5s"),
+    (signal.SIGSTOP, r"a tensor-parallel collective timed out after 5s: tensor-parallel rank 1 \(pid {pid}\) "
+                     r"is stopped"),
 ])
 def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
     tmp_path_factory: pytest.TempPathFactory, sig: signal.Signals, cause: str,
