@@ -38,7 +38,8 @@ def parallel_config(
     return ParallelConfig(**{k: v for k, v in given.items() if v is not None}).resolved()
 
 
-def run_worker(model: Optional[str], dtype: str, device: str, parallel: ParallelConfig) -> bool:
+def run_worker(model: Optional[str], dtype: str, device: str, parallel: ParallelConfig,
+               gpu_memory_utilization: Optional[float] = None) -> bool:
     """Whether this process is a worker rank, not rank 0: it then serves the driver until the
     group stops, and the command has nothing else to do."""
     from engine.distributed import EngineSpec, is_driver, serve_worker
@@ -48,5 +49,5 @@ def run_worker(model: Optional[str], dtype: str, device: str, parallel: Parallel
         return False
     err_console.print(f"[dim]tensor-parallel worker: serving rank 0 at {parallel.master_addr}:{parallel.master_port} "
                       "until it stops[/]", highlight=False)
-    serve_worker(EngineSpec(str(resolve_model(model)), dtype, device), parallel)
+    serve_worker(EngineSpec(str(resolve_model(model)), dtype, device, gpu_memory_utilization), parallel)
     return True

@@ -21,6 +21,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send [the directory name]."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16), float32, bfloat16, float16."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Share (0-1] of each GPU's memory the server may use: a ceiling, nothing is reserved [no cap]."),
     backend: Optional[str] = typer.Option(None, "--backend", help="native, or transformers: load any checkpoint with transformers [native]."),
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code [off]."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", "--max-concurrency", help="Sequences sharing one forward (decoded concurrently) [8]."),
@@ -91,7 +92,8 @@ def serve(
             for key, value in config.public().items():
                 err_console.print(f"  {key} = {value}", highlight=False)
 
-        if tp.run_worker(config.model, config.dtype, config.device, parallel):  # not rank 0: no HTTP
+        if tp.run_worker(config.model, config.dtype, config.device, parallel,  # not rank 0: no HTTP
+                         config.gpu_memory_utilization):
             return
 
         from engine.server.run import serve as run_server

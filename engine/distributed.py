@@ -145,6 +145,7 @@ class EngineSpec:
     model_dir: str
     dtype: str = "auto"
     device: str = "auto"
+    gpu_memory_utilization: float | None = None  # each rank's ceiling on its GPU
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -227,8 +228,9 @@ class Step:
 
 
 def _build(spec: EngineSpec, device: torch.device) -> Any:
-    from engine.engine import load_engine, resolve_dtype
+    from engine.engine import cap_device_memory, load_engine, resolve_dtype
 
+    cap_device_memory(device, spec.gpu_memory_utilization)
     return load_engine(spec.model_dir, resolve_dtype(spec.dtype), device)
 
 

@@ -41,6 +41,22 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"unknown device {device!r}") from exc
 
 
+def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
+    """Cap this process's share of `device`'s memory (weights, caches, activations) at
+    `fraction` of its capacity, so a server sharing a GPU gets an out-of-memory error rather
+    than taking what other processes need. dlm allocates caches per request, so, unlike
+    vLLM's `gpu_memory_utilization`, nothing is reserved up front: this is a ceiling. CUDA
+    only; returns whether a cap was applied."""
+    if fraction is None:
+        return False
+    if not 0.0 < fraction <= 1.0:
+        raise UsageError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+    if device.type != "cuda":
+        return False
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return True
+
+
 def resolve_dtype(dtype: str) -> torch.dtype:
     """'auto' is bf16: on GPUs it is the serving dtype, and on AMX/AVX512-BF16 CPUs bf16
     matmuls run several times faster than fp32. Reproducibility checks pass float32."""

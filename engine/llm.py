@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence as Seq
 
-from engine.engine import load_engine, resolve_device, resolve_dtype
+from engine.engine import cap_device_memory, load_engine, resolve_device, resolve_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
 from engine.resolve import resolve_model
@@ -38,12 +38,16 @@ class LLM:
         self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "auto",
         on_load: Callable[[str], None] | None = None, backend: str = "native",
         trust_remote_code: bool = False, parallel: ParallelConfig | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         """`parallel`: split the model over several processes (engine/distributed.py); this
-        process is then rank 0 and drives the others until `close()`."""
+        process is then rank 0 and drives the others until `close()`.
+        `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
+        `engine.engine.cap_device_memory`; no effect on CPU)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
+        self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
         if backend == "transformers":
@@ -61,7 +65,8 @@ class LLM:
             if parallel is not None and parallel.resolved().parallel:
                 from engine.distributed import EngineSpec, start_driver
 
-                self.engine = start_driver(EngineSpec(str(self.model_dir), dtype, device), parallel)
+                spec = EngineSpec(str(self.model_dir), dtype, device, gpu_memory_utilization)
+                self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:
                 self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load)

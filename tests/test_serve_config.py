@@ -52,6 +52,8 @@ def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
     ("", {"max_num_seqs": 0}, "invalid setting max_num_seqs"),
     ("", {"log_level": "loud"}, "invalid setting log_level"),
     ("", {"backend": "onnx"}, "invalid setting backend"),
+    ("", {"gpu_memory_utilization": 1.5}, "invalid setting gpu_memory_utilization"),
+    ("gpu-memory-utilization = 0\n", {}, "invalid setting gpu_memory_utilization"),
     ("", {"ssl_certfile": "cert.pem"}, "needs both"),
     ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
     ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
@@ -147,3 +149,19 @@ def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
     refused = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-k"})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # keys first
+
+
+def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ceiling on CUDA devices (the allocator refuses beyond it), nothing on the CPU."""
+    import torch
+
+    from engine.engine import cap_device_memory
+
+    calls: list[tuple[float, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    assert cap_device_memory(torch.device("cuda", 1), 0.6) is True
+    assert calls == [(0.6, torch.device("cuda", 1))]
+    assert cap_device_memory(torch.device("cpu"), 0.6) is False
+    assert cap_device_memory(torch.device("cuda", 0), None) is False and len(calls) == 1
+    with pytest.raises(UsageError, match="gpu_memory_utilization must be in"):
+        cap_device_memory(torch.device("cuda", 0), 1.2)

@@ -39,6 +39,8 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     dtype: str = "auto"
     device: str = "auto"
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="share of each GPU's memory the server may use (a ceiling; CUDA only)")
     backend: Literal["native", "transformers"] = Field(
         "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)")
     trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")

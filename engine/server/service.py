@@ -124,7 +124,10 @@ class Service:
 
         cfg = self.config
         llm = LLM(model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
-                  trust_remote_code=cfg.trust_remote_code, parallel=cfg.parallel())
+                  trust_remote_code=cfg.trust_remote_code, parallel=cfg.parallel(),
+                  gpu_memory_utilization=cfg.gpu_memory_utilization)
+        if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
+            log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
         try:
             return self._serve(llm, ref, warmup)
         except BaseException:
