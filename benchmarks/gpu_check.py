@@ -1,6 +1,7 @@
 """On a CUDA machine: compile every Triton kernel for real, check it against its torch twin
-at serving shapes, check the engine's ids through Triton equal the twins', then time the
-kernels (benchmarks/kernels.py). Not run in CI (there is no GPU there); prepared so one
+at serving shapes, check the engine's ids through Triton equal the twins' for every family
+(and, with two or more GPUs, tensor parallel over NCCL equals one GPU), check the memory
+ceiling, then time the kernels (benchmarks/kernels.py). Not run in CI (there is no GPU there); prepared so one
 short session on an accelerator gives the figures for docs/benchmarks.md.
 
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
@@ -80,20 +81,47 @@ def kernel_checks(dtype: torch.dtype) -> list[tuple[str, bool, str]]:
     return out
 
 
-def engine_check() -> tuple[str, bool, str]:
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+def engine_checks() -> list[tuple[str, bool, str]]:
+    """Per family (MoE ones through the fused MoE kernel): the same ids with the torch twins
+    and with the Triton kernels; with two or more GPUs, also tensor parallel over NCCL."""
+    from engine.distributed import ParallelConfig
     from engine.llm import LLM
+    from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
-    directory = Path(tempfile.mkdtemp())
-    config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
-    save_checkpoint(directory, config, random_llada_tensors(config, seed=0))
-    llm = LLM(directory, dtype="float32", device="cuda")
-    ids = {}
-    for choice in ("torch", "auto"):
-        os.environ["DLM_KERNELS"] = choice
-        ids[choice] = [o.output_ids for o in llm.generate([[5, 17, 42], [9, 8, 7, 6]], gen_length=32,
-                                                         block_length=8, threshold=0.5)]
-    return ("engine ids torch == triton", ids["torch"] == ids["auto"], "")
+    out = []
+    for family, params in PARAMS.items():
+        llm = LLM(write_family(Path(tempfile.mkdtemp()), family), dtype="float32", device="cuda")
+        ids = {}
+        for choice in ("torch", "auto"):
+            os.environ["DLM_KERNELS"] = choice
+            ids[choice] = [o.output_ids for o in llm.generate([PROMPT, PROMPT[:7]], **params)]
+        os.environ.pop("DLM_KERNELS")
+        out.append((f"{family} ids torch == triton", ids["torch"] == ids["auto"], ""))
+        if torch.cuda.device_count() >= 2:
+            with LLM(llm.model_dir, dtype="float32", device="cuda",
+                     parallel=ParallelConfig(tensor_parallel_size=2)) as tp:
+                split = [o.output_ids for o in tp.generate([PROMPT, PROMPT[:7]], **params)]
+            out.append((f"{family} ids TP 2 (NCCL) == 1 GPU", split == ids["auto"], ""))
+        del llm
+    return out
+
+
+def memory_cap_check() -> tuple[str, bool, str]:
+    """--gpu-memory-utilization: beyond the share, allocation fails."""
+    from engine.engine import cap_device_memory
+
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap_device_memory(device, 0.25)
+    try:
+        torch.empty(int(total * 0.5), dtype=torch.uint8, device=device)
+        refused = False
+    except torch.OutOfMemoryError:
+        refused = True
+    finally:
+        cap_device_memory(device, 1.0)
+        torch.cuda.empty_cache()
+    return ("memory cap refuses 50% under a 25% cap", refused, "")
 
 
 def main() -> None:
@@ -102,7 +130,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA device")
-    checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + [engine_check()]
+    checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name:32s} {detail}")
     bench = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda",
