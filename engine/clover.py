@@ -56,7 +56,8 @@ class CloverEngine(LLMEngine):
         self.caches.pop(seq.seq_id, None)  # a cancelled request's cache goes with it
 
     def cache_bytes(self) -> int:
-        return sum(cache.nbytes for cache in self.caches.values())
+        # A snapshot: a metrics scrape reads this while the step thread adds and drops caches.
+        return sum(cache.nbytes for cache in list(self.caches.values()))
 
     def _causal(self, seq: Sequence, cache: HybridCache, start: int, end: int) -> None:
         """Run tokens [start, end) causally and commit their states to the cache."""

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from engine import parallel_state
+from engine.engine import LLMEngine
 from engine.errors import DlmError, EngineFailed, UsageError
 from engine.params import GenerationParams
 
@@ -462,14 +463,8 @@ class DistributedEngine:
             message, self._pending = Step(self._pending, running, forget), []
         return self._guarded(lambda: (_broadcast(self.group, message), self.engine.step())[1])
 
-    def generate(self, prompts: list[list[int]], params: GenerationParams,
-                 on_step: Callable[[list[Any]], None] | None = None) -> list[Any]:
-        seqs = [self.add_request(p, params) for p in prompts]
-        while any(not s.finished for s in seqs):
-            self.step()
-            if on_step is not None:
-                on_step(seqs)
-        return seqs
+    # The local engine's loop, run over this class's mirrored add_request / step.
+    generate = LLMEngine.generate
 
     def _guarded(self, run: Callable[[], Any], limit_s: float | None = None) -> Any:
         """Run a step (or the load barrier) of the group: a backend error becomes the

@@ -163,7 +163,7 @@ class LLMEngine:
     def cache_bytes(self) -> int:
         """Bytes of K/V cache (and recurrent state) the running requests hold on this
         process: what grows with concurrency and context besides the weights."""
-        return sum(seq.cache_bytes for seq in self.running)
+        return sum(seq.cache_bytes for seq in list(self.running))  # a snapshot: scrapes run beside steps
 
     def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
         """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""

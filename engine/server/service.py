@@ -208,9 +208,7 @@ class Service:
         """Why the server is unhealthy; None while it is healthy (or still loading)."""
         if self.load_error is not None or self.engine is None:
             return self.load_error
-        if self.engine.failure is not None:
-            return self.engine.failure
-        return None if self.engine.alive else "the engine loop stopped"
+        return self.engine_failure or (None if self.engine.alive else "the engine loop stopped")
 
     # ---- admission ---------------------------------------------------------------------
 
