@@ -287,3 +287,29 @@ def test_expert_tiles_upper_bound_only_adds_pad_tiles() -> None:
     assert (bound_ids[tiles * 2 :] == ids.numel()).all() and (bound_experts[tiles:] > 4).all()
     assert exact_experts.tolist() == [0, 1, 2, 3, 3, 4]
     assert exact_ids.tolist() == [0, 7, 3, 10, 8, 10, 1, 2, 5, 6, 4, 9]  # token * 2 + slot; 10 = pad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_twin_computes_each_row_over_its_visible_keys(dtype: torch.dtype) -> None:
+    """A row whose visible keys have a gap (a short cache, padding, then its fed keys) and a
+    row seeing a prefix: each equals SDPA over only those keys, bit for bit (what the row
+    gives decoded alone), and the masked attention over the whole padded row in value."""
+    import torch.nn.functional as F
+
+    from kernels.attention import masked_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 12, 16, generator=g).to(dtype) for _ in range(2))
+    k[:, :, 3:6] = v[:, :, 3:6] = 1e4  # padding: must not matter
+    mask = torch.zeros(2, 1, 5, 12, dtype=torch.bool)
+    mask[0, :, :, :3] = True  # cached keys 0-2, padding 3-5, fed keys 6-9
+    mask[0, :, :, 6:10] = torch.ones(5, 4, dtype=torch.bool).tril(1)
+    mask[1, :, :, :8] = True
+    out = masked_attention_torch(q, k, v, mask)
+    for b, keys in ((0, torch.tensor([0, 1, 2, 6, 7, 8, 9])), (1, torch.arange(8))):
+        alone = F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, keys], v[b : b + 1, :, keys],
+                                               attn_mask=mask[b : b + 1, ..., keys], enable_gqa=True)
+        assert torch.equal(out[b : b + 1], alone)
+    whole = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), whole, rtol=2e-2, atol=2e-2)
