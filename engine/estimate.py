@@ -22,6 +22,7 @@ from engine.config import PARSERS as ENGINE_PARSERS
 from engine.config import ModelConfig
 from engine.errors import DlmError, UsageError
 from engine.gpus import CATALOGUE, Gpu, find_gpu
+from engine.params import CACHES
 from engine.safetensors_headers import CheckpointHeaders, hub_headers, local_headers
 
 GIB = 1024**3
@@ -396,7 +397,6 @@ def weight_format(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- serving plan
-CACHES = ("auto", "none", "prefix", "dual", "block")
 LOGITS = ("fused", "unfused")
 STATS_CHUNK = 16384  # vocabulary chunk of kernels/token_stats.py
 
