@@ -12,6 +12,7 @@ tokens per forward (TPF) and tokens/s (median of the repeats).
 and reports prefill time, cache bytes and peak RSS: the cache grows linearly with the
 context and the chunked prefill keeps attention memory at O(chunk x context).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.block_checkpoints import write_tiny  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.params import GenerationParams  # noqa: E402
+from tests.block_checkpoints import write_tiny  # noqa: E402
 
 
 def _model(args: argparse.Namespace, max_length: int = 8192) -> Path:
@@ -55,8 +56,13 @@ def compare_modes(args: argparse.Namespace) -> None:
         assert seq is not None
         tokens = len(seq.output_ids)
         seconds = statistics.median(times)
-        rows[name] = {"tokens": tokens, "forwards": seq.nfe, "tokens_per_forward": round(tokens / seq.nfe, 3),
-                      "tokens_per_second": round(tokens / seconds, 1), "seconds": round(seconds, 4)}
+        rows[name] = {
+            "tokens": tokens,
+            "forwards": seq.nfe,
+            "tokens_per_forward": round(tokens / seq.nfe, 3),
+            "tokens_per_second": round(tokens / seconds, 1),
+            "seconds": round(seconds, 4),
+        }
     rows["diffusion_speedup"] = round(rows["diffusion"]["tokens_per_second"] / rows["ar"]["tokens_per_second"], 2)
     print(json.dumps({"model": llm.config.family, "threshold": args.threshold, **rows}, indent=2))
 
@@ -67,9 +73,14 @@ def one_long(args: argparse.Namespace, length: int) -> dict:
     start = time.perf_counter()
     seq = llm.engine.generate([prompt], GenerationParams(gen_length=8, block_length=4, threshold=0.6, cache="block"))[0]
     seconds = time.perf_counter() - start
-    return {"prompt_tokens": length, "seconds": round(seconds, 2), "forwards": seq.nfe,
-            "cache_tokens": seq.cache.length, "cache_mib": round(seq.cache.nbytes / 2**20, 1),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    return {
+        "prompt_tokens": length,
+        "seconds": round(seconds, 2),
+        "forwards": seq.nfe,
+        "cache_tokens": seq.cache.length,
+        "cache_mib": round(seq.cache.nbytes / 2**20, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
 
 
 def main() -> None:
@@ -88,8 +99,17 @@ def main() -> None:
     if args.one_long:
         print(json.dumps(one_long(args, args.one_long)))
     elif args.long:
-        base = [sys.executable, __file__, *([args.model] if args.model else []), "--family", args.family,
-                "--dtype", args.dtype, "--device", args.device]
+        base = [
+            sys.executable,
+            __file__,
+            *([args.model] if args.model else []),
+            "--family",
+            args.family,
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+        ]
         for length in (int(n) for n in args.long.split(",")):
             out = subprocess.run([*base, "--one-long", str(length)], capture_output=True, text=True, check=True)
             print(out.stdout.strip())

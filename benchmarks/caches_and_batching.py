@@ -1,7 +1,7 @@
 """Cache modes and batching on the tiny checkpoints: dlm against the reference-style loops.
 
 Part 1, per family and cache mode (none / prefix / dual): tokens/s of dlm against the
-straightforward reference-style loop (engine/decoding/reference_loop.py: full logits and a
+straightforward reference-style loop (tests/oracles/reference_loop.py: full logits and a
 softmax over every fed row at every step, Fast-dLLM's cache handling), on the same weights,
 alternating, at identical outputs (the script fails otherwise).
 Part 2: the throughput of one batch of 8 prompts of different lengths against the same 8
@@ -12,30 +12,39 @@ requests decoded one after another, with identical per-request outputs.
 Without model directories it uses the embedded default model (LLaDA) and a Dream checkpoint
 of the same shape with random weights, written to a temporary directory.
 """
+
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.decoding.reference_loop import reference_dream_generate, reference_generate  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from tests.oracles.reference_loop import reference_dream_generate, reference_generate  # noqa: E402
 
 
 def tiny_dream(directory: Path) -> Path:
     from engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
     from engine.default_model import MAX_LENGTH
 
-    config = dream_config(4096, 4095, 4093, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=MAX_LENGTH)
+    config = dream_config(
+        4096,
+        4095,
+        4093,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_LENGTH,
+    )
     save_checkpoint(directory, config, random_dream_tensors(config, seed=1))
     return directory
 
@@ -66,37 +75,44 @@ def cache_modes(llm: LLM, gen: int, block: int, repeats: int) -> bool:
     for cache in ("none", "prefix", "dual"):
         kwargs = dict(gen_length=gen, steps=gen, block_length=block, cache=cache)
 
-        def ours() -> tuple[list[int], int]:
+        def ours(kwargs: dict = kwargs) -> tuple[list[int], int]:
             out = llm.generate(prompt, early_stop=False, **kwargs)[0]
             return out.output_ids, out.nfe
 
-        def reference() -> tuple[list[int], int]:
+        def reference(kwargs: dict = kwargs) -> tuple[list[int], int]:
             if family == "dream":
                 x, nfe = reference_dream_generate(model, torch.tensor([prompt]), mask_id=mask, alg="entropy", **kwargs)
             else:
                 x, nfe = reference_generate(model, torch.tensor([prompt]), mask_id=mask, **kwargs)
-            return x[0, len(prompt):].tolist(), nfe
+            return x[0, len(prompt) :].tolist(), nfe
 
         best, results = best_of(repeats, {"reference": reference, "dlm": ours})
         same = results["dlm"] == results["reference"]
         ok &= same
-        print(f"  {family:5s} cache {cache:6s} reference {gen / best['reference']:8.1f} tok/s   "
-              f"dlm {gen / best['dlm']:8.1f} tok/s   x{best['reference'] / best['dlm']:.2f}   "
-              f"nfe {results['dlm'][1]}   identical {same}")
+        print(
+            f"  {family:5s} cache {cache:6s} reference {gen / best['reference']:8.1f} tok/s   "
+            f"dlm {gen / best['dlm']:8.1f} tok/s   x{best['reference'] / best['dlm']:.2f}   "
+            f"nfe {results['dlm'][1]}   identical {same}"
+        )
     return ok
 
 
 def batching(llm: LLM, gen: int, block: int, cache: str, repeats: int) -> bool:
     batch = prompts(llm, 8, seed=1)
     kwargs = dict(gen_length=gen, steps=gen, block_length=block, cache=cache)
-    best, results = best_of(repeats, {
-        "sequential": lambda: [llm.generate(p, **kwargs)[0].output_ids for p in batch],
-        "batch8": lambda: [o.output_ids for o in llm.generate(batch, **kwargs)],
-    })
+    best, results = best_of(
+        repeats,
+        {
+            "sequential": lambda: [llm.generate(p, **kwargs)[0].output_ids for p in batch],
+            "batch8": lambda: [o.output_ids for o in llm.generate(batch, **kwargs)],
+        },
+    )
     same = results["sequential"] == results["batch8"]
     tokens = 8 * gen
-    print(f"  {llm.engine.family.name:5s} cache {cache:6s} 8 sequential {tokens / best['sequential']:8.1f} tok/s   "
-          f"batch 8 {tokens / best['batch8']:8.1f} tok/s   x{best['sequential'] / best['batch8']:.2f}   identical {same}")
+    print(
+        f"  {llm.engine.family.name:5s} cache {cache:6s} 8 sequential {tokens / best['sequential']:8.1f} tok/s   "
+        f"batch 8 {tokens / best['batch8']:8.1f} tok/s   x{best['sequential'] / best['batch8']:.2f}   identical {same}"
+    )
     return same
 
 
@@ -113,15 +129,24 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        models = [LLM(args.llada, dtype=args.dtype, device="cpu"),
-                  LLM(args.dream or tiny_dream(Path(tmp)), dtype=args.dtype, device="cpu")]
-        print(f"gen {args.gen_length}, block {args.block_length}, steps = gen, {args.dtype}, "
-              f"{torch.get_num_threads()} threads, best of {args.repeats}")
+        models = [
+            LLM(args.llada, dtype=args.dtype, device="cpu"),
+            LLM(args.dream or tiny_dream(Path(tmp)), dtype=args.dtype, device="cpu"),
+        ]
+        print(
+            f"gen {args.gen_length}, block {args.block_length}, steps = gen, {args.dtype}, "
+            f"{torch.get_num_threads()} threads, best of {args.repeats}"
+        )
         print("cache modes (dlm vs the reference-style loop, batch 1):")
         ok = all([cache_modes(llm, args.gen_length, args.block_length, args.repeats) for llm in models])
         print("batching (8 prompts of 8-24 tokens):")
-        ok &= all([batching(llm, args.gen_length, args.block_length, cache, args.repeats)
-                   for llm in models for cache in ("none", "dual")])
+        ok &= all(
+            [
+                batching(llm, args.gen_length, args.block_length, cache, args.repeats)
+                for llm in models
+                for cache in ("none", "dual")
+            ]
+        )
     if not ok:
         sys.exit("outputs differ")
 

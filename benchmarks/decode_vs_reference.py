@@ -1,12 +1,13 @@
 """Time dlm's decoding against the literal reference loop on the same checkpoint.
 
-The reference loop (engine/decoding/reference_loop.py) runs the LM head and a float64
+The reference loop (tests/oracles/reference_loop.py) runs the LM head and a float64
 softmax over every position of the canvas at every step, as LLaDA's `generate()` does; dlm
 decides only the masked positions of the current block. Both run in this process, on the
 same weights, alternating, and must produce identical ids; the ratio is what we report.
 
     python benchmarks/decode_vs_reference.py [MODEL_DIR] --gen-length 128 --repeats 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.decoding.reference_loop import reference_generate  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from tests.oracles.reference_loop import reference_generate  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +37,12 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, device="cpu")
-    prompt = [int(t) for t in torch.randint(0, llm.config.vocab_size - 8, (args.prompt_length,),
-                                            generator=torch.Generator().manual_seed(0))]
+    prompt = [
+        int(t)
+        for t in torch.randint(
+            0, llm.config.vocab_size - 8, (args.prompt_length,), generator=torch.Generator().manual_seed(0)
+        )
+    ]
     steps = args.steps or args.gen_length
     kwargs = dict(gen_length=args.gen_length, steps=steps, block_length=args.block_length, threshold=args.threshold)
 
@@ -46,9 +51,10 @@ def main() -> None:
         return out.output_ids, out.nfe
 
     def reference() -> tuple[list[int], int]:
-        x, nfe = reference_generate(llm.engine.loaded.model, torch.tensor([prompt]),
-                                    mask_id=llm.config.mask_token_id, **kwargs)
-        return x[0, len(prompt):].tolist(), nfe
+        x, nfe = reference_generate(
+            llm.engine.loaded.model, torch.tensor([prompt]), mask_id=llm.config.mask_token_id, **kwargs
+        )
+        return x[0, len(prompt) :].tolist(), nfe
 
     ours(), reference()  # warm-up
     times: dict[str, list[float]] = {"dlm": [], "reference": []}
@@ -60,11 +66,14 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     identical = results["dlm"] == results["reference"]
     best = {k: min(v) for k, v in times.items()}
-    print(f"model {llm.model_dir.name}  vocab {llm.config.logits_size}  gen {args.gen_length}  "
-          f"block {args.block_length}  steps {steps}  threshold {args.threshold}  dtype {args.dtype}")
+    print(
+        f"model {llm.model_dir.name}  vocab {llm.config.logits_size}  gen {args.gen_length}  "
+        f"block {args.block_length}  steps {steps}  threshold {args.threshold}  dtype {args.dtype}"
+    )
     for name in ("reference", "dlm"):
-        print(f"  {name:9s} best {best[name]:.3f}s  median {statistics.median(times[name]):.3f}s  "
-              f"nfe {results[name][1]}")
+        print(
+            f"  {name:9s} best {best[name]:.3f}s  median {statistics.median(times[name]):.3f}s  nfe {results[name][1]}"
+        )
     print(f"identical outputs: {identical}")
     print(f"speed ratio (reference / dlm, best of {args.repeats}): {best['reference'] / best['dlm']:.2f}x")
     if not identical:

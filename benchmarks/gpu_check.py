@@ -6,6 +6,7 @@ short session on an accelerator gives the figures for docs/benchmarks.md.
 
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,22 @@ def kernel_checks(dtype: torch.dtype) -> list[tuple[str, bool, str]]:
     out = []
     h, w = rand(32, 1024), rand(157184, 1024, scale=1024**-0.5)
     for temp in (0.0, 0.9):
-        a = token_stats_triton(h, w, temperature=temp, generator=torch.Generator(device=dev).manual_seed(1),
-                               want_entropy=True, want_margin=True)
-        b = token_stats_torch(h, w, temperature=temp, generator=torch.Generator(device=dev).manual_seed(1),
-                              want_entropy=True, want_margin=True)
+        a = token_stats_triton(
+            h,
+            w,
+            temperature=temp,
+            generator=torch.Generator(device=dev).manual_seed(1),
+            want_entropy=True,
+            want_margin=True,
+        )
+        b = token_stats_torch(
+            h,
+            w,
+            temperature=temp,
+            generator=torch.Generator(device=dev).manual_seed(1),
+            want_entropy=True,
+            want_margin=True,
+        )
         agree = (a.token == b.token).float().mean().item()
         err = max(rel_err(a.prob, b.prob), rel_err(a.entropy, b.entropy))
         out.append((f"token_stats T={temp}", agree >= 0.97 and err < 1e-3, f"ids agree {agree:.3f}, err {err:.2e}"))
@@ -84,8 +97,8 @@ def kernel_checks(dtype: torch.dtype) -> list[tuple[str, bool, str]]:
 def engine_checks() -> list[tuple[str, bool, str]]:
     """Per family (MoE ones through the fused MoE kernel): the same ids with the torch twins
     and with the Triton kernels; with two or more GPUs, also tensor parallel over NCCL."""
-    from engine.distributed import ParallelConfig
     from engine.llm import LLM
+    from engine.parallel.distributed import ParallelConfig
     from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
     out = []
@@ -98,8 +111,9 @@ def engine_checks() -> list[tuple[str, bool, str]]:
         os.environ.pop("DLM_KERNELS")
         out.append((f"{family} ids torch == triton", ids["torch"] == ids["auto"], ""))
         if torch.cuda.device_count() >= 2:
-            with LLM(llm.model_dir, dtype="float32", device="cuda",
-                     parallel=ParallelConfig(tensor_parallel_size=2)) as tp:
+            with LLM(
+                llm.model_dir, dtype="float32", device="cuda", parallel=ParallelConfig(tensor_parallel_size=2)
+            ) as tp:
                 split = [o.output_ids for o in tp.generate([PROMPT, PROMPT[:7]], **params)]
             out.append((f"{family} ids TP 2 (NCCL) == 1 GPU", split == ids["auto"], ""))
         del llm
@@ -108,7 +122,7 @@ def engine_checks() -> list[tuple[str, bool, str]]:
 
 def memory_cap_check() -> tuple[str, bool, str]:
     """--gpu-memory-utilization: beyond the share, allocation fails."""
-    from engine.engine import cap_device_memory
+    from engine.runtime.engine import cap_device_memory
 
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory
@@ -133,8 +147,10 @@ def main() -> None:
     checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name:32s} {detail}")
-    bench = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda",
-                            "--json", str(args.json)], check=False)
+    bench = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],
+        check=False,
+    )
     sys.exit(0 if all(ok for _, ok, _ in checks) and bench.returncode == 0 else 1)
 
 

@@ -10,6 +10,7 @@ CPU so the run stays short; `--full` uses the GPU shapes anywhere.
 
     python benchmarks/kernels.py [--device cuda] [--dtype bfloat16] [--full] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -92,11 +94,13 @@ def unfused_norm(x, weight, eps, *, residual, zero_centred):
 
 def unfused_rotary(q, k, cos, sin):
     """Out of place: new q and k tensors (the layers' path before the in-place kernel)."""
+
     def rotate(x):
         half = x.shape[-1] // 2
         rot = x.float()
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         return (rot * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
     return rotate(q), rotate(k)
 
 
@@ -111,10 +115,13 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     n, vocab, d = 32, 157184, (256 if small else 4096)
     hidden, weight = rand(n, d), rand(vocab, d, scale=d**-0.5)
     kw = dict(want_entropy=True, want_margin=True)
-    paths = {"unfused": lambda: token_stats_unfused(hidden, weight, **kw),
-             "twin": lambda: token_stats_torch(hidden, weight, **kw)}
+    paths = {
+        "unfused": lambda: token_stats_unfused(hidden, weight, **kw),
+        "twin": lambda: token_stats_torch(hidden, weight, **kw),
+    }
     if triton_ok:
         from kernels.token_stats_triton import token_stats_triton
+
         paths["triton"] = lambda: token_stats_triton(hidden, weight, **kw)
     out["token_stats"] = (dict(positions=n, vocab=vocab, hidden=d), paths)
 
@@ -124,10 +131,13 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     for name, block in (("attention_bidirectional", None), ("attention_block_causal", bs)):
         pos = torch.arange(t, device=device).expand(b, t)
         akw = dict(kv_lens=lens, q_positions=pos, block_size=block)
-        paths = {"unfused": lambda akw=akw: unfused_attention(q, k, v, **akw),
-                 "twin": lambda akw=akw: attention_torch(q, k, v, **akw)}
+        paths = {
+            "unfused": lambda akw=akw: unfused_attention(q, k, v, **akw),
+            "twin": lambda akw=akw: attention_torch(q, k, v, **akw),
+        }
         if triton_ok:
             from kernels.attention_triton import attention_triton
+
             paths["triton"] = lambda akw=akw: attention_triton(q, k, v, **akw)
         out[name] = (dict(batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=hd, block=block), paths)
 
@@ -137,6 +147,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     paths = {"unfused": lambda: unfused_norm(x, w, 1e-5, **nkw), "twin": lambda: rms_norm_torch(x, w, 1e-5, **nkw)}
     if triton_ok:
         from kernels.rms_norm_triton import rms_norm_triton
+
         paths["triton"] = lambda: rms_norm_triton(x, w, 1e-5, **nkw)
     out["add_rms_norm"] = (dict(rows=rows, hidden=hidden_size), paths)
 
@@ -146,6 +157,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     paths = {"unfused": lambda: unfused_rotary(rq, rk, cos, sin), "twin": lambda: rotary_torch(rq, rk, cos, sin)}
     if triton_ok:
         from kernels.rotary_triton import rotary_triton
+
         paths["triton"] = lambda: rotary_triton(rq, rk, cos, sin)
     out["rotary"] = (dict(batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=hd), paths)
 
@@ -153,10 +165,13 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     mx = rand(tokens, dm)
     w13, w2 = rand(experts, 2 * ff, dm, scale=dm**-0.5), rand(experts, dm, ff, scale=ff**-0.5)
     weights, ids = torch.randn(tokens, experts, generator=g, device=device).softmax(-1).topk(topk, -1)
-    paths = {"unfused": lambda: unfused_moe(mx, w13, w2, ids, weights),
-             "twin": lambda: fused_moe_torch(mx, w13, w2, ids, weights)}
+    paths = {
+        "unfused": lambda: unfused_moe(mx, w13, w2, ids, weights),
+        "twin": lambda: fused_moe_torch(mx, w13, w2, ids, weights),
+    }
     if triton_ok:
         from kernels.moe_triton import fused_moe_triton
+
         paths["triton"] = lambda: fused_moe_triton(mx, w13, w2, ids, weights)
     out["fused_moe"] = (dict(tokens=tokens, experts=experts, topk=topk, hidden=dm, ffn=ff), paths)
     return out

@@ -9,6 +9,7 @@ Overhead = server time / in-process time - 1 (goal: under 10% at concurrency 8).
 
     python benchmarks/serve_overhead.py [MODEL_DIR] --requests 16 --max-tokens 64 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from engine.home import dlm_home  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.params import GenerationParams  # noqa: E402
-from engine.home import dlm_home  # noqa: E402
 from tests.serving import ServerProcess  # noqa: E402
 
 
@@ -48,8 +49,10 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     g = torch.Generator().manual_seed(0)
-    prompts = [[int(t) for t in torch.randint(2, llm.config.vocab_size - 8, (args.prompt_length,), generator=g)]
-               for _ in range(args.requests)]
+    prompts = [
+        [int(t) for t in torch.randint(2, llm.config.vocab_size - 8, (args.prompt_length,), generator=g)]
+        for _ in range(args.requests)
+    ]
     params = GenerationParams(gen_length=args.max_tokens, block_length=args.block_length, steps=args.steps)
 
     def in_process(c: int) -> tuple[float, int]:
@@ -59,17 +62,36 @@ def main() -> None:
         return time.perf_counter() - start, nfe
 
     server = ServerProcess(
-        [str(llm.model_dir), "--max-num-seqs", str(max(levels)), "--max-queue", str(args.requests),
-         "--dtype", args.dtype, "--device", args.device, "--max-tokens", str(args.max_tokens),
-         "--max-steps", str(max(args.steps or args.max_tokens, 1))],
-        dlm_home(), env={"OMP_NUM_THREADS": str(torch.get_num_threads())},
+        [
+            str(llm.model_dir),
+            "--max-num-seqs",
+            str(max(levels)),
+            "--max-queue",
+            str(args.requests),
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-steps",
+            str(max(args.steps or args.max_tokens, 1)),
+        ],
+        dlm_home(),
+        env={"OMP_NUM_THREADS": str(torch.get_num_threads())},
     )
-    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "block_length": args.block_length,
-               **({"steps": args.steps} if args.steps else {})} for p in prompts]
+    bodies = [
+        {
+            "prompt": p,
+            "max_tokens": args.max_tokens,
+            "block_length": args.block_length,
+            **({"steps": args.steps} if args.steps else {}),
+        }
+        for p in prompts
+    ]
     try:
         server.wait_ready()
-        client = httpx.Client(base_url=server.url, timeout=600,
-                              limits=httpx.Limits(max_connections=max(levels)))
+        client = httpx.Client(base_url=server.url, timeout=600, limits=httpx.Limits(max_connections=max(levels)))
 
         def one(body: dict) -> int:
             response = client.post("/v1/completions", json=body)
@@ -83,9 +105,15 @@ def main() -> None:
             return time.perf_counter() - start, nfe
 
         in_process(max(levels)), over_http(max(levels))  # warm-up both paths
-        report: dict = {"model": str(llm.model_dir), "dtype": str(llm.dtype).replace("torch.", ""),
-                        "device": str(llm.device), "threads": torch.get_num_threads(),
-                        "requests": args.requests, "max_tokens": args.max_tokens, "levels": {}}
+        report: dict = {
+            "model": str(llm.model_dir),
+            "dtype": str(llm.dtype).replace("torch.", ""),
+            "device": str(llm.device),
+            "threads": torch.get_num_threads(),
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "levels": {},
+        }
         for c in levels:
             runs = {"in_process": [], "server": []}
             nfes = {}
@@ -95,13 +123,16 @@ def main() -> None:
                     runs[name].append(seconds)
             local, remote = statistics.median(runs["in_process"]), statistics.median(runs["server"])
             report["levels"][c] = {
-                "in_process_s": round(local, 4), "server_s": round(remote, 4),
+                "in_process_s": round(local, 4),
+                "server_s": round(remote, 4),
                 "overhead_pct": round(100 * (remote / local - 1), 1),
                 # The server ends a request at its first committed EOS; the engine's generate()
                 # runs every block. Per-forward time compares the two on equal work.
-                "in_process_nfe": nfes["in_process"], "server_nfe": nfes["server"],
+                "in_process_nfe": nfes["in_process"],
+                "server_nfe": nfes["server"],
                 "per_forward_overhead_pct": round(
-                    100 * ((remote / nfes["server"]) / (local / nfes["in_process"]) - 1), 1),
+                    100 * ((remote / nfes["server"]) / (local / nfes["in_process"]) - 1), 1
+                ),
             }
     finally:
         server.terminate()

@@ -4,6 +4,7 @@ which is the issue's target: >= 400 MB/s).
 
     python benchmarks/verify_throughput.py [--gb 2] [--files 4] [--workers N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from engine.weights.fetch import fetch  # noqa: E402
-from engine.weights.hashing import NoProgress  # noqa: E402
-from engine.weights.store import Store  # noqa: E402
-from engine.weights.verify import check_hashes, VerifyReport  # noqa: E402
+from dlm_cli.store.fetch import fetch  # noqa: E402
+from dlm_cli.store.hashing import NoProgress  # noqa: E402
+from dlm_cli.store.store import Store  # noqa: E402
+from dlm_cli.store.verify import VerifyReport, check_hashes  # noqa: E402
 
 
 def main() -> None:
@@ -46,9 +47,11 @@ def main() -> None:
             check_hashes(files, result.manifest, report, NoProgress(), args.workers)
             seconds = time.perf_counter() - start
             assert report.ok, report.failures
-            print(f"{attempt}: {report.bytes_hashed / 1e6:.0f} MB in {seconds:.2f}s = "
-                  f"{report.bytes_hashed / seconds / 1e6:.0f} MB/s ({args.files} files, "
-                  f"{args.workers or os.cpu_count()} workers)")
+            print(
+                f"{attempt}: {report.bytes_hashed / 1e6:.0f} MB in {seconds:.2f}s = "
+                f"{report.bytes_hashed / seconds / 1e6:.0f} MB/s ({args.files} files, "
+                f"{args.workers or os.cpu_count()} workers)"
+            )
 
 
 if __name__ == "__main__":

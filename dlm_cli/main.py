@@ -1,9 +1,10 @@
 """Entry point of the `dlm` command: registers one module per subcommand."""
+
 from __future__ import annotations
 
 import typer
 
-from dlm_cli import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
+from dlm_cli.commands import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
 
 app = typer.Typer(
     name="dlm",

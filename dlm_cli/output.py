@@ -3,12 +3,14 @@
 Engine errors (`engine.errors.DlmError`) carry their exit code: 2 for bad usage, 1 for a
 failed operation. Imports of the engine stay inside functions so `--help` remains fast.
 """
+
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import typer
 from rich.console import Console

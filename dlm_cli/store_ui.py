@@ -1,40 +1,54 @@
 """What the weights commands share: the --store option, a byte progress bar on stderr, and
 the table of verification problems."""
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from dlm_cli.output import err_console
 
 STORE_OPTION: Any = typer.Option(
-    None, "--store", envvar="DLM_STORE", help="Store directory (default: $DLM_HOME/store).",
+    None,
+    "--store",
+    envvar="DLM_STORE",
+    help="Store directory (default: $DLM_HOME/store).",
 )
 JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
 
 
-def open_store(path: Optional[Path]) -> Any:
-    from engine.weights.store import Store
+def open_store(path: Path | None) -> Any:
+    from dlm_cli.store.store import Store
 
     return Store(path)
 
 
 class ByteBar:
-    """engine.weights.hashing.ByteProgress drawn with rich on stderr."""
+    """dlm_cli.store.hashing.ByteProgress drawn with rich on stderr."""
 
     def __init__(self) -> None:
         self._progress: Any = None
         self._task: Any = None
 
     def start(self, description: str, total_bytes: int) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                   TimeRemainingColumn, TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=err_console,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
         )
         self._progress.start()
         self._task = self._progress.add_task(description, total=total_bytes)

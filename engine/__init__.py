@@ -3,6 +3,7 @@
 Heavy modules (torch, transformers) are imported lazily so that `import engine`
 and the CLI's `--help` stay fast; `engine.LLM` pulls them in on first access.
 """
+
 from __future__ import annotations
 
 from typing import Any

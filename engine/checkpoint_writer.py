@@ -4,6 +4,7 @@ single-file or sharded with `model.safetensors.index.json`.
 Used for the embedded default model and by tests, which build tiny models in the exact
 real formats because nothing may be downloaded at run time.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,15 @@ import torch
 from safetensors.torch import save_file
 
 
-def save_checkpoint(
-    directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], shards: int = 1
-) -> None:
+def save_checkpoint(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = list(tensors)
     if shards <= 1:
-        save_file({n: tensors[n].contiguous() for n in names}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: tensors[n].contiguous() for n in names}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+        )
         return
     per = -(-len(names) // shards)
     weight_map: dict[str, str] = {}
@@ -59,12 +59,16 @@ class RandomWeights:
     def bias(self, size: int) -> torch.Tensor:
         return 0.1 * self.normal(size)
 
-    def swiglu(self, prefix: str, d: int, f: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-               ) -> dict[str, torch.Tensor]:
+    def swiglu(
+        self, prefix: str, d: int, f: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    ) -> dict[str, torch.Tensor]:
         """A SwiGLU MLP's gate, up and down projections under the checkpoint's `names`."""
         gate, up, down = names
-        return {prefix + f"{gate}.weight": self.linear(f, d), prefix + f"{up}.weight": self.linear(f, d),
-                prefix + f"{down}.weight": self.linear(d, f)}
+        return {
+            prefix + f"{gate}.weight": self.linear(f, d),
+            prefix + f"{up}.weight": self.linear(f, d),
+            prefix + f"{down}.weight": self.linear(d, f),
+        }
 
 
 def random_llada_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -78,15 +82,17 @@ def random_llada_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
     tensors = {p + "wte.weight": r.normal(v, d), p + "ln_f.weight": r.norm(d)}
     for i in range(config["n_layers"]):
         b = f"{p}blocks.{i}."
-        tensors.update({
-            b + "attn_norm.weight": r.norm(d),
-            b + "q_proj.weight": r.linear(d, d, 2.0),
-            b + "k_proj.weight": r.linear(kv, d, 2.0),
-            b + "v_proj.weight": r.linear(kv, d),
-            b + "attn_out.weight": r.linear(d, d),
-            b + "ff_norm.weight": r.norm(d),
-            **r.swiglu(b, d, f, ("ff_proj", "up_proj", "ff_out")),
-        })
+        tensors.update(
+            {
+                b + "attn_norm.weight": r.norm(d),
+                b + "q_proj.weight": r.linear(d, d, 2.0),
+                b + "k_proj.weight": r.linear(kv, d, 2.0),
+                b + "v_proj.weight": r.linear(kv, d),
+                b + "attn_out.weight": r.linear(d, d),
+                b + "ff_norm.weight": r.norm(d),
+                **r.swiglu(b, d, f, ("ff_proj", "up_proj", "ff_out")),
+            }
+        )
     if not config.get("weight_tying", False):
         tensors[p + "ff_out.weight"] = r.linear(v, d, 4.0)
     return tensors
@@ -136,18 +142,20 @@ def random_dream_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
     tensors = {"model.embed_tokens.weight": r.normal(v, d), "model.norm.weight": r.norm(d)}
     for i in range(config["num_hidden_layers"]):
         b = f"model.layers.{i}."
-        tensors.update({
-            b + "input_layernorm.weight": r.norm(d),
-            b + "self_attn.q_proj.weight": r.linear(q, d, 2.0),
-            b + "self_attn.q_proj.bias": r.bias(q),
-            b + "self_attn.k_proj.weight": r.linear(kv, d, 2.0),
-            b + "self_attn.k_proj.bias": r.bias(kv),
-            b + "self_attn.v_proj.weight": r.linear(kv, d),
-            b + "self_attn.v_proj.bias": r.bias(kv),
-            b + "self_attn.o_proj.weight": r.linear(d, q),
-            b + "post_attention_layernorm.weight": r.norm(d),
-            **r.swiglu(b + "mlp.", d, f),
-        })
+        tensors.update(
+            {
+                b + "input_layernorm.weight": r.norm(d),
+                b + "self_attn.q_proj.weight": r.linear(q, d, 2.0),
+                b + "self_attn.q_proj.bias": r.bias(q),
+                b + "self_attn.k_proj.weight": r.linear(kv, d, 2.0),
+                b + "self_attn.k_proj.bias": r.bias(kv),
+                b + "self_attn.v_proj.weight": r.linear(kv, d),
+                b + "self_attn.v_proj.bias": r.bias(kv),
+                b + "self_attn.o_proj.weight": r.linear(d, q),
+                b + "post_attention_layernorm.weight": r.norm(d),
+                **r.swiglu(b + "mlp.", d, f),
+            }
+        )
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = r.linear(v, d, 4.0)
         if config.get("mask_token_id") is not None:  # a trained model never predicts MASK
@@ -215,20 +223,31 @@ def random_qwen3_5_moe_tensors(config: dict[str, Any], seed: int) -> dict[str, t
         shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
         if (i + 1) % interval == 0:
             a = p + "self_attn."
-            shapes.update({
-                a + "q_proj.weight": (2 * heads * hd, d), a + "k_proj.weight": (kv * hd, d),
-                a + "v_proj.weight": (kv * hd, d), a + "o_proj.weight": (d, heads * hd),
-                a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,),
-            })
+            shapes.update(
+                {
+                    a + "q_proj.weight": (2 * heads * hd, d),
+                    a + "k_proj.weight": (kv * hd, d),
+                    a + "v_proj.weight": (kv * hd, d),
+                    a + "o_proj.weight": (d, heads * hd),
+                    a + "q_norm.weight": (hd,),
+                    a + "k_norm.weight": (hd,),
+                }
+            )
         else:
             g = p + "linear_attn."
-            shapes.update({
-                g + "in_proj_qkv.weight": (conv, d), g + "in_proj_z.weight": (vh * vd, d),
-                g + "in_proj_b.weight": (vh, d), g + "in_proj_a.weight": (vh, d),
-                g + "conv1d.weight": (conv, 1, config["linear_conv_kernel_dim"]),
-                g + "dt_bias": (vh,), g + "A_log": (vh,), g + "norm.weight": (vd,),
-                g + "out_proj.weight": (d, vh * vd),
-            })
+            shapes.update(
+                {
+                    g + "in_proj_qkv.weight": (conv, d),
+                    g + "in_proj_z.weight": (vh * vd, d),
+                    g + "in_proj_b.weight": (vh, d),
+                    g + "in_proj_a.weight": (vh, d),
+                    g + "conv1d.weight": (conv, 1, config["linear_conv_kernel_dim"]),
+                    g + "dt_bias": (vh,),
+                    g + "A_log": (vh,),
+                    g + "norm.weight": (vd,),
+                    g + "out_proj.weight": (d, vh * vd),
+                }
+            )
         shapes[p + "mlp.gate.weight"] = (experts, d)
         for e in range(experts):
             shapes.update(_swiglu(f"{p}mlp.experts.{e}.", d, fe))

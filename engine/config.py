@@ -4,12 +4,14 @@ Every family spells the same idea differently (LLaDA's `d_model`/`n_layers`, Qwe
 `hidden_size`/`num_hidden_layers`, ...). The engine, the estimator and the server read only
 this normalised form, so a new family is one parser here plus one model module.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.errors import UsageError
 from engine.registry import Family, family_for
@@ -197,8 +199,6 @@ PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "llada2_moe": _hf_standard("llada2_moe", 156895),
     "sdar": _hf_standard("sdar", None),
     "pangu": _hf_standard("pangu", 45830),
-
-
     "qwen3_5_moe": lambda raw: _hybrid("qwen3_5_moe", raw),
     "clover": lambda raw: _hybrid("clover", raw),
 }

@@ -5,6 +5,7 @@ exercises the real loading, denoising and serving machinery, and its text is gib
 by construction. It is written deterministically (fixed seed, shipped tokenizer) on first
 use under `$DLM_HOME/builtin/`, atomically, so a crash never leaves a half-written model.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,10 @@ def ensure_default_model() -> Path:
         vocab.setdefault(added["content"], added["id"])
         vocab_size = max(vocab_size, added["id"] + 1)
     config = llada_config(
-        vocab_size, vocab["<|mask|>"], vocab["<|endoftext|>"], **SHAPE,
+        vocab_size,
+        vocab["<|mask|>"],
+        vocab["<|endoftext|>"],
+        **SHAPE,
         max_sequence_length=MAX_LENGTH,
         dlm_note="random weights: demonstrates dlm's machinery, not language",
     )

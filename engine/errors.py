@@ -3,6 +3,7 @@
 The CLI turns these into one line on stderr and the exit code of the design contract
 (1: a failed operation or check, 2: bad usage or input), never a traceback.
 """
+
 from __future__ import annotations
 
 

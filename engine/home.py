@@ -1,4 +1,5 @@
 """Where dlm keeps its files: `DLM_HOME`, else the user's cache directory."""
+
 from __future__ import annotations
 
 import os

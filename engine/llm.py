@@ -1,20 +1,23 @@
 """LLM: the Python API. `LLM(model).generate(prompts, **params)` returns one output per prompt."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
-from engine.engine import cap_device_memory, load_engine, resolve_device, resolve_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
 from engine.resolve import resolve_model
-from engine.sequence import Sequence
+from engine.runtime.engine import cap_device_memory, load_engine, resolve_device, resolve_dtype
+from engine.runtime.sequence import Sequence
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from engine.distributed import ParallelConfig
+    from engine.parallel.distributed import ParallelConfig
 
 
 @dataclass
@@ -35,15 +38,21 @@ class GenerationOutput:
 
 class LLM:
     def __init__(
-        self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "auto",
-        on_load: Callable[[str], None] | None = None, backend: str = "native",
-        trust_remote_code: bool = False, parallel: ParallelConfig | None = None,
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        on_load: Callable[[str], None] | None = None,
+        backend: str = "native",
+        trust_remote_code: bool = False,
+        parallel: ParallelConfig | None = None,
         gpu_memory_utilization: float | None = None,
     ) -> None:
-        """`parallel`: split the model over several processes (engine/distributed.py); this
+        """`parallel`: split the model over several processes (engine/parallel/distributed.py); this
         process is then rank 0 and drives the others until `close()`.
         `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
-        `engine.engine.cap_device_memory`; no effect on CPU)."""
+        `engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -63,7 +72,7 @@ class LLM:
             if trust_remote_code:
                 raise UsageError("--trust-remote-code only applies to --backend transformers")
             if parallel is not None and parallel.resolved().parallel:
-                from engine.distributed import EngineSpec, start_driver
+                from engine.parallel.distributed import EngineSpec, start_driver
 
                 spec = EngineSpec(str(self.model_dir), dtype, device, gpu_memory_utilization)
                 self.engine = start_driver(spec, parallel)
@@ -80,7 +89,7 @@ class LLM:
         if close is not None:
             close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,13 +13,15 @@ checkpoints come in several layouts (one tensor per expert or stacked experts, a
 nested under `model.language_model.`) may define `tensor_sources(name, available)` returning
 the source names for a parameter, or None for the default rule.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open

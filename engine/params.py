@@ -3,6 +3,7 @@
 Validation lives here (not in the CLI or the server) so every entry point rejects the same
 inputs with the same one-line message.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ class GenerationParams:
     top_k: int | None = None
     eps: float = 1e-3  # last timestep of linspace(1, eps, steps + 1)
 
-    def resolved(self, family: Family | None = None) -> "GenerationParams":
+    def resolved(self, family: Family | None = None) -> GenerationParams:
         """Fill the defaults that depend on other fields (and, for `alg`, on the family)."""
         block = self.block_length
         if block is None:
@@ -68,7 +69,7 @@ class GenerationParams:
         assert self.steps is not None
         return self.steps // self.num_blocks
 
-    def validate(self, prompt_length: int, max_length: int, family: Family | None = None) -> "GenerationParams":
+    def validate(self, prompt_length: int, max_length: int, family: Family | None = None) -> GenerationParams:
         """Return the resolved parameters or raise UsageError naming the bad field.
 
         `family` (default: LLaDA) decides which decoding fields apply and which caches exist.
@@ -83,9 +84,7 @@ class GenerationParams:
         if p.block_length < 1:
             raise UsageError(f"block_length must be at least 1, got {p.block_length}")
         if p.gen_length % p.block_length:
-            raise UsageError(
-                f"gen_length ({p.gen_length}) must be a multiple of block_length ({p.block_length})"
-            )
+            raise UsageError(f"gen_length ({p.gen_length}) must be a multiple of block_length ({p.block_length})")
         if p.steps < 1:
             raise UsageError(f"steps must be at least 1, got {p.steps}")
         if p.steps % p.num_blocks:
@@ -111,13 +110,11 @@ class GenerationParams:
             _validate_block_causal(p)
         elif p.cache not in family.caches:
             raise UsageError(
-                f"cache {p.cache!r} is not available for {family.name} models; "
-                f"use one of {', '.join(family.caches)}"
+                f"cache {p.cache!r} is not available for {family.name} models; use one of {', '.join(family.caches)}"
             )
         if p.remasking == "random" and (p.threshold is not None or p.factor is not None):
             raise UsageError(
-                "threshold and factor rank positions by model confidence; "
-                "they cannot be combined with random remasking"
+                "threshold and factor rank positions by model confidence; they cannot be combined with random remasking"
             )
         if p.cfg_scale > 0 and p.cache != "none":
             raise UsageError("classifier-free guidance is not available with a cache; use --cache none")

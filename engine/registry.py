@@ -3,6 +3,7 @@
 Kept free of torch imports so that config parsing (and `dlm estimate`) stays cheap; the
 model module of a family is imported only when a model is built.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,7 @@ class Family:
     # Block-causal attention (causal across blocks, full inside one): these families decode
     # with an exact KV cache through the block runner, and also in AR mode.
     block_causal: bool = False
-    engine: str = "engine.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
+    engine: str = "engine.runtime.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
 
     def engine_class(self) -> Any:
         if not self.engine:
@@ -107,7 +108,7 @@ FAMILIES: tuple[Family, ...] = (
         architectures=(),
         module="engine.models.qwen3_5_moe",
         description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
-        engine="engine.clover.CloverEngine",
+        engine="engine.runtime.clover.CloverEngine",
     ),
 )
 
@@ -119,8 +120,12 @@ def supported_names() -> str:
 # What LLMEngine decodes a checkpoint outside the registry with (the transformers backend's
 # "forward" path): LLaDA's rules over the model's own forward, which knows no dlm cache.
 UNREGISTERED = Family(
-    name="transformers", model_types=(), architectures=(), module="",
-    description="a bidirectional model run through transformers", engine="",
+    name="transformers",
+    model_types=(),
+    architectures=(),
+    module="",
+    description="a bidirectional model run through transformers",
+    engine="",
 )
 
 

@@ -1,4 +1,10 @@
-"""Turn what a user names as MODEL into a checkpoint directory."""
+"""Turn what the engine is given as MODEL into a checkpoint directory.
+
+The engine knows two kinds of MODEL: none (the embedded default model) and a checkpoint
+directory. Store names (`NAME`, `NAME@VERSION`) belong to the model store, which resolves
+them to a directory before calling the engine (`dlm_cli.store.resolve`).
+"""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,9 +12,10 @@ from pathlib import Path
 from engine.errors import UsageError
 
 
-def resolve_model(spec: str | Path | None) -> Path:
-    """None -> the embedded default model; an existing checkpoint directory; or a store
-    name, `NAME` (its newest verified version) or `NAME@VERSION`."""
+def checkpoint_dir(spec: str | Path | None) -> Path | None:
+    """The checkpoint directory `spec` names, or None when it names no existing path.
+
+    None or "" -> the embedded default model (built on first use)."""
     if spec is None or str(spec) == "":
         from engine.default_model import ensure_default_model
 
@@ -20,11 +27,12 @@ def resolve_model(spec: str | Path | None) -> Path:
         return path
     if path.exists():
         raise UsageError(f"{path} is a file; MODEL must be a checkpoint directory")
-    from engine.weights.store import NAME_RE, Store
+    return None
 
-    name = str(spec).partition("@")[0]
-    store = Store()
-    if NAME_RE.match(name) and store.model_dir(name).is_dir():
-        manifest = store.find(str(spec))
-        return store.files_dir(manifest.name, manifest.version)
-    raise UsageError(f"no model at {spec!r}: not a directory, nor a model in the store at {store.root}")
+
+def resolve_model(spec: str | Path | None) -> Path:
+    """None -> the embedded default model; an existing checkpoint directory; else UsageError."""
+    path = checkpoint_dir(spec)
+    if path is None:
+        raise UsageError(f"no model directory at {spec!r} (store names are resolved by the dlm CLI)")
+    return path

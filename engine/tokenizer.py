@@ -1,4 +1,5 @@
 """Text <-> ids through the checkpoint's own tokenizer (and its chat template)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,7 @@ def has_tokenizer(model_dir: Path) -> bool:
 def load_tokenizer(model_dir: Path) -> Any:
     """A transformers tokenizer for `model_dir`; never runs remote code."""
     if not has_tokenizer(model_dir):
-        raise UsageError(
-            f"{model_dir} has no tokenizer files; pass token ids instead (--prompt-ids)"
-        )
+        raise UsageError(f"{model_dir} has no tokenizer files; pass token ids instead (--prompt-ids)")
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -37,7 +36,9 @@ def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Prompt ids of a conversation through the checkpoint's own chat template (which also
     decides how `tools` are shown to the model)."""
@@ -45,7 +46,11 @@ def encode_chat(
         raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
     except Exception as exc:  # jinja2 errors: the template rejected these messages
         if type(exc).__module__.startswith("jinja2"):

@@ -17,29 +17,31 @@ The checkpoint is loaded with transformers (its remote code only when the caller
 Both paths present LLMEngine's interface, so `dlm generate` and `dlm serve` (its scheduler,
 limits, metrics) drive them like a native model.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
-from engine.engine import LLMEngine, LoadedModel
 from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
 from engine.registry import UNREGISTERED
-from engine.sequence import Sequence
+from engine.runtime.batch import ForwardBatch, gather_rows
+from engine.runtime.engine import LLMEngine, LoadedModel
+from engine.runtime.sequence import Sequence
 
 PATHS = {
     "forward": "dlm decoding over the model's forward (batched across requests; "
-               "full-canvas logits every step, no dlm caches)",
+    "full-canvas logits every step, no dlm caches)",
     "generate": "the model's own generation method, one request at a time "
-                "(no cross-request batching, no dlm caches, dlm commit rules unused)",
+    "(no cross-request batching, no dlm caches, dlm commit rules unused)",
 }
 # What the generate path further costs a server (said at `dlm serve` start-up after PATHS).
 GENERATE_SERVING_COSTS = (
@@ -60,8 +62,7 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remot
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
             raise UsageError(
-                f"{model_dir} needs its own remote code to load; pass --trust-remote-code "
-                "only if you trust that code"
+                f"{model_dir} needs its own remote code to load; pass --trust-remote-code only if you trust that code"
             ) from exc
         raise UsageError(f"transformers cannot read {model_dir}: {exc}") from exc
     except OSError as exc:
@@ -209,11 +210,15 @@ class GenerateMethodEngine(LLMEngine):
         self._open = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         # A plain `generate` has **kwargs but no dLLM meaning for these names.
         self.takes = frozenset(
-            f for f in DIFFUSION_FIELDS if self.method_name == "diffusion_generate" and self._accepts(f))
+            f for f in DIFFUSION_FIELDS if self.method_name == "diffusion_generate" and self._accepts(f)
+        )
         # Whether dlm's temperature can reach the method: transformers' GenerationConfig has
         # do_sample (DiffusionGemma's own config has not); a diffusion_generate names it.
-        self.samples = (self._accepts("temperature") if self.method_name == "diffusion_generate"
-                        else hasattr(getattr(hf_model, "generation_config", None), "do_sample"))
+        self.samples = (
+            self._accepts("temperature")
+            if self.method_name == "diffusion_generate"
+            else hasattr(getattr(hf_model, "generation_config", None), "do_sample")
+        )
         self._forward_lengths: list[int] = []
         hf_model.register_forward_pre_hook(self._count, with_kwargs=True)
 
@@ -233,8 +238,10 @@ class GenerateMethodEngine(LLMEngine):
                     f"(transformers backend, generate path), which takes {taken}"
                 )
         if params.temperature > 0 and not self.samples:
-            raise Unsupported(f"temperature cannot be set here: this model's {self.method_name} samples "
-                              "with its own generation config")
+            raise Unsupported(
+                f"temperature cannot be set here: this model's {self.method_name} samples "
+                "with its own generation config"
+            )
 
     def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
         self._refuse_unsupported(params)
@@ -299,7 +306,10 @@ class ForwardEngine(LLMEngine):
 
 
 def load_transformers_engine(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool,
     tokenizer: Any | None,
 ) -> ForwardEngine | GenerateMethodEngine:
     """Load with transformers and pick the path (see the module docstring)."""
@@ -312,6 +322,8 @@ def load_transformers_engine(
         usable = False
     if usable:
         return ForwardEngine(LoadedModel(config, adapter, dtype, device))
-    if not callable(getattr(hf_model, "diffusion_generate", None)) and not callable(getattr(hf_model, "generate", None)):
+    if not callable(getattr(hf_model, "diffusion_generate", None)) and not callable(
+        getattr(hf_model, "generate", None)
+    ):
         raise UsageError(f"{model_dir}: the model neither takes dlm's masked decoding nor has a generation method")
     return GenerateMethodEngine(LoadedModel(config, hf_model, dtype, device), hf_model)

@@ -16,6 +16,7 @@ number of keys, so a row padded to a longer neighbour rounds differently (in bf1
 from the same request decoded alone, and a request's tokens would depend on its batch.
 Over its own keys, a row is computed exactly as it would be solo.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,12 +57,18 @@ def attention_torch(
     (all Tk keys real), q_positions [B, Tq] absolute positions (block-causal only).
     Returns [B, Hq, Tq, D] in q's dtype; scale 1/sqrt(D)."""
     if kv_lens is not None:
-        return torch.cat([
-            attention_torch(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
-                            q_positions=None if q_positions is None else q_positions[b : b + 1],
-                            block_size=block_size)
-            for b, n in enumerate(kv_lens.tolist())
-        ])
+        return torch.cat(
+            [
+                attention_torch(
+                    q[b : b + 1],
+                    k[b : b + 1, :, :n],
+                    v[b : b + 1, :, :n],
+                    q_positions=None if q_positions is None else q_positions[b : b + 1],
+                    block_size=block_size,
+                )
+                for b, n in enumerate(kv_lens.tolist())
+            ]
+        )
     mask = dllm_mask(None, q_positions, block_size, k.shape[2], q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -93,7 +100,7 @@ def masked_attention_torch(
             kb, vb, mb = k[b : b + 1, :, first:last], v[b : b + 1, :, first:last], mask[b : b + 1, ..., first:last]
         else:  # a gap (padding between a short row's cache and its fed keys)
             kb, vb, mb = k[b : b + 1, :, keys], v[b : b + 1, :, keys], mask[b : b + 1, ..., keys]
-        rows.append(F.scaled_dot_product_attention(q[b : b + 1], kb, vb, attn_mask=mb,
-                                                   enable_gqa=q.shape[1] != k.shape[1]))
+        rows.append(
+            F.scaled_dot_product_attention(q[b : b + 1], kb, vb, attn_mask=mb, enable_gqa=q.shape[1] != k.shape[1])
+        )
     return torch.cat(rows)
-

@@ -7,6 +7,7 @@ registers; key tiles past the row's length, or past the last block its queries m
 never loaded, which is where block-causal decoding saves work over a dense masked SDPA.
 GQA maps query head h to key/value head h // (Hq / Hkv).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,11 +21,38 @@ from kernels.triton_support import round_to, upcast_dot
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lens_ptr, pos_ptr,
-    Tq, Tk, D, HQ, GROUP, block_size, scale,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sp_b,
-    HAS_LENS: tl.constexpr, BLOCKS: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lens_ptr,
+    pos_ptr,
+    Tq,
+    Tk,
+    D,
+    HQ,
+    GROUP,
+    block_size,
+    scale,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_b,
+    sk_h,
+    sk_t,
+    sv_b,
+    sv_h,
+    sv_t,
+    so_b,
+    so_h,
+    so_t,
+    sp_b,
+    HAS_LENS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -35,8 +63,9 @@ def _attention_kernel(
     row_ok = rows < Tq
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if UPCAST:
         q = q.to(tl.float32)
     kv_len = Tk
@@ -72,8 +101,11 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :],
-             round_to(out, o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :],
+        round_to(out, o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 def attention_triton(
@@ -102,12 +134,37 @@ def attention_triton(
     pos = q_positions if q_positions is not None else q.new_zeros((1, 1), dtype=torch.long)
     grid = (triton.cdiv(tq, block_m), b * hq)
     _attention_kernel[grid](
-        q, k, v, out, kv_lens if kv_lens is not None else pos, pos,
-        tq, tk, d, hq, hq // hkv, block_size or 1, 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q,
+        k,
+        v,
+        out,
+        kv_lens if kv_lens is not None else pos,
+        pos,
+        tq,
+        tk,
+        d,
+        hq,
+        hq // hkv,
+        block_size or 1,
+        1.0 / math.sqrt(d),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         pos.stride(0),
-        HAS_LENS=kv_lens is not None, BLOCKS=block_size is not None, UPCAST=upcast_dot(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        HAS_LENS=kv_lens is not None,
+        BLOCKS=block_size is not None,
+        UPCAST=upcast_dot(q.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
     )
     return out

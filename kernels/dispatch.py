@@ -8,21 +8,23 @@
 Every kernel has a torch twin in `kernels/<name>.py` and a Triton version with the same
 signature in `kernels/<name>_triton.py`, imported only when first chosen.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from functools import cache
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kernels.attention import attention_torch, masked_attention_torch
+from kernels.gumbel import draw_seed
 from kernels.moe import fused_moe_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_torch
-from kernels.gumbel import draw_seed
 from kernels.token_stats import TokenStats, VocabShard, combine, merge, token_stats_partial_torch, token_stats_torch
 
 _TORCH: dict[str, Callable[..., Any]] = {
@@ -82,8 +84,13 @@ def implementation(name: str, device: torch.device) -> Callable[..., Any]:
 
 
 def token_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, *, shard: VocabShard | None = None,
-    temperature: float = 0.0, generator: torch.Generator | None = None, **kwargs: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    shard: VocabShard | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    **kwargs: Any,
 ) -> TokenStats:
     """LM head + softmax statistics (`kernels.token_stats`). With `shard`, `weight` is this
     device's vocabulary range: its statistics are reduced to one partial, the devices'
@@ -103,8 +110,12 @@ def token_stats(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-    residual: torch.Tensor | None = None, zero_centred: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) (`kernels.rms_norm`)."""
     return implementation("rms_norm", x.device)(x, weight, eps, residual=residual, zero_centred=zero_centred)
@@ -116,8 +127,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torc
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    kv_lens: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kv_lens: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
     block_size: int | None = None,
 ) -> torch.Tensor:
     """Bidirectional or block-causal attention over variable lengths (`kernels.attention`)."""
@@ -126,16 +141,17 @@ def attention(
     )
 
 
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention under an explicit boolean mask (`kernels.attention`, torch only)."""
     return implementation("masked_attention", q.device)(q, k, v, mask)
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Routed experts' SwiGLU MLPs, weighted and summed (`kernels.moe`); an id equal to the
     number of experts in `w13` marks a slot whose expert another device holds."""

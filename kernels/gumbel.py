@@ -7,6 +7,7 @@ whichever backend runs. The mixer is MurmurHash3's 32-bit finaliser; 53 bits fro
 words give a float64 uniform strictly inside (0, 1). `kernels/token_stats_triton.py`
 holds the Triton transcription of `uniform53`.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ Numerics (shared with the Triton twin): projections in the weight dtype with fp3
 accumulation, rounded to that dtype; SwiGLU in fp32 rounded once; the routing weight and
 the sum over the K slots in fp32, rounded once at the end.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ and scales by the routing weight; the K slots of a token are summed in fp32 afte
 (deterministic, no atomics). Tile -> expert is found by a search over the padded offsets,
 so nothing waits on the device for the group sizes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,23 @@ from kernels.triton_support import round_to, upcast_dot
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, experts_ptr, act_ptr, NP, K, D, F, E,
-    sx, sw_e, sw_f,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    experts_ptr,
+    act_ptr,
+    NP,
+    K,
+    D,
+    F,
+    E,
+    sx,
+    sw_e,
+    sw_f,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -51,15 +66,27 @@ def _gate_up_kernel(
     g = round_to(acc_g, dtype).to(tl.float32)
     u = round_to(acc_u, dtype).to(tl.float32)
     act = g / (1.0 + tl.exp(-g)) * u
-    tl.store(act_ptr + pair[:, None] * F + f[None, :], round_to(act, dtype),
-             mask=ok[:, None] & f_ok[None, :])
+    tl.store(act_ptr + pair[:, None] * F + f[None, :], round_to(act, dtype), mask=ok[:, None] & f_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, ids_ptr, experts_ptr, weights_ptr, out_ptr, NP, D, F, E,
-    sw_e, sw_d,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    ids_ptr,
+    experts_ptr,
+    weights_ptr,
+    out_ptr,
+    NP,
+    D,
+    F,
+    E,
+    sw_e,
+    sw_d,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,12 +158,40 @@ def fused_moe_triton(
     tiles = experts.numel()
     upcast = upcast_dot(x.dtype)
     _gate_up_kernel[(tiles, triton.cdiv(f, 64))](
-        x, w13, ids, experts, act, t * k, k, d, f, e, x.stride(0), w13.stride(0), w13.stride(1),
-        UPCAST=upcast, BLOCK_M=block_m, BLOCK_F=64, BLOCK_K=64,
+        x,
+        w13,
+        ids,
+        experts,
+        act,
+        t * k,
+        k,
+        d,
+        f,
+        e,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        UPCAST=upcast,
+        BLOCK_M=block_m,
+        BLOCK_F=64,
+        BLOCK_K=64,
     )
     _down_kernel[(tiles, triton.cdiv(d, 64))](
-        act, w2, ids, experts, topk_weights.reshape(-1).contiguous(), out, t * k, d, f, e,
-        w2.stride(0), w2.stride(1),
-        UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
+        act,
+        w2,
+        ids,
+        experts,
+        topk_weights.reshape(-1).contiguous(),
+        out,
+        t * k,
+        d,
+        f,
+        e,
+        w2.stride(0),
+        w2.stride(1),
+        UPCAST=upcast,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=64,
     )
     return out.view(t, k, d).sum(1).to(x.dtype)

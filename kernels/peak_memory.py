@@ -6,6 +6,7 @@ storage is not one of the op's inputs' is a new allocation, released when the la
 viewing it is collected. It measures what the code asks for (tensor storages), not allocator
 overhead or kernel-internal scratch; the same on CPU and CUDA.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -33,10 +34,7 @@ class PeakTensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue

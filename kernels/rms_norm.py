@@ -6,6 +6,7 @@ plain (`w * normed`, the scale applied in the model dtype, LLaMA/Qwen2) and zero
 With `residual`, the input is `x + residual` (in the model dtype) and that sum is returned
 too: it is the next residual stream, so a layer reads and writes it once.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Each program normalises a few rows: each row is read once (plus the residual), the sum
 written once, the normed row written once; the unfused path reads and writes it three to four times.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,22 @@ from kernels.triton_support import round_to
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, R, D, stride_x, stride_r, stride_o, stride_s, eps,
-    HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    R,
+    D,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -64,10 +78,21 @@ def rms_norm_triton(
     block_r = max(1, min(16, 4096 // block_d))  # several short rows per program
     if rows.shape[0]:
         _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_r),)](
-            rows, res if res is not None else rows, weight, out, summed, rows.shape[0], d,
-            rows.stride(0), (res if res is not None else rows).stride(0), out.stride(0),
-            summed.stride(0), float(eps),
-            HAS_RESIDUAL=res is not None, ZERO_CENTRED=zero_centred,
-            BLOCK_R=block_r, BLOCK_D=block_d,
+            rows,
+            res if res is not None else rows,
+            weight,
+            out,
+            summed,
+            rows.shape[0],
+            d,
+            rows.stride(0),
+            (res if res is not None else rows).stride(0),
+            out.stride(0),
+            summed.stride(0),
+            float(eps),
+            HAS_RESIDUAL=res is not None,
+            ZERO_CENTRED=zero_centred,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
         )
     return out.view(x.shape), (summed.view(x.shape) if res is not None else x)

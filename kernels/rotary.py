@@ -5,6 +5,7 @@ rest pass through untouched: partial rotary). Rotation in fp32, written back in 
 exactly as `engine/layers/rotary.py` computes it. In place because q and k are fresh
 projections nobody else reads: rotating them where they lie saves a copy of each.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,7 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x[..., :r] = (rot * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-def rotary_torch(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-) -> None:
+def rotary_torch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q (and k, which shares q's positions) in place."""
     _rotate_(q, cos, sin)
     if k is not None:

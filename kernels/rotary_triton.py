@@ -5,6 +5,7 @@ cos/sin rows and rewrites the rotated half-pairs over the input; the pass-throug
 partial rotary are never touched. Any strides with a unit stride on the head dimension
 (q/k are usually head-split views of a projection).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,24 @@ def _rotate_rows(base, offsets, c, s, ok, HALF, BLOCK_HALF: tl.constexpr):
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, BT, T, HQ,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t, HALF,
-    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    BT,
+    T,
+    HQ,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_b,
+    sk_h,
+    sk_t,
+    sc_b,
+    sc_t,
+    HALF,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
@@ -51,9 +67,7 @@ def _rotary_kernel(
         _rotate_rows(k_ptr + (head - HQ) * sk_h, b * sk_b + t * sk_t, c, s, ok, HALF, BLOCK_HALF)
 
 
-def rotary_triton(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-) -> None:
+def rotary_triton(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Same contract as `rotary_torch`."""
     kk = q if k is None else k
     if q.stride(-1) != 1 or kk.stride(-1) != 1:
@@ -66,7 +80,22 @@ def rotary_triton(
         return
     block_t = 16
     _rotary_kernel[(triton.cdiv(b * t, block_t), hq + hk)](
-        q, kk, cos, sin, b * t, t, hq, q.stride(0), q.stride(1), q.stride(2),
-        kk.stride(0), kk.stride(1), kk.stride(2), cos.stride(0), cos.stride(1), half,
-        BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(half),
+        q,
+        kk,
+        cos,
+        sin,
+        b * t,
+        t,
+        hq,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kk.stride(0),
+        kk.stride(1),
+        kk.stride(2),
+        cos.stride(0),
+        cos.stride(1),
+        half,
+        BLOCK_T=block_t,
+        BLOCK_HALF=triton.next_power_of_2(half),
     )

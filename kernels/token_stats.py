@@ -12,10 +12,11 @@ A vocabulary range (a chunk, a Triton program's split, a tensor-parallel shard) 
 splits the vocabulary across programs and how tensor-parallel vocabulary shards merge across
 devices (`VocabShard`: each device reduces its shard to one partial, the partials are gathered).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 
@@ -70,8 +71,13 @@ def merge(part: VocabPartial) -> VocabPartial:
     if part.top2 is not None:
         top2 = part.top2.permute(1, 0, 2).reshape(m.shape[0], -1).topk(2, dim=-1).values[None]
     return VocabPartial(
-        m[None], s[None], t, top2, part.best_score.gather(0, which),
-        part.best_token.gather(0, which), part.best_logit.gather(0, which),
+        m[None],
+        s[None],
+        t,
+        top2,
+        part.best_score.gather(0, which),
+        part.best_token.gather(0, which),
+        part.best_logit.gather(0, which),
     )
 
 
@@ -162,8 +168,13 @@ def token_stats_partial_torch(
         best_token = torch.where(better, chunk_idx + (vocab_start + start), best_token)
         best_logit = torch.where(better, logits.gather(1, chunk_idx[:, None])[:, 0], best_logit)
     return VocabPartial(
-        m[None], s[None], None if t is None else t[None], None if top2 is None else top2[None],
-        best_score[None], best_token[None], best_logit[None],
+        m[None],
+        s[None],
+        None if t is None else t[None],
+        None if top2 is None else top2[None],
+        best_score[None],
+        best_token[None],
+        best_logit[None],
     )
 
 
@@ -188,10 +199,18 @@ def token_stats_torch(
     the model's.
     """
     seed = draw_seed(generator, hidden.device) if temperature > 0 else 0
-    return combine(token_stats_partial_torch(
-        hidden, weight, temperature=temperature, seed=seed, want_entropy=want_entropy,
-        want_margin=want_margin, exclude_token=exclude_token, chunk_size=chunk_size,
-    ))
+    return combine(
+        token_stats_partial_torch(
+            hidden,
+            weight,
+            temperature=temperature,
+            seed=seed,
+            want_entropy=want_entropy,
+            want_margin=want_margin,
+            exclude_token=exclude_token,
+            chunk_size=chunk_size,
+        )
+    )
 
 
 def token_stats_unfused(

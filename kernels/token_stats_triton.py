@@ -8,6 +8,7 @@ keeps an accelerator busy with only ~32 decided positions per step. Numerics fol
 torch twin: logits rounded to the input dtype, exp in fp32, sums in float64, float64
 Gumbel noise from the same counter-based hash (`kernels.gumbel`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,10 +45,33 @@ def _uniform53(seed, rows, cols):
 # An int argument equal to 1 would otherwise be specialised into a constexpr (no `.to`).
 @triton.jit(do_not_specialize=["seed", "vocab_start", "exclude"])
 def _token_stats_kernel(
-    h_ptr, w_ptr, max_ptr, sum_ptr, sum_logit_ptr, top2_ptr, score_ptr, token_ptr, logit_ptr,
-    N, V, D, stride_h, stride_w, split_size, vocab_start, temperature, seed, exclude,
-    WANT_ENTROPY: tl.constexpr, WANT_MARGIN: tl.constexpr, SAMPLE: tl.constexpr, EXCLUDE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    max_ptr,
+    sum_ptr,
+    sum_logit_ptr,
+    top2_ptr,
+    score_ptr,
+    token_ptr,
+    logit_ptr,
+    N,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    split_size,
+    vocab_start,
+    temperature,
+    seed,
+    exclude,
+    WANT_ENTROPY: tl.constexpr,
+    WANT_MARGIN: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -71,10 +95,8 @@ def _token_stats_kernel(
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + tl.arange(0, BLOCK_D)
             d_ok = dd < D
-            h = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + cols[None, :] * stride_w + dd[:, None],
-                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            h = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * stride_w + dd[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
             if UPCAST:
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, w, acc, input_precision="ieee")
@@ -153,25 +175,46 @@ def token_stats_partial_triton(
     device = hidden.device
     new = lambda dtype, *shape: torch.empty((splits, n, *shape), dtype=dtype, device=device)  # noqa: E731
     part = VocabPartial(
-        max_logit=new(torch.float32), sum_exp=new(torch.float64),
+        max_logit=new(torch.float32),
+        sum_exp=new(torch.float64),
         sum_exp_logit=new(torch.float64) if want_entropy else None,
         top2=new(torch.float32, 2) if want_margin else None,
-        best_score=new(torch.float64), best_token=new(torch.long), best_logit=new(torch.float32),
+        best_score=new(torch.float64),
+        best_token=new(torch.long),
+        best_logit=new(torch.float32),
     )
     if n == 0:
         return part
     unused = part.sum_exp
     grid = (triton.cdiv(n, block_n), splits)
     _token_stats_kernel[grid](
-        hidden, weight, part.max_logit, part.sum_exp,
-        part.sum_exp_logit if want_entropy else unused, part.top2 if want_margin else unused,
-        part.best_score, part.best_token, part.best_logit,
-        n, vocab, d, hidden.stride(0), weight.stride(0), split, vocab_start,
-        float(temperature) if temperature > 0 else 1.0, int(seed),
+        hidden,
+        weight,
+        part.max_logit,
+        part.sum_exp,
+        part.sum_exp_logit if want_entropy else unused,
+        part.top2 if want_margin else unused,
+        part.best_score,
+        part.best_token,
+        part.best_logit,
+        n,
+        vocab,
+        d,
+        hidden.stride(0),
+        weight.stride(0),
+        split,
+        vocab_start,
+        float(temperature) if temperature > 0 else 1.0,
+        int(seed),
         -1 if exclude_token is None else int(exclude_token),
-        WANT_ENTROPY=want_entropy, WANT_MARGIN=want_margin, SAMPLE=temperature > 0,
+        WANT_ENTROPY=want_entropy,
+        WANT_MARGIN=want_margin,
+        SAMPLE=temperature > 0,
         EXCLUDE=exclude_token is not None,
-        UPCAST=upcast_dot(hidden.dtype), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        UPCAST=upcast_dot(hidden.dtype),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
     )
     return part
 
@@ -189,7 +232,15 @@ def token_stats_triton(
 ) -> TokenStats:
     """Same contract as `token_stats_torch` (same seed draw, so the same sampled ids)."""
     seed = draw_seed(generator, hidden.device) if temperature > 0 else 0
-    return combine(token_stats_partial_triton(
-        hidden, weight, temperature=temperature, seed=seed, want_entropy=want_entropy,
-        want_margin=want_margin, exclude_token=exclude_token, chunk_size=chunk_size,
-    ))
+    return combine(
+        token_stats_partial_triton(
+            hidden,
+            weight,
+            temperature=temperature,
+            seed=seed,
+            want_entropy=want_entropy,
+            want_margin=want_margin,
+            exclude_token=exclude_token,
+            chunk_size=chunk_size,
+        )
+    )

@@ -7,6 +7,7 @@ upcast to fp32 before a dot (exact: bf16 products are exact in fp32, only the ac
 order can differ from the tensor-core path), and its fp32 -> bf16 cast truncates, so kernels
 round through `round_to`.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ A byte-level BPE trained on this repository's own Python and Markdown files, so 
 result depends only on the repository. The shipped files are what dlm uses; this script
 documents how they were made: `python scripts/build_tokenizer.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ CHAT_TEMPLATE = (
 
 
 def corpus() -> list[str]:
-    files = sorted(p for ext in ("*.py", "*.md") for p in ROOT.rglob(ext)
-                   if ".venv" not in p.parts and "assets" not in p.parts)
+    files = sorted(
+        p for ext in ("*.py", "*.md") for p in ROOT.rglob(ext) if ".venv" not in p.parts and "assets" not in p.parts
+    )
     return [p.read_text(errors="ignore") for p in files]
 
 
@@ -31,7 +33,9 @@ def main() -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=2048,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer)

@@ -1,4 +1,5 @@
 """Shared fixtures: the reference directory, an isolated DLM_HOME, tiny checkpoints."""
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ Other repos answer 404 with `X-Error-Code: RepoNotFound`, as the hub does. `stal
 makes the server send n bytes of that file and then hang, so a test can kill the client
 mid-transfer; every request is logged with its method, path and headers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,14 @@ class FakeHub:
             entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
         return entry
 
-    def _reply(self, h: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-               head: bool = False) -> None:
+    def _reply(
+        self,
+        h: BaseHTTPRequestHandler,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        head: bool = False,
+    ) -> None:
         h.send_response(status)
         for key, value in (headers or {}).items():
             h.send_header(key, value)
@@ -82,7 +89,7 @@ class FakeHub:
         api = f"/api/models/{self.repo_id}/"
         resolve = f"/{self.repo_id}/resolve/"
         if path.startswith(api + "revision/"):
-            rev = path[len(api + "revision/"):]
+            rev = path[len(api + "revision/") :]
             if rev not in (self.branch, self.commit):
                 self._reply(h, 404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
                 return
@@ -90,7 +97,7 @@ class FakeHub:
         elif path.startswith(api + "tree/"):
             self._reply(h, 200, json.dumps([self._entry(p) for p in sorted(self.files)]).encode())
         elif path.startswith(resolve):
-            rev, _, rel = path[len(resolve):].partition("/")
+            rev, _, rel = path[len(resolve) :].partition("/")
             if rev not in (self.branch, self.commit) or rel not in self.files:
                 self._reply(h, 404, b"not found", {"X-Error-Code": "EntryNotFound"}, head)
                 return

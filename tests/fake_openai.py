@@ -5,6 +5,7 @@ deterministic function of the prompt and `usage.denoising_steps` follows the dLL
 (steps, one step per block under a tiny threshold). Each `Behaviour` field turns on one
 deliberate misbehaviour, so every check can be shown to fail when it should.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,10 @@ import re
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -51,10 +53,12 @@ class Behaviour:
     tool_call: dict[str, Any] | None = None  # chat requests with tools get this call
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error",
-          headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                        status_code=status, headers=headers)
+def error(
+    status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status, headers=headers
+    )
 
 
 class Invalid(Exception):
@@ -131,8 +135,12 @@ def make_app(b: Behaviour) -> FastAPI:
     async def models(request: Request) -> Response:
         if not authorised(request):
             return error(401, "invalid API key", "authentication_error")
-        return JSONResponse({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "owned_by": "tests", "max_model_len": b.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": MODEL, "object": "model", "owned_by": "tests", "max_model_len": b.max_model_len}],
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -170,18 +178,32 @@ def make_app(b: Behaviour) -> FastAPI:
             if b.lax_validation:
                 return PlainTextResponse("Internal Server Error", status_code=500)
             if isinstance(exc, Invalid) and exc.code is not None:
-                return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
-                                               "param": exc.param, "code": exc.code}}, status_code=400)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": str(exc),
+                            "type": "invalid_request_error",
+                            "param": exc.param,
+                            "code": exc.code,
+                        }
+                    },
+                    status_code=400,
+                )
             return error(400, str(exc) or "bad request")
         if n_prompt + max_tokens > (b.accepted_context or b.max_model_len):
             return error(400, "prompt is longer than the context")
         if b.queue_limit is not None and state["inflight"] >= b.queue_limit:
-            return error(b.overload_status, "queue full", "rate_limit_error",
-                         {"Retry-After": "1"} if b.retry_after else None)
+            return error(
+                b.overload_status, "queue full", "rate_limit_error", {"Retry-After": "1"} if b.retry_after else None
+            )
         text = answer(prompt, max_tokens, b)
         n_out = len(text.split())
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                 "total_tokens": n_prompt + n_out, "denoising_steps": steps}
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "denoising_steps": steps,
+        }
 
         async def decode(pace: float) -> AsyncIterator[None]:
             """Hold a slot (and the in-flight count) while 'denoising', then count the request."""
@@ -240,25 +262,49 @@ def completion(chat: bool, text: str, usage: dict[str, int], tool: dict[str, Any
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool:
-            message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_0", "type": "function",
-                 "function": {"name": tool["name"], "arguments": json.dumps(tool["arguments"])}}]}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": tool["name"], "arguments": json.dumps(tool["arguments"])},
+                    }
+                ],
+            }
         choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if tool else "length"}
-        return {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": MODEL,
-                "choices": [choice], "usage": usage}
-    return {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage}
+        return {
+            "id": "chatcmpl-0",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [choice],
+            "usage": usage,
+        }
+    return {
+        "id": "cmpl-0",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": usage,
+    }
 
 
-async def stream_events(chat: bool, text: str, usage: dict[str, int], body: dict[str, Any],
-                        steps: AsyncIterator[None]) -> AsyncIterator[dict[str, Any]]:
+async def stream_events(
+    chat: bool, text: str, usage: dict[str, int], body: dict[str, Any], steps: AsyncIterator[None]
+) -> AsyncIterator[dict[str, Any]]:
     """Deltas spread over the denoising steps, a finish chunk, then usage if asked for."""
     pieces = re.findall(r"\s*\S+|\s+$", text)
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str, finish: str | None) -> dict[str, Any]:
-        choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": piece, "finish_reason": finish})
+        choice = (
+            {"index": 0, "delta": {"content": piece}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": piece, "finish_reason": finish}
+        )
         return {"id": "x", "object": kind, "created": 0, "model": MODEL, "choices": [choice]}
 
     done = 0
@@ -291,8 +337,11 @@ def serve(behaviour: Behaviour | None = None) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(behaviour or Behaviour()), log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            make_app(behaviour or Behaviour()), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+        )
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

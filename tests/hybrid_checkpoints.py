@@ -1,6 +1,7 @@
 """Tiny Qwen3.5-MoE hybrid checkpoints written by transformers itself (`save_pretrained`),
 so dlm's loader meets the real on-disk format, and the transformers model that wrote them
 serves as the reference implementation."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 TINY = dict(
-    vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
-    shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=512, rms_norm_eps=1e-6,
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
     # Both orders of the two mixers, so states pass in both directions.
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
 )
@@ -86,7 +99,11 @@ def to_multimodal_layout(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     text["model_type"] = "qwen3_5_moe_text"
-    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-              "text_config": text, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

@@ -1,5 +1,6 @@
 """Helpers for the server tests: run `dlm serve` as a real process on 127.0.0.1 (ephemeral
 port), read its metrics and JSON logs, and build a checkpoint whose output is known."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,14 @@ LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None,
-                 tls: bool = False) -> None:
+    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None, tls: bool = False) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlm_cli", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
             # One intra-op thread: on a shared 2-core machine OpenMP threads spinning against
             # other processes make each forward tens of times slower.
             env={"OMP_NUM_THREADS": "1", **os.environ, "DLM_HOME": str(home), **(env or {})},
@@ -134,10 +137,17 @@ def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL, id_off
     first_free = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
     token_id = first_free + id_offset
     for i, text in enumerate([*(f"<|unused_{j}|>" for j in range(id_offset)), token_text]):
-        tokenizer["added_tokens"].append({  # ids must be contiguous: fillers before the known token
-            "id": first_free + i, "content": text, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": text != token_text,
-        })
+        tokenizer["added_tokens"].append(
+            {  # ids must be contiguous: fillers before the known token
+                "id": first_free + i,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": text != token_text,
+            }
+        )
     config = llada_config(vocab_size=token_id + 1, mask_token_id=1, eos_token_id=0, max_sequence_length=2048)
     tensors = random_llada_tensors(config, seed=1)
     p = "model.transformer."
@@ -158,14 +168,28 @@ def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL, id_off
     return directory
 
 
-
-
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A localhost certificate and key made with the openssl command."""
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return cert, key

@@ -1,4 +1,5 @@
 """Batched decoding: a request's output never depends on what else is in its batch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,9 @@ PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [100], [33, 44, 55,
 
 @pytest.fixture(scope="module")
 def models(tiny_llada: Path, tiny_dream: Path) -> dict[str, LLM]:
-    return {name: LLM(path, dtype="float32", device="cpu")
-            for name, path in (("llada", tiny_llada), ("dream", tiny_dream))}
+    return {
+        name: LLM(path, dtype="float32", device="cpu") for name, path in (("llada", tiny_llada), ("dream", tiny_dream))
+    }
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -88,12 +90,13 @@ def test_batched_statistics_are_bitwise_those_of_a_solo_forward(
     import copy
 
     engine = models[family].engine
-    seqs = [engine.add_request(p, GenerationParams(gen_length=16, steps=8, block_length=8, cache=cache))
-            for p in PROMPTS]
+    seqs = [
+        engine.add_request(p, GenerationParams(gen_length=16, steps=8, block_length=8, cache=cache)) for p in PROMPTS
+    ]
     while engine.running:
         active = list(engine.running)
-        solo = [engine.runner.step([copy.deepcopy(s)])[0] for s in active]
-        batched = engine.runner.step([copy.deepcopy(s) for s in active])
+        solo = [engine.runtime.runner.step([copy.deepcopy(s)])[0] for s in active]
+        batched = engine.runtime.runner.step([copy.deepcopy(s) for s in active])
         for (pos_a, a), (pos_b, b) in zip(solo, batched):
             assert torch.equal(pos_a, pos_b) and torch.equal(a.token, b.token) and torch.equal(a.prob, b.prob)
         engine.step()

@@ -5,6 +5,7 @@
 - openPangu's rules (shifted logits, causal context and commit, sub-blocks);
 - long prompts (chunked prefill, the cache grows), batching, validation, the CLI.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ import torch
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
-from engine.block_batch import BlockBatch
-from engine.block_checkpoints import write_tiny
-from engine.decoding.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 from engine.errors import UsageError
-from engine.kv_cache import SequenceKVCache
 from engine.llm import LLM
 from engine.params import GenerationParams
+from engine.runtime.block_batch import BlockBatch
+from engine.runtime.kv_cache import SequenceKVCache
+from tests.block_checkpoints import write_tiny
+from tests.oracles.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 
 FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]
 PROMPT = list(range(5, 27))  # 22 tokens: not a multiple of the block, so grids differ
@@ -54,7 +55,8 @@ def test_exact_cache_matches_recompute_and_literal_loop(tiny: dict[str, LLM], fa
     recomputed = _run(llm, PROMPT, gen_length=32, cache="none", **rule)
     params = engine.validate(GenerationParams(gen_length=32, **rule), len(PROMPT))
     want, forwards = reference_block_generate(
-        model, PROMPT, params, mask_id=engine.config.mask_token_id, eos_id=engine.config.eos_token_id)
+        model, PROMPT, params, mask_id=engine.config.mask_token_id, eos_id=engine.config.eos_token_id
+    )
     assert cached.generated_ids == recomputed.generated_ids == want
     assert recomputed.nfe == forwards
     assert cached.nfe <= forwards
@@ -67,7 +69,9 @@ def test_ar_mode_is_greedy_causal_decoding(tiny: dict[str, LLM], family: str) ->
     llm = tiny[family]
     cfg = llm.engine.config
     seq = _run(llm, PROMPT, gen_length=16, mode="ar", cache="block")
-    want = reference_ar_generate(llm.engine.loaded.model, PROMPT, 16, mask_id=cfg.mask_token_id, eos_id=cfg.eos_token_id)
+    want = reference_ar_generate(
+        llm.engine.loaded.model, PROMPT, 16, mask_id=cfg.mask_token_id, eos_id=cfg.eos_token_id
+    )
     assert seq.output_ids == want
     assert seq.nfe == len(want)  # one token per forward
     assert seq.query_lengths[1:] == [2 if family != "pangu" else 1] * (len(want) - 1)
@@ -107,8 +111,9 @@ def test_pangu_shift_causal_commit_and_sub_blocks(tiny: dict[str, LLM]) -> None:
     # committed tokens (the last block is never committed: nothing follows it).
     committed = seq.cached
     assert committed == p + 32
-    fresh = SequenceKVCache(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
-                            torch.float32, torch.device("cpu"))
+    fresh = SequenceKVCache(
+        model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, torch.float32, torch.device("cpu")
+    )
     ids, pos = x[None, :committed], torch.arange(committed)[None]
     with torch.inference_mode():
         model(BlockBatch(ids, pos, pos, torch.zeros(1, 0, dtype=torch.long), [fresh], [committed]))
@@ -127,8 +132,14 @@ def test_long_prompt_chunked_prefill_grows_the_cache(tiny: dict[str, LLM], famil
     assert cached.generated_ids == recomputed.generated_ids
     assert cached.query_lengths[0] == 2048  # the prompt is prefilled in chunks
     assert cached.cached >= 3000 and cached.cache.length == cached.cached
-    live = 2 * llm.engine.config.num_layers * cached.cache.length * llm.engine.config.num_kv_heads \
-        * llm.engine.config.head_dim * 4
+    live = (
+        2
+        * llm.engine.config.num_layers
+        * cached.cache.length
+        * llm.engine.config.num_kv_heads
+        * llm.engine.config.head_dim
+        * 4
+    )
     assert live <= cached.cache.nbytes <= 2 * live  # grows by doubling: linear in the context
 
 
@@ -142,7 +153,7 @@ def test_batched_requests_match_single_runs(tiny: dict[str, LLM]) -> None:
 
 
 def test_a_forward_that_settles_nothing_fails_loudly(tiny: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engine.block_runner.choose", lambda *args: torch.zeros(0, dtype=torch.long))
+    monkeypatch.setattr("engine.runtime.block_runner.choose", lambda *args: torch.zeros(0, dtype=torch.long))
     with pytest.raises(RuntimeError, match="decided none of positions"):
         _run(tiny["sdar"], PROMPT, gen_length=8, block_length=4)
 
@@ -165,8 +176,25 @@ def test_cli_block_cache_and_ar_mode(tmp_path: Path) -> None:
     runner = CliRunner()
     outs = {}
     for flags in (["--cache", "block"], ["--mode", "ar", "--cache", "block"], ["--cache", "none"]):
-        result = runner.invoke(app, ["generate", str(model), "--prompt-ids", "5,6,7,8,9", "--gen-length", "8",
-                                     "--threshold", "0.6", "--dtype", "float32", "--device", "cpu", "--json", *flags])
+        result = runner.invoke(
+            app,
+            [
+                "generate",
+                str(model),
+                "--prompt-ids",
+                "5,6,7,8,9",
+                "--gen-length",
+                "8",
+                "--threshold",
+                "0.6",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--json",
+                *flags,
+            ],
+        )
         assert result.exit_code == 0, result.output
         outs[" ".join(flags)] = json.loads(result.stdout)
     assert outs["--cache block"]["output_ids"] == outs["--cache none"]["output_ids"]

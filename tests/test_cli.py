@@ -1,4 +1,5 @@
 """The `dlm` command line: fast help, the JSON contract, and one-line errors with exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def dlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=300, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", "dlm_cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
     )
 
 
 def subcommands() -> list[str]:
-    from dlm_cli.main import app
     import typer.main
+
+    from dlm_cli.main import app
 
     return sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
 
@@ -48,8 +54,21 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 
 def test_generate_json_contract(tiny_llada: Path) -> None:
-    result = dlm("generate", str(tiny_llada), "--prompt-ids", "5,17,42", "--gen-length", "16",
-                 "--block-length", "8", "--threshold", "0.5", "--dtype", "float32", "--json")
+    result = dlm(
+        "generate",
+        str(tiny_llada),
+        "--prompt-ids",
+        "5,17,42",
+        "--gen-length",
+        "16",
+        "--block-length",
+        "8",
+        "--threshold",
+        "0.5",
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     for key in ("output_ids", "text", "nfe", "seconds", "tokens_per_second", "finish_reason"):
@@ -73,7 +92,10 @@ def test_generate_default_model_with_text_and_chat() -> None:
     [
         (["/no/such/model", "--prompt-ids", "1,2"], "no model at"),
         (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "30", "--block-length", "8"], "multiple of block_length"),
-        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "32", "--block-length", "8", "--steps", "6"], "divisible by the number of blocks"),
+        (
+            ["{tiny}", "--prompt-ids", "1,2", "--gen-length", "32", "--block-length", "8", "--steps", "6"],
+            "divisible by the number of blocks",
+        ),
         (["{tiny}", "--prompt-ids", "1,2", "--threshold", "0"], "threshold must be in (0, 1]"),
         (["{tiny}", "--prompt-ids", "1,2", "--threshold", "1.5"], "threshold must be in (0, 1]"),
         (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "512"], "maximum length"),

@@ -1,5 +1,6 @@
 """Clover's block diffusion (EXPERIMENTAL) on a tiny hybrid: the cached engine against a
 literal recompute-everything oracle, previews leave the state alone, CLI end to end."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,12 @@ PROMPT = [5, 17, 42, 99, 3, 7, 11]
 @pytest.fixture(scope="module")
 def clover_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_reference(
-        reference_model(seed=5), tmp_path_factory.mktemp("clover"),
-        model_type="clover_moe", architectures=["CloverMoeForCausalLM"], mask_token_id=MASK, eos_token_id=EOS,
+        reference_model(seed=5),
+        tmp_path_factory.mktemp("clover"),
+        model_type="clover_moe",
+        architectures=["CloverMoeForCausalLM"],
+        mask_token_id=MASK,
+        eos_token_id=EOS,
     )
 
 
@@ -88,10 +93,24 @@ def test_preview_passes_leave_the_recurrent_state_unchanged(clover_dir: Path) ->
 
 
 def test_cli_generate_json(clover_dir: Path) -> None:
-    result = CliRunner().invoke(app, [
-        "generate", str(clover_dir), "--prompt-ids", ",".join(map(str, PROMPT)), "--gen-length", "32",
-        "--threshold", "0.02", "--dtype", "float32", "--device", "cpu", "--json",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(clover_dir),
+            "--prompt-ids",
+            ",".join(map(str, PROMPT)),
+            "--gen-length",
+            "32",
+            "--threshold",
+            "0.02",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert len(data["output_ids"]) == 32 and MASK not in data["output_ids"]
@@ -118,11 +137,15 @@ def mask_loving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = reference_model(seed=0)
     with torch.no_grad():
         hidden = model(torch.tensor([PROMPT + [MASK] * 32]), output_hidden_states=True).hidden_states[-1]
-        mean = hidden[0, len(PROMPT):].mean(0)
+        mean = hidden[0, len(PROMPT) :].mean(0)
         model.lm_head.weight[MASK] = 3 * mean / mean.norm()
     return save_reference(
-        model, tmp_path_factory.mktemp("clover_mask"),
-        model_type="clover_moe", architectures=["CloverMoeForCausalLM"], mask_token_id=MASK, eos_token_id=EOS,
+        model,
+        tmp_path_factory.mktemp("clover_mask"),
+        model_type="clover_moe",
+        architectures=["CloverMoeForCausalLM"],
+        mask_token_id=MASK,
+        eos_token_id=EOS,
     )
 
 
@@ -135,7 +158,8 @@ def test_preview_never_commits_mask_and_finishes(mask_loving_dir: Path) -> None:
         _, states = model.forward_tokens(torch.tensor([PROMPT]), torch.arange(start)[None], None)
         cache.commit(states, start)
         hidden, _ = model.forward_tokens(
-            torch.tensor([[MASK] * 32]), torch.arange(start, start + 32)[None], cache, causal=False)
+            torch.tensor([[MASK] * 32]), torch.arange(start, start + 32)[None], cache, causal=False
+        )
         assert (model.logits(hidden[0]).argmax(-1) == MASK).all()
     seq = engine.add_request(PROMPT, GenerationParams(gen_length=32, threshold=1.0))
     bound = 1 + 32  # prefill, then one token per preview

@@ -1,4 +1,5 @@
 """Commit rules, the schedule, the chunked LM-head statistics and CFG against the oracle."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +8,13 @@ import pytest
 import torch
 
 from engine.decoding.commit import above_threshold, factor_rule, top_k
-from engine.decoding.reference_loop import reference_generate
 from engine.decoding.schedule import linear_schedule
 from engine.decoding.step import require_progress
 from engine.llm import LLM
 from engine.params import GenerationParams
-from engine.sequence import Sequence
+from engine.runtime.sequence import Sequence
 from kernels.token_stats import token_stats_torch, token_stats_unfused
+from tests.oracles.reference_loop import reference_generate
 
 
 def test_linear_schedule() -> None:
@@ -75,9 +76,11 @@ def test_chunked_token_stats_match_unfused(chunk: int) -> None:
 def test_sampling_is_seeded_and_follows_temperature() -> None:
     hidden = torch.randn(4000, 8, generator=torch.Generator().manual_seed(1))
     weight = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
-    draw = lambda seed: token_stats_torch(  # noqa: E731
-        hidden, weight, temperature=1.0, generator=torch.Generator().manual_seed(seed), chunk_size=2
-    ).token
+    draw = lambda seed: (
+        token_stats_torch(  # noqa: E731
+            hidden, weight, temperature=1.0, generator=torch.Generator().manual_seed(seed), chunk_size=2
+        ).token
+    )
     assert torch.equal(draw(3), draw(3))
     logits = (hidden @ weight.T).double()
     expected = torch.softmax(logits, -1).mean(0)
@@ -101,7 +104,7 @@ def test_engine_matches_reference_loop(tiny_llada: Path, kwargs: dict) -> None:
     x, nfe = reference_generate(
         llm.engine.loaded.model, torch.tensor([prompt]), mask_id=llm.config.mask_token_id, **kwargs
     )
-    assert out.output_ids == x[0, len(prompt):].tolist()
+    assert out.output_ids == x[0, len(prompt) :].tolist()
     assert out.nfe == nfe
 
 
@@ -116,6 +119,14 @@ def test_batch_of_prompts_matches_one_by_one(tiny_llada: Path) -> None:
 
 def test_random_remasking_and_sampling_are_reproducible(tiny_llada: Path) -> None:
     llm = LLM(tiny_llada, dtype="float32", device="cpu")
-    run = lambda: llm.generate([1, 2, 3], gen_length=16, block_length=8, remasking="random",  # noqa: E731
-                               temperature=0.7, seed=11)[0].output_ids
+    run = lambda: (
+        llm.generate(
+            [1, 2, 3],
+            gen_length=16,
+            block_length=8,
+            remasking="random",  # noqa: E731
+            temperature=0.7,
+            seed=11,
+        )[0].output_ids
+    )
     assert run() == run()

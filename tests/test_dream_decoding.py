@@ -1,4 +1,5 @@
 """Dream's algorithms and the caches against the literal reference loops, where no vector exists."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decoding.reference_loop import reference_dream_generate, reference_generate
 from engine.decoding.sampling import filter_logits
 from engine.llm import LLM
+from tests.oracles.reference_loop import reference_dream_generate, reference_generate
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11]
 
@@ -34,9 +35,14 @@ def test_dream_engine_matches_reference_loop(dream: LLM, kwargs: dict) -> None:
     out = dream.generate(PROMPT, early_stop=False, **kwargs)[0]
     ref_kwargs = {k: v for k, v in kwargs.items() if k != "seed"}
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    x, nfe = reference_dream_generate(dream.engine.loaded.model, torch.tensor([PROMPT]),
-                                      mask_id=dream.config.mask_token_id, generator=generator, **ref_kwargs)
-    assert out.output_ids == x[0, len(PROMPT):].tolist()
+    x, nfe = reference_dream_generate(
+        dream.engine.loaded.model,
+        torch.tensor([PROMPT]),
+        mask_id=dream.config.mask_token_id,
+        generator=generator,
+        **ref_kwargs,
+    )
+    assert out.output_ids == x[0, len(PROMPT) :].tolist()
     assert out.nfe == nfe
 
 
@@ -45,9 +51,10 @@ def test_llada_factor_rule_with_cache_matches_reference_loop(tiny_llada: Path, c
     llm = LLM(tiny_llada, dtype="float32", device="cpu")
     kwargs = dict(gen_length=32, steps=32, block_length=8, factor=1.0, cache=cache)
     out = llm.generate(PROMPT, early_stop=False, **kwargs)[0]
-    x, nfe = reference_generate(llm.engine.loaded.model, torch.tensor([PROMPT]),
-                                mask_id=llm.config.mask_token_id, **kwargs)
-    assert out.output_ids == x[0, len(PROMPT):].tolist() and out.nfe == nfe
+    x, nfe = reference_generate(
+        llm.engine.loaded.model, torch.tensor([PROMPT]), mask_id=llm.config.mask_token_id, **kwargs
+    )
+    assert out.output_ids == x[0, len(PROMPT) :].tolist() and out.nfe == nfe
 
 
 @pytest.mark.parametrize(
@@ -85,8 +92,10 @@ def test_mask_token_is_never_proposed() -> None:
     weight[7] = hidden.mean(0) * 50  # token 7 (MASK) dominates every row
     plain = token_stats_unfused(hidden, weight)
     assert (plain.token == 7).all()
-    for stats in (token_stats_torch(hidden, weight, exclude_token=7, chunk_size=16),
-                  token_stats_unfused(hidden, weight, exclude_token=7)):
+    for stats in (
+        token_stats_torch(hidden, weight, exclude_token=7, chunk_size=16),
+        token_stats_unfused(hidden, weight, exclude_token=7),
+    ):
         assert not (stats.token == 7).any()
         full = torch.softmax((hidden @ weight.T).double(), -1)
         assert torch.allclose(stats.prob, full.gather(1, stats.token[:, None])[:, 0], rtol=1e-5)

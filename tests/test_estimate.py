@@ -1,25 +1,34 @@
 """`dlm estimate`: parameter counts from config.json against real tensors and published
 figures, the memory plan against a measured generation, TP/quantization, verdicts, inputs."""
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
+from dlm_cli.estimate.gpus import find_gpu
+from dlm_cli.estimate.headers import local_headers
+from dlm_cli.estimate.plan import (
+    Serving,
+    architecture_from_config,
+    count_parameters,
+    estimate,
+    load_source,
+    max_batch,
+    parameter_components,
+    plan_memory,
+    smallest_tp,
+)
 from engine import checkpoint_writer as cw
 from engine.errors import DlmError, UsageError
-from engine.estimate import (
-    Serving, architecture_from_config, count_parameters, estimate, load_source, max_batch,
-    parameter_components, plan_memory, smallest_tp,
-)
-from engine.gpus import find_gpu
-from engine.safetensors_headers import local_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,32 +36,55 @@ ROOT = Path(__file__).resolve().parent.parent
 # Real field names of each family's published config.json, tiny sizes.
 TINY_LLADA = cw.llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
 TINY_DREAM = {
-    "architectures": ["DreamModel"], "model_type": "Dream", "hidden_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 320,
-    "tie_word_embeddings": False, "max_position_embeddings": 512, "mask_token_id": 319,
+    "architectures": ["DreamModel"],
+    "model_type": "Dream",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 320,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+    "mask_token_id": 319,
 }
 TINY_QWEN3_5 = {
-    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 64,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "vocab_size": 300, "tie_word_embeddings": False, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
-    "attn_output_gate": True, "max_position_embeddings": 1024,
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 300,
+    "tie_word_embeddings": False,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "attn_output_gate": True,
+    "max_position_embeddings": 1024,
 }
 TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]] = {
     "llada": (TINY_LLADA, cw.random_llada_tensors, 1),
     "dream": (TINY_DREAM, cw.random_dream_tensors, 3),  # sharded, with an index
     "qwen3_5_hybrid": (TINY_QWEN3_5, cw.random_qwen3_5_moe_tensors, 2),
 }
-# Block-causal families: the engine's own tiny writers (engine/block_checkpoints.py).
+# Block-causal families: the engine's own tiny writers (tests/block_checkpoints.py).
 BLOCK_FAMILIES = {"llada2": "llada2_moe", "sdar": "sdar", "sdar_moe": "sdar_moe", "pangu": "pangu"}
 
 
 def tiny_checkpoint(root: Path, name: str, **overrides: Any) -> Path:
     directory = root / name
     if name in BLOCK_FAMILIES:
-        from engine.block_checkpoints import write_tiny
+        from tests.block_checkpoints import write_tiny
 
         return write_tiny(directory, BLOCK_FAMILIES[name], **overrides)
     config, writer, shards = TINY[name]
@@ -103,48 +135,118 @@ def test_reference_checkpoints_count_and_names(reference: Path, tmp_path: Path, 
 # ----------------------------------------------------------------------------- published models
 # Full-size configurations written from their published config fields.
 LLADA_8B = {
-    "model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": 4096, "n_layers": 32, "n_heads": 32,
-    "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464, "embedding_size": 126464,
-    "weight_tying": False, "block_type": "llama", "max_sequence_length": 4096, "rope_theta": 500000.0,
+    "model_type": "llada",
+    "architectures": ["LLaDAModelLM"],
+    "d_model": 4096,
+    "n_layers": 32,
+    "n_heads": 32,
+    "n_kv_heads": 32,
+    "mlp_hidden_size": 12288,
+    "vocab_size": 126464,
+    "embedding_size": 126464,
+    "weight_tying": False,
+    "block_type": "llama",
+    "max_sequence_length": 4096,
+    "rope_theta": 500000.0,
 }
 DREAM_7B = {
-    "model_type": "Dream", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-    "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+    "model_type": "Dream",
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
     "max_position_embeddings": 131072,
 }
 SDAR_8B = {  # Qwen3-8B shape
-    "model_type": "sdar", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
-    "tie_word_embeddings": False, "attention_bias": False, "max_position_embeddings": 32768,
+    "model_type": "sdar",
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "max_position_embeddings": 32768,
 }
 SDAR_30B_A3B = {  # Qwen3-30B-A3B shape
-    **SDAR_8B, "model_type": "sdar_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-    "decoder_sparse_step": 1, "mlp_only_layers": [],
+    **SDAR_8B,
+    "model_type": "sdar_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "intermediate_size": 6144,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 PANGU_R_7B = {
-    "model_type": "PanguEmbedded", "hidden_size": 4096, "num_hidden_layers": 34, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "intermediate_size": 12800, "vocab_size": 153376, "bias": True,
-    "tie_word_embeddings": False, "max_position_embeddings": 32768,
+    "model_type": "PanguEmbedded",
+    "hidden_size": 4096,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 12800,
+    "vocab_size": 153376,
+    "bias": True,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 32768,
 }
 LLADA2_MINI = {
-    "model_type": "llada2_moe", "hidden_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16,
-    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5120, "moe_intermediate_size": 512,
-    "num_experts": 256, "num_experts_per_tok": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
-    "vocab_size": 157184, "use_qk_norm": True, "moe_router_enable_expert_bias": True,
-    "partial_rotary_factor": 0.5, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+    "model_type": "llada2_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 5120,
+    "moe_intermediate_size": 512,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "vocab_size": 157184,
+    "use_qk_norm": True,
+    "moe_router_enable_expert_bias": True,
+    "partial_rotary_factor": 0.5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 32768,
 }
 LLADA2_FLASH = {  # inclusionAI/dFactory configs/model_configs/llada2_flash/config.json
-    **LLADA2_MINI, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "intermediate_size": 9216, "moe_intermediate_size": 1024,
+    **LLADA2_MINI,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
 }
 QWEN3_5_35B_A3B = {  # transformers Qwen3_5MoeTextConfig defaults (docs: clover-and-openpangu.md A1)
-    "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320, "tie_word_embeddings": False,
-    "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-    "num_experts": 256, "num_experts_per_tok": 8, "max_position_embeddings": 262144,
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "vocab_size": 248320,
+    "tie_word_embeddings": False,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "max_position_embeddings": 262144,
 }
 
 # (config, count field, published figure, where it is published)
@@ -164,8 +266,13 @@ PUBLISHED = [
     ("Qwen3.5-35B-A3B total", QWEN3_5_35B_A3B, "total", 35e9, "Qwen3.5-35B-A3B card: 35B"),
     # Qwen's "3B activated" is met only without the input-embedding lookup (one row per
     # token); counted as model cards usually do, with the full table, it is 3.46B.
-    ("Qwen3.5-35B-A3B active", QWEN3_5_35B_A3B, "active_without_input_embedding", 3e9,
-     "Qwen3.5-35B-A3B card: 3B activated"),
+    (
+        "Qwen3.5-35B-A3B active",
+        QWEN3_5_35B_A3B,
+        "active_without_input_embedding",
+        3e9,
+        "Qwen3.5-35B-A3B card: 3B activated",
+    ),
 ]
 
 
@@ -218,14 +325,31 @@ def _measured_peak_bytes(llm: Any, prompts: list[list[int]], **params: Any) -> i
 # Registry family -> a tiny checkpoint for the measurement (vocabulary sized so that the
 # forward, not the weights, dominates the transient memory).
 MEASURE: dict[str, Callable[[Path], Path]] = {
-    "llada": lambda d: tiny_checkpoint(d, "llada", vocab_size=512, mask_token_id=511, eos_token_id=510,
-                                       embedding_size=512, mlp_hidden_size=256, max_sequence_length=1024),
-    "dream": lambda d: tiny_checkpoint(d, "dream", vocab_size=512, mask_token_id=511, eos_token_id=510,
-                                       intermediate_size=256, max_position_embeddings=1024),
-    "llada2_moe": lambda d: tiny_checkpoint(d, "llada2", intermediate_size=256, vocab_size=512,
-                                            mask_token_id=511, eos_token_id=510),
-    "sdar": lambda d: tiny_checkpoint(d, "sdar", intermediate_size=256, vocab_size=512,
-                                      mask_token_id=511, eos_token_id=510),
+    "llada": lambda d: tiny_checkpoint(
+        d,
+        "llada",
+        vocab_size=512,
+        mask_token_id=511,
+        eos_token_id=510,
+        embedding_size=512,
+        mlp_hidden_size=256,
+        max_sequence_length=1024,
+    ),
+    "dream": lambda d: tiny_checkpoint(
+        d,
+        "dream",
+        vocab_size=512,
+        mask_token_id=511,
+        eos_token_id=510,
+        intermediate_size=256,
+        max_position_embeddings=1024,
+    ),
+    "llada2_moe": lambda d: tiny_checkpoint(
+        d, "llada2", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
+    ),
+    "sdar": lambda d: tiny_checkpoint(
+        d, "sdar", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
+    ),
     "pangu": lambda d: tiny_checkpoint(d, "pangu", intermediate_size=256),
 }
 
@@ -243,7 +367,8 @@ def _loadable_families() -> list:
 
     return [
         pytest.param(f.name, marks=pytest.mark.skip(reason=UNMEASURED[f.name])) if f.name in UNMEASURED else f.name
-        for f in FAMILIES if f.engine
+        for f in FAMILIES
+        if f.engine
     ]
 
 
@@ -264,11 +389,21 @@ def test_predicted_peak_matches_measured_cpu_generation(tmp_path: Path, family: 
     llm = LLM(str(directory), dtype="float32", device="cpu")
     prompts = [[(7 * r + i) % 300 + 1 for i in range(prompt)] for r in range(batch)]
     measured = _measured_peak_bytes(llm, prompts, gen_length=gen, block_length=block, steps=4, cache=cache)
-    serving = Serving(dtype="fp32", batch=batch, context=prompt + gen, gen_length=gen, block_length=block,
-                      cache=cache, overhead_gib=0.0, fragmentation=0.0)
+    serving = Serving(
+        dtype="fp32",
+        batch=batch,
+        context=prompt + gen,
+        gen_length=gen,
+        block_length=block,
+        cache=cache,
+        overhead_gib=0.0,
+        fragmentation=0.0,
+    )
     predicted = plan_memory(arch, parameter_components(arch), serving).total
-    print(f"{family} batch {batch}, cache {cache}: predicted {predicted:,} B, measured {measured:,} B "
-          f"({(predicted - measured) / measured:+.1%})")
+    print(
+        f"{family} batch {batch}, cache {cache}: predicted {predicted:,} B, measured {measured:,} B "
+        f"({(predicted - measured) / measured:+.1%})"
+    )
     assert abs(predicted - measured) <= 0.15 * measured
 
 
@@ -378,15 +513,21 @@ def test_tp_must_divide_heads() -> None:
 
 # ----------------------------------------------------------------------------- inputs and CLI
 def _dlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLADA2_MINI))
     code = (
-        "import sys, json; from engine.estimate import Serving, estimate;"
+        "import sys, json; from dlm_cli.estimate.plan import Serving, estimate;"
         f"r = estimate({str(config)!r}, Serving(tp=2, batch=4), gpu='H100');"
         "print(json.dumps([r['parameters']['total'], r['checkpoint'], 'torch' in sys.modules]))"
     )
@@ -399,15 +540,23 @@ def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
 
 def test_cli_json_contract(tmp_path: Path) -> None:
     directory = tiny_checkpoint(tmp_path, "llada2")
-    result = _dlm("estimate", str(directory), "--batch", "2", "--context", "512", "--gen-length", "64",
-                  "--gpu", "L40S", "--json")
+    result = _dlm(
+        "estimate", str(directory), "--batch", "2", "--context", "512", "--gen-length", "64", "--gpu", "L40S", "--json"
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"]["family"] == "llada2"
     assert report["checkpoint"]["matches_config"] is True
     names = [r["name"] for r in report["memory_per_gpu"]["rows"]]
-    for name in ("KV cache", "forward activations", "MoE routing buffers", "logits/statistics buffer",
-                 "runtime overhead", "fragmentation margin", "weights: routed experts"):
+    for name in (
+        "KV cache",
+        "forward activations",
+        "MoE routing buffers",
+        "logits/statistics buffer",
+        "runtime overhead",
+        "fragmentation margin",
+        "weights: routed experts",
+    ):
         assert name in names
     (verdict,) = report["verdicts"]
     assert verdict["gpu"] == "L40S" and verdict["fits"] is True and verdict["max_batch"] >= 2
@@ -422,12 +571,15 @@ def test_cli_human_table(tmp_path: Path) -> None:
         assert text in result.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--cache", "dual"], "block-causal"),
-    (["--gpu", "TPU-v9"], "unknown GPU"),
-    (["--dtype", "int3"], "unknown --dtype"),
-    (["--context", "64", "--gen-length", "64"], "must exceed"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cache", "dual"], "block-causal"),
+        (["--gpu", "TPU-v9"], "unknown GPU"),
+        (["--dtype", "int3"], "unknown --dtype"),
+        (["--context", "64", "--gen-length", "64"], "must exceed"),
+    ],
+)
 def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) -> None:
     directory = tiny_checkpoint(tmp_path, "sdar")
     result = _dlm("estimate", str(directory), *args)
@@ -452,8 +604,7 @@ def test_store_model_by_name(tmp_path: Path) -> None:
 
 
 def test_hub_repo_offline_gives_a_clear_error(tmp_path: Path) -> None:
-    result = _dlm("estimate", "inclusionAI/LLaDA2.0-mini",
-                  env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    result = _dlm("estimate", "inclusionAI/LLaDA2.0-mini", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert result.returncode == 1
     assert "error:" in result.stderr and "offline" in result.stderr
 
@@ -473,11 +624,14 @@ def test_hub_repo_reads_config_and_headers_only(tmp_path: Path, monkeypatch: pyt
         return str(directory / filename)
 
     def fake_metadata(repo_id: str, **_: Any) -> SafetensorsRepoMetadata:
-        tensors = {n: TensorInfo(dtype=t.dtype, shape=list(t.shape), data_offsets=(0, 0))  # type: ignore[arg-type]
-                   for n, t in headers.tensors.items()}
+        tensors = {
+            n: TensorInfo(dtype=t.dtype, shape=list(t.shape), data_offsets=(0, 0))  # type: ignore[arg-type]
+            for n, t in headers.tensors.items()
+        }
         files = {"model.safetensors": SafetensorsFileMetadata(metadata={}, tensors=tensors)}
-        return SafetensorsRepoMetadata(metadata=None, sharded=False,
-                                       weight_map={n: "model.safetensors" for n in tensors}, files_metadata=files)
+        return SafetensorsRepoMetadata(
+            metadata=None, sharded=False, weight_map={n: "model.safetensors" for n in tensors}, files_metadata=files
+        )
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake_metadata)

@@ -1,6 +1,7 @@
 """The native hybrid layers against transformers' own qwen3_5_moe on a tiny random config:
 prefill logits, step-by-step decoding through the recurrent cache, both checkpoint layouts,
 and the chunked vs recurrent Gated DeltaNet forms."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import load_model
 from engine.layers.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from engine.runtime.engine import load_model
 from tests.hybrid_checkpoints import reference_model, save_reference, to_multimodal_layout
 
 PREFILL = 70  # crosses the 64-token chunk boundary of the chunked DeltaNet form

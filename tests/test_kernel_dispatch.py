@@ -1,5 +1,6 @@
 """The dispatch: backend choice, the engine through Triton (interpreted) giving the same ids
 as through the torch twins, and the LM-head statistics' memory bound."""
+
 from __future__ import annotations
 
 import os
@@ -121,7 +122,7 @@ def test_block_families_identical_through_triton_and_torch(
     """Every block-causal family: same ids with the Triton kernels (interpreted) as with
     the torch twins, on the serving path (exact block cache). openPangu decodes its fixed
     32-token blocks in sub-blocks, so it gets one short prompt to stay within the budget."""
-    from engine.block_checkpoints import write_tiny
+    from tests.block_checkpoints import write_tiny
 
     llm = LLM(write_tiny(tmp_path / family, family), dtype="float32", device="cpu")
     prompts = [[5, 17, 42, 8, 9]] if family == "pangu" else [[5, 17, 42, 8, 9], [9, 8, 7]]
@@ -137,8 +138,12 @@ def test_clover_identical_through_triton_and_torch(tmp_path: Path, monkeypatch: 
     from tests.hybrid_checkpoints import reference_model, save_reference
 
     directory = save_reference(
-        reference_model(seed=5), tmp_path / "clover", model_type="clover_moe",
-        architectures=["CloverMoeForCausalLM"], mask_token_id=159, eos_token_id=158,
+        reference_model(seed=5),
+        tmp_path / "clover",
+        model_type="clover_moe",
+        architectures=["CloverMoeForCausalLM"],
+        mask_token_id=159,
+        eos_token_id=158,
     )
     llm = LLM(directory, dtype="float32", device="cpu")
     kwargs = dict(gen_length=32, block_length=32, threshold=0.5)

@@ -8,6 +8,7 @@ arithmetic in the same order (fp16/bf16 outputs, rotary, MoE in 16 bits); where 
 summation order differs (fp32 reductions, attention), the kernel's error against a float64
 oracle must not exceed twice the twin's plus one ulp at the output's scale.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,11 @@ from kernels.rms_norm_triton import rms_norm_triton
 from kernels.rotary import rotary_torch
 from kernels.rotary_triton import rotary_triton
 from kernels.token_stats import (
-    VocabPartial, combine, token_stats_partial_torch, token_stats_torch, token_stats_unfused,
+    VocabPartial,
+    combine,
+    token_stats_partial_torch,
+    token_stats_torch,
+    token_stats_unfused,
 )
 from kernels.token_stats_triton import token_stats_partial_triton, token_stats_triton
 
@@ -73,9 +78,11 @@ def test_token_stats(dtype: torch.dtype, temperature: float) -> None:
 
 def test_sampling_noise_is_the_same_in_both_backends_and_follows_temperature() -> None:
     hidden, weight = randn(600, 8, seed=3), randn(5, 8, seed=4)
-    draw = lambda fn, seed: fn(  # noqa: E731
-        hidden, weight, temperature=1.0, generator=torch.Generator().manual_seed(seed)
-    ).token
+    draw = lambda fn, seed: (
+        fn(  # noqa: E731
+            hidden, weight, temperature=1.0, generator=torch.Generator().manual_seed(seed)
+        ).token
+    )
     tokens = draw(token_stats_triton, 9)
     assert torch.equal(tokens, draw(token_stats_torch, 9))
     assert torch.equal(tokens, draw(token_stats_unfused, 9))
@@ -167,7 +174,9 @@ def test_rotary_in_place(dtype: torch.dtype, rotary_dim: int) -> None:
     assert ulps(twin.view(b, t, 6, d)[..., :rotary_dim], expected.to(dtype)) <= 1
     q_only = qkv.clone()
     rotary_triton(heads(q_only)[0], None, cos, sin)
-    assert torch.equal(q_only[..., : 4 * d], ours[..., : 4 * d]) and torch.equal(q_only[..., 4 * d :], qkv[..., 4 * d :])
+    assert torch.equal(q_only[..., : 4 * d], ours[..., : 4 * d]) and torch.equal(
+        q_only[..., 4 * d :], qkv[..., 4 * d :]
+    )
 
 
 def naive_attention(q, k, v, kv_lens, q_positions, block_size) -> torch.Tensor:
@@ -308,8 +317,13 @@ def test_masked_attention_twin_computes_each_row_over_its_visible_keys(dtype: to
     mask[1, :, :, :8] = True
     out = masked_attention_torch(q, k, v, mask)
     for b, keys in ((0, torch.tensor([0, 1, 2, 6, 7, 8, 9])), (1, torch.arange(8))):
-        alone = F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, keys], v[b : b + 1, :, keys],
-                                               attn_mask=mask[b : b + 1, ..., keys], enable_gqa=True)
+        alone = F.scaled_dot_product_attention(
+            q[b : b + 1],
+            k[b : b + 1, :, keys],
+            v[b : b + 1, :, keys],
+            attn_mask=mask[b : b + 1, ..., keys],
+            enable_gqa=True,
+        )
         assert torch.equal(out[b : b + 1], alone)
     whole = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out.float(), whole, rtol=2e-2, atol=2e-2)

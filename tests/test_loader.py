@@ -1,4 +1,5 @@
 """Loading: sharded == single file, bf16 works, and broken checkpoints fail by name."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """`dlm loadtest`: statistics, knee and thresholds on known numbers, then real locust runs
 against a fake server whose capacity is known, so the knee is known too."""
+
 from __future__ import annotations
 
 import csv
@@ -10,20 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from dlm_cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
+from dlm_cli.loadtest.sweep import find_knee, parse_levels
+from dlm_cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
+from dlm_cli.loadtest.workload import load_jsonl
 from engine.errors import UsageError
-from engine.loadtest.stats import RequestRecord, summarize
-from engine.loadtest.sweep import find_knee, parse_levels
-from engine.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
-from engine.loadtest.stats import GATE_METRICS
-from engine.loadtest.workload import load_jsonl
 from tests.fake_openai import Behaviour, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_summary_of_known_records() -> None:
-    records = [RequestRecord(0, float(i), e2e, 200, None, ttft, 11, 5, 10)
-               for i, (e2e, ttft) in enumerate([(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)])]
+    records = [
+        RequestRecord(0, float(i), e2e, 200, None, ttft, 11, 5, 10)
+        for i, (e2e, ttft) in enumerate([(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)])
+    ]
     records.append(RequestRecord(0, 3.0, 0.01, 429, "queue full"))
     s = summarize(records, 10.0, parse_slo("e2e<=2s"))
     assert s["requests"] == 4 and s["ok"] == 3
@@ -36,8 +38,7 @@ def test_summary_of_known_records() -> None:
 
 
 def level(users: int, tokens_per_s: float, p50: float) -> dict:
-    return {"users": users, "output_tokens": 1, "output_tokens_per_s": tokens_per_s, "rps": 0.0,
-            "p50_e2e": p50}
+    return {"users": users, "output_tokens": 1, "output_tokens_per_s": tokens_per_s, "rps": 0.0, "p50_e2e": p50}
 
 
 def test_knee_is_where_throughput_stops_rising_and_latency_climbs() -> None:
@@ -50,9 +51,11 @@ def test_knee_is_where_throughput_stops_rising_and_latency_climbs() -> None:
 def test_thresholds_and_quantities() -> None:
     conditions = parse_conditions("p95_e2e>5s, error_rate>1%,p50_ttft>=200ms", GATE_METRICS, "--fail-on")
     assert [(c.metric, c.op, c.value) for c in conditions] == [
-        ("p95_e2e", ">", 5.0), ("error_rate", ">", 0.01), ("p50_ttft", ">=", 0.2)]
-    assert violations(conditions, {"p95_e2e": 6.0, "error_rate": 0.0, "p50_ttft": None}) == [
-        "p95_e2e>5s (measured 6)"]
+        ("p95_e2e", ">", 5.0),
+        ("error_rate", ">", 0.01),
+        ("p50_ttft", ">=", 0.2),
+    ]
+    assert violations(conditions, {"p95_e2e": 6.0, "error_rate": 0.0, "p50_ttft": None}) == ["p95_e2e>5s (measured 6)"]
     assert parse_seconds("2m", "-t") == 120 and parse_seconds("1.5", "-t") == 1.5
     for bad in ("p95_e2e 5s", "latency>5s"):
         with pytest.raises(UsageError):
@@ -74,21 +77,44 @@ def test_jsonl_prompts(tmp_path: Path) -> None:
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlm_cli", "loadtest", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
 
 
-OUTPUTS = {"locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv",
-           "locust_exceptions.csv", "locust_report.html", "summary.json", "requests.jsonl",
-           "latency.png", "throughput.png"}
+OUTPUTS = {
+    "locust_stats.csv",
+    "locust_stats_history.csv",
+    "locust_failures.csv",
+    "locust_exceptions.csv",
+    "locust_report.html",
+    "summary.json",
+    "requests.jsonl",
+    "latency.png",
+    "throughput.png",
+}
 
 
 def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     # Two decoding slots, 8 steps of 10 ms: throughput doubles from 1 to 2 users, then flattens.
     with serve(Behaviour(capacity=2, step_delay=0.01)) as url:
-        result = loadtest(url, "--sweep", "1,2,4", "-t", "1.5s", "--max-tokens", "8", "--out", str(out),
-                          "--slo", "e2e<=10s", "--fail-on", "error_rate>1%", "--json")
+        result = loadtest(
+            url,
+            "--sweep",
+            "1,2,4",
+            "-t",
+            "1.5s",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+            "--slo",
+            "e2e<=10s",
+            "--fail-on",
+            "error_rate>1%",
+            "--json",
+        )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
     assert OUTPUTS <= {p.name for p in out.iterdir()}
@@ -109,8 +135,22 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}\n')
     with serve(Behaviour(step_delay=0.005)) as url:
-        result = loadtest(url, "-u", "2", "-t", "1s", "--prompts", str(prompts), "--steps", "4",
-                          "--out", str(tmp_path / "fixed"), "--fail-on", "p50_e2e>1ms", "--json")
+        result = loadtest(
+            url,
+            "-u",
+            "2",
+            "-t",
+            "1s",
+            "--prompts",
+            str(prompts),
+            "--steps",
+            "4",
+            "--out",
+            str(tmp_path / "fixed"),
+            "--fail-on",
+            "p50_e2e>1ms",
+            "--json",
+        )
     assert result.returncode == 1, result.stderr[-2000:]
     summary = json.loads(result.stdout)
     assert summary["mode"] == "fixed" and summary["knee"] is None

@@ -1,6 +1,7 @@
 """MoE routing, and the MoE layer (routed experts through `kernels.dispatch.fused_moe`)
 against a naive per-token oracle, alone and split over ranks (what a rank reads from the
 checkpoint: tests/test_tp_shards.py)."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import parallel_state
 from engine.layers.moe import SigmoidGroupGate, SoftmaxGate, SparseMoE, sigmoid_group_limited_route, softmax_route
+from engine.parallel import state as parallel_state
 from kernels import dispatch
 
 
@@ -89,8 +90,11 @@ KINDS = ["llada2", "qwen3", "qwen3_5"]  # sigmoid-group + shared; softmax; softm
 
 
 def _moe(kind: str, d: int = 24, experts: int = 8, ffn: int = 16) -> SparseMoE:
-    gate = (SigmoidGroupGate(d, experts, 2, 4, 2, 2.5, True, bias=True) if kind == "llada2"
-            else SoftmaxGate(d, experts, 2, True))
+    gate = (
+        SigmoidGroupGate(d, experts, 2, 4, 2, 2.5, True, bias=True)
+        if kind == "llada2"
+        else SoftmaxGate(d, experts, 2, True)
+    )
     return SparseMoE(gate, d, ffn, experts, shared_ffn=0 if kind == "qwen3" else 16, gated_shared=kind == "qwen3_5")
 
 
@@ -120,7 +124,9 @@ def test_sparse_moe_same_through_triton_and_torch(kind: str, monkeypatch: pytest
     x = torch.randn(1, 37, 24, generator=torch.Generator().manual_seed(4))
     outs, backends = [], []
     real = dispatch.implementation
-    monkeypatch.setattr(dispatch, "implementation", lambda n, dev: backends.append(dispatch.backend(dev)) or real(n, dev))
+    monkeypatch.setattr(
+        dispatch, "implementation", lambda n, dev: backends.append(dispatch.backend(dev)) or real(n, dev)
+    )
     for choice in ("torch", "triton"):
         monkeypatch.setenv("DLM_KERNELS", choice)
         with torch.no_grad():

@@ -1,4 +1,5 @@
 """The block-causal engine reproduces the LLaDA2 (dInfer) and SDAR reference vectors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decoding.block_reference_loop import masked_logits
 from engine.llm import LLM
 from engine.params import GenerationParams
+from tests.oracles.block_reference_loop import masked_logits
 
 LLADA2 = [
-    "llada2_kvcache_thr0.95_p20", "llada2_attnmask_thr0.95_p20",
-    "llada2_kvcache_thr1.0_p20", "llada2_attnmask_thr1.0_p20",
-    "llada2_kvcache_thr1.0_p20_earlystop", "llada2_attnmask_thr1.0_p20_earlystop",
+    "llada2_kvcache_thr0.95_p20",
+    "llada2_attnmask_thr0.95_p20",
+    "llada2_kvcache_thr1.0_p20",
+    "llada2_attnmask_thr1.0_p20",
+    "llada2_kvcache_thr1.0_p20_earlystop",
+    "llada2_attnmask_thr1.0_p20_earlystop",
 ]
 SDAR = ["sdar_dynamic_thr0.9_p20", "sdar_static_p20"]
 
@@ -50,12 +54,17 @@ def _params(meta: dict) -> GenerationParams:
     if meta["name"].startswith("llada2"):
         # dInfer's KV-cache and attention-mask decoders give the same tokens.
         cache = "block" if "kvcache" in meta["name"] else "none"
-        return GenerationParams(gen_length=dp["gen_length"], block_length=dp["block_length"],
-                                threshold=dp["threshold"], cache=cache)
+        return GenerationParams(
+            gen_length=dp["gen_length"], block_length=dp["block_length"], threshold=dp["threshold"], cache=cache
+        )
     blocks = dp["gen_length"] // dp["block_length"]
-    return GenerationParams(gen_length=dp["gen_length"], block_length=dp["block_length"],
-                            steps=blocks * dp["denoising_steps"], threshold=dp["confidence_threshold"],
-                            cache="block")
+    return GenerationParams(
+        gen_length=dp["gen_length"],
+        block_length=dp["block_length"],
+        steps=blocks * dp["denoising_steps"],
+        threshold=dp["confidence_threshold"],
+        cache="block",
+    )
 
 
 @pytest.mark.parametrize("name", LLADA2 + SDAR)

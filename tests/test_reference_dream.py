@@ -1,4 +1,5 @@
 """The engine reproduces Dream's diffusion_generate and Fast-dLLM's Dream block-sampler vectors."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from engine.decoding.reference_loop import full_logits
 from engine.llm import LLM
+from tests.oracles.reference_loop import full_logits
 from tests.test_reference_llada import cache_of
 
 VECTORS = [
@@ -39,10 +40,16 @@ def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
     meta, _ = _vector(llm, name)
     kw = meta["kwargs"]
     out = llm.generate(
-        meta["prompt_ids"], gen_length=meta["gen_length"], steps=meta["steps"],
+        meta["prompt_ids"],
+        gen_length=meta["gen_length"],
+        steps=meta["steps"],
         # diffusion_generate decodes the whole generation as one block.
-        block_length=kw.get("block_length", meta["gen_length"]), temperature=meta["temperature"],
-        alg=kw["alg"], threshold=kw.get("threshold"), cache=cache_of(meta["reference"]), early_stop=False,
+        block_length=kw.get("block_length", meta["gen_length"]),
+        temperature=meta["temperature"],
+        alg=kw["alg"],
+        threshold=kw.get("threshold"),
+        cache=cache_of(meta["reference"]),
+        early_stop=False,
     )[0]
     assert out.output_ids == meta["generated_ids"]
     assert out.nfe == meta["nfe"]

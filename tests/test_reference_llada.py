@@ -1,15 +1,14 @@
 """The engine reproduces the LLaDA and Fast-dLLM reference vectors, without and with caches."""
+
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from engine.decoding.reference_loop import full_logits
 from engine.llm import LLM
+from tests.oracles.reference_loop import full_logits
 
 VECTORS = [
     "llada_generate_gen64",
@@ -51,10 +50,15 @@ def _vector(llm: LLM, name: str) -> tuple[dict, dict]:
 def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
     meta, _ = _vector(llm, name)
     out = llm.generate(
-        meta["prompt_ids"], gen_length=meta["gen_length"], steps=meta["steps"],
-        block_length=meta["block_length"], remasking=meta["remasking"],
-        temperature=meta["temperature"], threshold=meta["extra_kwargs"].get("threshold"),
-        cache=cache_of(meta["reference"]), early_stop=False,
+        meta["prompt_ids"],
+        gen_length=meta["gen_length"],
+        steps=meta["steps"],
+        block_length=meta["block_length"],
+        remasking=meta["remasking"],
+        temperature=meta["temperature"],
+        threshold=meta["extra_kwargs"].get("threshold"),
+        cache=cache_of(meta["reference"]),
+        early_stop=False,
     )[0]
     assert out.output_ids == meta["generated_ids"]
     assert out.nfe == meta["nfe"]

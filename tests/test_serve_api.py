@@ -1,6 +1,7 @@
 """`dlm serve` on the embedded default model, as a real process on 127.0.0.1, driven with
 httpx and the official openai client: the OpenAI contract, dLLM fields, error paths,
 continuous batching, equality with `dlm generate`, metrics and request logs."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -27,9 +29,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# one key per line\n{OTHER_KEY}\n")
     proc = ServerProcess(
-        ["--api-key", KEY, "--api-key-file", str(key_file), "--max-num-seqs", "4", "--max-queue", "16",
-         "--max-tokens", "256", "--max-model-len", "512", "--max-body-bytes", "8192"],
-        session_home(tmp_path_factory), env={"DLM_MAX_STEPS": "128"},
+        [
+            "--api-key",
+            KEY,
+            "--api-key-file",
+            str(key_file),
+            "--max-num-seqs",
+            "4",
+            "--max-queue",
+            "16",
+            "--max-tokens",
+            "256",
+            "--max-model-len",
+            "512",
+            "--max-body-bytes",
+            "8192",
+        ],
+        session_home(tmp_path_factory),
+        env={"DLM_MAX_STEPS": "128"},
     )
     try:
         proc.wait_ready()
@@ -43,8 +60,14 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def post(server: ServerProcess, path: str, body: Any = None, headers: dict | None = None,
-         content: bytes | None = None, timeout: float = 120) -> httpx.Response:
+def post(
+    server: ServerProcess,
+    path: str,
+    body: Any = None,
+    headers: dict | None = None,
+    content: bytes | None = None,
+    timeout: float = 120,
+) -> httpx.Response:
     headers = AUTH if headers is None else headers
     if content is not None:
         return httpx.post(server.url + path, content=content, headers=headers, timeout=timeout)
@@ -68,8 +91,9 @@ def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> 
     assert 1 <= usage["denoising_steps"] <= 16  # 16 steps at most; fewer if EOS ends it early
     assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
-    stream = client.completions.create(model=MODEL, prompt="Hello, diffusion", max_tokens=32,
-                                       extra_body=dllm, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello, diffusion", max_tokens=32, extra_body=dllm, stream=True
+    )
     pieces = [c.choices[0].text for c in stream if c.choices]
     assert "".join(pieces) == choice.text  # the committed prefix, streamed, adds up to the answer
     assert len([p for p in pieces if p]) >= 2  # it arrived over several denoising steps
@@ -78,10 +102,16 @@ def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> 
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, extra_body=dllm)
     assert chat.choices[0].message.role == "assistant"
     assert isinstance(chat.choices[0].message.content, str)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=32, extra_body=dllm, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=32,
+            extra_body=dllm,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.model_dump()["denoising_steps"] >= 1
@@ -89,8 +119,13 @@ def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> 
 
 
 def test_sse_wire_format_ends_with_done(server: ServerProcess) -> None:
-    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=120,
-                      json={"prompt": "abc", "max_tokens": 16, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={"prompt": "abc", "max_tokens": 16, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
@@ -102,17 +137,43 @@ def test_sse_wire_format_ends_with_done(server: ServerProcess) -> None:
 def test_server_output_equals_dlm_generate(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
     prompt = "What is a diffusion language model?"
     generated = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "generate", "--prompt", prompt, "--chat", "--gen-length", "32",
-         "--block-length", "16", "--steps", "16", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dlm_cli",
+            "generate",
+            "--prompt",
+            prompt,
+            "--chat",
+            "--gen-length",
+            "32",
+            "--block-length",
+            "16",
+            "--steps",
+            "16",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**__import__("os").environ, "DLM_HOME": str(session_home(tmp_path_factory)), "OMP_NUM_THREADS": "1"},
     )
     assert generated.returncode == 0, generated.stderr
     expected = json.loads(generated.stdout)
-    body = post(server, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-        "block_length": 16, "steps": 16, "temperature": 0, "return_token_ids": True,
-    }).json()
+    body = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 32,
+            "block_length": 16,
+            "steps": 16,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    ).json()
     choice = body["choices"][0]
     assert choice["message"]["content"] == expected["text"]
     ids = choice["token_ids"]
@@ -125,10 +186,19 @@ def test_fast_dllm_caches_are_served(server: ServerProcess) -> None:
     """The prefix/dual caches are request fields; the cost shows in fewer tokens per forward,
     not in fewer answers."""
     for cache in ("prefix", "dual"):
-        response = post(server, "/v1/completions", {
-            "model": MODEL, "prompt": "Hello", "max_tokens": 16, "block_length": 8, "steps": 8,
-            "cache": cache, "return_token_ids": True,
-        })
+        response = post(
+            server,
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": "Hello",
+                "max_tokens": 16,
+                "block_length": 8,
+                "steps": 8,
+                "cache": cache,
+                "return_token_ids": True,
+            },
+        )
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] in ("stop", "length") and choice["token_ids"]
@@ -137,35 +207,81 @@ def test_fast_dllm_caches_are_served(server: ServerProcess) -> None:
 LONG_PROMPT = list(range(10, 600))
 
 
-@pytest.mark.parametrize("kwargs, status, kind, param, code", [
-    (dict(content=b'{"prompt": "x", '), 400, "invalid_request_error", None, "invalid_json"),
-    (dict(content=b"[1, 2]"), 400, "invalid_request_error", None, "invalid_json"),
-    (dict(body={"prompt": "x", "max_tokens": "many"}), 400, "invalid_request_error", "max_tokens", "invalid_value"),
-    (dict(body={"prompt": 12}), 400, "invalid_request_error", "prompt", "invalid_value"),
-    (dict(body={"prompt": "x", "temperature": [1]}), 400, "invalid_request_error", "temperature", "invalid_value"),
-    (dict(body={"prompt": "x", "stream": "yes"}), 400, "invalid_request_error", "stream", "invalid_value"),
-    (dict(body={"model": "gpt-4", "prompt": "x"}), 404, "not_found_error", "model", "model_not_found"),
-    (dict(body={"prompt": LONG_PROMPT, "max_tokens": 16}), 400, "invalid_request_error", "prompt", "context_length_exceeded"),
-    (dict(body={"prompt": "x", "max_tokens": 512}), 400, "invalid_request_error", "max_tokens", "max_tokens_exceeded"),
-    (dict(body={"prompt": "x", "max_tokens": 32, "steps": 256}), 400, "invalid_request_error", "steps", "steps_exceeded"),
-    (dict(body={"prompt": "x", "max_tokens": 30, "block_length": 8}), 400, "invalid_request_error", "max_tokens", "invalid_value"),
-    (dict(body={"prompt": "x", "threshold": 1.5}), 400, "invalid_request_error", "threshold", "invalid_value"),
-    (dict(body={"prompt": "x", "remasking": "sideways"}), 400, "invalid_request_error", "remasking", "invalid_value"),
-    (dict(body={"prompt": "x", "cache": "block"}), 400, "invalid_request_error", "cache", "invalid_value"),
-    (dict(body={"prompt": "x", "cache": "quad"}), 400, "invalid_request_error", "cache", "invalid_value"),
-    (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "invalid_value"),
-    (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "invalid_value"),
-    (dict(body={"prompt": "x", "decode_mode": "ar"}), 400, "invalid_request_error", "decode_mode", "invalid_value"),
-    (dict(body={"prompt": "x", "n": 2}), 400, "invalid_request_error", "n", "unsupported"),
-    (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", None),
-    (dict(body={"prompt": [99999]}), 400, "invalid_request_error", None, "invalid_value"),
-    (dict(body={"prompt": "x"}, headers={}), 401, "authentication_error", None, "invalid_api_key"),
-    (dict(body={"prompt": "x"}, headers={"Authorization": "Bearer sk-wrong"}), 401, "authentication_error", None, "invalid_api_key"),
-    (dict(body={"prompt": "x"}, headers={"Authorization": KEY}), 401, "authentication_error", None, "invalid_api_key"),
-    (dict(body={"prompt": "x" * 9000}), 413, "invalid_request_error", None, "request_too_large"),
-])
-def test_completion_error_paths(server: ServerProcess, kwargs: dict, status: int, kind: str,
-                                param: str | None, code: str | None) -> None:
+@pytest.mark.parametrize(
+    "kwargs, status, kind, param, code",
+    [
+        (dict(content=b'{"prompt": "x", '), 400, "invalid_request_error", None, "invalid_json"),
+        (dict(content=b"[1, 2]"), 400, "invalid_request_error", None, "invalid_json"),
+        (dict(body={"prompt": "x", "max_tokens": "many"}), 400, "invalid_request_error", "max_tokens", "invalid_value"),
+        (dict(body={"prompt": 12}), 400, "invalid_request_error", "prompt", "invalid_value"),
+        (dict(body={"prompt": "x", "temperature": [1]}), 400, "invalid_request_error", "temperature", "invalid_value"),
+        (dict(body={"prompt": "x", "stream": "yes"}), 400, "invalid_request_error", "stream", "invalid_value"),
+        (dict(body={"model": "gpt-4", "prompt": "x"}), 404, "not_found_error", "model", "model_not_found"),
+        (
+            dict(body={"prompt": LONG_PROMPT, "max_tokens": 16}),
+            400,
+            "invalid_request_error",
+            "prompt",
+            "context_length_exceeded",
+        ),
+        (
+            dict(body={"prompt": "x", "max_tokens": 512}),
+            400,
+            "invalid_request_error",
+            "max_tokens",
+            "max_tokens_exceeded",
+        ),
+        (
+            dict(body={"prompt": "x", "max_tokens": 32, "steps": 256}),
+            400,
+            "invalid_request_error",
+            "steps",
+            "steps_exceeded",
+        ),
+        (
+            dict(body={"prompt": "x", "max_tokens": 30, "block_length": 8}),
+            400,
+            "invalid_request_error",
+            "max_tokens",
+            "invalid_value",
+        ),
+        (dict(body={"prompt": "x", "threshold": 1.5}), 400, "invalid_request_error", "threshold", "invalid_value"),
+        (
+            dict(body={"prompt": "x", "remasking": "sideways"}),
+            400,
+            "invalid_request_error",
+            "remasking",
+            "invalid_value",
+        ),
+        (dict(body={"prompt": "x", "cache": "block"}), 400, "invalid_request_error", "cache", "invalid_value"),
+        (dict(body={"prompt": "x", "cache": "quad"}), 400, "invalid_request_error", "cache", "invalid_value"),
+        (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "invalid_value"),
+        (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "invalid_value"),
+        (dict(body={"prompt": "x", "decode_mode": "ar"}), 400, "invalid_request_error", "decode_mode", "invalid_value"),
+        (dict(body={"prompt": "x", "n": 2}), 400, "invalid_request_error", "n", "unsupported"),
+        (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", None),
+        (dict(body={"prompt": [99999]}), 400, "invalid_request_error", None, "invalid_value"),
+        (dict(body={"prompt": "x"}, headers={}), 401, "authentication_error", None, "invalid_api_key"),
+        (
+            dict(body={"prompt": "x"}, headers={"Authorization": "Bearer sk-wrong"}),
+            401,
+            "authentication_error",
+            None,
+            "invalid_api_key",
+        ),
+        (
+            dict(body={"prompt": "x"}, headers={"Authorization": KEY}),
+            401,
+            "authentication_error",
+            None,
+            "invalid_api_key",
+        ),
+        (dict(body={"prompt": "x" * 9000}), 413, "invalid_request_error", None, "request_too_large"),
+    ],
+)
+def test_completion_error_paths(
+    server: ServerProcess, kwargs: dict, status: int, kind: str, param: str | None, code: str | None
+) -> None:
     response = post(server, "/v1/completions", kwargs.get("body"), kwargs.get("headers"), kwargs.get("content"))
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -174,16 +290,23 @@ def test_completion_error_paths(server: ServerProcess, kwargs: dict, status: int
     assert error["message"]
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"messages": []}, 400, "messages"),
-    ({"messages": "hi"}, 400, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools.0.function"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"messages": []}, 400, "messages"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+    ],
+)
 def test_chat_error_paths(server: ServerProcess, body: dict, status: int, param: str) -> None:
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == status, response.text
@@ -199,8 +322,18 @@ def test_unknown_routes_and_methods_answer_openai_errors(server: ServerProcess) 
 
 def test_odd_inputs_never_answer_500(server: ServerProcess) -> None:
     odd: list[Any] = [None, True, -1, 0, 1e308, float("nan"), "", [], {"a": 1}, [[1, 2]], [-5], 2**70]
-    fields = ["prompt", "max_tokens", "temperature", "steps", "block_length", "threshold", "stop",
-              "seed", "cache", "stream_options"]
+    fields = [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "steps",
+        "block_length",
+        "threshold",
+        "stop",
+        "seed",
+        "cache",
+        "stream_options",
+    ]
 
     def send(path: str, body: dict) -> httpx.Response:
         raw = json.dumps(body).encode()  # NaN goes out as NaN, as a careless client would send it
@@ -243,12 +376,13 @@ def _timed(requests: list[dict], server: ServerProcess, concurrent: bool) -> flo
 def test_continuous_batching_beats_sequential(server: ServerProcess) -> None:
     # Different prompts, lengths and blocks share each forward. Canvases are short so that a
     # forward's fixed cost, which batching shares, dominates on a CPU.
-    requests = [{"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 16 + 16 * (i % 2),
-                 "steps": 16, "block_length": 16} for i in range(8)]
+    requests = [
+        {"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 16 + 16 * (i % 2), "steps": 16, "block_length": 16}
+        for i in range(8)
+    ]
     # Best of three alternating runs each: other processes on a shared 2-core machine add
     # noise to single timings, not to the best ones.
-    runs = [(_timed(requests, server, concurrent=False), _timed(requests, server, concurrent=True))
-            for _ in range(3)]
+    runs = [(_timed(requests, server, concurrent=False), _timed(requests, server, concurrent=True)) for _ in range(3)]
     sequential, concurrent = min(r[0] for r in runs), min(r[1] for r in runs)
     assert concurrent < 0.75 * sequential, runs
     m = server.metrics(KEY)
@@ -262,12 +396,22 @@ def test_metrics_names_and_auth(server: ServerProcess) -> None:
     assert post(server, "/v1/completions", {"prompt": "no key"}, headers={}).status_code == 401
     names = {k.split("{")[0] for k in server.metrics(KEY)}
     for name in (
-        "dlm_num_requests_running", "dlm_num_requests_waiting", "dlm_batch_token_usage_perc", "dlm_kv_cache_bytes",
-        "dlm_e2e_request_latency_seconds_count", "dlm_time_to_first_token_seconds_count",
-        "dlm_request_queue_time_seconds_count", "dlm_request_denoising_steps_count",
-        "dlm_tokens_per_step_count", "dlm_step_duration_seconds_count", "dlm_batch_size_count",
-        "dlm_prompt_tokens_total", "dlm_generation_tokens_total", "dlm_request_success_total",
-        "dlm_request_rejections_total", "dlm_request_timeouts_total",
+        "dlm_num_requests_running",
+        "dlm_num_requests_waiting",
+        "dlm_batch_token_usage_perc",
+        "dlm_kv_cache_bytes",
+        "dlm_e2e_request_latency_seconds_count",
+        "dlm_time_to_first_token_seconds_count",
+        "dlm_request_queue_time_seconds_count",
+        "dlm_request_denoising_steps_count",
+        "dlm_tokens_per_step_count",
+        "dlm_step_duration_seconds_count",
+        "dlm_batch_size_count",
+        "dlm_prompt_tokens_total",
+        "dlm_generation_tokens_total",
+        "dlm_request_success_total",
+        "dlm_request_rejections_total",
+        "dlm_request_timeouts_total",
         "dlm_http_requests_client_disconnected_total",
     ):
         assert name in names, name
@@ -283,8 +427,16 @@ def test_request_log_lines_carry_ids_not_secrets_or_text(server: ServerProcess) 
     logs = server.request_logs()
     assert logs, "\n".join(server.lines)
     last = [line for line in logs if line["status"] == 200][-1]
-    for field in ("id", "key", "status", "latency_s", "prompt_tokens", "completion_tokens",
-                  "denoising_steps", "finish_reason"):
+    for field in (
+        "id",
+        "key",
+        "status",
+        "latency_s",
+        "prompt_tokens",
+        "completion_tokens",
+        "denoising_steps",
+        "finish_reason",
+    ):
         assert field in last
     assert last["key"].startswith("key-")
     everything = "\n".join(server.lines)

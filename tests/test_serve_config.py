@@ -1,5 +1,6 @@
 """The server's pure parts: configuration sources and precedence, key checks, token
 buckets, tool-call parsing, and `dlm serve`'s usage errors."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from dlm_cli.server.auth import ANONYMOUS, KeyRing
+from dlm_cli.server.config import key_id, load_config
+from dlm_cli.server.errors import APIError
+from dlm_cli.server.ratelimit import TokenBucket
+from dlm_cli.server.tools import parse_tool_calls, streamable
 from engine.errors import UsageError
-from engine.server.auth import ANONYMOUS, KeyRing
-from engine.server.config import key_id, load_config
-from engine.server.errors import APIError
-from engine.server.ratelimit import TokenBucket
-from engine.server.tools import parse_tool_calls, streamable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,19 +47,22 @@ def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
     assert "sk-very-secret" not in repr(config)
 
 
-@pytest.mark.parametrize("content, flags, message", [
-    ("colour = 'blue'\n", {}, "invalid setting colour"),
-    ("port = 70000\n", {}, "invalid setting port"),
-    ("", {"max_num_seqs": 0}, "invalid setting max_num_seqs"),
-    ("", {"log_level": "loud"}, "invalid setting log_level"),
-    ("", {"backend": "onnx"}, "invalid setting backend"),
-    ("", {"gpu_memory_utilization": 1.5}, "invalid setting gpu_memory_utilization"),
-    ("gpu-memory-utilization = 0\n", {}, "invalid setting gpu_memory_utilization"),
-    ("", {"ssl_certfile": "cert.pem"}, "needs both"),
-    ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
-    ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
-    ("port = [", {}, "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "content, flags, message",
+    [
+        ("colour = 'blue'\n", {}, "invalid setting colour"),
+        ("port = 70000\n", {}, "invalid setting port"),
+        ("", {"max_num_seqs": 0}, "invalid setting max_num_seqs"),
+        ("", {"log_level": "loud"}, "invalid setting log_level"),
+        ("", {"backend": "onnx"}, "invalid setting backend"),
+        ("", {"gpu_memory_utilization": 1.5}, "invalid setting gpu_memory_utilization"),
+        ("gpu-memory-utilization = 0\n", {}, "invalid setting gpu_memory_utilization"),
+        ("", {"ssl_certfile": "cert.pem"}, "needs both"),
+        ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
+        ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
+        ("port = [", {}, "not valid TOML"),
+    ],
+)
 def test_bad_settings_are_usage_errors(tmp_path: Path, content: str, flags: dict, message: str) -> None:
     file = tmp_path / "serve.toml"
     file.write_text(content)
@@ -87,12 +91,16 @@ def test_token_bucket_refills_continuously() -> None:
 
 
 def test_tool_call_parsing() -> None:
-    text = 'Let me check. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' \
-           '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    text = (
+        'Let me check. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content.strip() == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("f", {"x": 1}), ("g", {"y": 2})]
+        ("f", {"x": 1}),
+        ("g", {"y": 2}),
+    ]
     assert len({c["id"] for c in calls}) == 2
     broken = "<tool_call>{not json}</tool_call> and <tool_call>[1]</tool_call>"
     assert parse_tool_calls(broken) == (broken, [])
@@ -104,16 +112,20 @@ def test_tool_call_parsing() -> None:
 
 
 def dlm_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlm_cli", "serve", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["/no/such/model"], "no model at"),
-    (["--config", "/no/such/serve.toml"], "cannot read config file"),
-    (["--port", "99999"], "invalid setting port"),
-    (["--max-queue", "-1"], "invalid setting max_queue"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/no/such/model"], "no model at"),
+        (["--config", "/no/such/serve.toml"], "cannot read config file"),
+        (["--port", "99999"], "invalid setting port"),
+        (["--max-queue", "-1"], "invalid setting max_queue"),
+    ],
+)
 def test_serve_usage_errors_exit_2_with_one_line(args: list[str], message: str) -> None:
     result = dlm_serve(*args)
     assert result.returncode == 2, result.stderr
@@ -139,7 +151,7 @@ def test_remote_code_trust_without_the_transformers_backend_is_bad_usage() -> No
 def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
     from fastapi.testclient import TestClient
 
-    from engine.server.app import create_app
+    from dlm_cli.server.app import create_app
 
     app = create_app(load_config(None, {"api_keys": ["sk-k"]}, environ={}))
     client = TestClient(app)  # no lifespan: the model is never loaded
@@ -155,7 +167,7 @@ def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.Monk
     """A ceiling on CUDA devices (the allocator refuses beyond it), nothing on the CPU."""
     import torch
 
-    from engine.engine import cap_device_memory
+    from engine.runtime.engine import cap_device_memory
 
     calls: list[tuple[float, torch.device]] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))

@@ -1,10 +1,11 @@
 """`dlm serve` as a real process over TLS: per-key rate limits, readiness, and SIGTERM
 draining (stop admitting, finish in-flight work, exit 0)."""
+
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -25,8 +26,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("drain_config")
     cert, key = self_signed_certificate(directory)
     config = directory / "serve.yaml"
-    config.write_text(f"api-keys: [{KEY_A}, {KEY_B}]\nrequests_per_minute: 2\nshutdown_grace: 30\n"
-                      f"public_metrics: true\ndtype: float32\nssl_certfile: {cert}\nssl_keyfile: {key}\n")
+    config.write_text(
+        f"api-keys: [{KEY_A}, {KEY_B}]\nrequests_per_minute: 2\nshutdown_grace: 30\n"
+        f"public_metrics: true\ndtype: float32\nssl_certfile: {cert}\nssl_keyfile: {key}\n"
+    )
     proc = ServerProcess([str(model), "--config", str(config)], session_home(tmp_path_factory), tls=True)
     try:
         proc.wait_ready()
@@ -53,8 +56,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server: ServerProcess) -
 
     def long_request() -> None:
         body = {"prompt": "x", "max_tokens": 256, "block_length": 256, "steps": 256}
-        results["in_flight"] = server.http.post(server.url + "/v1/completions", json=body,
-                                          headers=auth(KEY_B), timeout=60)
+        results["in_flight"] = server.http.post(
+            server.url + "/v1/completions", json=body, headers=auth(KEY_B), timeout=60
+        )
 
     worker = threading.Thread(target=long_request)
     worker.start()
@@ -63,8 +67,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server: ServerProcess) -
     assert wait_until(lambda: server.http.get(server.url + "/ready").status_code == 503)
     ready = server.http.get(server.url + "/ready").json()["error"]
     assert ready["code"] == "draining"
-    refused = server.http.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                         headers=auth(KEY_A))
+    refused = server.http.post(
+        server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth(KEY_A)
+    )
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert server.http.get(server.url + "/health").status_code == 200  # alive while draining
     worker.join(60)

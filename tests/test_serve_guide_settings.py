@@ -1,10 +1,11 @@
 """The deployment guides' serving settings, each one flag away: `--model-path`,
 `--max-concurrency`, `--refinement-steps` (denoising steps per block, also a request field)
 and `--block-length` as server defaults, and the request's `max_output_tokens`."""
+
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 from unittest import mock
 
 import httpx
@@ -23,8 +24,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     home = session_home(tmp_path_factory)
     with mock.patch.dict(os.environ, {"DLM_HOME": str(home)}):
         model = ensure_default_model()
-    proc = ServerProcess(["--model-path", str(model), "--max-concurrency", "2",
-                          "--refinement-steps", "4", "--block-length", "16", "--max-tokens", "64"], home)
+    proc = ServerProcess(
+        [
+            "--model-path",
+            str(model),
+            "--max-concurrency",
+            "2",
+            "--refinement-steps",
+            "4",
+            "--block-length",
+            "16",
+            "--max-tokens",
+            "64",
+        ],
+        home,
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -64,11 +78,14 @@ def test_max_output_tokens_is_max_tokens(server: ServerProcess) -> None:
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"max_tokens": 32, "steps": 8, "refinement_steps": 4}, "refinement_steps"),
-    ({"max_tokens": 32, "max_output_tokens": 16}, None),
-    ({"max_tokens": 32, "refinement_steps": 0}, None),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": 32, "steps": 8, "refinement_steps": 4}, "refinement_steps"),
+        ({"max_tokens": 32, "max_output_tokens": 16}, None),
+        ({"max_tokens": 32, "refinement_steps": 0}, None),
+    ],
+)
 def test_conflicting_or_bad_step_fields_are_400(server: ServerProcess, fields: dict, param: str | None) -> None:
     response = complete(server, **fields)
     assert response.status_code == 400, response.text

@@ -4,12 +4,13 @@ one-second request timeout; tool calls parsed into OpenAI `tool_calls`; client d
 The checkpoint writes a known token (a whole `<tool_call>...</tool_call>` block) at every
 position, so tool-call parsing is checked end to end on real model output.
 """
+
 from __future__ import annotations
 
 import json
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -19,10 +20,16 @@ from tests.conftest import session_home
 from tests.serving import ServerProcess, fixed_output_checkpoint, wait_until
 
 LONG = {"prompt": "long", "max_tokens": 2000, "block_length": 2000, "steps": 2000}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -30,8 +37,22 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = fixed_output_checkpoint(tmp_path_factory.mktemp("tool_model") / "tool-model")
     proc = ServerProcess(
-        [str(model), "--max-num-seqs", "1", "--max-queue", "1", "--request-timeout", "1",
-         "--max-tokens", "2000", "--max-steps", "2000", "--public-metrics", "--dtype", "float32"],
+        [
+            str(model),
+            "--max-num-seqs",
+            "1",
+            "--max-queue",
+            "1",
+            "--request-timeout",
+            "1",
+            "--max-tokens",
+            "2000",
+            "--max-steps",
+            "2000",
+            "--public-metrics",
+            "--dtype",
+            "float32",
+        ],
         session_home(tmp_path_factory),
     )
     try:
@@ -61,14 +82,16 @@ def test_tool_calls_are_parsed_into_openai_tool_calls(client: openai.OpenAI) -> 
     # Without tools (or with tool_choice none) the same text is plain content.
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].message.content.startswith("<tool_call>")
-    unparsed = client.chat.completions.create(model="tool-model", messages=MESSAGES, tools=TOOLS,
-                                              tool_choice="none", max_tokens=1)
+    unparsed = client.chat.completions.create(
+        model="tool-model", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
     assert unparsed.choices[0].message.tool_calls is None
 
 
 def test_streamed_tool_calls(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(
-        model="tool-model", messages=MESSAGES, tools=TOOLS, max_tokens=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tool-model", messages=MESSAGES, tools=TOOLS, max_tokens=2, stream=True)
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather", "get_weather"]  # two blocks, two calls
     assert [c.index for c in calls] == [0, 1]
@@ -125,15 +148,25 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    assert wait_until(lambda: server.metrics()["dlm_http_requests_client_disconnected_total"]
-                      == before["dlm_http_requests_client_disconnected_total"] + 1, timeout=5)
+    assert wait_until(
+        lambda: (
+            server.metrics()["dlm_http_requests_client_disconnected_total"]
+            == before["dlm_http_requests_client_disconnected_total"] + 1
+        ),
+        timeout=5,
+    )
     # It leaves the batch before the next forward (the one in flight finishes first).
     assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
     # Not streaming: the client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.3))
-    assert wait_until(lambda: server.metrics()["dlm_http_requests_client_disconnected_total"]
-                      == before["dlm_http_requests_client_disconnected_total"] + 2, timeout=5)
+    assert wait_until(
+        lambda: (
+            server.metrics()["dlm_http_requests_client_disconnected_total"]
+            == before["dlm_http_requests_client_disconnected_total"] + 2
+        ),
+        timeout=5,
+    )
     assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
     after = server.metrics()
     assert after["dlm_request_timeouts_total"] == before["dlm_request_timeouts_total"]  # cancelled, not timed out
@@ -147,8 +180,7 @@ def test_stop_string_cuts_the_text_and_ends_denoising_early(server: ServerProces
         response = httpx.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
         assert response.status_code == 200, response.text
         if stream:
-            events = [json.loads(line[6:]) for line in response.text.splitlines()
-                      if line.startswith("data: {")]
+            events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
             text = "".join(e["choices"][0]["text"] for e in events)
             reason = events[-1]["choices"][0]["finish_reason"]
         else:

@@ -1,20 +1,21 @@
 """Continuous batching in process: the scheduler's bounds and the async engine's loop
 (joins at the next step, leaves at once, deadlines within one step, batched == alone)."""
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine, committed_prefix
-from engine.engine import LLMEngine, load_model
 from engine.errors import UsageError
 from engine.params import GenerationParams
-from engine.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
+from engine.runtime.async_engine import AsyncEngine, committed_prefix
+from engine.runtime.engine import LLMEngine, load_model
+from engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +189,8 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("cache", ["block", "none"])
 def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache: str) -> None:
-    from engine.block_checkpoints import write_tiny
     from engine.llm import LLM
+    from tests.block_checkpoints import write_tiny
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -240,8 +241,9 @@ def test_dream_with_caches_serves_through_the_same_loop(tiny_dream: Path) -> Non
             aengine = AsyncEngine(dream, SchedulerLimits(max_num_seqs=4), observer=log)
             aengine.start()
             try:
-                streams = [aengine.submit(f"d{i}", p, prm, timeout=None)
-                           for i, (p, prm) in enumerate(zip(prompts, params))]
+                streams = [
+                    aengine.submit(f"d{i}", p, prm, timeout=None) for i, (p, prm) in enumerate(zip(prompts, params))
+                ]
                 outs = [await s.result() for s in streams]
             finally:
                 aengine.stop()

@@ -1,15 +1,16 @@
 """EOS early stop with finish_reason, and the parameter combinations dlm rejects."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-import engine.runner
+import engine.runtime.runner
 from engine.errors import UsageError
 from engine.llm import LLM
-from engine.registry import FAMILIES
 from engine.params import GenerationParams
+from engine.registry import FAMILIES
 
 PROMPT = [5, 17, 42, 99]
 
@@ -24,7 +25,7 @@ def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the model 'predict' EOS at chosen absolute positions (random tiny weights never
     emit EOS on cue); everything else is the real forward."""
     positions: list[int] = []
-    real = engine.runner.token_stats
+    real = engine.runtime.runner.token_stats
 
     def patched(seq, hidden, weight, *rest):  # type: ignore[no-untyped-def]
         stats = real(seq, hidden, weight, *rest)
@@ -33,7 +34,7 @@ def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
                 stats.token[i] = seq.eos_id
         return stats
 
-    monkeypatch.setattr(engine.runner, "token_stats", patched)
+    monkeypatch.setattr(engine.runtime.runner, "token_stats", patched)
     return positions
 
 
@@ -100,8 +101,21 @@ def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
 
     from tests.test_cli import dlm
 
-    ok = dlm("generate", str(tiny_dream), "--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8",
-             "--cache", "prefix", "--dtype", "float32", "--json")
+    ok = dlm(
+        "generate",
+        str(tiny_dream),
+        "--prompt-ids",
+        "1,2,3",
+        "--gen-length",
+        "16",
+        "--block-length",
+        "8",
+        "--cache",
+        "prefix",
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr
     out = json.loads(ok.stdout)
     assert out["cache"] == "prefix" and out["params"]["alg"] == "entropy"
@@ -117,8 +131,14 @@ def test_auto_cache_is_the_familys_exact_cache() -> None:
     from engine.registry import family_named
 
     params = GenerationParams(gen_length=32)
-    for name, expected in (("sdar", "block"), ("llada2_moe", "block"), ("pangu", "block"),
-                           ("llada", "none"), ("dream", "none"), ("clover", "none")):
+    for name, expected in (
+        ("sdar", "block"),
+        ("llada2_moe", "block"),
+        ("pangu", "block"),
+        ("llada", "none"),
+        ("dream", "none"),
+        ("clover", "none"),
+    ):
         assert params.validate(4, 4096, family_named(name)).cache == expected, name
     with pytest.raises(UsageError, match="auto, none, prefix, dual, block"):
         GenerationParams(gen_length=32, cache="exact").validate(4, 4096, family_named("llada"))

@@ -1,6 +1,7 @@
 """`dlm generate --tensor-parallel-size 2` as a user runs it: the same JSON ids as one
 process, and a worker killed mid-generation (or hung) ends the command with exit 1 and a
 message naming what failed, within a bounded time."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,25 @@ def llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _command(model: Path, *extra: str, gen_length: int = 16) -> list[str]:
-    return [sys.executable, "-m", "dlm_cli", "generate", str(model), "--prompt-ids", "5,17,42,99",
-            "--gen-length", str(gen_length), "--block-length", "8", "--dtype", "float32", "--device", "cpu",
-            "--json", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dlm_cli",
+        "generate",
+        str(model),
+        "--prompt-ids",
+        "5,17,42,99",
+        "--gen-length",
+        str(gen_length),
+        "--block-length",
+        "8",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--json",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +55,9 @@ def single(llada: Path) -> dict:
 
 
 def test_cli_two_ranks_print_the_single_process_ids(llada: Path, single: dict) -> None:
-    run = subprocess.run(_command(llada, "--tensor-parallel-size", "2"), capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        _command(llada, "--tensor-parallel-size", "2"), capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     parallel = json.loads(run.stdout)
     assert parallel["output_ids"] == single["output_ids"] and parallel["nfe"] == single["nfe"]
@@ -49,8 +67,9 @@ def test_cli_two_ranks_print_the_single_process_ids(llada: Path, single: dict) -
 def test_a_split_the_model_cannot_make_is_a_usage_error(llada: Path) -> None:
     """3 ranks over 4 query heads: refused in one line (exit 2) before any rank starts."""
     started = time.monotonic()
-    run = subprocess.run(_command(llada, "--tensor-parallel-size", "3"), capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
+    run = subprocess.run(
+        _command(llada, "--tensor-parallel-size", "3"), capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "not divisible by the tensor-parallel size 3" in lines[-1], run.stderr
@@ -61,11 +80,19 @@ def test_a_split_the_model_cannot_make_is_a_usage_error(llada: Path) -> None:
 def test_cli_two_nodes(llada: Path, single: dict) -> None:
     """`--nnodes 2`: the same command on two "nodes" (here two local processes, one rank
     each); node 0 prints the result, node 1 serves and prints nothing."""
-    from engine.distributed import _free_port
+    from engine.parallel.distributed import _free_port
 
     flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-    nodes = [subprocess.Popen(_command(llada, *flags, "--node-rank", str(rank)), cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (1, 0)]
+    nodes = [
+        subprocess.Popen(
+            _command(llada, *flags, "--node-rank", str(rank)),
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (1, 0)
+    ]
     (out1, err1), (out0, err0) = (node.communicate(timeout=120) for node in nodes)
     assert [node.returncode for node in nodes] == [0, 0], err0 + err1
     assert out1 == "" and json.loads(out0)["output_ids"] == single["output_ids"]
@@ -88,16 +115,28 @@ def _wait_for(proc: subprocess.Popen, text: str, limit: float) -> None:
             seen += proc.stderr.readline()
 
 
-@pytest.mark.parametrize(("sig", "message"), [
-    (signal.SIGKILL, r"error: tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
-    # The collective's own timeout, or the driver's deadline if it is blocked elsewhere.
-    (signal.SIGSTOP, r"error: (a tensor-parallel collective timed out after 5s|the tensor-parallel group made "
-                     r"no progress for 5s \(a rank is hung\)): tensor-parallel rank 1 \(pid {pid}\) is stopped"),
-])
+@pytest.mark.parametrize(
+    ("sig", "message"),
+    [
+        (signal.SIGKILL, r"error: tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
+        # The collective's own timeout, or the driver's deadline if it is blocked elsewhere.
+        (
+            signal.SIGSTOP,
+            r"error: (a tensor-parallel collective timed out after 5s|the tensor-parallel group made "
+            r"no progress for 5s \(a rank is hung\)): tensor-parallel rank 1 \(pid {pid}\) is stopped",
+        ),
+    ],
+)
 def test_a_dead_or_hung_worker_fails_the_command(llada: Path, sig: signal.Signals, message: str) -> None:
     env = {**os.environ, "DLM_DIST_TIMEOUT": "5"}
-    proc = subprocess.Popen(_command(llada, "--tensor-parallel-size", "2", gen_length=480), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _command(llada, "--tensor-parallel-size", "2", gen_length=480),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(proc, "ranks ready", limit=60)
         time.sleep(0.3)  # into the denoising loop (480 steps: seconds of work)

@@ -1,14 +1,15 @@
 """Tensor parallelism end to end through the Python API: `LLM(parallel=...)` spawns the
 worker ranks (gloo on CPU) and must decode exactly the ids of one process, for every
 family, and with 4 ranks for an MoE family under both expert placements."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from engine.distributed import ParallelConfig
 from engine.llm import LLM
+from engine.parallel.distributed import ParallelConfig
 from engine.params import GenerationParams
 from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 

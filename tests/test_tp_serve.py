@@ -4,6 +4,7 @@ single-process server's, alone and batched together; /metrics works; SIGTERM sto
 ranks and exits 0. A worker that is killed (or hangs) fails the in-flight and queued
 requests with an OpenAI-shaped 5xx naming what failed, /health turns 503 naming it, and the
 server exits 1 a few seconds later."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -26,8 +28,14 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-seqs", "4", "--no-wa
 # seed makes every rank (and the single process) draw the same noise.
 BODIES: list[dict[str, Any]] = [
     {"prompt": "Hello, diffusion", "max_tokens": 32, "steps": 16, "block_length": 16, "temperature": 0, "seed": 7},
-    {"prompt": "Tensor parallel", "max_tokens": 16, "block_length": 8, "threshold": 0.5, "cache": "prefix",
-     "temperature": 0},
+    {
+        "prompt": "Tensor parallel",
+        "max_tokens": 16,
+        "block_length": 8,
+        "threshold": 0.5,
+        "cache": "prefix",
+        "temperature": 0,
+    },
     {"prompt": [5, 17, 42, 99], "max_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.8, "seed": 3},
 ]
 
@@ -60,8 +68,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         yield tp, answers
     finally:
         assert tp.terminate() == 0, "\n".join(tp.lines)  # drained, ranks stopped
-        assert not [line for line in tp.lines if '"level": "error"' in line or "tensor-parallel rank" in line], \
+        assert not [line for line in tp.lines if '"level": "error"' in line or "tensor-parallel rank" in line], (
             "\n".join(tp.lines)
+        )
     assert wait_until(lambda: not Path(f"/proc/{worker}").exists(), timeout=5), "rank 1 outlived the server"
 
 
@@ -73,8 +82,10 @@ def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict
         assert (got["token_ids"], got["text"]) == (expected["token_ids"], expected["text"]), body
     # Together: admitted into shared forwards at different steps, mirrored on rank 1.
     results: list[Any] = [None] * len(BODIES)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _complete(tp_server, BODIES[i])))
-               for i in range(len(BODIES))]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, _complete(tp_server, BODIES[i])))
+        for i in range(len(BODIES))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -82,8 +93,9 @@ def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict
     assert [r["token_ids"] for r in results] == [e["token_ids"] for e in single]
 
     metrics = tp_server.metrics()
-    assert metrics['dlm_request_success_total{finish_reason="length"}'] + \
-        metrics['dlm_request_success_total{finish_reason="stop"}'] == 2 * len(BODIES)
+    assert metrics['dlm_request_success_total{finish_reason="length"}'] + metrics[
+        'dlm_request_success_total{finish_reason="stop"}'
+    ] == 2 * len(BODIES)
     assert metrics["dlm_batch_size_count"] > 0 and metrics["dlm_num_requests_running"] == 0
     assert httpx.get(tp_server.url + "/health").json() == {"status": "ok"}
 
@@ -91,16 +103,30 @@ def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict
 LONG = {"prompt": "x", "max_tokens": 512, "steps": 512, "block_length": 32}
 
 
-@pytest.mark.parametrize(("sig", "cause"), [
-    (signal.SIGKILL, r"tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
-    (signal.SIGSTOP, r"a tensor-parallel collective timed out after 5s: tensor-parallel rank 1 \(pid {pid}\) "
-                     r"is stopped"),
-])
+@pytest.mark.parametrize(
+    ("sig", "cause"),
+    [
+        (signal.SIGKILL, r"tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
+        (
+            signal.SIGSTOP,
+            r"a tensor-parallel collective timed out after 5s: tensor-parallel rank 1 \(pid {pid}\) "
+            r"is stopped",
+        ),
+    ],
+)
 def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
-    tmp_path_factory: pytest.TempPathFactory, sig: signal.Signals, cause: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    sig: signal.Signals,
+    cause: str,
 ) -> None:
-    server = _serve(session_home(tmp_path_factory), "--tensor-parallel-size", "2", "--max-num-seqs", "1",
-                    env={"DLM_DIST_TIMEOUT": "5"})
+    server = _serve(
+        session_home(tmp_path_factory),
+        "--tensor-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "1",
+        env={"DLM_DIST_TIMEOUT": "5"},
+    )
     try:
         server.wait_ready()
         answers: dict[str, httpx.Response] = {}
@@ -111,16 +137,23 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
         threads = [threading.Thread(target=request, args=(name,)) for name in ("running", "queued")]
         for thread in threads:
             thread.start()
-        assert wait_until(lambda: (server.metrics()["dlm_num_requests_running"],
-                                   server.metrics()["dlm_num_requests_waiting"]) == (1, 1), timeout=20)
+        assert wait_until(
+            lambda: (
+                (server.metrics()["dlm_num_requests_running"], server.metrics()["dlm_num_requests_waiting"]) == (1, 1)
+            ),
+            timeout=20,
+        )
         pid = _worker_pid(server.proc.pid)
         os.kill(pid, sig)
         start = time.monotonic()
         cause = cause.format(pid=pid)
 
         health: list[httpx.Response] = []
-        assert wait_until(lambda: health.append(httpx.get(server.url + "/health")) or
-                          health[-1].status_code != 200, timeout=10, interval=0.1)
+        assert wait_until(
+            lambda: health.append(httpx.get(server.url + "/health")) or health[-1].status_code != 200,
+            timeout=10,
+            interval=0.1,
+        )
         assert health[-1].status_code == 503 and re.search(cause, health[-1].json()["error"]["message"])
         assert httpx.get(server.url + "/ready").status_code == 503
         refused = server.http.post(server.url + "/v1/completions", json=LONG)  # before it exits
@@ -146,15 +179,21 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
 def test_parallel_settings_come_from_flags_or_environment_and_refuse_hot_swaps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from dlm_cli.server.config import load_config
     from engine.errors import UsageError
-    from engine.server.config import load_config
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DLM_DIST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     env = {"DLM_NNODES": "2", "DLM_NODE_RANK": "1", "DLM_MASTER_ADDR": "10.0.0.1", "DLM_MASTER_PORT": "29500"}
     parallel = load_config(None, {"tensor_parallel_size": 4}, environ=env).parallel()
-    assert (parallel.tensor_parallel_size, parallel.nnodes, parallel.node_rank, parallel.ranks_per_node,
-            parallel.master_addr, parallel.master_port) == (4, 2, 1, 2, "10.0.0.1", 29500)
+    assert (
+        parallel.tensor_parallel_size,
+        parallel.nnodes,
+        parallel.node_rank,
+        parallel.ranks_per_node,
+        parallel.master_addr,
+        parallel.master_port,
+    ) == (4, 2, 1, 2, "10.0.0.1", 29500)
     with pytest.raises(UsageError, match="hot swaps .* not supported with tensor parallelism"):
         load_config(None, {"tensor_parallel_size": 2, "admin_key": "k"}, environ={}).parallel()
     with pytest.raises(UsageError, match="--nnodes 3 must divide --tensor-parallel-size 2"):

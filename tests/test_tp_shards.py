@@ -1,6 +1,7 @@
 """What each tensor-parallel rank holds and computes, on 2 gloo CPU ranks spawned here:
 the gathered logits of the sharded model equal one process's, every rank holds about 1/N
 of the weights, and the loader reads only a rank's slices from safetensors."""
+
 from __future__ import annotations
 
 import re
@@ -11,10 +12,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine import distributed, loader, parallel_state
-from engine.decoding.block_reference_loop import masked_logits
-from engine.decoding.reference_loop import full_logits
-from engine.engine import load_model
+from engine import loader
+from engine.parallel import distributed
+from engine.parallel import state as parallel_state
+from engine.runtime.engine import load_model
+from tests.oracles.block_reference_loop import masked_logits
+from tests.oracles.reference_loop import full_logits
 from tests.tp_checkpoints import LAYOUTS, PARAMS, PROMPT, write_family
 
 CHECKPOINTS = [*PARAMS, *LAYOUTS]
@@ -88,9 +91,13 @@ def test_sharded_logits_match_one_process(checkpoints: dict[str, Path], ranks: d
 
 
 @pytest.mark.parametrize("family", CHECKPOINTS)
-def test_each_rank_holds_its_share_of_the_weights(checkpoints: dict[str, Path], ranks: dict[str, Any], family: str) -> None:
-    full = {n: p.numel() * p.element_size()
-            for n, p in load_model(checkpoints[family], torch.float32, torch.device("meta")).model.named_parameters()}
+def test_each_rank_holds_its_share_of_the_weights(
+    checkpoints: dict[str, Path], ranks: dict[str, Any], family: str
+) -> None:
+    full = {
+        n: p.numel() * p.element_size()
+        for n, p in load_model(checkpoints[family], torch.float32, torch.device("meta")).model.named_parameters()
+    }
     per_rank: list[dict[str, int]] = ranks[family][1]
     replicated = {n for n in full if all(r.get(n) == full[n] for r in per_rank)}
     assert all(REPLICATED.search(n) for n in replicated), sorted(n for n in replicated if not REPLICATED.search(n))
@@ -114,7 +121,7 @@ class Reads:
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 self.handle = real_open(*args, **kwargs)
 
-            def __enter__(self) -> "Recording":
+            def __enter__(self) -> Recording:
                 self.handle.__enter__()
                 return self
 
@@ -173,7 +180,9 @@ def test_stacked_experts_load_their_share(checkpoints: dict[str, Path], layout: 
         assert torch.equal(part.down_proj, whole.down_proj[:, :, half:])
 
 
-def test_expert_parallel_rank_reads_only_its_experts(checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_expert_parallel_rank_reads_only_its_experts(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 1 of 2 under expert parallelism opens the per-expert tensors of experts 4-7
     only, and stacks them in order into the layer's fused-MoE weights."""
     from safetensors.torch import load_file

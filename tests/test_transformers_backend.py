@@ -2,6 +2,7 @@
 transformers model) against a literal loop over the model's own logits, the generate path
 (the model's own generation method) against calling it directly, and remote code refused
 unless explicitly trusted."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ def masked_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, mask_token_id=MASK)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        mask_token_id=MASK,
+    )
     model = BertForMaskedLM(config).eval()
     with torch.no_grad():  # sharper than the 0.02 init, so confidences spread and ties vanish
         for p in model.parameters():
@@ -52,7 +60,7 @@ def literal_llada(hf_model, prompt: list[int], gen_length: int, block: int, step
             conf = torch.where(masked, conf, torch.tensor(float("-inf"), dtype=torch.float64))
             chosen = conf.topk(k).indices
             x[0, chosen] = token[chosen]
-    return x[0, len(prompt):].tolist()
+    return x[0, len(prompt) :].tolist()
 
 
 def test_forward_path_matches_literal_loop_and_batches(masked_lm: Path) -> None:
@@ -78,7 +86,7 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     prompt = [5, 17, 42, 99, 3, 7]
     out = llm.generate(prompt, gen_length=8)[0]
     with torch.inference_mode():
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
     assert out.output_ids == expected.tolist()[: len(out.output_ids)]
     assert out.query_lengths[0] == len(prompt) and out.nfe == len(out.query_lengths) >= 1
     # dLLM fields a plain `generate` cannot honour are refused, not silently dropped.
@@ -95,41 +103,70 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     torch.manual_seed(4)
     with torch.inference_mode():
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=True, temperature=5.0)
-    assert sampled.output_ids == expected[0, len(prompt):].tolist()[: len(sampled.output_ids)]
+    assert sampled.output_ids == expected[0, len(prompt) :].tolist()[: len(sampled.output_ids)]
 
 
 def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:
     """transformers' native block-diffusion model (DiffusionGemma) through `dlm generate`."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=16,
-                num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    text = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=16,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
     torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=8)).eval()
+    model = DiffusionGemmaForBlockDiffusion(
+        DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=8)
+    ).eval()
     model.save_pretrained(str(tmp_path))
     prompt = [21, 82, 90, 108, 40]
-    result = CliRunner().invoke(app, [
-        "generate", str(tmp_path), "--prompt-ids", ",".join(map(str, prompt)), "--gen-length", "16",
-        "--seed", "1", "--backend", "transformers", "--dtype", "float32", "--device", "cpu", "--json",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(tmp_path),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--gen-length",
+            "16",
+            "--seed",
+            "1",
+            "--backend",
+            "transformers",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["backend"] == {"name": "transformers", "path": "generate"}
     assert "generate path" in result.stderr
     torch.manual_seed(1)
     with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt):]
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt) :]
     assert data["output_ids"] == expected.tolist()[:16]
 
 
-REMOTE_CONFIG = '''
+REMOTE_CONFIG = """
 import pathlib
 from transformers import BertConfig
 pathlib.Path(__file__).with_name("EXECUTED").write_text("yes")
 class RemoteConfig(BertConfig):
     model_type = "remote_dllm"
-'''
+"""
 
 
 def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> None:
@@ -144,8 +181,9 @@ def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> No
     with pytest.raises(UsageError, match="--trust-remote-code"):
         LLM(directory, dtype="float32", device="cpu", backend="transformers")
     assert not (directory / "EXECUTED").exists()
-    result = CliRunner().invoke(app, ["generate", str(directory), "--prompt-ids", "1,2", "--backend",
-                                      "transformers", "--device", "cpu"])
+    result = CliRunner().invoke(
+        app, ["generate", str(directory), "--prompt-ids", "1,2", "--backend", "transformers", "--device", "cpu"]
+    )
     assert result.exit_code == 2 and "--trust-remote-code" in result.stderr
     with pytest.raises(UsageError, match="only applies"):
         LLM(masked_lm, device="cpu", trust_remote_code=True)

@@ -9,6 +9,7 @@ downloaded and no remote code:
   must pass every check except the dLLM-parameter ones, which validate skips because the
   server refuses those fields as unsupported.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,14 @@ def masked_lm(directory: Path) -> Path:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=_vocab(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=_vocab(),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
     return _with_tokenizer(BertForMaskedLM(config).eval(), directory)
 
 
@@ -63,22 +70,35 @@ def causal_lm(directory: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=_vocab(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=512,
-                         eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=_vocab(),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     return _with_tokenizer(LlamaForCausalLM(config).eval(), directory)
 
 
 def serve_and_validate(model: Path, home: Path) -> tuple[dict[str, dict], list[str]]:
     """Serve `model` with the transformers backend, run `dlm validate --json` against it, and
     return its checks by name and the server's log lines (after a clean drain)."""
-    server = ServerProcess([str(model), "--backend", "transformers", "--dtype", "float32", "--device", "cpu",
-                            "--api-key", KEY], home)
+    server = ServerProcess(
+        [str(model), "--backend", "transformers", "--dtype", "float32", "--device", "cpu", "--api-key", KEY], home
+    )
     try:
         server.wait_ready()
         result = subprocess.run(
             [sys.executable, "-m", "dlm_cli", "validate", server.url, "--api-key", KEY, "--burst", "16", "--json"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         assert server.terminate() == 0, "\n".join(server.lines)
@@ -91,8 +111,7 @@ def test_forward_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.T
     checks, lines = serve_and_validate(masked_lm(tmp_path / "bert"), session_home(tmp_path_factory))
     assert {c["status"] for c in checks.values()} == {"passed"}, checks  # dLLM parameters included
     assert DLLM_CHECKS <= set(checks)
-    assert any("transformers backend, forward path: dlm decoding over the model's forward" in line
-               for line in lines)
+    assert any("transformers backend, forward path: dlm decoding over the model's forward" in line for line in lines)
 
 
 def test_generate_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

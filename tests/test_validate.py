@@ -1,5 +1,6 @@
 """`dlm validate` against a fake server: it passes a conforming one, and each deliberate
 misbehaviour fails exactly the checks that name it."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner, Result
 
+from dlm_cli.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
+from dlm_cli.checks.validate import run_validation
+from dlm_cli.client.metrics import missing_metrics, parse_samples
+from dlm_cli.client.sse import SSEError, iter_events
 from dlm_cli.main import app
-from engine.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
-from engine.checks.validate import run_validation
-from engine.client.metrics import missing_metrics, parse_samples
-from engine.client.sse import SSEError, iter_events
 from tests.fake_openai import Behaviour, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,8 +150,7 @@ def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
         bad = run_cli(url, "--burst", "4", "--junit-xml", str(junit))
     assert bad.exit_code == 1
     assert "FAILED" in bad.stderr and "completion" in bad.stderr
-    failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase")
-                if c.find("failure") is not None}
+    failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None}
     assert failures == {"completion", "chat", "invalid_params"}
 
 
@@ -166,8 +165,10 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
 
 
 def test_checks_import_neither_the_engine_core_nor_locust() -> None:
-    code = ("import sys, engine.checks.validate, engine.checks.report, engine.loadtest.report, "
-            "engine.loadtest.plots; print(sorted(m for m in ('torch', 'locust', 'engine.server', "
-            "'engine.llm') if m in sys.modules))")
+    code = (
+        "import sys, dlm_cli.checks.validate, dlm_cli.checks.report, dlm_cli.loadtest.report, "
+        "dlm_cli.loadtest.plots; print(sorted(m for m in ('torch', 'locust', 'dlm_cli.server', "
+        "'engine.llm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

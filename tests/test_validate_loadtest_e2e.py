@@ -3,14 +3,15 @@
 One server process for the module: one decoding slot (`--max-num-seqs 1`), so its knee is
 known, an API key, so the key checks run, and a 512-token context.
 """
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -23,8 +24,9 @@ KEY = "e2e-key"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["--api-key", KEY, "--max-num-seqs", "1", "--max-model-len", "512"],
-                         session_home(tmp_path_factory))
+    proc = ServerProcess(
+        ["--api-key", KEY, "--max-num-seqs", "1", "--max-model-len", "512"], session_home(tmp_path_factory)
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -33,8 +35,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def dlm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def checks(result: subprocess.CompletedProcess) -> dict[str, str]:
@@ -43,8 +46,7 @@ def checks(result: subprocess.CompletedProcess) -> dict[str, str]:
 
 def test_validate_passes_against_dlm_serve(server: ServerProcess, tmp_path: Path) -> None:
     junit = tmp_path / "validate.xml"
-    result = dlm("validate", server.url, "--api-key", KEY, "--burst", "16", "--json",
-                 "--junit-xml", str(junit))
+    result = dlm("validate", server.url, "--api-key", KEY, "--burst", "16", "--json", "--junit-xml", str(junit))
     statuses = checks(result)
     assert result.returncode == 0, json.loads(result.stdout)["checks"]
     assert set(statuses.values()) == {"passed"}  # key checks included: none skipped
@@ -56,21 +58,57 @@ def test_validate_names_what_is_misconfigured(server: ServerProcess) -> None:
     assert wrong_key.returncode == 1
     assert {n for n, s in checks(wrong_key).items() if s == "failed"} == {"auth"}
 
-    too_small = dlm("validate", server.url, "--api-key", KEY, "--min-context", "1024", "--json",
-                    "--skip", "burst", "--skip", "determinism", "--skip", "client_timeout")
+    too_small = dlm(
+        "validate",
+        server.url,
+        "--api-key",
+        KEY,
+        "--min-context",
+        "1024",
+        "--json",
+        "--skip",
+        "burst",
+        "--skip",
+        "determinism",
+        "--skip",
+        "client_timeout",
+    )
     assert too_small.returncode == 1
     assert {n for n, s in checks(too_small).items() if s == "failed"} == {"context_window"}
 
 
 def test_loadtest_sweep_against_dlm_serve(server: ServerProcess, tmp_path: Path) -> None:
     out = tmp_path / "loadtest"
-    result = dlm("loadtest", server.url, "--api-key", KEY, "--sweep", "1,2,4", "-t", "2s",
-                 "--max-tokens", "8", "--out", str(out), "--fail-on", "error_rate>1%", "--json")
+    result = dlm(
+        "loadtest",
+        server.url,
+        "--api-key",
+        KEY,
+        "--sweep",
+        "1,2,4",
+        "-t",
+        "2s",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--fail-on",
+        "error_rate>1%",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
-    expected = {"locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv",
-                "locust_exceptions.csv", "locust_report.html", "summary.json", "requests.jsonl",
-                "latency.png", "throughput.png"}
+    expected = {
+        "locust_stats.csv",
+        "locust_stats_history.csv",
+        "locust_failures.csv",
+        "locust_exceptions.csv",
+        "locust_report.html",
+        "summary.json",
+        "requests.jsonl",
+        "latency.png",
+        "throughput.png",
+    }
     assert expected <= {p.name for p in out.iterdir()}
     # One decoding slot: a second user can only queue, so the knee is reached by 2 users.
     assert summary["knee"]["users"] in (1, 2), summary["knee"]

@@ -1,21 +1,24 @@
 """User suites: the YAML is validated on load, and each expectation passes or fails."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from engine.checks.runner import FAILED, PASSED, ValidateOptions
-from engine.checks.suite import load_suite, unmet, Expect
-from engine.checks.validate import run_validation
+from dlm_cli.checks.runner import FAILED, PASSED, ValidateOptions
+from dlm_cli.checks.suite import Expect, load_suite, unmet
+from dlm_cli.checks.validate import run_validation
 from engine.errors import UsageError
 from tests.fake_openai import Behaviour, serve
 
 WEATHER_SCHEMA = {
-    "type": "object", "required": ["name", "arguments"],
-    "properties": {"name": {"const": "get_weather"},
-                   "arguments": {"type": "object", "required": ["city"],
-                                 "properties": {"city": {"type": "string"}}}},
+    "type": "object",
+    "required": ["name", "arguments"],
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+    },
 }
 
 SUITE = """
@@ -58,18 +61,28 @@ def test_suite_expectations_pass_and_fail_by_case(tmp_path: Path) -> None:
 
     suite = load_suite(write(tmp_path, SUITE % {"schema": json.dumps(WEATHER_SCHEMA)}))
     behaviour = Behaviour(
-        answers={"capital": "The capital of France is Paris.",
-                 "code": "Sure:\n```python\nprint('hi')\n```\n",
-                 "weather": "It is sunny.",
-                 "json": '```json\n{"city": "Paris", "days": 3}\n```'},
-        tool_call={"name": "get_weather", "arguments": {"city": "Paris"}})
+        answers={
+            "capital": "The capital of France is Paris.",
+            "code": "Sure:\n```python\nprint('hi')\n```\n",
+            "weather": "It is sunny.",
+            "json": '```json\n{"city": "Paris", "days": 3}\n```',
+        },
+        tool_call={"name": "get_weather", "arguments": {"city": "Paris"}},
+    )
     with serve(behaviour) as url:
-        results = {r.name: r for r in run_validation(
-            url, ValidateOptions(ready_timeout=2, burst=2), suite=suite, timeout=10)}
-    status = {name[len("suite."):]: r.status for name, r in results.items() if name.startswith("suite.")}
-    assert status == {"capital": PASSED, "capital-wrong": FAILED, "code": PASSED,
-                      "code-wrong-language": FAILED, "weather-tool": PASSED,
-                      "weather-text-not-json": FAILED, "json-answer": PASSED}
+        results = {
+            r.name: r for r in run_validation(url, ValidateOptions(ready_timeout=2, burst=2), suite=suite, timeout=10)
+        }
+    status = {name[len("suite.") :]: r.status for name, r in results.items() if name.startswith("suite.")}
+    assert status == {
+        "capital": PASSED,
+        "capital-wrong": FAILED,
+        "code": PASSED,
+        "code-wrong-language": FAILED,
+        "weather-tool": PASSED,
+        "weather-text-not-json": FAILED,
+        "json-answer": PASSED,
+    }
     assert "does not contain 'Berlin'" in results["suite.capital-wrong"].detail
     assert "no fenced rust code block" in results["suite.code-wrong-language"].detail
 
@@ -85,16 +98,25 @@ def test_expectations_on_text() -> None:
     assert unmet(Expect(json_schema=WEATHER_SCHEMA), "", call) == []
 
 
-@pytest.mark.parametrize("text, message", [
-    ("cases:\n  - name: a\n    prompt: hi\n    expect: {contians: x}\n", "contians"),
-    ("cases:\n  - name: a\n    prompt: hi\n    expect: {regex: '(unclosed'}\n", "regex"),
-    ("cases:\n  - name: a\n    prompt: hi\n    messages: []\n    expect: {}\n", "exactly one of prompt or messages"),
-    ("cases:\n  - name: a\n    prompt: hi\n    tools: []\n    expect: {}\n", "tools need a chat case"),
-    ("cases:\n  - name: a\n    prompt: hi\n    expect: {json_schema: {type: 5}}\n", "invalid JSON schema"),
-    ("cases:\n  - {name: a, prompt: x, expect: {}}\n  - {name: a, prompt: y, expect: {}}\n", "duplicate case names"),
-    ("cases: []\n", "cases"),
-    ("cases: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("cases:\n  - name: a\n    prompt: hi\n    expect: {contians: x}\n", "contians"),
+        ("cases:\n  - name: a\n    prompt: hi\n    expect: {regex: '(unclosed'}\n", "regex"),
+        (
+            "cases:\n  - name: a\n    prompt: hi\n    messages: []\n    expect: {}\n",
+            "exactly one of prompt or messages",
+        ),
+        ("cases:\n  - name: a\n    prompt: hi\n    tools: []\n    expect: {}\n", "tools need a chat case"),
+        ("cases:\n  - name: a\n    prompt: hi\n    expect: {json_schema: {type: 5}}\n", "invalid JSON schema"),
+        (
+            "cases:\n  - {name: a, prompt: x, expect: {}}\n  - {name: a, prompt: y, expect: {}}\n",
+            "duplicate case names",
+        ),
+        ("cases: []\n", "cases"),
+        ("cases: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_suites_are_usage_errors(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         load_suite(write(tmp_path, text))

@@ -1,5 +1,6 @@
 """`dlm fetch` from a local directory: a real copy into the store, hashed as it goes,
 atomic under SIGKILL, idempotent, and resolvable as MODEL afterwards."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dlm_cli.store import fetch as fetch_module
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.resolve import resolve_model
+from dlm_cli.store.store import Store
+from dlm_cli.store.verify import verify_model
 from engine.errors import DlmError, UsageError
-from engine.resolve import resolve_model
-from engine.weights import fetch as fetch_module
-from engine.weights.fetch import fetch
-from engine.weights.store import Store
-from engine.weights.verify import verify_model
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
 
@@ -83,8 +84,12 @@ def test_include_exclude_and_link(source: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     result = fetch(str(source), store, exclude=["tokenizer*"], link=True)
     names = sorted(f.path for f in result.manifest.files)
-    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "model.safetensors.index.json"]
+    assert names == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert result.manifest.verification["warnings"][0]["check"] == "tokenizer"
     shard = "model-00001-of-00002.safetensors"
     assert (result.path / shard).stat().st_ino == (source / shard).stat().st_ino  # hard link
@@ -133,7 +138,9 @@ def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: P
     store = Store(tmp_path / "store")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlm_cli", "fetch", str(src), "--store", str(store.root), "--workers", "1"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     staging = store.model_dir("big") / ".staging"
     deadline = time.monotonic() + 60

@@ -6,6 +6,7 @@ The versions are tiny checkpoints whose every generated token is a known word ("
 answer says which version produced it, and an answer decoded with another version's
 tokenizer would not read as one word.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,26 +17,31 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from engine.weights import admin
-from engine.weights.fetch import fetch
-from engine.weights.releases import load_state, release
-from engine.weights.store import Store
+from dlm_cli.store import admin
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.releases import load_state, release
+from dlm_cli.store.store import Store
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, fixed_output_checkpoint, wait_until
 from tests.weights_helpers import cli
 
 SHORT = {"model": "m", "prompt": "hi", "max_tokens": 16, "steps": 16, "block_length": 16}
 # One token per step over 256 positions: a couple of seconds on the tiny model.
-LONG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256, "steps": 256,
-        "block_length": 256, "stream": True}
+LONG = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 256,
+    "steps": 256,
+    "block_length": 256,
+    "stream": True,
+}
 
 
 @dataclass
@@ -72,8 +78,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         source = fixed_output_checkpoint(base / word, f" {word}", id_offset=offset)
         versions[word] = fetch(str(source), store, name="m").manifest.version
     release(store, f"m@{versions['alpha']}", "prod")
-    server = ServerProcess(["--deployment", "prod", "--store", str(store.root), "--dtype", "float32"],
-                           session_home(tmp_path_factory))
+    server = ServerProcess(
+        ["--deployment", "prod", "--store", str(store.root), "--dtype", "float32"], session_home(tmp_path_factory)
+    )
     try:
         server.wait_ready()
         yield Deployment(store, versions, server)
@@ -83,8 +90,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 def _dlm(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 class Traffic:
@@ -132,7 +140,7 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
             for line in response.iter_lines():
                 submitted.set()  # the first event is sent once the request is in the engine
                 if line.startswith("data: {"):
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     assert "error" not in event, event
                     text += event["choices"][0]["delta"].get("content") or ""
         long.update(status=response.status_code, text=text, at=time.monotonic())
@@ -140,7 +148,9 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
     worker = threading.Thread(target=long_request)
     worker.start()
     assert submitted.wait(30)
-    code, stdout, stderr = cli("release", f"m@{v['beta']}", "-d", "prod", "--store", str(deployment.store.root), "--json")
+    code, stdout, stderr = cli(
+        "release", f"m@{v['beta']}", "-d", "prod", "--store", str(deployment.store.root), "--json"
+    )
     released_at = time.monotonic()
     assert code == 0, stderr
     outcome = json.loads(stdout)
@@ -176,7 +186,9 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
     assert logs.count("the old version's weights are released") == 2
     history = load_state(deployment.store, "prod")["history"]
     assert [(e["action"], e["status"], e["version"]) for e in history[-2:]] == [
-        ("release", "ok", v["beta"]), ("rollback", "ok", v["alpha"])]
+        ("release", "ok", v["beta"]),
+        ("rollback", "ok", v["alpha"]),
+    ]
 
 
 def test_a_version_that_fails_to_load_leaves_the_old_one_serving(deployment: Deployment) -> None:
@@ -234,10 +246,10 @@ def test_sigterm_unregisters_the_server(deployment: Deployment) -> None:
 def test_one_swap_at_a_time(tmp_path: Path) -> None:
     """In process: while a swap loads its version, a second one is refused with 409, and the
     first completes."""
-    from engine.server.config import load_config
-    from engine.server.errors import APIError
-    from engine.server.hotswap import HotSwapper, SwapRequest
-    from engine.server.service import Service
+    from dlm_cli.server.config import load_config
+    from dlm_cli.server.errors import APIError
+    from dlm_cli.server.hotswap import HotSwapper, SwapRequest
+    from dlm_cli.server.service import Service
 
     model = fixed_output_checkpoint(tmp_path / "one", " one")
     service = Service(load_config(None, {"model": str(model), "dtype": "float32", "warmup": False}, environ={}))
@@ -275,8 +287,8 @@ def test_one_swap_at_a_time(tmp_path: Path) -> None:
 
 
 def test_admin_key_sources_and_start_errors(tmp_path: Path) -> None:
+    from dlm_cli.server.config import key_id, load_config
     from engine.errors import UsageError
-    from engine.server.config import key_id, load_config
 
     key_file = tmp_path / "admin.key"
     key_file.write_text("sk-admin-file\n")

@@ -1,5 +1,6 @@
 """`dlm fetch ORG/NAME` through huggingface_hub's real client, against tests/fake_hub.py
 (a local HTTP server speaking the hub's file API) reached via HF_ENDPOINT."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.store import Store
+from dlm_cli.store.verify import verify_model
 from engine.errors import DlmError, UsageError
-from engine.weights.fetch import fetch
-from engine.weights.store import Store
-from engine.weights.verify import verify_model
 from tests.fake_hub import FakeHub
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
@@ -118,12 +119,19 @@ def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.Mo
     save_file({"b": torch.ones(1 << 18)}, str(src / "b.safetensors"))
     hub = FakeHub("org/big", _files(src), commit=COMMIT)
     hub.stall = ("b.safetensors", 1 << 19)
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf_cache"),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_CACHE": str(tmp_path / "hf_cache"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
     store = Store(tmp_path / "store")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlm_cli", "fetch", "org/big", "--store", str(store.root), "--workers", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         staged = store.model_dir("big") / ".staging" / f"hub-{COMMIT[:12]}" / "files"

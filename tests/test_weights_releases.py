@@ -1,9 +1,9 @@
 """Releases and rollbacks: verified versions only, stack semantics, rm protection, the
 admin hot-swap contract, and crash safety under SIGKILL."""
+
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from dlm_cli.store import admin
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.releases import current_checkpoint, load_state, release, remove_versions, rollback
+from dlm_cli.store.store import Store
 from engine.errors import DlmError, UsageError
-from engine.weights import admin
-from engine.weights.fetch import fetch
-from engine.weights.releases import current_checkpoint, load_state, release, remove_versions, rollback
-from engine.weights.store import Store
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
 
@@ -54,7 +54,13 @@ def test_release_and_rollback_walk_back_the_stack(stocked: tuple[Store, list[str
     assert not release(store, f"m@{v3}").changed  # already current: nothing recorded
     history = load_state(store, "default")["history"]
     assert [(e["action"], e["version"]) for e in history] == [
-        ("release", v1), ("release", v2), ("release", v3), ("rollback", v2), ("rollback", v1), ("rollback", v3)]
+        ("release", v1),
+        ("release", v2),
+        ("release", v3),
+        ("rollback", v2),
+        ("rollback", v1),
+        ("rollback", v3),
+    ]
     manifest, path = current_checkpoint(store)
     assert manifest.version == v3 and (path / "config.json").is_file()
 
@@ -107,7 +113,7 @@ def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None
 
 
 class FakeAdmin:
-    """The server side of the admin contract (engine/weights/admin.py), as a test double."""
+    """The server side of the admin contract (dlm_cli/store/admin.py), as a test double."""
 
     def __init__(self, status: int = 200, message: str = "") -> None:
         self.calls: list[tuple[str, dict, dict]] = []
@@ -186,8 +192,17 @@ def test_dead_or_remote_servers_are_not_called(stocked: tuple[Store, list[str]])
     dead.wait()
     admin_record = admin.record_path(store, "default")
     admin_record.parent.mkdir(parents=True, exist_ok=True)
-    admin_record.write_text(json.dumps({"deployment": "default", "pid": dead.pid, "admin_url": "http://127.0.0.1:9",
-                                        "admin_key": "k", "started_at": "x"}))
+    admin_record.write_text(
+        json.dumps(
+            {
+                "deployment": "default",
+                "pid": dead.pid,
+                "admin_url": "http://127.0.0.1:9",
+                "admin_key": "k",
+                "started_at": "x",
+            }
+        )
+    )
     assert admin.running_server(store, "default") is None
     assert release(store, f"m@{v1}").event["hot_swap"] is None
     with pytest.raises(DlmError, match="not on 127.0.0.1"):
@@ -198,7 +213,9 @@ def _assert_consistent(store: Store, allowed: set[str | None]) -> None:
     state = load_state(store, "default")  # parses: never torn
     assert _current(store) in allowed
     if state["current"] is not None:
-        assert state["history"][-1]["version"] == state["current"]["version"] or state["history"][-1]["status"] == "failed"
+        assert (
+            state["history"][-1]["version"] == state["current"]["version"] or state["history"][-1]["status"] == "failed"
+        )
 
 
 def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, list[str]]) -> None:
@@ -207,15 +224,19 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
     # The CLI, killed at several points from start-up to completion.
     for delay in (0.05, 0.15, 0.25, 0.35, 0.45, 0.6, 0.8):
         target = v2 if _current(store) == v1 else v1
-        proc = subprocess.Popen([sys.executable, "-m", "dlm_cli", "release", f"m@{target}", "--store", str(store.root)],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dlm_cli", "release", f"m@{target}", "--store", str(store.root)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         _assert_consistent(store, {v1, v2})
     # A process switching back and forth as fast as it can, killed at random instants.
     loop = (
-        "import sys; from engine.weights.store import Store; from engine.weights.releases import release\n"
+        "import sys; from dlm_cli.store.store import Store; from dlm_cli.store.releases import release\n"
         "s = Store(sys.argv[1]); vs = sys.argv[2:]\n"
         "print('ready', flush=True)\n"
         "while True:\n"
@@ -223,8 +244,13 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
     )
     rng = random.Random(0)
     for _ in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", loop, str(store.root), v1, v2], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", loop, str(store.root), v1, v2],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.2))
         proc.send_signal(signal.SIGKILL)

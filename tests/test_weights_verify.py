@@ -1,4 +1,5 @@
 """`dlm verify`: every kind of damage to a checkpoint exits 1 and names the file and problem."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.weights.fetch import fetch
-from engine.weights.safetensors_format import check_safetensors
-from engine.weights.store import Store
-from engine.weights.verify import verify_directory
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.safetensors_format import check_safetensors
+from dlm_cli.store.store import Store
+from dlm_cli.store.verify import verify_directory
 from tests.weights_helpers import cli, make_checkpoint
 
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -174,8 +175,14 @@ def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "4 bytes follow the last tensor"),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "leaves a gap at byte 0"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F16", "shape": [2], "data_offsets": [6, 10]}}, b"\0" * 10, "overlaps"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F16", "shape": [2], "data_offsets": [6, 10]},
+            },
+            b"\0" * 10,
+            "overlaps",
+        ),
         ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype 'Q7'"),
         ({"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 6 bytes"),
         ({"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2, None),

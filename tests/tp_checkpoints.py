@@ -1,15 +1,20 @@
 """Tiny checkpoints of every natively decoded family, for the tensor-parallel tests, and
 the decoding parameters each is run with. Shapes are chosen to be split: 4 query heads over
 2 KV heads (so 2 ranks split the KV heads and 4 ranks replicate them), 8 experts."""
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from engine.block_checkpoints import write_tiny
 from engine.checkpoint_writer import (
-    dream_config, llada_config, random_dream_tensors, random_llada_tensors, save_checkpoint,
+    dream_config,
+    llada_config,
+    random_dream_tensors,
+    random_llada_tensors,
+    save_checkpoint,
 )
+from tests.block_checkpoints import write_tiny
 
 PROMPT = list(range(5, 27))
 # Per family: generation parameters that exercise its decoding path (caches, threshold).
@@ -32,8 +37,9 @@ def write_family(directory: Path, family: str) -> Path:
     if family in ("clover", "qwen3_5_moe_stacked"):
         from tests.hybrid_checkpoints import reference_model, save_reference, to_multimodal_layout
 
-        text = save_reference(reference_model(seed=5), directory / "text", model_type="clover_moe",
-                              mask_token_id=159, eos_token_id=158)
+        text = save_reference(
+            reference_model(seed=5), directory / "text", model_type="clover_moe", mask_token_id=159, eos_token_id=158
+        )
         return text if family == "clover" else to_multimodal_layout(text, directory / "stacked")
     if family == "dream":
         config = dream_config(vocab_size=300, mask_token_id=299, eos_token_id=298)

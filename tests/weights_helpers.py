@@ -1,4 +1,5 @@
 """Shared by the weights tests: tiny checkpoints in the real on-disk format, and the CLI."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "engine" / "assets" / "tiny_tokenizer"
 
 
-def make_checkpoint(directory: Path, shards: int = 2, seed: int = 0, tokenizer: bool = True, **overrides: object) -> Path:
+def make_checkpoint(
+    directory: Path, shards: int = 2, seed: int = 0, tokenizer: bool = True, **overrides: object
+) -> Path:
     """A tiny LLaDA checkpoint (sharded with an index when shards > 1), with the shipped
     tokenizer files so the tokenizer check has something real to load."""
     from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint

@@ -20,6 +20,7 @@ Commit rules (all take the confidences and tokens of the eligible positions):
 - dynamic threshold (SDAR `low_confidence_dynamic`, openPangu `confidence_threshold`): all
   with confidence strictly > threshold if there are at least `k` of them, else the top k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -52,9 +53,7 @@ def static_top_k(conf: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(conf, k=max(1, min(k, conf.numel()))).indices
 
 
-def dinfer_threshold(
-    conf: torch.Tensor, tokens: torch.Tensor, threshold: float, mask_id: int
-) -> torch.Tensor:
+def dinfer_threshold(conf: torch.Tensor, tokens: torch.Tensor, threshold: float, mask_id: int) -> torch.Tensor:
     """dInfer's `get_transfer_index_threshold` (temperature 0): positions predicting MASK
     are not eligible; commit every eligible one with conf >= min(max - 1e-5, threshold)."""
     eligible = torch.where(tokens != mask_id, conf, torch.full_like(conf, float("-inf")))
@@ -74,8 +73,12 @@ def dynamic_threshold(conf: torch.Tensor, threshold: float, k: int) -> torch.Ten
 
 
 def choose(
-    params: GenerationParams, rules: BlockRules, conf: torch.Tensor, tokens: torch.Tensor,
-    scheduled: int, mask_id: int,
+    params: GenerationParams,
+    rules: BlockRules,
+    conf: torch.Tensor,
+    tokens: torch.Tensor,
+    scheduled: int,
+    mask_id: int,
 ) -> torch.Tensor:
     """Indices (into conf) of the positions to commit at this step."""
     if params.threshold is None:

@@ -4,6 +4,7 @@ All rules take `conf` [n] (one entry per masked position of the current block) a
 indices into it. They reproduce the reference implementations' choices, ties included
 (`torch.topk` order).
 """
+
 from __future__ import annotations
 
 import torch

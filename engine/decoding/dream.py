@@ -13,6 +13,7 @@ With a cache, step 0 is Fast-dLLM's refresh forward, which commits only the bloc
 token (`Sequence.positions_to_decide`). The count is computed in float32 tensors exactly as
 the reference does, since int() truncation turns rounding into a different count.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -55,9 +56,7 @@ def confidence(alg: str, stats: TokenStats) -> torch.Tensor:
     return stats.prob
 
 
-def choose(
-    params: GenerationParams, step: int, stats: TokenStats, generator: torch.Generator | None
-) -> torch.Tensor:
+def choose(params: GenerationParams, step: int, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
     """Indices into the decided positions to commit at block step `step` (>= 1 with a cache)."""
     alg, n, device = params.alg, stats.prob.numel(), stats.prob.device
     assert alg is not None

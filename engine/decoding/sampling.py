@@ -5,6 +5,7 @@ Dream's `sample_tokens` filters the tempered logits and renormalises, and its co
 from the plain LM-head statistics. This path materialises [positions, vocab] logits, but only
 for the positions being decided; greedy unfiltered decoding never comes here.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """How many tokens each step of a block commits (LLaDA's linear schedule)."""
+
 from __future__ import annotations
 
 

@@ -4,6 +4,7 @@ Two families of rules: LLaDA's `generate()` (linear schedule, threshold, factor,
 remasking) and Dream's `diffusion_generate` (engine/decoding/dream.py). This module picks the
 statistics each needs from the LM head and applies the rule.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from engine.decoding.commit import above_threshold, factor_rule, top_k
 from engine.decoding.sampling import filtered_stats
 from engine.layers.linear import gather_logits
 from engine.params import GenerationParams
-from engine.sequence import Sequence
+from engine.runtime.sequence import Sequence
 from kernels import dispatch
 from kernels.token_stats import TokenStats, VocabShard
 
@@ -27,24 +28,30 @@ def token_stats(
     `shard`: `weight` is this rank's vocabulary range (tensor parallelism)."""
     p, mask = seq.params, seq.mask_id
     if seq.sampler != "dream":
-        return dispatch.token_stats(hidden, weight, temperature=p.temperature, generator=seq.generator,
-                                    exclude_token=mask, shard=shard)
+        return dispatch.token_stats(
+            hidden, weight, temperature=p.temperature, generator=seq.generator, exclude_token=mask, shard=shard
+        )
     if p.temperature > 0 or p.top_p is not None or p.top_k is not None:
         # Top-p / top-k filtering needs the sorted distribution: the decided rows' logits
         # (gathered over the vocabulary shards under tensor parallelism).
         logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
-        return filtered_stats(logits, temperature=p.temperature, top_p=p.top_p,
-                              top_k=p.top_k, generator=seq.generator, exclude_token=mask)
-    return dispatch.token_stats(hidden, weight, want_entropy=p.alg == "entropy",
-                                want_margin=p.alg == "topk_margin", exclude_token=mask, shard=shard)
+        return filtered_stats(
+            logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, generator=seq.generator, exclude_token=mask
+        )
+    return dispatch.token_stats(
+        hidden,
+        weight,
+        want_entropy=p.alg == "entropy",
+        want_margin=p.alg == "topk_margin",
+        exclude_token=mask,
+        shard=shard,
+    )
 
 
 def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
     """Per-position confidence used to rank commits ('random' remasking ignores the model)."""
     if params.remasking == "random":
-        return torch.rand(
-            stats.prob.shape, dtype=torch.float64, device=stats.prob.device, generator=generator
-        )
+        return torch.rand(stats.prob.shape, dtype=torch.float64, device=stats.prob.device, generator=generator)
     return stats.prob
 
 

@@ -4,14 +4,15 @@ self-attention block the bidirectional families (LLaDA, Dream) share: packed QKV
 `select` lets the last layer compute queries only for the rows whose hidden states are
 wanted, while keys and values still cover every fed row (and any cached rows around them).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch, gather_rows
 from engine.layers.rotary import Rotary
+from engine.runtime.batch import ForwardBatch, gather_rows
 from kernels import dispatch
 
 

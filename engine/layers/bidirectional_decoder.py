@@ -9,6 +9,7 @@ projection, RMSNorm, SwiGLU MLP. They differ only in biases (Dream: q/k/v only; 
 checkpoints' tensor names load unchanged. The logit shift belongs to the model, not the layer.
 In the last layer only the `select` rows ask questions, so only they leave it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch, gather_rows
 from engine.config import ModelConfig
 from engine.layers.attention import self_attention
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.batch import ForwardBatch, gather_rows
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,11 @@ class BidirectionalDecoderLayer(nn.Module):
         qkv = QKVParallelLinear(d, config.num_heads, config.num_kv_heads, hd, qkv_bias)
         gate_up = ColumnParallelLinear(d, [config.intermediate_size] * 2, bias=bias)
         parts = {
-            names.attn_norm: RMSNorm(d, eps), names.qkv: qkv,
+            names.attn_norm: RMSNorm(d, eps),
+            names.qkv: qkv,
             names.attn_out: RowParallelLinear(config.num_heads * hd, d, bias=bias),
-            names.mlp_norm: RMSNorm(d, eps), names.gate_up: gate_up,
+            names.mlp_norm: RMSNorm(d, eps),
+            names.gate_up: gate_up,
             names.down: RowParallelLinear(config.intermediate_size, d, bias=bias),
         }
         for path, module in parts.items():

@@ -6,16 +6,17 @@ projected rows on, they all do the same: split heads, optional per-head q/k RMSN
 absolute positions, attention through the batch (cache + fed keys, group visibility).
 In the last layer only the `select` rows ask questions, so queries are gathered there.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch, gather_rows
-from engine.block_batch import BlockBatch
 from engine.layers.attention import merge_heads, split_heads
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.batch import ForwardBatch, gather_rows
+from engine.runtime.block_batch import BlockBatch
 
 
 def gather_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -25,10 +26,19 @@ def gather_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    num_heads: int, num_kv_heads: int, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-    rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: BlockBatch,
-    layer: int, selected: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+    rotary: Rotary,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    batch: BlockBatch,
+    layer: int,
+    selected: bool,
 ) -> torch.Tensor:
     """q/k/v [B, T, H*D] for every fed row -> attention output [B, Tq, Hq*D], where Tq is
     T, or the number of `batch.select` rows when `selected`."""
@@ -54,8 +64,13 @@ class DecoderLayer(nn.Module):
     attention_name = "self_attn"
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        batch: BlockBatch, layer: int, last: bool,
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: BlockBatch,
+        layer: int,
+        last: bool,
     ) -> torch.Tensor:
         attn = getattr(self, self.attention_name)
         out = attn(self.input_layernorm(x), rotary, cos_sin, batch, layer, last)

@@ -5,6 +5,7 @@ grouped-query SDPA and a sigmoid output gate computed from the query projection.
 head), exactly as stored in the checkpoint; `qkv_proj` packs q_proj, k_proj and v_proj.
 Keys and values after norm and rotary are what a cache keeps.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,13 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, zero_centred=True)
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
-        past: KeyValue | None, causal: bool,
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: KeyValue | None,
+        causal: bool,
     ) -> tuple[torch.Tensor, KeyValue]:
         """x [B, T, d] at positions given by cos/sin [B, T, r]; `past` is the cached prefix.
         causal=True: token i sees the prefix and tokens <= i (prefill, commit);

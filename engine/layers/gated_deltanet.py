@@ -15,6 +15,7 @@ Before the recurrence, q/k/v pass through a short causal depthwise convolution w
 K-1 input rows are the layer's "conv state"; after it, a gated RMSNorm (norm, then times
 silu(z)) and the output projection.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,7 +61,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def recurrent_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token form. q/k [B, H, T, dk] (normalised, q scaled), v [B, H, T, dv],
@@ -76,8 +81,13 @@ def recurrent_delta_rule(
 
 
 def chunked_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk: int = CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked form, same arguments and result as `recurrent_delta_rule`.
 
@@ -103,9 +113,7 @@ def chunked_delta_rule(
     system = system + torch.eye(chunk, dtype=q.dtype, device=q.device)
     # Solve once for the parts that do not depend on S0: u = U_v - W S0.
     u_v = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True
-    )
+    w = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # includes s == t
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
@@ -142,8 +150,14 @@ class GatedDeltaNet(nn.Module):
     in_proj_a (rows in that order) so the four input projections are one matmul."""
 
     def __init__(
-        self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-        head_v_dim: int, conv_kernel: int, eps: float,
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -167,9 +181,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = RowParallelLinear(full_value_dim, hidden_size)
         # This rank's rows of q, k and v inside in_proj_qkv (and the conv channels).
-        qkv = [(k0 * head_k_dim, k1 * head_k_dim),
-               (full_key_dim + k0 * head_k_dim, full_key_dim + k1 * head_k_dim),
-               (2 * full_key_dim + v0 * head_v_dim, 2 * full_key_dim + v1 * head_v_dim)]
+        qkv = [
+            (k0 * head_k_dim, k1 * head_k_dim),
+            (full_key_dim + k0 * head_k_dim, full_key_dim + k1 * head_k_dim),
+            (2 * full_key_dim + v0 * head_v_dim, 2 * full_key_dim + v1 * head_v_dim),
+        ]
         heads = [(v0, v1)]
         mark_rows(self.in_proj.weight, [qkv, [(v0 * head_v_dim, v1 * head_v_dim)], heads, heads])
         mark_rows(self.conv1d.weight, [qkv])
@@ -193,9 +209,7 @@ class GatedDeltaNet(nn.Module):
         T > 1, recurrent for single-token decode)."""
         b, t, _ = x.shape
         mixed, z, b_proj, a_proj = self.in_proj(x).split(self.split, dim=-1)
-        mixed, conv_history = causal_conv(
-            mixed, self.conv1d.weight[:, 0], None if state is None else state.conv
-        )
+        mixed, conv_history = causal_conv(mixed, self.conv1d.weight[:, 0], None if state is None else state.conv)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads
         # [B, T, H, D] -> [B, Hv, T, D] in fp32; value head h reads key head h // repeat.
@@ -210,7 +224,8 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a_proj.float() + self.dt_bias.float())).transpose(1, 2)
         s0 = (
             torch.zeros(b, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
-            if state is None else state.recurrent
+            if state is None
+            else state.recurrent
         )
         rule = chunked_delta_rule if (t > 1 if chunked is None else chunked) else recurrent_delta_rule
         o, s1 = rule(q, k, v, g, beta, s0)

@@ -19,16 +19,17 @@ only its slice from safetensors.
   The LM head is never applied here: `kernels.dispatch.token_stats` reduces each rank's
   range to a few statistics per decided row and combines them (`lm_head_shard`).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel_state
 from engine.loader import Shard
+from engine.parallel import state as parallel_state
 from kernels.token_stats import VocabPartial, VocabShard
 
 
@@ -67,8 +68,13 @@ def _mark(param: torch.Tensor | None, shard: Shard) -> None:
 
 class ColumnParallelLinear(nn.Linear):
     def __init__(
-        self, in_features: int, parts: Sequence[int], bias: bool = False, *,
-        ranges: Sequence[tuple[int, int]] | None = None, fused: bool = False,
+        self,
+        in_features: int,
+        parts: Sequence[int],
+        bias: bool = False,
+        *,
+        ranges: Sequence[tuple[int, int]] | None = None,
+        fused: bool = False,
     ) -> None:
         """`parts`: full output sizes of the packed parts; `ranges`: this rank's rows of
         each part (default: an even split of each); `fused`: the checkpoint stores all
@@ -90,9 +96,7 @@ def kv_head_range(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     if num_kv_heads % tp.size == 0:
         return split(num_kv_heads, "KV heads")
     if tp.size % num_kv_heads or num_heads % tp.size:
-        raise ValueError(
-            f"{num_heads} query / {num_kv_heads} KV heads cannot be split over {tp.size} ranks"
-        )
+        raise ValueError(f"{num_heads} query / {num_kv_heads} KV heads cannot be split over {tp.size} ranks")
     head = tp.rank // (tp.size // num_kv_heads)
     return head, head + 1
 
@@ -103,16 +107,25 @@ class QKVParallelLinear(ColumnParallelLinear):
     `num_kv_heads` are the local counts after construction."""
 
     def __init__(
-        self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-        q_rows: int | None = None, fused: bool = False,
+        self,
+        in_features: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        q_rows: int | None = None,
+        fused: bool = False,
     ) -> None:
         q_rows = q_rows or head_dim
         q0, q1 = split(num_heads, "query heads")
         k0, k1 = kv_head_range(num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         super().__init__(
-            in_features, [num_heads * q_rows, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
-            ranges=[(q0 * q_rows, q1 * q_rows)] + [(k0 * head_dim, k1 * head_dim)] * 2, fused=fused,
+            in_features,
+            [num_heads * q_rows, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias,
+            ranges=[(q0 * q_rows, q1 * q_rows)] + [(k0 * head_dim, k1 * head_dim)] * 2,
+            fused=fused,
         )
 
 
@@ -213,4 +226,3 @@ def local_kv_heads(num_heads: int, num_kv_heads: int) -> int:
     """KV heads a rank holds (what its KV cache is sized for)."""
     start, stop = kv_head_range(num_heads, num_kv_heads)
     return stop - start
-

@@ -8,6 +8,7 @@ down row-parallel); `reduce=False` leaves the output a per-rank partial sum (the
 sums experts and shared expert first, then reduces once), and `sharded=False` keeps a
 whole expert on one rank (expert parallelism).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,13 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 class GatedMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, *,
-        reduce: bool = True, sharded: bool = True,
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        reduce: bool = True,
+        sharded: bool = True,
     ) -> None:
         super().__init__()
         if sharded:

@@ -25,6 +25,7 @@ expert parallelism gives it whole experts (the others' slots are passed to the k
 intermediate features. Either way each rank produces a partial sum of the routed (and
 shared) experts' output, and one all-reduce per layer combines them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -33,16 +34,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel_state
 from engine.layers.linear import split
 from engine.layers.mlp import GatedMLP
 from engine.loader import Index, Shard
+from engine.parallel import state as parallel_state
 from kernels import dispatch
 
 
 def sigmoid_group_limited_route(
-    logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
-    topk_group: int, scaling: float, renormalize: bool,
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+    renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (experts [T, k], weights [T, k] fp32)."""
     scores = torch.sigmoid(logits)
@@ -62,9 +68,7 @@ def sigmoid_group_limited_route(
     return chosen, weights * scaling
 
 
-def softmax_route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (experts [T, k], weights [T, k] fp32)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, chosen = probs.topk(top_k, dim=-1)
@@ -76,8 +80,17 @@ def softmax_route(
 class SigmoidGroupGate(nn.Module):
     """LLaDA2's router: `gate.weight` [E, d] and `gate.expert_bias` [E] as in the checkpoint."""
 
-    def __init__(self, hidden: int, experts: int, top_k: int, n_group: int, topk_group: int,
-                 scaling: float, renormalize: bool, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        scaling: float,
+        renormalize: bool,
+        bias: bool,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
         self.expert_bias = nn.Parameter(torch.empty(experts)) if bias else None
@@ -87,8 +100,13 @@ class SigmoidGroupGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # the router runs in fp32
         return sigmoid_group_limited_route(
-            logits, self.expert_bias, self.top_k, self.n_group, self.topk_group,
-            self.scaling, self.renormalize,
+            logits,
+            self.expert_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.scaling,
+            self.renormalize,
         )
 
 
@@ -181,7 +199,10 @@ class FusedExperts(nn.Module):
 
 
 def expert_sources(
-    model: nn.Module, name: str, available: Mapping[str, object], checkpoint_name: str | None = None,
+    model: nn.Module,
+    name: str,
+    available: Mapping[str, object],
+    checkpoint_name: str | None = None,
 ) -> list[str] | None:
     """The loader's `tensor_sources` for stacked experts: the checkpoint tensors of model
     parameter `name` (whose checkpoint name is `checkpoint_name`, by default `name`) when it
@@ -198,8 +219,15 @@ class SparseMoE(nn.Module):
     `shared_ffn` and `gated_shared`, `shared_expert` + `shared_expert_gate` (Qwen);
     with `shared_ffn` alone, `shared_experts` (LLaDA2)."""
 
-    def __init__(self, gate: nn.Module, hidden: int, expert_ffn: int, num_experts: int,
-                 shared_ffn: int = 0, gated_shared: bool = False) -> None:
+    def __init__(
+        self,
+        gate: nn.Module,
+        hidden: int,
+        expert_ffn: int,
+        num_experts: int,
+        shared_ffn: int = 0,
+        gated_shared: bool = False,
+    ) -> None:
         super().__init__()
         self.gate = gate  # replicated: every rank routes every token the same way
         self.experts = FusedExperts(num_experts, hidden, expert_ffn)

@@ -3,6 +3,7 @@
 Called with a residual, the norm also performs the residual add before it and returns the
 new residual stream: one fused pass instead of an add and a norm.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,5 @@ class RMSNorm(torch.nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual)."""
-        normed, summed = dispatch.rms_norm(
-            x, self.weight, self.eps, residual=residual, zero_centred=self.zero_centred
-        )
+        normed, summed = dispatch.rms_norm(x, self.weight, self.eps, residual=residual, zero_centred=self.zero_centred)
         return normed if residual is None else (normed, summed)

@@ -4,6 +4,7 @@ Positions are explicit per token (absolute ids), never implied by the slice bein
 cached and gathered forwards must rotate a token exactly as the full forward would.
 The rotation itself is `kernels.rotary`, applied in place through the dispatch.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,22 +8,27 @@ samplers read position p's distribution from row p-1. Parameters mirror the chec
 the bidirectional decoder layer LLaDA shares (engine/layers/bidirectional_decoder.py), under
 Qwen2's names.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.layers.bidirectional_decoder import BidirectionalDecoderLayer, LayerNames
 from engine.layers.block_decoder import decoder_stack
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.batch import ForwardBatch
 
 NAMES = LayerNames(
-    attn_norm="input_layernorm", qkv="self_attn.qkv_proj", attn_out="self_attn.o_proj",
-    mlp_norm="post_attention_layernorm", gate_up="mlp.gate_up_proj", down="mlp.down_proj",
+    attn_norm="input_layernorm",
+    qkv="self_attn.qkv_proj",
+    attn_out="self_attn.o_proj",
+    mlp_norm="post_attention_layernorm",
+    gate_up="mlp.gate_up_proj",
+    down="mlp.down_proj",
 )
 
 

@@ -7,22 +7,27 @@ concatenation so each is one matmul. In the checkpoint `ff_proj` is the SwiGLU g
 the LM head. The block itself is the bidirectional decoder layer Dream shares
 (engine/layers/bidirectional_decoder.py), under LLaDA's names.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.layers.bidirectional_decoder import BidirectionalDecoderLayer, LayerNames
 from engine.layers.block_decoder import decoder_stack
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.batch import ForwardBatch
 
 NAMES = LayerNames(
-    attn_norm="attn_norm", qkv="qkv_proj", attn_out="attn_out",
-    mlp_norm="ff_norm", gate_up="gate_up_proj", down="ff_out",
+    attn_norm="attn_norm",
+    qkv="qkv_proj",
+    attn_out="attn_out",
+    mlp_norm="ff_norm",
+    gate_up="gate_up_proj",
+    down="ff_out",
 )
 
 

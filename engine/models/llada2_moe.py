@@ -12,12 +12,12 @@ packed `gate_up_proj` (gate_proj, up_proj) of every MLP and the stacked routed e
 - Layers below `first_k_dense_replace` are dense; the rest are MoE with the sigmoid,
   group-limited router and a shared expert (see engine/layers/moe.py).
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.block_batch import BlockBatch
 from engine.config import ModelConfig
 from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
@@ -26,6 +26,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SigmoidGroupGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.block_batch import BlockBatch
 
 
 class LLaDA2Attention(nn.Module):
@@ -33,7 +34,11 @@ class LLaDA2Attention(nn.Module):
         super().__init__()
         raw, hd = config.raw, config.head_dim
         self.query_key_value = QKVParallelLinear(
-            config.hidden_size, config.num_heads, config.num_kv_heads, hd, bool(raw.get("use_qkv_bias", False)),
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            hd,
+            bool(raw.get("use_qkv_bias", False)),
             fused=True,
         )
         self.num_heads, self.num_kv_heads = self.query_key_value.num_heads, self.query_key_value.num_kv_heads
@@ -43,13 +48,29 @@ class LLaDA2Attention(nn.Module):
         self.query_layernorm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.key_layernorm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, h: torch.Tensor, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                batch: BlockBatch, layer: int, selected: bool) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: BlockBatch,
+        layer: int,
+        selected: bool,
+    ) -> torch.Tensor:
         q, k, v = self.query_key_value(h).split(self.sizes, dim=-1)
         out = block_attention(
-            q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            q_norm=self.query_layernorm, k_norm=self.key_layernorm, rotary=rotary,
-            cos_sin=cos_sin, batch=batch, layer=layer, selected=selected,
+            q,
+            k,
+            v,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            q_norm=self.query_layernorm,
+            k_norm=self.key_layernorm,
+            rotary=rotary,
+            cos_sin=cos_sin,
+            batch=batch,
+            layer=layer,
+            selected=selected,
         )
         return self.dense(out)
 
@@ -69,9 +90,14 @@ class LLaDA2Layer(DecoderLayer):
                 raise ValueError(f"LLaDA2 score_function {raw.get('score_function')!r} (only sigmoid)")
             ffn = int(raw["moe_intermediate_size"])
             gate = SigmoidGroupGate(
-                d, int(experts), int(raw["num_experts_per_tok"]), int(raw.get("n_group") or 1),
-                int(raw.get("topk_group") or 1), float(raw.get("routed_scaling_factor", 1.0)),
-                bool(raw.get("norm_topk_prob", True)), bool(raw.get("moe_router_enable_expert_bias", False)),
+                d,
+                int(experts),
+                int(raw["num_experts_per_tok"]),
+                int(raw.get("n_group") or 1),
+                int(raw.get("topk_group") or 1),
+                float(raw.get("routed_scaling_factor", 1.0)),
+                bool(raw.get("norm_topk_prob", True)),
+                bool(raw.get("moe_router_enable_expert_bias", False)),
             )
             self.mlp: nn.Module = SparseMoE(gate, d, ffn, int(experts), ffn * int(raw.get("num_shared_experts") or 0))
         else:

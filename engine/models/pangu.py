@@ -10,6 +10,7 @@ sub-blocks of 8. Its MASK is 45830 (an argument of the reference, not in config.
 Because the context is causal and logits are shifted, the checkpoint is also a plain
 causal LM: `--mode ar` (blocks of one token) is ordinary greedy AR decoding.
 """
+
 from __future__ import annotations
 
 from engine.config import ModelConfig

@@ -17,6 +17,7 @@ spans against a `HybridCache` (`forward_tokens`), causal for prefill, decode and
 commit pass, bidirectional inside the span for Clover's preview pass. It returns the new
 per-layer states and leaves the cache alone; the caller commits them or drops them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,7 +26,6 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.hybrid_cache import HybridCache, LayerState
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -33,6 +33,7 @@ from engine.layers.moe import SoftmaxGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.loader import checkpoint_sources
+from engine.runtime.hybrid_cache import HybridCache, LayerState
 
 MULTIMODAL_PREFIX = "model.language_model."
 
@@ -45,13 +46,21 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps, zero_centred=True)
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
-                d, int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
-                int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]),
-                int(raw.get("linear_conv_kernel_dim", 4)), eps,
+                d,
+                int(raw["linear_num_key_heads"]),
+                int(raw["linear_num_value_heads"]),
+                int(raw["linear_key_head_dim"]),
+                int(raw["linear_value_head_dim"]),
+                int(raw.get("linear_conv_kernel_dim", 4)),
+                eps,
             )
         elif layer_type == "full_attention":
             self.self_attn = GatedAttention(
-                d, config.num_heads, config.num_kv_heads, config.head_dim, eps,
+                d,
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                eps,
                 bool(raw.get("attention_bias", False)),
             )
         else:
@@ -59,13 +68,22 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
         experts = int(raw["num_experts"])
         self.mlp = SparseMoE(
-            SoftmaxGate(d, experts, int(raw["num_experts_per_tok"]), renormalize=True), d,
-            config.intermediate_size, experts, int(raw["shared_expert_intermediate_size"]), gated_shared=True,
+            SoftmaxGate(d, experts, int(raw["num_experts_per_tok"]), renormalize=True),
+            d,
+            config.intermediate_size,
+            experts,
+            int(raw["shared_expert_intermediate_size"]),
+            gated_shared=True,
         )
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        past: LayerState | None, causal: bool, chunked: bool | None,
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        past: LayerState | None,
+        causal: bool,
+        chunked: bool | None,
     ) -> tuple[torch.Tensor, LayerState]:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
@@ -127,8 +145,12 @@ class Model(nn.Module):
         return HybridCache(layers=[None] * len(self.model.layers))
 
     def forward_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache | None,
-        causal: bool = True, chunked: bool | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HybridCache | None,
+        causal: bool = True,
+        chunked: bool | None = None,
     ) -> tuple[torch.Tensor, list[LayerState]]:
         """Run ids [B, T] at absolute `positions` [B, T] after the cached prefix.
 

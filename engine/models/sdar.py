@@ -11,12 +11,12 @@ on the layers that `decoder_sparse_step` / `mlp_only_layers` select.
 `LlamaStyleModel` is the whole architecture with its options (q/k norm, projection biases);
 openPangu (engine/models/pangu.py) is the same network without q/k norm and with biases.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.block_batch import BlockBatch
 from engine.config import ModelConfig
 from engine.decoding.block_diffusion import BlockRules
 from engine.layers.block_decoder import DecoderLayer, block_attention, decoder_stack
@@ -25,6 +25,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SoftmaxGate, SparseMoE, expert_sources
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.runtime.block_batch import BlockBatch
 
 
 class SelfAttention(nn.Module):
@@ -38,13 +39,29 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, h: torch.Tensor, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                batch: BlockBatch, layer: int, selected: bool) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: BlockBatch,
+        layer: int,
+        selected: bool,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
         out = block_attention(
-            q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            q_norm=self.q_norm, k_norm=self.k_norm, rotary=rotary, cos_sin=cos_sin,
-            batch=batch, layer=layer, selected=selected,
+            q,
+            k,
+            v,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            rotary=rotary,
+            cos_sin=cos_sin,
+            batch=batch,
+            layer=layer,
+            selected=selected,
         )
         return self.o_proj(out)
 

@@ -1,0 +1,199 @@
+"""`dlm generate`: decode one prompt with the engine and print the result."""
+
+from __future__ import annotations
+
+import typer
+
+from dlm_cli import parallel as tp
+from dlm_cli.output import cli_errors, emit_json, err_console
+
+
+def _parse_ids(text: str) -> list[int]:
+    from engine.errors import UsageError
+
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
+    """Decode with a progress bar of committed tokens on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mask = llm.config.mask_token_id
+    columns = (
+        TextColumn("denoising"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TextColumn("{task.fields[nfe]} forwards"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("denoising", total=params.gen_length, nfe=0)
+
+        def on_step(seqs) -> None:  # noqa: ANN001
+            seq = seqs[0]
+            done = sum(1 for t in seq.canvas[seq.prompt_length :].tolist() if t != mask)
+            progress.update(task, completed=done, nfe=seq.nfe)
+
+        return llm.generate(prompt_tokens, params, on_step=on_step)[0]
+
+
+def generate(
+    model: str | None = typer.Argument(
+        None, help="Checkpoint directory or store name[@version] (default: the embedded tiny random model)."
+    ),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
+    gen_length: int = typer.Option(128, "--gen-length", help="Tokens to generate."),
+    steps: int | None = typer.Option(None, "--steps", help="Denoising steps in total (default: gen-length)."),
+    block_length: int | None = typer.Option(
+        None, "--block-length", help="Semi-autoregressive block size (default: 32 if it divides gen-length)."
+    ),
+    remasking: str = typer.Option("low_confidence", "--remasking", help="low_confidence or random."),
+    threshold: float | None = typer.Option(
+        None,
+        "--threshold",
+        help="Fast-dLLM parallel decoding: commit every masked token with confidence >= T (0 < T <= 1).",
+    ),
+    factor: float | None = typer.Option(None, "--factor", help="Fast-dLLM factor rule instead of a threshold."),
+    cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
+    seed: int | None = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
+    cache: str = typer.Option(
+        "auto",
+        "--cache",
+        help=(
+            "auto (block where the family has it, else none)|none|prefix|dual (Fast-dLLM approximate K/V cache, "
+            "refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."
+        ),
+    ),
+    alg: str | None = typer.Option(
+        None,
+        "--alg",
+        help="Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold (default entropy).",
+    ),
+    alg_temp: float | None = typer.Option(
+        None, "--alg-temp", help="Dream family: sample committed positions from softmax(confidence/alg_temp)."
+    ),
+    top_p: float | None = typer.Option(
+        None, "--top-p", help="Dream family: nucleus filtering of the token distribution."
+    ),
+    top_k: int | None = typer.Option(None, "--top-k", help="Dream family: keep the k most likely tokens."),
+    early_stop: bool = typer.Option(
+        True, "--early-stop/--no-early-stop", help="Stop once a finished block holds EOS (the rest is filled with EOS)."
+    ),
+    mode: str = typer.Option(
+        "diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."
+    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    backend: str = typer.Option(
+        "native", "--backend", help="native, or transformers: load any checkpoint with transformers."
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."
+    ),
+    tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,
+    nnodes: int | None = tp.NNODES,
+    node_rank: int | None = tp.NODE_RANK,
+    master_addr: str | None = tp.MASTER_ADDR,
+    master_port: int | None = tp.MASTER_PORT,
+    moe_parallel: str | None = tp.MOE_PARALLEL,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+) -> None:
+    """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
+    with cli_errors():
+        from engine.errors import UsageError
+
+        if (prompt is None) == (prompt_ids is None):
+            raise UsageError("give exactly one of --prompt or --prompt-ids")
+        ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        if model is not None:  # fail fast, before torch is imported; also resolves store names
+            from dlm_cli.store.resolve import resolve_model
+
+            model = str(resolve_model(model))
+
+        from engine.llm import LLM
+        from engine.params import GenerationParams
+
+        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
+        if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
+            return
+        params = GenerationParams(
+            gen_length=gen_length,
+            steps=steps,
+            block_length=block_length,
+            remasking=remasking,
+            temperature=temperature,
+            cfg_scale=cfg_scale,
+            threshold=threshold,
+            factor=factor,
+            seed=seed,
+            cache=cache,
+            mode=mode,
+            alg=alg,
+            alg_temp=alg_temp,
+            top_p=top_p,
+            top_k=top_k,
+            early_stop=early_stop,
+        )
+        with err_console.status("loading model"):
+            llm = LLM(
+                model,
+                dtype=dtype,
+                device=device,
+                backend=backend,
+                trust_remote_code=trust_remote_code,
+                parallel=parallel,
+            )
+        with llm:  # stops the worker ranks of a tensor-parallel model however this ends
+            if getattr(llm.engine, "tensor_parallel_size", 1) > 1:
+                err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
+            path = getattr(llm.engine, "path", None)
+            if path is not None:
+                from engine.transformers_backend import PATHS
+
+                err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
+            # Validate before decoding so a bad flag fails fast, not after tokenizer work.
+            source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
+            prompt_tokens = llm.encode(source, chat=chat)
+            resolved = llm.engine.validate(params, len(prompt_tokens))
+            out = _generate_with_progress(llm, prompt_tokens, params)
+            if json_out:
+                emit_json(
+                    {
+                        "model": str(llm.model_dir),
+                        "prompt_ids": out.prompt_ids,
+                        "output_ids": out.output_ids,
+                        "text": out.text,
+                        "nfe": out.nfe,
+                        "seconds": round(out.seconds, 6),
+                        "tokens_per_second": round(out.tokens_per_second, 3),
+                        "finish_reason": out.finish_reason,
+                        "query_lengths": out.query_lengths,
+                        "cache": out.cache,
+                        "tokens_fed": sum(out.query_lengths),
+                        "params": dict(resolved.__dict__),
+                        "dtype": str(llm.dtype).replace("torch.", ""),
+                        "device": str(llm.device),
+                        "backend": {"name": backend, "path": path},
+                        "tensor_parallel_size": getattr(llm.engine, "tensor_parallel_size", 1),
+                    }
+                )
+                return
+            if out.text is not None:
+                typer.echo(out.text)
+            else:
+                typer.echo(",".join(map(str, out.output_ids)))
+            err_console.print(
+                f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
+                f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
+                f"finish_reason={out.finish_reason}[/]"
+            )

@@ -1,0 +1,66 @@
+"""`dlm validate URL`: acceptance checks of a running server, for humans and CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dlm_cli.output import cli_errors, emit_json, err_console
+
+
+def validate(
+    url: str = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="DLM_API_KEY",
+        help="Bearer key for the server (also checks that a missing or wrong key gets 401).",
+    ),
+    model: str | None = typer.Option(None, "--model", help="Model id to check (default: the first of /v1/models)."),
+    suite: Path | None = typer.Option(
+        None, "--suite", help="YAML file of prompts with expectations (see docs/validate.md)."
+    ),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write the results as JUnit XML."),
+    ready_timeout: float = typer.Option(60.0, "--ready-timeout", help="Seconds to wait for /ready."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for each request."),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="max_tokens of the check requests."),
+    burst: int = typer.Option(32, "--burst", help="Concurrent requests of the burst check."),
+    min_context: int | None = typer.Option(
+        None, "--min-context", help="Fail unless prompts of this many tokens are served."
+    ),
+    skip: list[str] = typer.Option([], "--skip", help="Check to leave out (repeatable)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
+) -> None:
+    """Check a running server against the HTTP contract; exit 1 if any check fails."""
+    with cli_errors():
+        from dlm_cli.checks.report import render_table, to_json, write_junit
+        from dlm_cli.checks.runner import FAILED, ValidateOptions
+        from dlm_cli.checks.suite import load_suite
+        from dlm_cli.checks.validate import run_validation
+        from engine.errors import UsageError
+
+        if max_tokens < 1 or burst < 1 or timeout <= 0 or ready_timeout < 0:
+            raise UsageError("--max-tokens and --burst must be >= 1, --timeout > 0, --ready-timeout >= 0")
+        options = ValidateOptions(
+            model=model, max_tokens=max_tokens, ready_timeout=ready_timeout, burst=burst, min_context=min_context
+        )
+        loaded = load_suite(suite) if suite else None
+        with err_console.status("validating") as status:
+            results = run_validation(
+                url,
+                options,
+                api_key=api_key,
+                timeout=timeout,
+                suite=loaded,
+                skip=tuple(skip),
+                on_start=lambda name: status.update(f"check [bold]{name}[/]"),
+            )
+        if junit_xml:
+            write_junit(results, url, junit_xml)
+        if json_out:
+            emit_json(to_json(results, url))
+        else:
+            render_table(results, url, err_console)
+        if any(r.status == FAILED for r in results):
+            raise typer.Exit(1)

@@ -1,0 +1,1 @@
+"""`dlm estimate`: GPU memory plans from config.json alone (never imports torch)."""

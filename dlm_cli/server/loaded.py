@@ -1,0 +1,43 @@
+"""LoadedModel: one checkpoint ready to serve (its engine loop, tokenizer and limits).
+
+A server usually holds one. During a hot swap (dlm_cli/server/hotswap.py) it holds two for a
+while: new requests go to the new one while requests admitted earlier finish on the old
+one. So a request keeps a reference to the LoadedModel it was admitted to and decodes its
+output with that model's tokenizer, whatever the server serves by the time it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.runtime.async_engine import AsyncEngine
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    engine: AsyncEngine
+    tokenizer: Any  # None when the checkpoint has no tokenizer (token-id prompts only)
+    eos_id: int | None
+    max_model_len: int
+    model_dir: Path
+    ref: str | None = None  # NAME@VERSION when it came from the store through a deployment
+
+    @property
+    def version(self) -> str | None:
+        return self.ref.partition("@")[2] if self.ref else None
+
+    def decode(self, ids: list[int]) -> str:
+        from engine.tokenizer import decode
+
+        return "" if self.tokenizer is None else decode(self.tokenizer, ids, self.eos_id)
+
+    def completion_ids(self, prefix: list[int]) -> list[int]:
+        """Generated ids that count as the completion: up to and including the first EOS."""
+        if self.eos_id is not None and self.eos_id in prefix:
+            return prefix[: prefix.index(self.eos_id) + 1]
+        return prefix
+
+    def describe(self) -> str:
+        return self.ref or str(self.model_dir)

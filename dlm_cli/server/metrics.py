@@ -1,0 +1,132 @@
+"""Prometheus metrics, `dlm_` prefix, named after vLLM's where one exists.
+
+dLLM cost is steps x forward, so besides tokens and latencies the server exports denoising
+steps per request, tokens committed per step, step duration and batch size. Each app has its
+own registry (several apps may live in one test process). Counters get prometheus-client's
+`_total` suffix on export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+POWERS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("dlm_num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("dlm_num_requests_waiting", "Requests waiting for a slot.", registry=r)
+        self.batch_token_usage = Gauge(
+            "dlm_batch_token_usage_perc",
+            "Canvas tokens in the running batch over max_num_batched_tokens (1 = full).",
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "dlm_kv_cache_bytes",
+            "K/V cache (and recurrent state) bytes the running requests hold on this process "
+            "(rank 0's shard under tensor parallelism).",
+            registry=r,
+        )
+        self.e2e = Histogram("dlm_e2e_request_latency_seconds", "Arrival to last byte.", buckets=LATENCY, registry=r)
+        self.ttft = Histogram(
+            "dlm_time_to_first_token_seconds",
+            "Arrival to first streamed text.",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "dlm_request_queue_time_seconds",
+            "Arrival to joining the running batch.",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.steps = Histogram(
+            "dlm_request_denoising_steps",
+            "Model forwards spent per request.",
+            buckets=POWERS,
+            registry=r,
+        )
+        self.tokens_per_step = Histogram(
+            "dlm_tokens_per_step",
+            "Tokens committed per sequence per denoising step.",
+            buckets=(0.0,) + POWERS[:9],
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "dlm_step_duration_seconds",
+            "Duration of one batched denoising forward.",
+            buckets=STEP,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "dlm_batch_size",
+            "Sequences sharing one denoising forward.",
+            buckets=POWERS[:10],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("dlm_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(
+            "dlm_generation_tokens",
+            "Generated tokens returned (up to and including EOS).",
+            registry=r,
+        )
+        self.success = Counter(
+            "dlm_request_success",
+            "Finished requests by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "dlm_request_rejections",
+            "Refused requests by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.timeouts = Counter("dlm_request_timeouts", "Requests ended by their deadline.", registry=r)
+        self.disconnects = Counter(
+            "dlm_http_requests_client_disconnected",
+            "Requests cancelled because the client left.",
+            registry=r,
+        )
+        self.failures = Counter(
+            "dlm_request_failures",
+            "Requests ended by an engine error or shutdown.",
+            ["reason"],
+            registry=r,
+        )
+        # Export the common series from the start, so rates and alerts work before the first event.
+        for reason in ("stop", "length", "tool_calls"):
+            self.success.labels(reason)
+        for reason in ("queue_full", "rate_limit_exceeded", "invalid_api_key", "draining", "not_ready"):
+            self.rejections.labels(reason)
+        for reason in ("error", "shutdown"):
+            self.failures.labels(reason)
+
+    def bind(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        token_usage: Callable[[], float],
+        cache_bytes: Callable[[], int],
+    ) -> None:
+        """Read the gauges from the engine at scrape time."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.batch_token_usage.set_function(token_usage)
+        self.cache_bytes.set_function(cache_bytes)
+
+    def on_step(self, batch_size: int, batch_tokens: int, committed: list[int], seconds: float) -> None:
+        self.batch_size.observe(batch_size)
+        self.step_duration.observe(seconds)
+        for n in committed:
+            self.tokens_per_step.observe(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,136 @@
+"""The contract between the store and a running `dlm serve --deployment NAME`.
+
+A server serving a deployment registers itself in `<store>/deployments/NAME.server.json`
+(mode 0600: it holds the admin key): its pid, its admin URL (always on 127.0.0.1) and the
+admin key. `dlm release` / `dlm rollback` find it there and call
+
+    POST {admin_url}/admin/swap
+    Authorization: Bearer {admin_key}
+    {"deployment": ..., "model": ..., "version": ..., "path": "<checkpoint dir>",
+     "content_sha256": ...}
+
+The server loads the new version beside the old one, warms it up, switches traffic and
+drains the old one, and answers only then: 200 `{"status": "ok", "model", "version"}`
+once traffic is on the new version, or an OpenAI-style error body
+`{"error": {"message", ...}}` (any non-2xx) when the new version failed to load or warm
+up, in which case traffic stayed on the old one. The store's current version changes only
+after a 200.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from dlm_cli.store.atomic import read_json, write_json_atomic
+from dlm_cli.store.store import Store, check_name, now
+from engine.errors import DlmError
+
+SWAP_PATH = "/admin/swap"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+SWAP_TIMEOUT_S = 1800.0  # loading and warming an 8B+ model can take minutes
+
+
+class SwapFailed(DlmError):
+    """The server did not switch: traffic stays on the version it was serving."""
+
+
+@dataclass
+class ServerRecord:
+    deployment: str
+    pid: int
+    admin_url: str
+    admin_key: str
+    started_at: str
+
+
+def record_path(store: Store, deployment: str) -> Path:
+    return store.deployments_dir / f"{check_name(deployment, 'deployment name')}.server.json"
+
+
+def _check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK:
+        raise DlmError(f"admin URL {url} is not on 127.0.0.1; the admin key is only ever sent to loopback")
+
+
+def register_server(store: Store, deployment: str, admin_url: str, admin_key: str) -> Path:
+    """Called by `dlm serve --deployment NAME` once its admin endpoint listens."""
+    _check_loopback(admin_url)
+    path = record_path(store, deployment)
+    record = ServerRecord(deployment, os.getpid(), admin_url.rstrip("/"), admin_key, now())
+    write_json_atomic(path, asdict(record), mode=0o600)
+    return path
+
+
+def unregister_server(store: Store, deployment: str) -> None:
+    """Called by the server on shutdown; only removes its own record."""
+    path = record_path(store, deployment)
+    try:
+        if read_json(path).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_server(store: Store, deployment: str) -> ServerRecord | None:
+    """The registered server of `deployment`, if its process is alive."""
+    try:
+        record = ServerRecord(**read_json(record_path(store, deployment)))
+    except (OSError, ValueError, TypeError):
+        return None
+    return record if _alive(record.pid) else None
+
+
+def hot_swap(
+    server: ServerRecord,
+    *,
+    model: str,
+    version: str,
+    path: Path,
+    content_sha256: str,
+    timeout: float = SWAP_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Ask the server to switch to `model@version`; returns its answer or raises SwapFailed."""
+    import httpx
+
+    _check_loopback(server.admin_url)
+    body = {
+        "deployment": server.deployment,
+        "model": model,
+        "version": version,
+        "path": str(path),
+        "content_sha256": content_sha256,
+    }
+    try:
+        response = httpx.post(
+            server.admin_url + SWAP_PATH,
+            json=body,
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {server.admin_key}"},
+        )
+    except httpx.HTTPError as exc:
+        raise SwapFailed(
+            f"server of deployment {server.deployment} at {server.admin_url} did not answer: {exc}"
+        ) from exc
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {}
+    if response.status_code // 100 != 2:
+        message = (payload.get("error") or {}).get("message") if isinstance(payload, dict) else None
+        raise SwapFailed(f"server refused the swap (HTTP {response.status_code}): {message or response.text[:200]}")
+    return payload if isinstance(payload, dict) else {}

@@ -1,0 +1,110 @@
+"""Streamed sha256 of weight files: alone, while copying, and over many files in parallel.
+
+Files are read in large chunks into one reusable buffer per thread; hashlib releases the GIL
+on large updates, so threads hash several shards at once at disk speed. Progress is reported
+in bytes through a small protocol so the engine never depends on a UI library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+CHUNK = 8 << 20
+
+
+class ByteProgress(Protocol):
+    """Receives byte counts as work advances (a progress bar, or nothing)."""
+
+    def start(self, description: str, total_bytes: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, description: str, total_bytes: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _chunks(path: Path, advance: Callable[[int], None]) -> Iterable[memoryview]:
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(buffer)
+            if not n:
+                return
+            yield view[:n]
+            advance(n)
+
+
+def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> str:
+    digest = hashlib.sha256()
+    for chunk in _chunks(path, advance):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The id git (and the hub, for files not in LFS) gives a file's content."""
+    digest = hashlib.sha1(f"blob {os.path.getsize(path)}\0".encode())
+    for chunk in _chunks(path, lambda n: None):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def copy_hashing(src: Path, dst: Path, advance: Callable[[int], None] = lambda n: None) -> str:
+    """Copy `src` to `dst` and return the sha256 of what was read, in one pass; fsyncs `dst`."""
+    digest = hashlib.sha256()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "wb") as out:
+        for chunk in _chunks(src, advance):
+            digest.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
+
+
+def parallel_map(
+    work: Callable[[Path, Callable[[int], None]], str],
+    paths: list[Path],
+    progress: ByteProgress,
+    description: str,
+    workers: int | None = None,
+) -> dict[Path, str | OSError]:
+    """Run `work(path, advance)` over `paths` in threads; an OSError is returned, not raised,
+    so one unreadable file does not hide the state of the others."""
+    total = sum(p.stat().st_size for p in paths if p.is_file())
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            progress.advance(n)
+
+    def one(path: Path) -> str | OSError:
+        try:
+            return work(path, advance)
+        except OSError as exc:
+            return exc
+
+    workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
+    progress.start(description, total)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return dict(zip(paths, pool.map(one, paths)))
+    finally:
+        progress.stop()

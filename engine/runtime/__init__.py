@@ -1,0 +1,1 @@
+"""The runtime: request state, batches, runners, caches, the scheduler and the engine loop."""

@@ -1,0 +1,106 @@
+"""BlockRunner: one batched forward for block-causal sequences, then their commits.
+
+Each sequence contributes one row (`BlockSequence.plan()`): the positions it feeds, which
+of them enter its KV cache and which it decides. Rows are padded on the right (PAD group),
+hidden states leave the last layer only at the decided rows, and the LM head runs there
+through `kernels.dispatch.token_stats` (argmax, its probability), never over the vocabulary
+for the whole block. The family's commit rule then picks the positions to commit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.decoding.block_diffusion import choose, resolve_block_params
+from engine.decoding.step import confidence
+from engine.layers.linear import lm_head_shard, local_kv_heads
+from engine.params import GenerationParams
+from engine.runtime.block_batch import PAD_GROUP, BlockBatch
+from engine.runtime.block_sequence import BlockSequence, Work
+from engine.runtime.kv_cache import SequenceKVCache
+from engine.runtime.runner import MIN_ROWS
+from kernels import dispatch
+
+
+class BlockRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.config = model, config
+        self.dtype, self.device = dtype, device
+        self.rules = model.block_rules
+        self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
+
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        return resolve_block_params(params, self.model.default_block_length)
+
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> BlockSequence:
+        """`params` already resolved and validated; decoding stops after a block holding `eos_id`."""
+        c = self.config
+        cache = None
+        if params.cache == "block":
+            heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
+            cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
+        return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, self.rules, cache)
+
+    def _batch(self, seqs: list[BlockSequence], works: list[Work]) -> BlockBatch:
+        # At least MIN_ROWS fed and selected rows, so a GEMM rounds the same solo as batched.
+        width = max(max(w.end - w.start for w in works), MIN_ROWS)
+        picks = max(max(len(w.rows) for w in works), MIN_ROWS)
+        n = len(works)
+        ids = torch.full((n, width), self.config.mask_token_id, dtype=torch.long)
+        positions = torch.zeros((n, width), dtype=torch.long)
+        groups = torch.full((n, width), PAD_GROUP, dtype=torch.long)
+        select = torch.zeros((n, picks), dtype=torch.long)
+        for r, (seq, w) in enumerate(zip(seqs, works)):
+            length = w.end - w.start
+            ids[r, :length] = seq.canvas[w.start : w.end]
+            positions[r, :length] = torch.arange(w.start, w.end)
+            groups[r, :length] = w.groups
+            select[r, : len(w.rows)] = w.rows - w.start
+        caches = [s.cache for s in seqs]
+        to = self.device
+        return BlockBatch(
+            ids.to(to),
+            positions.to(to),
+            groups.to(to),
+            select.to(to),
+            caches=None if caches[0] is None else caches,  # type: ignore[arg-type]
+            write=[w.write for w in works],
+        )
+
+    def step(self, seqs: list[BlockSequence]) -> None:
+        """Advance every sequence by one forward: one batched forward for those with the
+        exact cache, one for those recomputing their prefix (`--cache none`)."""
+        for cached in (True, False):
+            group = [s for s in seqs if (s.cache is not None) == cached]
+            if group:
+                self._forward(group)
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[BlockSequence]) -> None:
+        works = [s.plan() for s in seqs]
+        hidden = self.model(self._batch(seqs, works))
+        weight = self.model.lm_head_weight
+        for r, (seq, work) in enumerate(zip(seqs, works)):
+            seq.committed(work)
+            if len(work.decide) == 0:
+                continue
+            p = seq.params
+            stats = dispatch.token_stats(
+                hidden[r, : len(work.rows)],
+                weight,
+                temperature=p.temperature,
+                generator=seq.generator,
+                shard=self.vocab_shard,
+            )
+            conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
+            chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id)
+            if chosen.numel() == 0:
+                # Progress is counted in `pending` positions (a committed MASK argmax, as dInfer
+                # and SDAR commit it, still settles its position): a forward that settles none
+                # would repeat forever on the unchanged block.
+                raise RuntimeError(
+                    f"decoding invariant violated: a forward decided none of positions "
+                    f"{work.decide.tolist()}; the block would never finish"
+                )
+            seq.commit(work.decide[chosen], tokens[chosen])

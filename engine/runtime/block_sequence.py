@@ -1,0 +1,190 @@
+"""BlockSequence: one request's state in a block-causal family (LLaDA2, SDAR, openPangu).
+
+The canvas holds the prompt and the block grid up to its end; positions [0, ctx_end) are
+final context, [block_start, block_end) is the block being denoised (`pending` marks its
+undecided positions), and with the exact cache [0, cached) already have their K/V stored.
+
+`plan()` says what the next forward feeds and decides, following the family's
+`BlockRules`:
+- context not cached yet is fed first and written to the cache (the prompt, in chunks of
+  at most PREFILL_CHUNK tokens when it is long, then each finished block);
+- the commit of a finished block shares its forward with the first denoising step of the
+  next block (block-causal visibility makes that exact), so no forward is spent only on
+  writing K/V; for shifted-logit families (openPangu) the commit forward is the one that
+  decodes the next block's first token, as the model was trained;
+- without a cache (`--cache none`) every forward recomputes the whole prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.decoding.block_diffusion import BlockRules
+from engine.decoding.schedule import linear_schedule
+from engine.params import GenerationParams
+from engine.runtime.kv_cache import SequenceKVCache
+
+PREFILL_CHUNK = 2048  # context tokens fed per forward: bounds attention memory on long prompts
+
+_ids = itertools.count()
+
+
+@dataclass
+class Work:
+    """One row of a forward: feed positions [start, end), store the first `write` of them
+    in the cache, return hidden states at `rows` to decide positions `rows + shift`."""
+
+    start: int
+    end: int
+    write: int
+    groups: torch.Tensor  # [end - start] visibility groups
+    rows: torch.Tensor  # absolute positions whose hidden states are needed
+    decide: torch.Tensor  # absolute positions decided by this forward
+
+
+@dataclass
+class BlockSequence:
+    prompt_ids: list[int]
+    params: GenerationParams  # validated and resolved
+    mask_id: int
+    eos_id: int | None
+    rules: BlockRules
+    cache: SequenceKVCache | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    nfe: int = 0
+    query_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    cached: int = 0
+
+    def __post_init__(self) -> None:
+        p, b, gen = len(self.prompt_ids), self.block_length, self.params.gen_length
+        first = (p // b) * b if self.rules.aligned_grid else p
+        self.grid_end = -(-(p + gen) // b) * b if self.rules.aligned_grid else p + gen
+        self.canvas = torch.full((self.grid_end,), self.mask_id, dtype=torch.long)
+        self.canvas[:p] = torch.tensor(self.prompt_ids, dtype=torch.long)
+        self.decoded_end = p  # generated tokens are canvas[p:decoded_end] once blocks finish
+        self._start_block(first)
+
+    @property
+    def block_length(self) -> int:
+        assert self.params.block_length is not None
+        return self.params.block_length
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of exact block K/V cache this request holds now (allocated capacity)."""
+        return 0 if self.cache is None else self.cache.nbytes
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ctx_end(self) -> int:
+        return self.block_start
+
+    def _start_block(self, start: int) -> None:
+        self.block_start, self.block_end = start, start + self.block_length
+        self.pending = self.canvas[start : self.block_end] == self.mask_id
+        self.pending[: max(0, self.prompt_length - start)] = False  # the prompt's tail is given
+        self.unit_start = -1
+        self._sync_unit()
+
+    # -- sub-blocks ("units") and the static schedule -------------------------------------
+    @property
+    def unit_size(self) -> int:
+        return max(1, self.block_length // self.rules.sub_blocks)
+
+    def _unit_bounds(self) -> tuple[int, int]:
+        """Offsets (within the block) of the first unit that still has pending positions."""
+        first = int(self.pending.nonzero()[0, 0])
+        lo = first // self.unit_size * self.unit_size
+        return lo, min(lo + self.unit_size, self.block_length)
+
+    def _sync_unit(self) -> None:
+        """Start a fresh schedule when decoding moves on to another unit."""
+        lo, _ = self._unit_bounds()
+        if lo != self.unit_start:
+            self.unit_start, self.step_in_unit = lo, 0
+            steps = max(1, self.params.steps_per_block // max(1, self.block_length // self.unit_size))
+            # SDAR's num_transfer_tokens: the unit size split over its steps, earlier first.
+            self.schedule = linear_schedule(self.unit_size, steps)
+
+    @property
+    def scheduled(self) -> int:
+        return self.schedule[self.step_in_unit] if self.step_in_unit < len(self.schedule) else 1
+
+    # -- planning ------------------------------------------------------------------------
+    def _groups(self, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        context = pos if self.rules.causal_context else pos // self.block_length * self.block_length
+        return torch.where(pos < self.block_start, context, torch.full_like(pos, self.block_start))
+
+    def plan(self) -> Work:
+        base = self.cached if self.cache is not None else 0
+        s = self.block_start
+        if self.cache is not None and s - base > PREFILL_CHUNK:
+            step = (
+                PREFILL_CHUNK
+                if self.rules.causal_context
+                else max(self.block_length, PREFILL_CHUNK // self.block_length * self.block_length)
+            )
+            empty = torch.empty(0, dtype=torch.long)
+            return Work(base, base + step, step, self._groups(base, base + step), empty, empty)
+        write = s - base if self.cache is not None else 0
+        shift = self.rules.logit_shift
+        if shift and bool(self.pending[0]):
+            # The block's first token is predicted by the last context row (the commit forward).
+            decide = torch.tensor([s])
+            return Work(base, s, write, self._groups(base, s), decide - shift, decide)
+        lo, hi = self._unit_bounds()
+        decide = self.pending[lo:hi].nonzero()[:, 0] + s + lo
+        return Work(base, self.block_end, write, self._groups(base, self.block_end), decide - shift, decide)
+
+    # -- committing ----------------------------------------------------------------------
+    def committed(self, work: Work) -> None:
+        """The forward of `work` ran: its written positions are now cached."""
+        self.nfe += 1
+        self.query_lengths.append(work.end - work.start)
+        if self.cache is not None and work.write:
+            self.cache.advance(work.write)
+            self.cached += work.write
+
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Write decided tokens; move to the next unit, block, or finish."""
+        if positions.numel() == 0:
+            return
+        first_token = self.rules.logit_shift and bool(self.pending[0])  # from the commit forward
+        self.canvas[positions] = tokens
+        self.pending[positions - self.block_start] = False
+        if not first_token:
+            self.step_in_unit += 1
+        if bool(self.pending.any()):
+            self._sync_unit()
+            return
+        self.decoded_end = self.block_end
+        generated = self.canvas[self.prompt_length : self.block_end]
+        if self.eos_id is not None and bool((generated == self.eos_id).any()):
+            self.finish_reason = "stop"
+        elif self.block_end >= self.grid_end:
+            self.finish_reason = "length"
+        else:
+            self._start_block(self.block_end)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """Every token decoded after the prompt, to the end of the last finished block
+        (the absolute grid may decode past gen_length, as the references do)."""
+        return self.canvas[self.prompt_length : self.decoded_end].tolist()
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.generated_ids[: self.params.gen_length]

@@ -1,0 +1,94 @@
+"""ModelRunner: turns a set of sequences into one batched forward and per-sequence stats.
+
+Each sequence contributes one row: its whole canvas, or with an approximate cache only the
+block / suffix being denoised (engine/runtime/cache.py), with its own absolute positions; rows are
+padded on the right and padding is hidden from attention. Only the positions each sequence
+decides leave the last layer and meet the LM head (through `decoding.step.token_stats`),
+never a [batch, sequence, vocab] logits tensor. For a model whose row i predicts token i+1
+(Dream, `logits_shift = 1`) position p is read from row p-1.
+
+A request's output must not depend on its batch. Attention over masked padding is exact,
+but a CPU GEMM rounds differently for a handful of rows than for many (MKL's small-M
+kernels), so every matmul is given at least `MIN_ROWS` rows per sequence: fed rows and
+selected rows are padded up to it. The cost is nil next to a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.decoding.step import token_stats
+from engine.runtime import cache
+from engine.runtime.batch import ForwardBatch
+from engine.runtime.sequence import Sequence
+from kernels.token_stats import TokenStats, VocabShard
+
+MIN_ROWS = 16
+
+
+@dataclass
+class _Row:
+    ids: torch.Tensor  # fed tokens
+    first: int  # absolute position of ids[0]
+    select: torch.Tensor  # fed rows whose hidden states are wanted
+    kv: cache.RowKV | None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.shift = int(getattr(model, "logits_shift", 0))
+        self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
+
+    def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
+        lengths = [len(r.ids) for r in rows]
+        width = max(max(lengths), MIN_ROWS)
+        picks = max(max(len(r.select) for r in rows), MIN_ROWS)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        select = torch.zeros((len(rows), picks), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row.ids)] = row.ids
+            positions[i, : len(row.ids)] = torch.arange(row.first, row.first + len(row.ids))
+            select[i, : len(row.select)] = row.select
+        kv = cache.BatchKV([r.kv for r in rows], lengths, width)
+        return ForwardBatch(input_ids.to(self.device), positions.to(self.device), None, select.to(self.device), kv)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TokenStats]]:
+        """One forward for all `seqs`; returns (decided positions, stats) per sequence."""
+        rows: list[_Row] = []
+        decided = []
+        for seq in seqs:
+            positions = seq.positions_to_decide()
+            first, end, kv = cache.plan(seq)
+            select = positions - self.shift - first
+            assert bool((select >= 0).all()), "a decided position's logits row is not fed"
+            decided.append(positions)
+            rows.append(_Row(seq.canvas[first:end], first, select, kv))
+            if seq.params.cfg_scale > 0:
+                rows.append(_Row(seq.unconditional_canvas(), 0, select, None))
+        hidden = self.model(self._batch(rows, pad_id=seqs[0].mask_id))
+        weight = self.model.lm_head_weight
+        out = []
+        r = 0
+        for seq, positions in zip(seqs, decided):
+            n = len(positions)
+            h = hidden[r, :n]
+            fed = len(rows[r].ids)
+            if seq.params.cfg_scale > 0:
+                # The LM head is linear, so guiding hidden states equals guiding logits:
+                # un + (s+1)(cond - un) = W((s+1) h_cond - s h_un).
+                s = seq.params.cfg_scale
+                h = (s + 1) * h - s * hidden[r + 1, :n]
+                r += 2
+            else:
+                r += 1
+            stats = token_stats(seq, h, weight, self.vocab_shard)
+            seq.nfe += 1
+            seq.query_lengths.append(fed)
+            out.append((positions, stats))
+        return out

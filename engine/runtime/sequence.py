@@ -1,0 +1,122 @@
+"""Sequence: one request's denoising state.
+
+The canvas is the prompt followed by `gen_length` MASK tokens. Decoding walks the blocks
+left to right (semi-autoregressive); inside a block each step commits some masked
+positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
+holding EOS ends the request: the rest of the canvas is filled with EOS (what the model would
+be forced to emit after it, and what dInfer writes) instead of being denoised for nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.decoding.schedule import linear_schedule
+from engine.params import GenerationParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: GenerationParams  # already validated and resolved
+    mask_id: int
+    eos_id: int | None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    canvas: torch.Tensor = field(init=False)
+    block: int = 0
+    step_in_block: int = 0
+    schedule: list[int] = field(init=False)
+    nfe: int = 0
+    query_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None  # set by the engine on its device when seeded
+    sampler: str = "llada"  # decoding rules of the model family: "llada" or "dream"
+    kv_cache: Any = None  # engine.runtime.cache.KVCache while an approximate cache is in use
+
+    def __post_init__(self) -> None:
+        gen = self.params.gen_length
+        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * gen, dtype=torch.long)
+        self._start_block()
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of approximate K/V cache this request holds now."""
+        return 0 if self.kv_cache is None else self.kv_cache.nbytes
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def block_bounds(self) -> tuple[int, int]:
+        b = self.params.block_length
+        assert b is not None
+        start = self.prompt_length + self.block * b
+        return start, start + b
+
+    def positions_to_decide(self) -> torch.Tensor:
+        """Absolute positions the next step decides: the block's MASK tokens, except that
+        Fast-dLLM's Dream block sampler commits only the block's first token in the forward
+        that refreshes the cache."""
+        if self.sampler == "dream" and self.params.cache != "none" and self.step_in_block == 0:
+            return self.block_bounds()[0] + torch.zeros(1, dtype=torch.long)
+        return self.masked_positions()
+
+    def masked_positions(self) -> torch.Tensor:
+        """Absolute positions of the MASK tokens in the current block."""
+        start, end = self.block_bounds()
+        return (self.canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
+
+    def unconditional_canvas(self) -> torch.Tensor:
+        """The canvas with the prompt masked out, for classifier-free guidance."""
+        un = self.canvas.clone()
+        un[: self.prompt_length] = self.mask_id
+        return un
+
+    def _start_block(self) -> None:
+        self.step_in_block = 0
+        self.schedule = linear_schedule(len(self.masked_positions()), self.params.steps_per_block)
+
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Write decided tokens; move to the next block (or finish) once this one is full.
+
+        Progress is counted by the MASK tokens left in the block, so committing the MASK id
+        would leave its position undecided forever: the statistics exclude it, and this
+        refuses it rather than loop."""
+        if bool((tokens == self.mask_id).any()):
+            raise RuntimeError(
+                f"decoding invariant violated: the MASK token {self.mask_id} was committed at "
+                f"{positions[tokens == self.mask_id].tolist()}; the block would never finish"
+            )
+        self.canvas[positions] = tokens
+        self.step_in_block += 1
+        while not self.finished and len(self.masked_positions()) == 0:
+            start, end = self.block_bounds()
+            if self.params.early_stop and self._holds_eos(start, end) and end < len(self.canvas):
+                self.canvas[end:] = self.eos_id
+                self._finish()
+            elif self.block + 1 < self.params.num_blocks:
+                self.block += 1
+                self._start_block()
+            else:
+                self._finish()
+
+    def _holds_eos(self, start: int, end: int) -> bool:
+        return self.eos_id is not None and bool((self.canvas[start:end] == self.eos_id).any())
+
+    def _finish(self) -> None:
+        self.finish_reason = "stop" if self._holds_eos(self.prompt_length, len(self.canvas)) else "length"
+        self.kv_cache = None  # free the cache as soon as the request is done
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.canvas[self.prompt_length :].tolist()

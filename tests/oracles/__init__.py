@@ -1,0 +1,1 @@
+"""The reference decoding algorithms written out literally: test oracles and benchmark baselines."""

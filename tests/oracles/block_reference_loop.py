@@ -1,0 +1,102 @@
+"""Literal block-diffusion and AR loops for block-causal models: the test oracles.
+
+No cache and no planning: every forward recomputes the whole prefix under the family's
+mask, builds full [length, vocab] logits and a float64 softmax, and follows the published
+loops step by step (SDAR `block_diffusion_generate`, dInfer's block decoder without cache,
+openPangu's Fast-dLLM-v2-style loop with a causal context, shifted logits and sub-blocks).
+The engine's cached, batched, LM-head-at-decided-rows path must give the same ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.decoding.block_diffusion import BlockRules, choose
+from engine.decoding.schedule import linear_schedule
+from engine.params import GenerationParams
+from engine.runtime.block_batch import BlockBatch
+
+
+@torch.inference_mode()
+def masked_logits(model: torch.nn.Module, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """x [L] ids, groups [L] -> logits [L, V] with query i seeing key j iff groups[j] <= groups[i]."""
+    positions = torch.arange(len(x))[None]
+    hidden = model(BlockBatch(x[None], positions, groups[None], positions))
+    return (hidden @ model.lm_head_weight.T)[0]
+
+
+def _groups(length: int, block_start: int, block_length: int, causal_context: bool) -> torch.Tensor:
+    pos = torch.arange(length)
+    context = pos if causal_context else pos // block_length * block_length
+    return torch.where(pos < block_start, context, torch.full_like(pos, block_start))
+
+
+@torch.inference_mode()
+def reference_block_generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    params: GenerationParams,
+    *,
+    mask_id: int,
+    eos_id: int | None,
+) -> tuple[list[int], int]:
+    """Greedy block diffusion; `params` resolved. Returns (generated ids, forwards)."""
+    rules: BlockRules = model.block_rules
+    b, gen, p = params.block_length, params.gen_length, len(prompt)
+    assert b is not None and params.steps is not None
+    if rules.aligned_grid:
+        first, end = p // b * b, -(-(p + gen) // b) * b
+    else:
+        first, end = p, p + gen
+    x = torch.full((end,), mask_id, dtype=torch.long)
+    x[:p] = torch.tensor(prompt)
+    unit = max(1, b // rules.sub_blocks)
+    steps_per_unit = max(1, params.steps_per_block // max(1, b // unit))
+    nfe = 0
+    for s in range(first, end, b):
+        e = s + b
+        if rules.logit_shift:  # the block's first token comes from the causal context
+            logits = masked_logits(model, x[:s], torch.arange(s))
+            nfe += 1
+            x[s] = logits[s - 1].argmax()
+        for lo in range(s, e, unit):
+            hi = min(lo + unit, e)
+            schedule = linear_schedule(unit, steps_per_unit)
+            j = 0
+            while bool((x[lo:hi] == mask_id).any()):
+                logits = masked_logits(model, x[:e], _groups(e, s, b, rules.causal_context))
+                nfe += 1
+                masked = (x[lo:hi] == mask_id).nonzero()[:, 0] + lo
+                rows = logits[masked - rules.logit_shift].to(torch.float64)
+                probs = torch.softmax(rows, dim=-1)
+                tokens = rows.argmax(-1)
+                conf = probs.gather(1, tokens[:, None])[:, 0]
+                k = schedule[j] if j < len(schedule) else 1
+                chosen = choose(params, rules, conf, tokens, k, mask_id)
+                x[masked[chosen]] = tokens[chosen]
+                j += 1
+        if eos_id is not None and bool((x[p:e] == eos_id).any()):
+            return x[p:e].tolist(), nfe
+    return x[p:end].tolist(), nfe
+
+
+@torch.inference_mode()
+def reference_ar_generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    gen_length: int,
+    *,
+    mask_id: int,
+    eos_id: int | None,
+) -> list[int]:
+    """Greedy left-to-right decoding with a causal mask and no cache. Shifted-logit models
+    read the next token from the last row; the others from a MASK appended at its position."""
+    shift = model.block_rules.logit_shift
+    x = list(prompt)
+    for _ in range(gen_length):
+        ids = torch.tensor(x if shift else x + [mask_id])
+        logits = masked_logits(model, ids, torch.arange(len(ids)))
+        x.append(int(logits[-1].argmax()))
+        if x[-1] == eos_id:
+            break
+    return x[len(prompt) :]
