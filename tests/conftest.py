@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Environment the whole suite needs, set once before any test module is imported:
+# Triton kernels run on CPU through the interpreter (set before any kernel is defined).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -523,6 +523,7 @@ def _dlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLADA2_MINI))
@@ -538,6 +539,7 @@ def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
     assert checkpoint is None and torch_loaded is False
 
 
+@pytest.mark.slow
 def test_cli_json_contract(tmp_path: Path) -> None:
     directory = tiny_checkpoint(tmp_path, "llada2")
     result = _dlm(
@@ -562,6 +564,7 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     assert verdict["gpu"] == "L40S" and verdict["fits"] is True and verdict["max_batch"] >= 2
 
 
+@pytest.mark.slow
 def test_cli_human_table(tmp_path: Path) -> None:
     directory = tiny_checkpoint(tmp_path, "qwen3_5_hybrid")
     result = _dlm("estimate", str(directory), "--tp", "2", "--gpu-memory", "24")
@@ -580,6 +583,7 @@ def test_cli_human_table(tmp_path: Path) -> None:
         (["--context", "64", "--gen-length", "64"], "must exceed"),
     ],
 )
+@pytest.mark.slow
 def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) -> None:
     directory = tiny_checkpoint(tmp_path, "sdar")
     result = _dlm("estimate", str(directory), *args)
@@ -587,6 +591,7 @@ def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) ->
     assert result.stderr.startswith("error:") and message in result.stderr
 
 
+@pytest.mark.slow
 def test_store_model_by_name(tmp_path: Path) -> None:
     """A model fetched into the store is estimated by its name, from the stored files."""
     from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
@@ -603,6 +608,7 @@ def test_store_model_by_name(tmp_path: Path) -> None:
     assert report["model"]["kind"] == "store" and report["checkpoint"]["matches_config"] is True
 
 
+@pytest.mark.slow
 def test_hub_repo_offline_gives_a_clear_error(tmp_path: Path) -> None:
     result = _dlm("estimate", "inclusionAI/LLaDA2.0-mini", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert result.returncode == 1

@@ -3,10 +3,7 @@ as through the torch twins, and the LM-head statistics' memory bound."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
 import pytest
 import torch

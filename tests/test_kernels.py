@@ -11,10 +11,6 @@ oracle must not exceed twice the twin's plus one ulp at the output's scale.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
-
 import pytest
 import torch
 

@@ -95,6 +95,7 @@ OUTPUTS = {
 }
 
 
+@pytest.mark.slow
 def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     # Two decoding slots, 8 steps of 10 ms: throughput doubles from 1 to 2 users, then flattens.
@@ -131,6 +132,7 @@ def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     assert "<html" in (out / "locust_report.html").read_text()[:2000].lower()
 
 
+@pytest.mark.slow
 def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}\n')
@@ -159,6 +161,7 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
     assert summary["totals"]["error_rate"] == 0
 
 
+@pytest.mark.slow
 def test_unreachable_server_is_a_failed_operation(tmp_path: Path) -> None:
     result = loadtest("http://127.0.0.1:9", "-t", "1s", "--out", str(tmp_path / "x"))
     assert result.returncode == 1 and "error:" in result.stderr

@@ -4,10 +4,6 @@ checkpoint: tests/test_tp_shards.py)."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
-
 import pytest
 import torch
 import torch.nn.functional as F

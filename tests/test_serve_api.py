@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 KEY, OTHER_KEY = "sk-test-alpha-1234", "sk-test-beta-5678"
 MODEL = "dlm-tiny-random-llada"
 AUTH = {"Authorization": f"Bearer {KEY}"}

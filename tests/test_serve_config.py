@@ -126,6 +126,7 @@ def dlm_serve(*args: str) -> subprocess.CompletedProcess:
         (["--max-queue", "-1"], "invalid setting max_queue"),
     ],
 )
+@pytest.mark.slow
 def test_serve_usage_errors_exit_2_with_one_line(args: list[str], message: str) -> None:
     result = dlm_serve(*args)
     assert result.returncode == 2, result.stderr
@@ -133,6 +134,7 @@ def test_serve_usage_errors_exit_2_with_one_line(args: list[str], message: str) 
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> None:
     model = tmp_path / "mystery"
     model.mkdir()
@@ -142,6 +144,7 @@ def test_a_model_that_fails_to_load_ends_the_server_visibly(tmp_path: Path) -> N
     assert "unsupported model_type" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_remote_code_trust_without_the_transformers_backend_is_bad_usage() -> None:
     result = dlm_serve("--trust-remote-code", "--port", "0")
     assert result.returncode == 2, result.stderr

@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ServerProcess, fixed_output_checkpoint, self_signed_certificate, wait_until
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 KEY_A, KEY_B = "sk-drain-aaaa", "sk-drain-bbbb"
 
 

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ServerProcess
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 BODY = {"prompt": "Implement quicksort", "temperature": 0}
 
 

@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ServerProcess, fixed_output_checkpoint, wait_until
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LONG = {"prompt": "long", "max_tokens": 2000, "block_length": 2000, "steps": 2000}
 TOOLS = [
     {

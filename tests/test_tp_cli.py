@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.tp_checkpoints import write_family
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def llada(tmp_path_factory: pytest.TempPathFactory) -> Path:

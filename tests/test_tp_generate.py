@@ -13,6 +13,8 @@ from engine.parallel.distributed import ParallelConfig
 from engine.params import GenerationParams
 from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -74,6 +74,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     assert wait_until(lambda: not Path(f"/proc/{worker}").exists(), timeout=5), "rank 1 outlived the server"
 
 
+@pytest.mark.slow
 def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict[str, Any]]]) -> None:
     tp_server, single = servers
     assert any("tensor parallel: 2 ranks ready" in line for line in tp_server.lines)
@@ -114,6 +115,7 @@ LONG = {"prompt": "x", "max_tokens": 512, "steps": 512, "block_length": 32}
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
     tmp_path_factory: pytest.TempPathFactory,
     sig: signal.Signals,

@@ -82,6 +82,7 @@ def ranks(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.slow
 def test_sharded_logits_match_one_process(checkpoints: dict[str, Path], ranks: dict[str, Any], family: str) -> None:
     loaded = load_model(checkpoints[family], torch.float32, torch.device("cpu"))
     want = _logits(loaded.model, family, loaded.config.mask_token_id)
@@ -91,6 +92,7 @@ def test_sharded_logits_match_one_process(checkpoints: dict[str, Path], ranks: d
 
 
 @pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.slow
 def test_each_rank_holds_its_share_of_the_weights(
     checkpoints: dict[str, Path], ranks: dict[str, Any], family: str
 ) -> None:

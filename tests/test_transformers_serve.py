@@ -23,6 +23,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ServerProcess
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "engine" / "assets" / "tiny_tokenizer"
 KEY = "tf-key"

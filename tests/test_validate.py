@@ -164,6 +164,7 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
     assert run_cli("http://127.0.0.1:9", "--skip", "nonsense").exit_code == 2
 
 
+@pytest.mark.slow
 def test_checks_import_neither_the_engine_core_nor_locust() -> None:
     code = (
         "import sys, dlm_cli.checks.validate, dlm_cli.checks.report, dlm_cli.loadtest.report, "

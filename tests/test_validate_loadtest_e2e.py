@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import session_home
 from tests.serving import ServerProcess
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "e2e-key"
 

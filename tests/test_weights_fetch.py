@@ -133,6 +133,7 @@ def _big_source(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: Path) -> None:
     src = _big_source(tmp_path / "big")
     store = Store(tmp_path / "store")

@@ -121,6 +121,7 @@ class Traffic:
         return self.results
 
 
+@pytest.mark.slow
 def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
     v = deployment.versions
     assert deployment.word() == "alpha"
@@ -191,6 +192,7 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_a_version_that_fails_to_load_leaves_the_old_one_serving(deployment: Deployment) -> None:
     v, store = deployment.versions, deployment.store
     before = load_state(store, "prod")["current"]["version"]
@@ -213,6 +215,7 @@ def test_a_version_that_fails_to_load_leaves_the_old_one_serving(deployment: Dep
     assert results and all(r[2] == 200 for r in results)
 
 
+@pytest.mark.slow
 def test_admin_endpoint_is_loopback_only_and_needs_its_key(deployment: Deployment) -> None:
     store, server = deployment.store, deployment.server
     record = admin.running_server(store, "prod")
@@ -238,6 +241,7 @@ def test_admin_endpoint_is_loopback_only_and_needs_its_key(deployment: Deploymen
     assert second.returncode == 1 and f"already served by process {server.proc.pid}" in second.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_unregisters_the_server(deployment: Deployment) -> None:
     assert deployment.server.terminate() == 0
     assert not admin.record_path(deployment.store, "prod").exists()

@@ -111,6 +111,7 @@ def test_unknown_revision_and_repo_are_usage_errors(hub: FakeHub, tmp_path: Path
     assert code == 2 and "no such repository" in stderr
 
 
+@pytest.mark.slow
 def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """huggingface_hub (2.x) downloads each file to a process-unique temporary name, so a
     rerun resumes file by file: what was complete is kept, the interrupted file restarts."""

@@ -186,6 +186,7 @@ def test_failed_swap_keeps_the_old_version_and_is_recorded(stocked: tuple[Store,
     assert rollback(store).current["version"] == v1  # the failed release is not on the stack
 
 
+@pytest.mark.slow
 def test_dead_or_remote_servers_are_not_called(stocked: tuple[Store, list[str]]) -> None:
     store, (v1, _, _) = stocked
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -218,6 +219,7 @@ def _assert_consistent(store: Store, allowed: set[str | None]) -> None:
         )
 
 
+@pytest.mark.slow
 def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, list[str]]) -> None:
     store, (v1, v2, _) = stocked
     release(store, f"m@{v1}")
