@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+
 import typer
 
 from dlm_cli.commands import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
@@ -10,13 +13,31 @@ app = typer.Typer(
     name="dlm",
     help="Diffusion language models: fetch, verify, estimate, generate, serve, validate, load-test.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
 )
 
 
+def dlm_version() -> str:
+    """The installed distribution's version (pyproject.toml is its one source)."""
+    try:
+        return package_version("dlm")
+    except PackageNotFoundError:  # a checkout on sys.path without an install
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dlm {dlm_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print dlm's version and exit."
+    ),
+) -> None:
     """dlm: serve diffusion language models in production. Every command takes --json."""
 
 
