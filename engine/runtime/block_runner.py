@@ -27,11 +27,12 @@ class BlockRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.config = model, config
         self.dtype, self.device = dtype, device
-        self.rules = model.block_rules
+        assert config.block_rules is not None and config.block_length is not None  # block-causal families have both
+        self.rules = config.block_rules
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
-        return resolve_block_params(params, self.model.default_block_length)
+        return resolve_block_params(params, self.config.block_length)
 
     def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> BlockSequence:
         """`params` already resolved and validated; decoding stops after a block holding `eos_id`."""
