@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine.errors import UsageError
@@ -132,47 +133,47 @@ def _refuse_dream(raw: dict[str, Any]) -> None:
         raise UsageError("Dream checkpoints with sliding-window attention are not supported")
 
 
-BIDIRECTIONAL_CACHES = ("none", "prefix", "dual")
-BLOCK_CACHES = ("none", "block")
 HYBRID_NOTE = (
     "multi-token-prediction (mtp.*) and vision-tower weights, if the checkpoint has them, "
     "are not counted: text dLLM decoding does not run them"
 )
+# The kinds of family, and what every family of a kind shares.
+bidirectional_family = partial(Family, caches=("none", "prefix", "dual"))
+block_family = partial(Family, block_causal=True, caches=("none", "block"), attention="block-causal")
+hybrid_family = partial(
+    Family, layout="hybrid", qk_norm=ALWAYS, moe="qwen", attention="block-causal", plan_notes=(HYBRID_NOTE,)
+)
 
 FAMILIES: tuple[Family, ...] = (
-    Family(
+    bidirectional_family(
         name="llada",
         model_types=("llada",),
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
-        caches=BIDIRECTIONAL_CACHES,
         layout="llada",
         mask_token_id=126336,  # LLaDA-8B's config.json omits it; 126336 is its documented MASK
         check=_refuse_llada,
     ),
-    Family(
+    bidirectional_family(
         name="dream",
         model_types=("Dream",),
         architectures=("DreamModel",),
         module="engine.models.dream",
         description="Dream / Dream-Coder / DiffuCoder: bidirectional Qwen2-style, logits shifted one position",
         sampler="dream",
-        caches=BIDIRECTIONAL_CACHES,
         mask_token_id=151666,  # Dream-v0 / DiffuCoder; the tiny and newer configs carry the field
         check=_refuse_dream,
         qkv_bias=ALWAYS,  # Qwen2: q/k/v biases, none on o_proj
         o_bias=Flag(),
         logits_shift=1,
     ),
-    Family(
+    block_family(
         name="llada2_moe",
         model_types=("llada2_moe",),
         architectures=("LLaDA2MoeModelLM",),
         module="engine.models.llada2_moe",
         description="LLaDA2.x: block-diffusion MoE (sigmoid group-limited routing, shared expert)",
-        block_causal=True,
-        caches=BLOCK_CACHES,
         mask_token_id=156895,
         qkv_bias=Flag(("use_qkv_bias",)),
         o_bias=Flag(("use_bias",)),
@@ -180,72 +181,56 @@ FAMILIES: tuple[Family, ...] = (
         moe="bailing",
         block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dinfer"),
         block_length=32,  # LLaDA2.0/2.1's trained block size (not in config.json)
-        attention="block-causal",
         label="llada2",
     ),
-    Family(
+    block_family(
         name="sdar",
         model_types=("sdar", "sdar_moe"),
         architectures=("SDARForCausalLM", "SDARMoeForCausalLM"),
         module="engine.models.sdar",
         description="SDAR: Qwen3-style block diffusion (dense or MoE)",
-        block_causal=True,
-        caches=BLOCK_CACHES,
         qk_norm=ALWAYS,
         moe="qwen",
         block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dynamic"),
         block_length=4,
         block_length_field="block_size",
-        attention="block-causal",
     ),
-    Family(
+    block_family(
         name="pangu",
         model_types=("PanguEmbedded",),
         architectures=("PanguEmbeddedForCausalLM",),
         module="engine.models.sdar",  # the SDAR network with openPangu's options
         description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
-        block_causal=True,
-        caches=BLOCK_CACHES,
         mask_token_id=45830,  # an argument of the reference, not in config.json
         qkv_bias=PANGU_BIAS,
         o_bias=PANGU_BIAS,
         logits_shift=1,
         block_rules=BlockRules(aligned_grid=False, causal_context=True, threshold_rule="dynamic", sub_blocks=4),
         block_length=32,
-        attention="block-causal",
         planned_model_types=("pangu_embedded",),
     ),
-    Family(
+    hybrid_family(
         name="qwen3_5_moe",
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         module="engine.models.qwen3_5_moe",
         description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
         engine="",
-        layout="hybrid",
         mask_token_id=-1,  # the autoregressive base model has no MASK token
-        qk_norm=ALWAYS,
-        moe="qwen",
-        attention="block-causal",
         label="qwen3.5-hybrid",
         planned_model_types=("qwen3_next",),
         planned_architectures=("Qwen3NextForCausalLM",),
-        plan_notes=(HYBRID_NOTE,),
     ),
-    Family(
+    hybrid_family(
         name="clover",
         model_types=("clover_moe",),
         architectures=(),
         module="engine.models.qwen3_5_moe",
         description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
         engine="engine.runtime.clover.CloverEngine",
-        layout="hybrid",
         # mask_token_id: nobody has read Clover's config.json yet, so refuse to guess (docs/clover.md).
-        qk_norm=ALWAYS,
-        moe="qwen",
         block_length=32,  # Clover's training block size (model card)
         block_length_field="block_size",
-        attention="block-causal",
         plan_notes=(
             HYBRID_NOTE,
             "Clover's extra GDN parameters (right-convolution taps, about conv_dim x "

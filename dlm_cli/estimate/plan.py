@@ -62,7 +62,7 @@ class Architecture:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        mtp = ()
+        mtp: tuple[str, ...] = ()
         if self.config.mtp_layers:
             mtp = (
                 "multi-token-prediction layers (num_nextn_predict_layers) are not counted: "

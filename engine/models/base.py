@@ -28,8 +28,10 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def embed(self) -> nn.Module:
-        return self.get_submodule(self.embedding)
+    def embed(self) -> VocabParallelEmbedding:
+        module = self.get_submodule(self.embedding)
+        assert isinstance(module, VocabParallelEmbedding)
+        return module
 
 
 class DecoderLM(nn.Module):
