@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,7 @@ class LinearAttentionSpec:
         layer the recurrent matrix of each value head (dk x dv, always fp32) and the conv
         ring (kernel-1 pre-conv rows of conv_dim channels, activation dtype), heads split
         over TP. This is what engine/runtime/hybrid_cache.py allocates (tests/test_hybrid_memory.py)."""
-        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * 4
+        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * 4  # fp32
         conv = self.conv_dim // tp * (self.conv_kernel - 1) * act_bytes
         return self.layers * (recurrent + conv)
 
@@ -93,7 +93,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
     q_gate: bool = False  # gated attention: q_proj also emits a per-head output gate
-    layer_types: tuple[str, ...] = field(default=(), compare=False)  # empty: every layer full attention
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
     moe: MoESpec | None = None
     linear: LinearAttentionSpec | None = None
     block_length: int | None = None  # the trained block size of a block-diffusion family

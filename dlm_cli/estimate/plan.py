@@ -2,8 +2,8 @@
 
 Nothing is loaded and torch is never imported, so the plan answers "does it fit" on a
 laptop, before any download. Parameters are counted per component from the config's own
-fields (one parser per family below, on top of the engine's own normalisation in
-engine/config.py for LLaDA and the block-causal families); for a local checkpoint or a hub
+fields as the engine itself normalises them (the family's record in engine/registry.py and
+`ModelConfig`, engine/config.py: no parser of its own); for a local checkpoint or a hub
 repository the count is cross-checked against the safetensors headers. Runtime memory adds what a dLLM server
 holds beyond the weights: the KV cache (exact for block-causal models, approximate
 prefix/dual caches for bidirectional ones), the linear-attention state of hybrid models,
@@ -43,7 +43,7 @@ class Architecture:
 
     @property
     def attention(self) -> str:
-        """ "bidirectional" (approximate caches only) or "block-causal" (exact KV)."""
+        """`bidirectional` (approximate caches only) or `block-causal` (an exact KV cache)."""
         return self.family.attention
 
     @property
