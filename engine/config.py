@@ -1,20 +1,70 @@
-"""ModelConfig: one normalised view of any supported checkpoint's `config.json`.
+"""ModelConfig: one normalised, typed view of any supported checkpoint's `config.json`.
 
 Every family spells the same idea differently (LLaDA's `d_model`/`n_layers`, Qwen's
-`hidden_size`/`num_hidden_layers`, ...). The engine, the estimator and the server read only
-this normalised form, so a new family is one parser here plus one model module.
+`hidden_size`/`num_hidden_layers`, LLaDA2's `first_k_dense_replace` beside SDAR's
+`decoder_sparse_step`, ...). The family's registry record (engine/registry.py) says which
+spelling its config uses and declares its own facts (MASK id, biases, MoE placement, block
+size, logit shift); the readers here turn the file into `ModelConfig`, computed once. The
+engine's models and `dlm estimate` read only this normalised form, never the raw file.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UsageError
-from engine.registry import Family, family_for
+
+if TYPE_CHECKING:
+    from engine.registry import BlockRules, Family
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture of experts of the layers listed in `layers` (the others are dense)."""
+
+    layers: tuple[int, ...]  # indices of the decoder layers whose MLP is a mixture of experts
+    num_experts: int
+    top_k: int
+    expert_ffn: int  # intermediate size of one routed expert
+    shared_ffn: int = 0  # intermediate size of the shared expert(s) together; 0 when none
+    shared_gate: bool = False  # Qwen-style sigmoid gate [1, d] on the shared expert
+    router: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid_group" (LLaDA2, group-limited)
+    norm_topk_prob: bool = True
+    router_bias: bool = False  # LLaDA2's expert_bias [E] (selection only)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers of the Qwen3.5/Qwen3-Next hybrids (Clover's base)."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, act_bytes: int, tp: int = 1) -> int:
+        """Bytes of DeltaNet state one sequence holds on one rank, whatever its length: per
+        layer the recurrent matrix of each value head (dk x dv, always fp32) and the conv
+        ring (kernel-1 pre-conv rows of conv_dim channels, activation dtype), heads split
+        over TP. This is what engine/runtime/hybrid_cache.py allocates (tests/test_hybrid_memory.py)."""
+        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * 4  # fp32
+        conv = self.conv_dim // tp * (self.conv_kernel - 1) * act_bytes
+        return self.layers * (recurrent + conv)
 
 
 @dataclass(frozen=True)
@@ -26,7 +76,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # the dense SwiGLU MLP's (0 when every layer is a mixture of experts)
     vocab_size: int  # tokenizer vocabulary
     logits_size: int  # rows of the LM head (>= vocab_size when the embedding is padded)
     rope_theta: float
@@ -37,11 +87,34 @@ class ModelConfig:
     pad_token_id: int | None
     tie_word_embeddings: bool
     torch_dtype: str | None
-    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    q_gate: bool = False  # gated attention: q_proj also emits a per-head output gate
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    moe: MoESpec | None = None
+    linear: LinearAttentionSpec | None = None
+    block_length: int | None = None  # the trained block size of a block-diffusion family
+    logits_shift: int = 0  # row i of the logits predicts token i + logits_shift
+    block_rules: BlockRules | None = None  # block-causal families' decoding rules
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (never run)
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * float(self.raw.get("partial_rotary_factor", 1.0)))
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.num_layers - (self.linear.layers if self.linear is not None else 0)
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - (len(self.moe.layers) if self.moe is not None else 0)
+
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else FULL_ATTENTION
 
 
 def _first_int(value: Any) -> int | None:
@@ -50,83 +123,147 @@ def _first_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw:
+def require(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw or raw[key] is None:
         raise UsageError(f"config.json has no field {key!r}, which its model family needs")
     return raw[key]
 
 
-def _llada(raw: dict[str, Any]) -> ModelConfig:
-    d_model = int(_require(raw, "d_model"))
-    n_heads = int(_require(raw, "n_heads"))
+def _mask(raw: dict[str, Any], family: Family) -> int:
+    mask = raw.get("mask_token_id", family.mask_token_id)
+    if mask is None:
+        raise UsageError(f"config.json has no mask_token_id, which {family.name} needs: add it there")
+    return int(mask)
+
+
+def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The fields every spelling shares, and the family's declared facts."""
+    block_length = raw.get(family.block_length_field) if family.block_length_field else None
+    return dict(
+        family=family.name,
+        mask_token_id=_mask(raw, family),
+        eos_token_id=_first_int(raw.get("eos_token_id")),
+        pad_token_id=_first_int(raw.get("pad_token_id")),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        block_length=int(block_length or 0) or family.block_length,
+        logits_shift=family.logits_shift,
+        block_rules=None
+        if family.block_rules is None
+        else replace(family.block_rules, logit_shift=family.logits_shift),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """LLaDA's OLMo-style names; `include_bias` puts biases on every linear,
+    `include_qkv_bias` on q/k/v only."""
+    d_model = int(require(raw, "d_model"))
+    n_heads = int(require(raw, "n_heads"))
     n_kv = raw.get("n_kv_heads")
     if n_kv is None:  # OLMo convention: multi_query_attention means one KV head
         n_kv = 1 if raw.get("multi_query_attention") else n_heads
-    vocab = int(_require(raw, "vocab_size"))
-    mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model
-    if raw.get("block_type", "llama") != "llama":
-        raise UsageError(f"LLaDA block_type {raw.get('block_type')!r} is not supported (only 'llama')")
-    if raw.get("alibi"):
-        raise UsageError("LLaDA checkpoints with alibi are not supported")
+    vocab = int(require(raw, "vocab_size"))
+    bias = bool(raw.get("include_bias", False))
     return ModelConfig(
-        family="llada",
-        model_type=str(raw.get("model_type", "llada")),
+        model_type=str(raw.get("model_type", family.name)),
         hidden_size=d_model,
-        num_layers=int(_require(raw, "n_layers")),
+        num_layers=int(require(raw, "n_layers")),
         num_heads=n_heads,
         num_kv_heads=int(n_kv),
         head_dim=d_model // n_heads,
-        intermediate_size=int(mlp),
+        intermediate_size=int(raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model),
         vocab_size=vocab,
         logits_size=int(raw.get("embedding_size") or vocab),
         rope_theta=float(raw.get("rope_theta", 10000.0)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(raw.get("max_sequence_length", 4096)),
-        # LLaDA-8B's config.json omits mask_token_id; 126336 is its documented MASK.
-        mask_token_id=int(raw.get("mask_token_id", 126336)),
-        eos_token_id=_first_int(raw.get("eos_token_id")),
-        pad_token_id=_first_int(raw.get("pad_token_id")),
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
-        torch_dtype=raw.get("torch_dtype"),
-        raw=raw,
+        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)),
+        o_bias=bias,
+        mlp_bias=bias,
+        **_common(raw, family),
     )
 
 
-def _hf_standard(family: str, default_mask: int | None) -> Callable[[dict[str, Any]], ModelConfig]:
-    """Parser for configs with transformers' standard field names (Qwen/Llama/Bailing style),
-    which LLaDA2, SDAR and openPangu all use. `default_mask` is the documented MASK id of
-    a family whose config.json omits it (LLaDA2: 156895, openPangu: 45830)."""
+def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
+    """Qwen3-MoE placement: every `decoder_sparse_step`-th layer not in `mlp_only_layers`;
+    a softmax router; Qwen3.5's gated shared expert when `shared_expert_intermediate_size`."""
+    experts = int(raw.get("num_experts") or 0)
+    if not experts:
+        return None
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense_only = set(raw.get("mlp_only_layers") or ())
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    return MoESpec(
+        layers=tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
+        num_experts=experts,
+        top_k=int(require(raw, "num_experts_per_tok")),
+        expert_ffn=int(require(raw, "moe_intermediate_size")),
+        shared_ffn=shared,
+        shared_gate=shared > 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+    )
 
-    def parse(raw: dict[str, Any]) -> ModelConfig:
-        hidden = int(_require(raw, "hidden_size"))
-        heads = int(_require(raw, "num_attention_heads"))
-        vocab = int(_require(raw, "vocab_size"))
-        mask = raw.get("mask_token_id", default_mask)
-        if mask is None:
-            raise UsageError(f"config.json has no mask_token_id, which {family} needs")
-        return ModelConfig(
-            family=family,
-            model_type=str(raw.get("model_type", family)),
-            hidden_size=hidden,
-            num_layers=int(_require(raw, "num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(_require(raw, "intermediate_size")),
-            vocab_size=vocab,
-            logits_size=vocab,
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            mask_token_id=int(mask),
-            eos_token_id=_first_int(raw.get("eos_token_id")),
-            pad_token_id=_first_int(raw.get("pad_token_id")),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            torch_dtype=raw.get("torch_dtype"),
-            raw=raw,
-        )
 
-    return parse
+def _bailing_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
+    """LLaDA2 (Bailing-MoE): the first `first_k_dense_replace` layers dense, the rest a
+    sigmoid, group-limited router over the routed experts plus `num_shared_experts`."""
+    experts = int(raw.get("num_experts") or 0)
+    if not experts:
+        return None
+    if raw.get("score_function", "sigmoid") != "sigmoid":
+        raise UsageError(f"LLaDA2 score_function {raw.get('score_function')!r} is not supported (only sigmoid)")
+    ffn = int(require(raw, "moe_intermediate_size"))
+    return MoESpec(
+        layers=tuple(range(min(int(raw.get("first_k_dense_replace", 0)), layers), layers)),
+        num_experts=experts,
+        top_k=int(require(raw, "num_experts_per_tok")),
+        expert_ffn=ffn,
+        shared_ffn=ffn * int(raw.get("num_shared_experts") or 0),
+        router="sigmoid_group",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        router_bias=bool(raw.get("moe_router_enable_expert_bias", False)),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+    )
+
+
+MOE_READERS: dict[str, Callable[[dict[str, Any], int], MoESpec | None]] = {"qwen": _qwen_moe, "bailing": _bailing_moe}
+
+
+def _qwen(raw: dict[str, Any], family: Family, **overrides: Any) -> ModelConfig:
+    """transformers' standard field names (Qwen/Llama/Bailing style): Dream, LLaDA2, SDAR,
+    openPangu, and (flattened) the Qwen3.5 hybrids."""
+    hidden = int(require(raw, "hidden_size"))
+    heads = int(require(raw, "num_attention_heads"))
+    layers = int(require(raw, "num_hidden_layers"))
+    vocab = int(require(raw, "vocab_size"))
+    fields: dict[str, Any] = dict(
+        model_type=str(raw.get("model_type", family.name)),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        vocab_size=vocab,
+        logits_size=vocab,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        qkv_bias=family.qkv_bias.read(raw),
+        o_bias=family.o_bias.read(raw),
+        qk_norm=family.qk_norm.read(raw),
+        moe=MOE_READERS[family.moe](raw, layers) if family.moe else None,
+        **_common(raw, family),
+    )
+    fields.update(overrides)
+    if fields["moe"] is None or fields["moe"].layers != tuple(range(layers)):
+        fields["intermediate_size"] = int(require(raw, "intermediate_size"))  # some layer is dense
+    return ModelConfig(**fields)
 
 
 def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -137,79 +274,64 @@ def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     under `rope_parameters`, older files at the top level; both are lifted to the top.
     """
     # The outer model_type names the family (a nested text_config says `..._text`).
-    flat = {**raw, **raw.get("text_config", {}), "model_type": raw.get("model_type")}
+    flat = {**raw, **(raw.get("text_config") or {}), "model_type": raw.get("model_type")}
     rope = flat.get("rope_parameters") or {}
     for key in ("rope_theta", "partial_rotary_factor"):
         if key in rope:
             flat[key] = rope[key]
-    if "layer_types" not in flat and "num_hidden_layers" in flat:
-        interval = int(flat.get("full_attention_interval", 4))
-        flat["layer_types"] = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(int(flat["num_hidden_layers"]))
-        ]
     return flat
 
 
-def _hybrid(family: str, raw: dict[str, Any]) -> ModelConfig:
+def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """Qwen3.5-MoE / Qwen3-Next hybrids: Gated DeltaNet layers interleaved with gated full
+    attention (`layer_types`, else every `full_attention_interval`-th layer full)."""
     flat = hybrid_text_config(raw)
-    hidden = int(_require(flat, "hidden_size"))
-    heads = int(_require(flat, "num_attention_heads"))
-    vocab = int(_require(flat, "vocab_size"))
-    if family == "clover" and "mask_token_id" not in flat:
-        # Nobody has read Clover's config.json yet: refuse to guess its MASK (docs/clover.md).
-        raise UsageError("clover_moe config.json has no mask_token_id; add it (see docs/clover.md)")
-    return ModelConfig(
-        family=family,
-        model_type=str(raw.get("model_type")),
-        hidden_size=hidden,
-        num_layers=int(_require(flat, "num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(flat.get("num_key_value_heads", heads)),
-        head_dim=int(flat.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(flat, "moe_intermediate_size")),
-        vocab_size=vocab,
-        logits_size=vocab,
-        rope_theta=float(flat.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+    layers = int(require(flat, "num_hidden_layers"))
+    interval = int(flat.get("full_attention_interval", 4))
+    types = tuple(flat.get("layer_types") or ())[:layers] or tuple(
+        FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
+    )
+    if set(types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise UsageError(f"config.json layer_types holds an unknown type: {sorted(set(types))}")
+    linear = LinearAttentionSpec(
+        layers=types.count(LINEAR_ATTENTION),
+        key_heads=int(require(flat, "linear_num_key_heads")),
+        value_heads=int(require(flat, "linear_num_value_heads")),
+        key_dim=int(require(flat, "linear_key_head_dim")),
+        value_dim=int(require(flat, "linear_value_head_dim")),
+        conv_kernel=int(flat.get("linear_conv_kernel_dim", 4)),
+    )
+    return _qwen(
+        flat,
+        family,
         max_position_embeddings=int(flat.get("max_position_embeddings", 32768)),
-        # -1: the autoregressive base model has no MASK token.
-        mask_token_id=int(flat.get("mask_token_id", -1)),
-        eos_token_id=_first_int(flat.get("eos_token_id")),
-        pad_token_id=_first_int(flat.get("pad_token_id")),
-        tie_word_embeddings=bool(flat.get("tie_word_embeddings", False)),
-        torch_dtype=flat.get("torch_dtype") or flat.get("dtype"),
-        raw=flat,
+        q_gate=bool(flat.get("attn_output_gate", True)),
+        layer_types=types,
+        linear=linear,
     )
 
 
-def _dream(raw: dict[str, Any]) -> ModelConfig:
-    """Dream / DiffuCoder: Qwen2 field names; refuse what the model does not implement."""
-    if raw.get("rope_scaling"):
-        raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
-    if raw.get("use_sliding_window"):
-        raise UsageError("Dream checkpoints with sliding-window attention are not supported")
-    # Dream-v0 / DiffuCoder MASK is 151666; the tiny and newer configs carry the field.
-    return _hf_standard("dream", 151666)(raw)
-
-
-PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+LAYOUTS: dict[str, Callable[[dict[str, Any], Family], ModelConfig]] = {
     "llada": _llada,
-    "dream": _dream,
-    "llada2_moe": _hf_standard("llada2_moe", 156895),
-    "sdar": _hf_standard("sdar", None),
-    "pangu": _hf_standard("pangu", 45830),
-    "qwen3_5_moe": lambda raw: _hybrid("qwen3_5_moe", raw),
-    "clover": lambda raw: _hybrid("clover", raw),
+    "qwen": _qwen,
+    "hybrid": _hybrid,
 }
 
 
-def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    family: Family = family_for(raw)
+def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """`raw` read as `family` declares: its spelling, its refusals, its facts."""
     try:
-        return PARSERS[family.name](raw)
+        if family.check is not None:
+            family.check(raw)
+        return LAYOUTS[family.layout](raw, family)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    from engine.registry import family_for  # the registry's records name this module's readers
+
+    return parse_config(raw, family_for(raw))
 
 
 def read_config_json(path: Path) -> dict[str, Any]:

@@ -1,16 +1,53 @@
-"""Maps a checkpoint's `model_type` / `architectures` to the family that implements it.
+"""The model families dlm knows: one record each, the only place a family's facts are written.
+
+A record says which checkpoints belong to the family (`model_type` / `architectures`), how
+its config.json is spelled and what it leaves out (MASK id, block size), the architecture
+facts that are fixed for the family rather than read from the file (biases, q/k norm, MoE
+placement), its decoding rules (sampler, block rules, logit shift, caches, modes), which
+engine decodes it and which module builds its network, and what `dlm estimate` reports
+about it. `engine.config` reads a config.json into `ModelConfig` as the record says.
 
 Kept free of torch imports so that config parsing (and `dlm estimate`) stays cheap; the
-model module of a family is imported only when a model is built.
+model module of a family is imported only when a model is built. Adding a family is one
+record here plus one model module (docs/adding-a-family.md).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine.errors import UsageError
+
+
+@dataclass(frozen=True)
+class BlockRules:
+    """How a block-causal family decodes block by block (engine/decoding/block_diffusion.py)."""
+
+    aligned_grid: bool  # blocks at multiples of B (True) or from the prompt's end (False)
+    causal_context: bool  # context attends causally (openPangu) rather than block-causally
+    threshold_rule: str  # "dinfer" or "dynamic": what --threshold means for the family
+    sub_blocks: int = 1  # a block is denoised in this many consecutive sub-blocks
+    logit_shift: int = 0  # 1: output row i predicts token i+1; filled from `Family.logits_shift`
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A yes/no architecture fact: the first of `fields` that config.json holds, else `default`."""
+
+    fields: tuple[str, ...] = ()
+    default: bool = False
+
+    def read(self, raw: dict[str, Any]) -> bool:
+        return bool(next((raw[f] for f in self.fields if f in raw), self.default))
+
+
+ATTENTION_BIAS = Flag(("attention_bias",))  # Qwen's one switch for q/k/v/o biases
+ALWAYS = Flag(default=True)
+PANGU_BIAS = Flag(("bias", "attention_bias"), True)  # openPangu: biases on q/k/v/o unless told
 
 
 @dataclass(frozen=True)
@@ -28,6 +65,29 @@ class Family:
     # with an exact KV cache through the block runner, and also in AR mode.
     block_causal: bool = False
     engine: str = "engine.runtime.engine.LLMEngine"  # dotted path of the engine that decodes it; "" = none
+    # How config.json is read (engine.config.LAYOUTS): "llada" (OLMo-style d_model/n_layers),
+    # "qwen" (transformers' standard names) or "hybrid" (Qwen3.5 text config, maybe nested).
+    layout: str = "qwen"
+    mask_token_id: int | None = None  # the documented MASK where config.json omits it; None: required
+    check: Callable[[dict[str, Any]], None] | None = None  # refuses what the model does not implement
+    # Architecture facts of the "qwen"/"hybrid" layouts (LLaDA's own names are read by its layout).
+    qkv_bias: Flag = ATTENTION_BIAS
+    o_bias: Flag = ATTENTION_BIAS
+    qk_norm: Flag = Flag()
+    moe: str | None = None  # MoE spelling (engine.config.MOE_READERS): "qwen", "bailing"; None: dense
+    # Decoding facts.
+    logits_shift: int = 0  # row i of the logits predicts token i + logits_shift
+    block_rules: BlockRules | None = None
+    block_length: int | None = None  # the trained block size, where config.json does not say
+    block_length_field: str | None = None  # the config.json field that says it
+    # What `dlm estimate` needs beyond the config: how attention sees the context (decides
+    # which caches are exact), the name it reports, spellings it also plans (architectures
+    # the engine does not load), and notes on weights it does not count.
+    attention: str = "bidirectional"  # or "block-causal": an exact KV cache exists
+    label: str = ""  # the name `dlm estimate` reports (default: `name`)
+    planned_model_types: tuple[str, ...] = ()
+    planned_architectures: tuple[str, ...] = ()
+    plan_notes: tuple[str, ...] = ()
 
     def engine_class(self) -> Any:
         if not self.engine:
@@ -48,67 +108,135 @@ class Family:
     def model_class(self) -> Any:
         return importlib.import_module(self.module).Model
 
+    def matches(self, model_type: Any, architectures: Any, planning: bool = False) -> bool:
+        """Whether a config with this `model_type` (or, failing that, `architectures`) is
+        this family's; `planning` also accepts what `dlm estimate` plans, case-insensitively."""
+        types, archs = self.model_types, self.architectures
+        if planning:
+            types = tuple(t.lower() for t in (*types, *self.planned_model_types))
+            model_type = str(model_type).lower()
+            archs = (*archs, *self.planned_architectures)
+        return model_type in types or any(a in archs for a in architectures or ())
+
+
+def _refuse_llada(raw: dict[str, Any]) -> None:
+    if raw.get("block_type", "llama") != "llama":
+        raise UsageError(f"LLaDA block_type {raw.get('block_type')!r} is not supported (only 'llama')")
+    if raw.get("alibi"):
+        raise UsageError("LLaDA checkpoints with alibi are not supported")
+
+
+def _refuse_dream(raw: dict[str, Any]) -> None:
+    if raw.get("rope_scaling"):
+        raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
+    if raw.get("use_sliding_window"):
+        raise UsageError("Dream checkpoints with sliding-window attention are not supported")
+
+
+HYBRID_NOTE = (
+    "multi-token-prediction (mtp.*) and vision-tower weights, if the checkpoint has them, "
+    "are not counted: text dLLM decoding does not run them"
+)
+# The kinds of family, and what every family of a kind shares.
+bidirectional_family = partial(Family, caches=("none", "prefix", "dual"))
+block_family = partial(Family, block_causal=True, caches=("none", "block"), attention="block-causal")
+hybrid_family = partial(
+    Family, layout="hybrid", qk_norm=ALWAYS, moe="qwen", attention="block-causal", plan_notes=(HYBRID_NOTE,)
+)
 
 FAMILIES: tuple[Family, ...] = (
-    Family(
+    bidirectional_family(
         name="llada",
         model_types=("llada",),
         architectures=("LLaDAModelLM",),
         module="engine.models.llada",
         description="LLaDA: bidirectional LLaMA-style masked diffusion LM",
-        caches=("none", "prefix", "dual"),
+        layout="llada",
+        mask_token_id=126336,  # LLaDA-8B's config.json omits it; 126336 is its documented MASK
+        check=_refuse_llada,
     ),
-    Family(
+    bidirectional_family(
         name="dream",
         model_types=("Dream",),
         architectures=("DreamModel",),
         module="engine.models.dream",
         description="Dream / Dream-Coder / DiffuCoder: bidirectional Qwen2-style, logits shifted one position",
         sampler="dream",
-        caches=("none", "prefix", "dual"),
+        mask_token_id=151666,  # Dream-v0 / DiffuCoder; the tiny and newer configs carry the field
+        check=_refuse_dream,
+        qkv_bias=ALWAYS,  # Qwen2: q/k/v biases, none on o_proj
+        o_bias=Flag(),
+        logits_shift=1,
     ),
-    Family(
+    block_family(
         name="llada2_moe",
         model_types=("llada2_moe",),
         architectures=("LLaDA2MoeModelLM",),
         module="engine.models.llada2_moe",
         description="LLaDA2.x: block-diffusion MoE (sigmoid group-limited routing, shared expert)",
-        block_causal=True,
-        caches=("none", "block"),
+        mask_token_id=156895,
+        qkv_bias=Flag(("use_qkv_bias",)),
+        o_bias=Flag(("use_bias",)),
+        qk_norm=Flag(("use_qk_norm",), True),
+        moe="bailing",
+        block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dinfer"),
+        block_length=32,  # LLaDA2.0/2.1's trained block size (not in config.json)
+        label="llada2",
     ),
-    Family(
+    block_family(
         name="sdar",
         model_types=("sdar", "sdar_moe"),
         architectures=("SDARForCausalLM", "SDARMoeForCausalLM"),
         module="engine.models.sdar",
         description="SDAR: Qwen3-style block diffusion (dense or MoE)",
-        block_causal=True,
-        caches=("none", "block"),
+        qk_norm=ALWAYS,
+        moe="qwen",
+        block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dynamic"),
+        block_length=4,
+        block_length_field="block_size",
     ),
-    Family(
+    block_family(
         name="pangu",
         model_types=("PanguEmbedded",),
         architectures=("PanguEmbeddedForCausalLM",),
-        module="engine.models.pangu",
+        module="engine.models.sdar",  # the SDAR network with openPangu's options
         description="openPangu-R-7B-Diffusion: context-causal block diffusion, shifted logits",
-        block_causal=True,
-        caches=("none", "block"),
+        mask_token_id=45830,  # an argument of the reference, not in config.json
+        qkv_bias=PANGU_BIAS,
+        o_bias=PANGU_BIAS,
+        logits_shift=1,
+        block_rules=BlockRules(aligned_grid=False, causal_context=True, threshold_rule="dynamic", sub_blocks=4),
+        block_length=32,
+        planned_model_types=("pangu_embedded",),
     ),
-    Family(
+    hybrid_family(
         name="qwen3_5_moe",
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         module="engine.models.qwen3_5_moe",
         description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
         engine="",
+        mask_token_id=-1,  # the autoregressive base model has no MASK token
+        label="qwen3.5-hybrid",
+        planned_model_types=("qwen3_next",),
+        planned_architectures=("Qwen3NextForCausalLM",),
     ),
-    Family(
+    hybrid_family(
         name="clover",
         model_types=("clover_moe",),
         architectures=(),
         module="engine.models.qwen3_5_moe",
         description="Clover: block diffusion on the Qwen3.5-MoE hybrid (EXPERIMENTAL, docs/clover.md)",
         engine="engine.runtime.clover.CloverEngine",
+        # mask_token_id: nobody has read Clover's config.json yet, so refuse to guess (docs/clover.md).
+        block_length=32,  # Clover's training block size (model card)
+        block_length_field="block_size",
+        plan_notes=(
+            HYBRID_NOTE,
+            "Clover's extra GDN parameters (right-convolution taps, about conv_dim x "
+            "(kernel-1) per GDN layer, <0.01% of the model) are not named in its config "
+            "and are not counted",
+        ),
     ),
 )
 
@@ -134,17 +262,19 @@ def family_named(name: str) -> Family:
     return next((f for f in FAMILIES if f.name == name), UNREGISTERED)
 
 
-def family_for(raw_config: dict[str, Any]) -> Family:
-    """Pick the family from `model_type`, falling back to `architectures`."""
-    model_type = raw_config.get("model_type")
+def family_for(raw_config: dict[str, Any], planning: bool = False) -> Family:
+    """Pick the family from `model_type`, falling back to `architectures`; `planning`
+    (dlm estimate) also accepts the spellings a family only plans."""
+    model_type, archs = raw_config.get("model_type"), raw_config.get("architectures")
     for family in FAMILIES:
-        if model_type in family.model_types:
+        if family.matches(model_type, (), planning):
             return family
-    for arch in raw_config.get("architectures") or ():
-        for family in FAMILIES:
-            if arch in family.architectures:
-                return family
-    raise UsageError(
-        f"unsupported model_type {model_type!r} "
-        f"(architectures {raw_config.get('architectures')}); supported: {supported_names()}"
-    )
+    for family in FAMILIES:
+        if family.matches(None, archs, planning):
+            return family
+    if planning:
+        known = ", ".join(sorted({t.lower() for f in FAMILIES for t in (*f.model_types, *f.planned_model_types)}))
+        raise UsageError(
+            f"dlm estimate does not know model_type {model_type!r} (architectures {archs}); known: {known}"
+        )
+    raise UsageError(f"unsupported model_type {model_type!r} (architectures {archs}); supported: {supported_names()}")

@@ -177,7 +177,6 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
         pad_token_id=_first(get("pad_token_id"), getattr(tokenizer, "pad_token_id", None)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         torch_dtype=str(get("dtype", None) or get("torch_dtype", None) or ""),
-        raw=config.to_dict(),
     )
 
 

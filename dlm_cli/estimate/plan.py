@@ -2,8 +2,8 @@
 
 Nothing is loaded and torch is never imported, so the plan answers "does it fit" on a
 laptop, before any download. Parameters are counted per component from the config's own
-fields (one parser per family below, on top of the engine's own normalisation in
-engine/config.py for LLaDA and the block-causal families); for a local checkpoint or a hub
+fields as the engine itself normalises them (the family's record in engine/registry.py and
+`ModelConfig`, engine/config.py: no parser of its own); for a local checkpoint or a hub
 repository the count is cross-checked against the safetensors headers. Runtime memory adds what a dLLM server
 holds beyond the weights: the KV cache (exact for block-causal models, approximate
 prefix/dual caches for bidirectional ones), the linear-attention state of hybrid models,
@@ -15,368 +15,75 @@ Every row of the plan carries the assumption it rests on.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from dlm_cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm_cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
-from engine.config import PARSERS as ENGINE_PARSERS
-from engine.config import ModelConfig
+from engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from engine.errors import DlmError, UsageError
 from engine.params import CACHES
+from engine.registry import Family, family_for
 
 GIB = 1024**3
-FP32_BYTES = 4
 
 
 # --------------------------------------------------------------------------- architecture
 @dataclass(frozen=True)
-class MoE:
-    layers: int  # decoder layers whose MLP is a mixture of experts
-    num_experts: int
-    top_k: int
-    expert_ffn: int  # intermediate size of one routed expert
-    shared_ffn: int  # intermediate size of the shared expert(s) together; 0 when none
-    shared_gate: bool  # Qwen-style sigmoid gate [1, d] on the shared expert
-    router_bias: bool  # LLaDA2's expert_bias [E] (selection only)
+class Architecture:
+    """What memory depends on: the engine's normalised config and the family's record."""
 
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """Gated DeltaNet layers of the Qwen3.5/Qwen3-Next hybrids (Clover's base)."""
-
-    layers: int
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-    conv_kernel: int
+    config: ModelConfig
+    family: Family
 
     @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    def name(self) -> str:
+        return self.family.label or self.family.name
 
-    def state_bytes(self, act_bytes: int, tp: int = 1) -> int:
-        """Bytes of DeltaNet state one sequence holds on one rank, whatever its length: per
-        layer the recurrent matrix of each value head (dk x dv, always fp32) and the conv
-        ring (kernel-1 pre-conv rows of conv_dim channels, activation dtype), heads split
-        over TP. This is what engine/runtime/hybrid_cache.py allocates (tests/test_hybrid_memory.py)."""
-        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * FP32_BYTES
-        conv = self.conv_dim // tp * (self.conv_kernel - 1) * act_bytes
-        return self.layers * (recurrent + conv)
+    @property
+    def attention(self) -> str:
+        """`bidirectional` (approximate caches only) or `block-causal` (an exact KV cache)."""
+        return self.family.attention
 
+    @property
+    def full_attention_layers(self) -> int:
+        return self.config.full_attention_layers
 
-@dataclass(frozen=True)
-class Architecture:
-    """What memory depends on, in one shape for every family."""
+    @property
+    def linear(self) -> LinearAttentionSpec | None:
+        return self.config.linear
 
-    family: str
-    model_type: str
-    attention: str  # "bidirectional" (approximate caches only) or "block-causal" (exact KV)
-    hidden: int
-    layers: int
-    vocab: int  # rows of the embedding and of the LM head (padded size)
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    full_attention_layers: int
-    dense_ffn: int
-    dense_layers: int
-    tie_embeddings: bool
-    max_position: int
-    q_gate: bool = False  # gated attention: q_proj also emits a per-head output gate
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    moe: MoE | None = None
-    linear: LinearAttention | None = None
-    sub_blocks: int = 1  # a block is denoised in this many sub-blocks: rows decided per forward
-    notes: tuple[str, ...] = ()
+    @property
+    def sub_blocks(self) -> int:
+        """A block is denoised in this many sub-blocks: rows decided per forward."""
+        rules = self.config.block_rules
+        return rules.sub_blocks if rules is not None else 1
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        mtp: tuple[str, ...] = ()
+        if self.config.mtp_layers:
+            mtp = (
+                "multi-token-prediction layers (num_nextn_predict_layers) are not counted: "
+                "dLLM decoding does not run them",
+            )
+        return (*mtp, *self.family.plan_notes)
 
     def kv_bytes_per_token(self, kv_bytes: int, tp: int = 1) -> int:
         """Keys + values one cached token adds on one rank: full-attention layers only (a
         hybrid's DeltaNet layers keep fixed state instead); KV heads split over TP, each
         rank keeping at least one."""
-        return 2 * self.full_attention_layers * max(1, self.kv_heads // tp) * self.head_dim * kv_bytes
-
-
-def _int(raw: dict[str, Any], key: str, default: Any = None) -> int:
-    value = raw.get(key, default)
-    if value is None:
-        raise UsageError(f"config.json has no field {key!r}, which its model family needs")
-    return int(value)
-
-
-def _engine_config(family: str, raw: dict[str, Any]) -> ModelConfig:
-    """The engine's own normalisation of a family's config.json (engine/config.py), so the
-    plan sizes what the engine builds. The MASK id matters only for decoding: a config
-    without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
-    return ENGINE_PARSERS[family]({"mask_token_id": -1, **raw})
-
-
-def _engine_shape(c: ModelConfig) -> dict[str, Any]:
-    """The `Architecture` fields a normalised engine config gives directly."""
-    return dict(
-        model_type=c.model_type,
-        hidden=c.hidden_size,
-        layers=c.num_layers,
-        vocab=c.logits_size,
-        heads=c.num_heads,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rotary_dim=c.rotary_dim,
-        tie_embeddings=c.tie_word_embeddings,
-        max_position=c.max_position_embeddings,
-    )
-
-
-def _llada(raw: dict[str, Any]) -> Architecture:
-    """LLaDA: the engine's parser; `include_bias` / `include_qkv_bias` as the model reads them."""
-    c = _engine_config("llada", raw)
-    bias = bool(raw.get("include_bias", False))
-    return Architecture(
-        family="llada",
-        attention="bidirectional",
-        full_attention_layers=c.num_layers,
-        dense_ffn=c.intermediate_size,
-        dense_layers=c.num_layers,
-        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)),
-        o_bias=bias,
-        mlp_bias=bias,
-        **_engine_shape(c),
-    )
-
-
-def _qwen_shape(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields every Qwen/LLaMA-layout config spells the same way (Dream, and the hybrids,
-    whose AR base and experimental Clover the engine parses with their own rules)."""
-    d, heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
-    head_dim = int(raw.get("head_dim") or d // heads)
-    rope = raw.get("rope_parameters") or {}
-    partial = float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
-    return dict(
-        model_type=str(raw.get("model_type")),
-        hidden=d,
-        layers=_int(raw, "num_hidden_layers"),
-        vocab=_int(raw, "vocab_size"),
-        heads=heads,
-        kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rotary_dim=int(raw.get("rotary_dim") or head_dim * partial),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position=int(raw.get("max_position_embeddings", 32768)),
-    )
-
-
-def _dream(raw: dict[str, Any]) -> Architecture:
-    """Dream / DiffuCoder: Qwen2 layout (q/k/v biases, no o bias), bidirectional."""
-    s = _qwen_shape(raw)
-    f = _int(raw, "intermediate_size")
-    return Architecture(
-        family="dream",
-        attention="bidirectional",
-        full_attention_layers=s["layers"],
-        dense_ffn=f,
-        dense_layers=s["layers"],
-        qkv_bias=True,
-        **s,
-    )
-
-
-def _pangu(raw: dict[str, Any]) -> Architecture:
-    """openPangu (PanguEmbedded): LLaMA layout with biases on q/k/v/o (`bias`, default true);
-    its decoder denoises a block in 4 sub-blocks (the reference's num_small_blocks=4)."""
-    c = _engine_config("pangu", raw)
-    bias = bool(raw.get("bias", True))
-    return Architecture(
-        family="pangu",
-        attention="block-causal",
-        full_attention_layers=c.num_layers,
-        dense_ffn=c.intermediate_size,
-        dense_layers=c.num_layers,
-        qkv_bias=bias,
-        o_bias=bias,
-        sub_blocks=4,
-        **_engine_shape(c),
-    )
-
-
-def _moe_layer_count(raw: dict[str, Any], layers: int) -> int:
-    """Qwen-MoE placement: every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    dense_only = set(raw.get("mlp_only_layers") or ())
-    return sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-
-
-def _sdar(raw: dict[str, Any]) -> Architecture:
-    """SDAR: Qwen3 layout (q/k RMSNorm, optional `attention_bias`), block-causal; the MoE
-    variant (SDARMoe) takes Qwen3-MoE's expert fields."""
-    c = _engine_config("sdar", raw)
-    bias = bool(raw.get("attention_bias", False))
-    moe = None
-    dense_layers = c.num_layers
-    if int(raw.get("num_experts") or 0) > 0:
-        moe_layers = _moe_layer_count(raw, c.num_layers)
-        dense_layers = c.num_layers - moe_layers
-        moe = MoE(
-            layers=moe_layers,
-            num_experts=_int(raw, "num_experts"),
-            top_k=_int(raw, "num_experts_per_tok"),
-            expert_ffn=_int(raw, "moe_intermediate_size"),
-            shared_ffn=0,
-            shared_gate=False,
-            router_bias=False,
-        )
-    return Architecture(
-        family="sdar",
-        attention="block-causal",
-        full_attention_layers=c.num_layers,
-        dense_ffn=c.intermediate_size,
-        dense_layers=dense_layers,
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
-        moe=moe,
-        **_engine_shape(c),
-    )
-
-
-def _llada2(raw: dict[str, Any]) -> Architecture:
-    """LLaDA2.x MoE: fused query_key_value, q/k norm, partial rotary, the first
-    `first_k_dense_replace` layers dense, the rest 256-expert MoE with a shared expert."""
-    c = _engine_config("llada2_moe", raw)
-    first_dense = min(int(raw.get("first_k_dense_replace", 0)), c.num_layers)
-    fe = _int(raw, "moe_intermediate_size")
-    moe = MoE(
-        layers=c.num_layers - first_dense,
-        num_experts=_int(raw, "num_experts"),
-        top_k=_int(raw, "num_experts_per_tok"),
-        expert_ffn=fe,
-        shared_ffn=fe * int(raw.get("num_shared_experts") or 0),
-        shared_gate=False,
-        router_bias=bool(raw.get("moe_router_enable_expert_bias", False)),
-    )
-    notes = ()
-    if int(raw.get("num_nextn_predict_layers") or 0) > 0:
-        notes = (
-            "multi-token-prediction layers (num_nextn_predict_layers) are not counted: dLLM decoding does not run them",
-        )
-    return Architecture(
-        family="llada2",
-        attention="block-causal",
-        full_attention_layers=c.num_layers,
-        dense_ffn=c.intermediate_size,
-        dense_layers=first_dense,
-        qkv_bias=bool(raw.get("use_qkv_bias", False)),
-        o_bias=bool(raw.get("use_bias", False)),
-        qk_norm=bool(raw.get("use_qk_norm", False)),
-        moe=moe,
-        notes=notes,
-        **_engine_shape(c),
-    )
-
-
-def _hybrid(raw: dict[str, Any]) -> Architecture:
-    """Qwen3.5-MoE / Qwen3-Next hybrid (Clover's base): Gated DeltaNet layers interleaved
-    with gated full attention, a routed-expert MoE with a gated shared expert everywhere."""
-    raw = {**raw, **(raw.get("text_config") or {})}
-    s = _qwen_shape(raw)
-    layers = s["layers"]
-    types = raw.get("layer_types") or [
-        "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0 else "linear_attention"
-        for i in range(layers)
-    ]
-    full = sum(1 for t in types if t == "full_attention")
-    linear = LinearAttention(
-        layers=layers - full,
-        key_heads=_int(raw, "linear_num_key_heads"),
-        value_heads=_int(raw, "linear_num_value_heads"),
-        key_dim=_int(raw, "linear_key_head_dim"),
-        value_dim=_int(raw, "linear_value_head_dim"),
-        conv_kernel=_int(raw, "linear_conv_kernel_dim"),
-    )
-    moe_layers = _moe_layer_count(raw, layers)
-    moe = MoE(
-        layers=moe_layers,
-        num_experts=_int(raw, "num_experts"),
-        top_k=_int(raw, "num_experts_per_tok"),
-        expert_ffn=_int(raw, "moe_intermediate_size"),
-        shared_ffn=int(raw.get("shared_expert_intermediate_size") or 0),
-        shared_gate=int(raw.get("shared_expert_intermediate_size") or 0) > 0,
-        router_bias=False,
-    )
-    notes = [
-        "multi-token-prediction (mtp.*) and vision-tower weights, if the checkpoint has them, "
-        "are not counted: text dLLM decoding does not run them"
-    ]
-    if s["model_type"] == "clover_moe":
-        notes.append(
-            "Clover's extra GDN parameters (right-convolution taps, about conv_dim x "
-            "(kernel-1) per GDN layer, <0.01% of the model) are not named in its config "
-            "and are not counted"
-        )
-    family = "clover" if s["model_type"] == "clover_moe" else "qwen3.5-hybrid"
-    return Architecture(
-        family=family,
-        attention="block-causal",
-        full_attention_layers=full,
-        dense_ffn=int(raw.get("intermediate_size") or 0),
-        dense_layers=layers - moe_layers,
-        q_gate=bool(raw.get("attn_output_gate", True)),
-        qkv_bias=bool(raw.get("attention_bias", False)),
-        o_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=True,
-        moe=moe,
-        linear=linear,
-        notes=tuple(notes),
-        **s,
-    )
-
-
-# model_type (lower case) -> parser. Architectures are the fallback for configs without one.
-PARSERS: dict[str, Callable[[dict[str, Any]], Architecture]] = {
-    "llada": _llada,
-    "dream": _dream,
-    "sdar": _sdar,
-    "sdar_moe": _sdar,
-    "llada2_moe": _llada2,
-    "pangu_embedded": _pangu,
-    "panguembedded": _pangu,
-    "clover_moe": _hybrid,
-    "qwen3_5_moe": _hybrid,
-    "qwen3_5_moe_text": _hybrid,
-    "qwen3_next": _hybrid,
-}
-ARCHITECTURES: dict[str, str] = {
-    "LLaDAModelLM": "llada",
-    "DreamModel": "dream",
-    "SDARForCausalLM": "sdar",
-    "SDARMoeForCausalLM": "sdar_moe",
-    "LLaDA2MoeModelLM": "llada2_moe",
-    "PanguEmbeddedForCausalLM": "panguembedded",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
-}
+        c = self.config
+        return 2 * c.full_attention_layers * max(1, c.num_kv_heads // tp) * c.head_dim * kv_bytes
 
 
 def architecture_from_config(raw: dict[str, Any]) -> Architecture:
-    key = str(raw.get("model_type", "")).lower()
-    if key not in PARSERS:
-        key = next((ARCHITECTURES[a] for a in raw.get("architectures") or () if a in ARCHITECTURES), key)
-    if key not in PARSERS:
-        raise UsageError(
-            f"dlm estimate does not know model_type {raw.get('model_type')!r} "
-            f"(architectures {raw.get('architectures')}); known: {', '.join(sorted(PARSERS))}"
-        )
-    try:
-        return PARSERS[key](raw)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"config.json has an invalid field for {key}: {exc}") from exc
+    """The family's record and the engine's own normalisation (engine/config.py), so the
+    plan sizes what the engine builds. The MASK id matters only for decoding: a config
+    without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
+    family = family_for(raw, planning=True)
+    return Architecture(parse_config({"mask_token_id": -1, **raw}, family), family)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -394,31 +101,31 @@ class Component:
 
 def parameter_components(a: Architecture) -> list[Component]:
     """Per-component counts from config fields alone (equal to the checkpoint's tensors)."""
-    d, hd, n_full = a.hidden, a.head_dim, a.full_attention_layers
-    q = a.heads * hd
-    q_out = 2 * q if a.q_gate else q
-    kv = a.kv_heads * hd
+    d, hd, n_full = a.config.hidden_size, a.config.head_dim, a.full_attention_layers
+    q = a.config.num_heads * hd
+    q_out = 2 * q if a.config.q_gate else q
+    kv = a.config.num_kv_heads * hd
     rows: list[Component] = []
 
     def add(name: str, params: int, tp: str, quantized: bool, assumption: str, active: int | None = None) -> None:
         if params:
             rows.append(Component(name, params, params if active is None else active, tp, quantized, assumption))
 
-    add("embeddings", a.vocab * d, "split", False, "vocab-parallel; not quantized")
+    add("embeddings", a.config.logits_size * d, "split", False, "vocab-parallel; not quantized")
     add(
         "attention Q/O",
-        n_full * (d * q_out + q * d + (q_out if a.qkv_bias else 0) + (d if a.o_bias else 0)),
+        n_full * (d * q_out + q * d + (q_out if a.config.qkv_bias else 0) + (d if a.config.o_bias else 0)),
         "split",
         True,
-        f"{n_full} full-attention layers, {a.heads} heads split by TP"
-        + ("; q_proj also emits the output gate" if a.q_gate else ""),
+        f"{n_full} full-attention layers, {a.config.num_heads} heads split by TP"
+        + ("; q_proj also emits the output gate" if a.config.q_gate else ""),
     )
     add(
         "attention K/V",
-        n_full * 2 * (kv * d + (kv if a.qkv_bias else 0)),
+        n_full * 2 * (kv * d + (kv if a.config.qkv_bias else 0)),
         "kv",
         True,
-        f"{a.kv_heads} KV heads; replicated where TP exceeds them",
+        f"{a.config.num_kv_heads} KV heads; replicated where TP exceeds them",
     )
     if a.linear is not None:
         la = a.linear
@@ -440,42 +147,43 @@ def parameter_components(a: Architecture) -> list[Component]:
         )
     add(
         "dense MLP",
-        a.dense_layers * (3 * d * a.dense_ffn + (2 * a.dense_ffn + d if a.mlp_bias else 0)),
+        a.config.dense_layers
+        * (3 * d * a.config.intermediate_size + (2 * a.config.intermediate_size + d if a.config.mlp_bias else 0)),
         "split",
         True,
-        f"{a.dense_layers} SwiGLU layers, intermediate {a.dense_ffn}",
+        f"{a.config.dense_layers} SwiGLU layers, intermediate {a.config.intermediate_size}",
     )
-    if a.moe is not None:
-        m = a.moe
+    if a.config.moe is not None:
+        m = a.config.moe
         expert = 3 * d * m.expert_ffn
         add(
             "routed experts",
-            m.layers * m.num_experts * expert,
+            len(m.layers) * m.num_experts * expert,
             "split",
             True,
-            f"{m.layers} MoE layers x {m.num_experts} experts; top-{m.top_k} active per token; "
+            f"{len(m.layers)} MoE layers x {m.num_experts} experts; top-{m.top_k} active per token; "
             "sharded by TP (EP holds the same bytes per rank)",
-            active=m.layers * m.top_k * expert,
+            active=len(m.layers) * m.top_k * expert,
         )
         add(
             "shared experts",
-            m.layers * (3 * d * m.shared_ffn + (d if m.shared_gate else 0)),
+            len(m.layers) * (3 * d * m.shared_ffn + (d if m.shared_gate else 0)),
             "split",
             True,
             f"intermediate {m.shared_ffn}, always active",
         )
         add(
             "router",
-            m.layers * (m.num_experts * d + (m.num_experts if m.router_bias else 0)),
+            len(m.layers) * (m.num_experts * d + (m.num_experts if m.router_bias else 0)),
             "replicated",
             False,
             "replicated, kept in 16 bits (routing in fp32)",
         )
-    norms = (2 * a.layers + 1) * d + (2 * hd * n_full if a.qk_norm else 0)
+    norms = (2 * a.config.num_layers + 1) * d + (2 * hd * n_full if a.config.qk_norm else 0)
     norms += a.linear.layers * a.linear.value_dim if a.linear is not None else 0
     add("norms", norms, "replicated", False, "RMSNorm weights, replicated")
-    if not a.tie_embeddings:
-        add("LM head", a.vocab * d, "split", False, "vocab-parallel; not quantized")
+    if not a.config.tie_word_embeddings:
+        add("LM head", a.config.logits_size * d, "split", False, "vocab-parallel; not quantized")
     return rows
 
 
@@ -566,7 +274,7 @@ class Serving:
         kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
         if kv not in KV_BYTES:
             raise UsageError(f"unknown --kv-dtype {self.kv_dtype!r}; use auto, {', '.join(KV_BYTES)}")
-        context = self.context if self.context is not None else min(a.max_position, 4096)
+        context = self.context if self.context is not None else min(a.config.max_position_embeddings, 4096)
         cache = self.cache
         if cache not in CACHES:
             raise UsageError(f"--cache must be one of {', '.join(CACHES)}, got {cache!r}")
@@ -574,10 +282,10 @@ class Serving:
             cache = "block" if a.attention == "block-causal" else "none"
         if cache == "block" and a.attention != "block-causal":
             raise UsageError(
-                f"{a.family} attends bidirectionally: it has no exact block KV cache (use --cache none, prefix or dual)"
+                f"{a.name} attends bidirectionally: it has no exact block KV cache (use --cache none, prefix or dual)"
             )
         if cache in ("prefix", "dual") and a.attention != "bidirectional":
-            raise UsageError(f"{a.family} is block-causal: its cache is the exact --cache block")
+            raise UsageError(f"{a.name} is block-causal: its cache is the exact --cache block")
         if self.logits not in LOGITS:
             raise UsageError(f"--logits must be fused or unfused, got {self.logits!r}")
         for name, value in (
@@ -611,10 +319,10 @@ class Serving:
 def check_tp(a: Architecture, tp: int) -> None:
     """Raise unless the model's heads divide over `tp` ranks (KV heads may be replicated)."""
     problems = []
-    if a.heads % tp:
-        problems.append(f"{a.heads} attention heads")
-    if a.kv_heads % tp and tp % a.kv_heads:
-        problems.append(f"{a.kv_heads} KV heads")
+    if a.config.num_heads % tp:
+        problems.append(f"{a.config.num_heads} attention heads")
+    if a.config.num_kv_heads % tp and tp % a.config.num_kv_heads:
+        problems.append(f"{a.config.num_kv_heads} KV heads")
     if a.linear is not None and (a.linear.value_heads % tp or a.linear.key_heads % tp):
         problems.append(f"{a.linear.key_heads}/{a.linear.value_heads} linear-attention heads")
     if problems:
@@ -660,15 +368,15 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
     fmt = WEIGHT_FORMATS[s.dtype]
     quant_bpp = fmt.bytes_per_param(s.group_size)
     plain_bpp = 4 if s.dtype == "fp32" else 2
-    kv_share = max(1, a.kv_heads // s.tp) / a.kv_heads
+    kv_share = max(1, a.config.num_kv_heads // s.tp) / a.config.num_kv_heads
     rows = []
     for c in comps:
         if c.tp == "split":
             per_rank, place = c.params / s.tp, f"1/{s.tp} per rank" if s.tp > 1 else "one rank"
         elif c.tp == "kv":
             per_rank = c.params * kv_share
-            place = f"{max(1, a.kv_heads // s.tp)} of {a.kv_heads} KV heads per rank" + (
-                " (replicated)" if a.kv_heads < s.tp else ""
+            place = f"{max(1, a.config.num_kv_heads // s.tp)} of {a.config.num_kv_heads} KV heads per rank" + (
+                " (replicated)" if a.config.num_kv_heads < s.tp else ""
             )
         else:
             per_rank, place = c.params, "replicated on every rank"
@@ -684,21 +392,21 @@ def _layer_peak_elements(a: Architecture, s: Serving) -> tuple[float, str]:
     """Activation elements per forward token at a layer's peak, in an eager engine that keeps
     a layer's tensors alive until it returns (the residual in, normed input, q/k/v and the
     rotated q/k) while the MLP intermediates are allocated."""
-    tp, d = s.tp, a.hidden
-    q = a.heads * a.head_dim / tp
-    kv = max(1, a.kv_heads // tp) * a.head_dim
-    q_out = 2 * q if a.q_gate else q
+    tp, d = s.tp, a.config.hidden_size
+    q = a.config.num_heads * a.config.head_dim / tp
+    kv = max(1, a.config.num_kv_heads // tp) * a.config.head_dim
+    q_out = 2 * q if a.config.q_gate else q
     attn_held = 2 * d + (q_out + 2 * kv) + q + kv
     attn_phase = attn_held + 2 * q + 2 * d  # attention output, merged heads, o_proj, residual
-    if a.moe is not None:
-        m = a.moe
+    if a.config.moe is not None:
+        m = a.config.moe
         mlp = 4 * m.top_k * m.expert_ffn / tp + 4 * m.shared_ffn / tp + d
         mlp_text = f"top-{m.top_k} expert and shared-expert SwiGLU intermediates"
     else:
-        mlp = 4 * a.dense_ffn / tp
+        mlp = 4 * a.config.intermediate_size / tp
         mlp_text = "SwiGLU gate/up, activation and product"
-    if a.moe is not None and a.dense_layers:
-        mlp = max(mlp, 4 * a.dense_ffn / tp)
+    if a.config.moe is not None and a.config.dense_layers:
+        mlp = max(mlp, 4 * a.config.intermediate_size / tp)
     peaks = [attn_phase, attn_held + d + mlp]
     if a.linear is not None:
         la = a.linear
@@ -716,21 +424,23 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
     assert s.context is not None
     act = _act_bytes(s)
     kv_bytes = KV_BYTES[s.kv_dtype]
-    tp, d = s.tp, a.hidden
+    tp, d = s.tp, a.config.hidden_size
     prompt = s.context - s.gen_length
     rows = _weight_rows(a, comps, s)
     notes = list(a.notes)
-    if s.context > a.max_position:
-        notes.append(f"context {s.context} exceeds the model's max_position_embeddings ({a.max_position})")
+    if s.context > a.config.max_position_embeddings:
+        notes.append(
+            f"context {s.context} exceeds the model's max_position_embeddings ({a.config.max_position_embeddings})"
+        )
 
     # Cache: what each sequence keeps between forwards.
-    kv_heads_rank = max(1, a.kv_heads // tp)
+    kv_heads_rank = max(1, a.config.num_kv_heads // tp)
     per_token_kv = a.kv_bytes_per_token(kv_bytes, tp)
     cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": s.context - s.block_length}[s.cache]
     kv_text = {
         "none": "no cache: every forward recomputes the whole sequence",
         "block": f"exact block KV cache over the whole context ({s.context} tokens)"
-        + (f", full-attention layers only ({a.full_attention_layers} of {a.layers})" if a.linear else ""),
+        + (f", full-attention layers only ({a.full_attention_layers} of {a.config.num_layers})" if a.linear else ""),
         "dual": f"approximate dual cache (Fast-dLLM): K/V of all {s.context} tokens, refreshed every block",
         "prefix": f"approximate prefix cache (Fast-dLLM): K/V of up to {s.context - s.block_length} prefix tokens, "
         "refreshed every block",
@@ -739,7 +449,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
         Row(
             "KV cache",
             per_token_kv * cached_tokens * s.batch,
-            f"{kv_text}; {s.kv_dtype}, {kv_heads_rank} KV heads x {a.head_dim} per rank, batch {s.batch}",
+            f"{kv_text}; {s.kv_dtype}, {kv_heads_rank} KV heads x {a.config.head_dim} per rank, batch {s.batch}",
         )
     )
     state = a.linear.state_bytes(act, tp) if a.linear is not None else 0
@@ -773,7 +483,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
             + ")"
         )
     elements, layer_text = _layer_peak_elements(a, s)
-    per_token = elements * act + 8 * a.rotary_dim + 16  # + fp32 cos/sin, int64 ids and positions
+    per_token = elements * act + 8 * a.config.rotary_dim + 16  # + fp32 cos/sin, int64 ids and positions
     forward = round(tokens * per_token)
     rows.append(
         Row(
@@ -784,8 +494,8 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
         )
     )
     routing = 0
-    if a.moe is not None:
-        m = a.moe
+    if a.config.moe is not None:
+        m = a.config.moe
         routing = round(tokens * (2 * m.num_experts * 4 + m.top_k * 12 + 2 * m.top_k * d * act))
         rows.append(
             Row(
@@ -798,7 +508,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
     # Logits statistics at the decided positions of one sequence: dlm's runners call the LM
     # head per sequence, so a batch does not multiply this buffer.
     decided = -(-s.block_length // a.sub_blocks)
-    vocab_rank = -(-a.vocab // tp)
+    vocab_rank = -(-a.config.logits_size // tp)
     unit = f"{'sub-' if a.sub_blocks > 1 else ''}block"
     if s.logits == "fused":
         logits = decided * min(vocab_rank, STATS_CHUNK) * 4 * 4
@@ -985,18 +695,18 @@ def plan_report(
         "model": {
             "source": source.label,
             "kind": source.kind,
-            "family": arch.family,
-            "model_type": arch.model_type,
+            "family": arch.name,
+            "model_type": arch.config.model_type,
             "attention": arch.attention,
-            "layers": arch.layers,
+            "layers": arch.config.num_layers,
             "full_attention_layers": arch.full_attention_layers,
-            "hidden_size": arch.hidden,
-            "heads": arch.heads,
-            "kv_heads": arch.kv_heads,
-            "head_dim": arch.head_dim,
-            "vocab": arch.vocab,
-            "max_position": arch.max_position,
-            "moe": asdict(arch.moe) if arch.moe else None,
+            "hidden_size": arch.config.hidden_size,
+            "heads": arch.config.num_heads,
+            "kv_heads": arch.config.num_kv_heads,
+            "head_dim": arch.config.head_dim,
+            "vocab": arch.config.logits_size,
+            "max_position": arch.config.max_position_embeddings,
+            "moe": {**asdict(arch.config.moe), "layers": len(arch.config.moe.layers)} if arch.config.moe else None,
             "linear_attention": asdict(arch.linear) if arch.linear else None,
         },
         "parameters": {

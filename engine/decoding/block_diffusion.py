@@ -23,20 +23,12 @@ Commit rules (all take the confidences and tokens of the eligible positions):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from engine.params import GenerationParams
-
-
-@dataclass(frozen=True)
-class BlockRules:
-    aligned_grid: bool  # blocks at multiples of B (True) or from the prompt's end (False)
-    causal_context: bool  # context attends causally (openPangu) rather than block-causally
-    logit_shift: int  # 1: output row i predicts token i+1 (openPangu)
-    threshold_rule: str  # "dinfer" or "dynamic": what --threshold means for the family
-    sub_blocks: int = 1  # a block is denoised in this many consecutive sub-blocks
+from engine.registry import BlockRules
 
 
 def resolve_block_params(params: GenerationParams, default_block: int) -> GenerationParams:

@@ -2,12 +2,13 @@
 
 Both are pre-norm LLaMA/Qwen2-style layers: RMSNorm, packed q/k/v projection, RoPE and
 attention over every fed row (`self_attention`: bidirectional, GQA, cache-aware), output
-projection, RMSNorm, SwiGLU MLP. They differ only in biases (Dream: q/k/v only; LLaDA:
-`include_bias` / `include_qkv_bias`) and in names (LLaDA's flat `attn_norm`, `attn_out`,
+projection, RMSNorm, SwiGLU MLP. They differ only in biases (`ModelConfig.qkv_bias`,
+`o_bias`, `mlp_bias`) and in names (LLaDA's flat `attn_norm`, `attn_out`,
 `ff_norm`, `ff_out`; Dream's Qwen2 `self_attn.*`, `mlp.*`); each family passes its
 `LayerNames`, and the parameters are created at those (possibly nested) paths so the
-checkpoints' tensor names load unchanged. The logit shift belongs to the model, not the layer.
-In the last layer only the `select` rows ask questions, so only they leave it.
+checkpoints' tensor names load unchanged. The logit shift belongs to the family
+(`ModelConfig.logits_shift`), not the layer. In the last layer only the `select` rows
+ask questions, so only they leave it.
 """
 
 from __future__ import annotations
@@ -39,19 +40,19 @@ class LayerNames:
 
 
 class BidirectionalDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, names: LayerNames, *, qkv_bias: bool, bias: bool) -> None:
+    def __init__(self, config: ModelConfig, names: LayerNames) -> None:
         super().__init__()
-        d, hd, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+        d, hd, eps, ffn = config.hidden_size, config.head_dim, config.rms_norm_eps, config.intermediate_size
         self.names = names
-        qkv = QKVParallelLinear(d, config.num_heads, config.num_kv_heads, hd, qkv_bias)
-        gate_up = ColumnParallelLinear(d, [config.intermediate_size] * 2, bias=bias)
+        qkv = QKVParallelLinear(d, config.num_heads, config.num_kv_heads, hd, config.qkv_bias)
+        gate_up = ColumnParallelLinear(d, [ffn] * 2, bias=config.mlp_bias)
         parts = {
             names.attn_norm: RMSNorm(d, eps),
             names.qkv: qkv,
-            names.attn_out: RowParallelLinear(config.num_heads * hd, d, bias=bias),
+            names.attn_out: RowParallelLinear(config.num_heads * hd, d, bias=config.o_bias),
             names.mlp_norm: RMSNorm(d, eps),
             names.gate_up: gate_up,
-            names.down: RowParallelLinear(config.intermediate_size, d, bias=bias),
+            names.down: RowParallelLinear(ffn, d, bias=config.mlp_bias),
         }
         for path, module in parts.items():
             self._place(path, module)

@@ -9,10 +9,15 @@ In the last layer only the `select` rows ask questions, so queries are gathered 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from engine.config import ModelConfig
 from engine.layers.attention import merge_heads, split_heads
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.moe import feed_forward
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.runtime.batch import ForwardBatch, gather_rows
@@ -25,43 +30,84 @@ def gather_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    q_norm: RMSNorm | None,
-    k_norm: RMSNorm | None,
-    rotary: Rotary,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    batch: BlockBatch,
-    layer: int,
-    selected: bool,
-) -> torch.Tensor:
-    """q/k/v [B, T, H*D] for every fed row -> attention output [B, Tq, Hq*D], where Tq is
-    T, or the number of `batch.select` rows when `selected`."""
-    q, k, v = split_heads(q, num_heads), split_heads(k, num_kv_heads), split_heads(v, num_kv_heads)
-    if q_norm is not None and k_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    cos, sin = cos_sin
-    k = rotary.apply(k, cos, sin)
-    if selected:
-        q = gather_heads(q, batch.select)
-        index = batch.select[..., None].expand(-1, -1, cos.shape[-1])
-        cos, sin = torch.gather(cos, 1, index), torch.gather(sin, 1, index)
-    q = rotary.apply(q, cos, sin)
-    return merge_heads(batch.attend(layer, q, k, v, selected))
+@dataclass(frozen=True)
+class AttentionNames:
+    """Where a family's checkpoint puts each part of the attention (under the attention module)."""
+
+    qkv: str  # packed q/k/v (the model's `packed_modules` names its sources) or a fused tensor
+    out: str
+    q_norm: str
+    k_norm: str
+
+
+QWEN_ATTENTION = AttentionNames(qkv="qkv_proj", out="o_proj", q_norm="q_norm", k_norm="k_norm")
+
+
+class BlockAttention(nn.Module):
+    """q/k/v projection (biases as `config.qkv_bias` / `o_bias` say), optional per-head q/k
+    RMSNorm (`config.qk_norm`), RoPE at absolute positions, attention through the batch,
+    output projection. `fused`: the checkpoint stores q/k/v as one tensor (LLaDA2)."""
+
+    def __init__(self, config: ModelConfig, names: AttentionNames, fused: bool = False) -> None:
+        super().__init__()
+        hd, eps = config.head_dim, config.rms_norm_eps
+        qkv = QKVParallelLinear(
+            config.hidden_size, config.num_heads, config.num_kv_heads, hd, config.qkv_bias, fused=fused
+        )
+        self.names = names
+        self.num_heads, self.num_kv_heads, self.sizes = qkv.num_heads, qkv.num_kv_heads, qkv.local_parts
+        self.add_module(names.qkv, qkv)
+        self.add_module(names.out, RowParallelLinear(config.num_heads * hd, config.hidden_size, bias=config.o_bias))
+        self.add_module(names.q_norm, RMSNorm(hd, eps) if config.qk_norm else None)
+        self.add_module(names.k_norm, RMSNorm(hd, eps) if config.qk_norm else None)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: BlockBatch,
+        layer: int,
+        selected: bool,
+    ) -> torch.Tensor:
+        """h [B, T, d] for every fed row -> [B, Tq, d], where Tq is T, or the number of
+        `batch.select` rows when `selected`."""
+        n, part = self.names, self.get_submodule
+        q, k, v = part(n.qkv)(h).split(self.sizes, dim=-1)
+        q, k, v = split_heads(q, self.num_heads), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
+        q_norm, k_norm = getattr(self, n.q_norm), getattr(self, n.k_norm)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        cos, sin = cos_sin
+        k = rotary.apply(k, cos, sin)
+        if selected:
+            q = gather_heads(q, batch.select)
+            index = batch.select[..., None].expand(-1, -1, cos.shape[-1])
+            cos, sin = torch.gather(cos, 1, index), torch.gather(sin, 1, index)
+        q = rotary.apply(q, cos, sin)
+        return part(n.out)(merge_heads(batch.attend(layer, q, k, v, selected)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer. Subclasses create `input_layernorm`,
-    `post_attention_layernorm`, `mlp` and the attention module under the checkpoint's name
-    (`attention_name`), whose forward(h, rotary, cos_sin, batch, layer, selected) projects
-    and calls `block_attention`."""
+    """Pre-norm residual layer: `input_layernorm`, the attention under the checkpoint's
+    name (`attention_name`), `post_attention_layernorm`, and `mlp` (dense or MoE, as
+    `config.moe` places it)."""
 
-    attention_name = "self_attn"
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        attention_name: str = "self_attn",
+        names: AttentionNames = QWEN_ATTENTION,
+        fused: bool = False,
+    ) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_name = attention_name
+        self.add_module(attention_name, BlockAttention(config, names, fused))
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = feed_forward(config, index)
 
     def forward(
         self,

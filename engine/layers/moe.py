@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import ModelConfig
 from engine.layers.linear import split
 from engine.layers.mlp import GatedMLP
 from engine.loader import Index, Shard
@@ -246,3 +247,26 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return parallel_state.all_reduce(out).view(x.shape)
+
+
+def feed_forward(config: ModelConfig, index: int) -> nn.Module:
+    """Layer `index`'s MLP as `config.moe` places and describes it: the family's router,
+    routed experts and shared expert, or the dense SwiGLU MLP."""
+    moe, d = config.moe, config.hidden_size
+    if moe is None or index not in moe.layers:
+        return GatedMLP(d, config.intermediate_size)
+    gate: nn.Module
+    if moe.router == "sigmoid_group":
+        gate = SigmoidGroupGate(
+            d,
+            moe.num_experts,
+            moe.top_k,
+            moe.n_group,
+            moe.topk_group,
+            moe.routed_scaling_factor,
+            moe.norm_topk_prob,
+            moe.router_bias,
+        )
+    else:
+        gate = SoftmaxGate(d, moe.num_experts, moe.top_k, moe.norm_topk_prob)
+    return SparseMoE(gate, d, moe.expert_ffn, moe.num_experts, moe.shared_ffn, gated_shared=moe.shared_gate)

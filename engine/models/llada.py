@@ -21,28 +21,14 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.runtime.batch import ForwardBatch
 
-NAMES = LayerNames(
-    attn_norm="attn_norm",
-    qkv="qkv_proj",
-    attn_out="attn_out",
-    mlp_norm="ff_norm",
-    gate_up="gate_up_proj",
-    down="ff_out",
-)
-
-
-def block(config: ModelConfig) -> BidirectionalDecoderLayer:
-    """`include_bias` puts biases on every linear, `include_qkv_bias` on q/k/v only."""
-    bias = bool(config.raw.get("include_bias", False))
-    qkv_bias = bias or bool(config.raw.get("include_qkv_bias", False))
-    return BidirectionalDecoderLayer(config, NAMES, qkv_bias=qkv_bias, bias=bias)
+NAMES = LayerNames("attn_norm", "qkv_proj", "attn_out", "ff_norm", "gate_up_proj", "ff_out")
 
 
 class LLaDATransformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.logits_size, config.hidden_size)
-        self.blocks = nn.ModuleList(block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(BidirectionalDecoderLayer(config, NAMES) for _ in range(config.num_layers))
         self.ln_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.ff_out = ParallelLMHead(config.hidden_size, config.logits_size)
@@ -57,7 +43,6 @@ class _Root(nn.Module):
 
 
 class Model(nn.Module):
-    logits_shift = 0  # row i predicts token i
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ff_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig) -> None:

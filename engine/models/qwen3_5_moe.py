@@ -25,11 +25,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.moe import SoftmaxGate, SparseMoE, expert_sources
+from engine.layers.moe import expert_sources, feed_forward
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
 from engine.loader import checkpoint_sources
@@ -39,42 +39,21 @@ MULTIMODAL_PREFIX = "model.language_model."
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_type: str) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
-        raw, d, eps = config.raw, config.hidden_size, config.rms_norm_eps
-        self.layer_type = layer_type
+        d, eps, la = config.hidden_size, config.rms_norm_eps, config.linear
+        self.layer_type = config.layer_type(index)
         self.input_layernorm = RMSNorm(d, eps, zero_centred=True)
-        if layer_type == "linear_attention":
+        if self.layer_type == LINEAR_ATTENTION and la is not None:
             self.linear_attn = GatedDeltaNet(
-                d,
-                int(raw["linear_num_key_heads"]),
-                int(raw["linear_num_value_heads"]),
-                int(raw["linear_key_head_dim"]),
-                int(raw["linear_value_head_dim"]),
-                int(raw.get("linear_conv_kernel_dim", 4)),
-                eps,
-            )
-        elif layer_type == "full_attention":
-            self.self_attn = GatedAttention(
-                d,
-                config.num_heads,
-                config.num_kv_heads,
-                config.head_dim,
-                eps,
-                bool(raw.get("attention_bias", False)),
+                d, la.key_heads, la.value_heads, la.key_dim, la.value_dim, la.conv_kernel, eps
             )
         else:
-            raise ValueError(f"unknown layer type {layer_type!r}")
+            self.self_attn = GatedAttention(
+                d, config.num_heads, config.num_kv_heads, config.head_dim, eps, config.qkv_bias
+            )
         self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
-        experts = int(raw["num_experts"])
-        self.mlp = SparseMoE(
-            SoftmaxGate(d, experts, int(raw["num_experts_per_tok"]), renormalize=True),
-            d,
-            config.intermediate_size,
-            experts,
-            int(raw["shared_expert_intermediate_size"]),
-            gated_shared=True,
-        )
+        self.mlp = feed_forward(config, index)
 
     def forward(
         self,
@@ -86,7 +65,7 @@ class HybridLayer(nn.Module):
         chunked: bool | None,
     ) -> tuple[torch.Tensor, LayerState]:
         h = self.input_layernorm(x)
-        if self.layer_type == "linear_attention":
+        if self.layer_type == LINEAR_ATTENTION:
             # The DeltaNet is causal by construction; a bidirectional span still runs it causally.
             mixed, state = self.linear_attn(h, past, chunked)  # type: ignore[arg-type]
         else:
@@ -98,9 +77,8 @@ class HybridLayer(nn.Module):
 class HybridBody(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        types = list(config.raw["layer_types"])[: config.num_layers]
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(config, t) for t in types)
+        self.layers = nn.ModuleList(HybridLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
 

@@ -27,11 +27,13 @@ class BlockRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.config = model, config
         self.dtype, self.device = dtype, device
-        self.rules = model.block_rules
+        rules, block_length = config.block_rules, config.block_length
+        assert rules is not None and block_length is not None  # every block-causal family declares both
+        self.rules, self.block_length = rules, block_length
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
-        return resolve_block_params(params, self.model.default_block_length)
+        return resolve_block_params(params, self.block_length)
 
     def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> BlockSequence:
         """`params` already resolved and validated; decoding stops after a block holding `eos_id`."""

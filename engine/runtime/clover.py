@@ -31,14 +31,12 @@ from engine.runtime.engine import LLMEngine, LoadedModel
 from engine.runtime.hybrid_cache import HybridCache
 from engine.runtime.sequence import Sequence
 
-DEFAULT_BLOCK = 32  # Clover's training block size (model card); `block_size` in config.json overrides
-
 
 class CloverEngine(LLMEngine):
     def __init__(self, loaded: LoadedModel) -> None:
         super().__init__(loaded)
         self.model = loaded.model
-        self.block_size = int(self.config.raw.get("block_size", DEFAULT_BLOCK))
+        self.block_size = self.config.block_length  # the registry: 32, or `block_size` in config.json
         self.caches: dict[int, HybridCache] = {}
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:

@@ -82,7 +82,7 @@ class LoadedModel:
 def build_on_meta(config: ModelConfig) -> torch.nn.Module:
     """The family's model without storage, shaped for this process's tensor-parallel shard;
     a split the layers cannot make raises `UsageError` (one line, not a traceback)."""
-    cls = family_for(config.raw).model_class()
+    cls = family_named(config.family).model_class()
     try:
         with torch.device("meta"):
             return cls(config)
@@ -129,7 +129,9 @@ class LLMEngine:
         self.loaded = loaded
         self.config = loaded.config
         self.family = family_named(loaded.config.family)
-        self.runner = ModelRunner(loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size))
+        self.runner = ModelRunner(
+            loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size), loaded.config.logits_shift
+        )
         # Block-causal families (exact KV cache, AR mode) run through their own runner.
         self.block_runner = (
             BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device) if self.family.block_causal else None

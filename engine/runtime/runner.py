@@ -5,7 +5,7 @@ block / suffix being denoised (engine/runtime/cache.py), with its own absolute p
 padded on the right and padding is hidden from attention. Only the positions each sequence
 decides leave the last layer and meet the LM head (through `decoding.step.token_stats`),
 never a [batch, sequence, vocab] logits tensor. For a model whose row i predicts token i+1
-(Dream, `logits_shift = 1`) position p is read from row p-1.
+(Dream: the family's `logits_shift` is 1) position p is read from row p-1.
 
 A request's output must not depend on its batch. Attention over masked padding is exact,
 but a CPU GEMM rounds differently for a handful of rows than for many (MKL's small-M
@@ -37,10 +37,12 @@ class _Row:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None, shift: int = 0
+    ) -> None:
         self.model = model
         self.device = device
-        self.shift = int(getattr(model, "logits_shift", 0))
+        self.shift = shift  # the family's `logits_shift` (ModelConfig)
         self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
 
     def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:

@@ -41,7 +41,7 @@ def reference_block_generate(
     eos_id: int | None,
 ) -> tuple[list[int], int]:
     """Greedy block diffusion; `params` resolved. Returns (generated ids, forwards)."""
-    rules: BlockRules = model.block_rules
+    rules: BlockRules = model.config.block_rules
     b, gen, p = params.block_length, params.gen_length, len(prompt)
     assert b is not None and params.steps is not None
     if rules.aligned_grid:
@@ -91,7 +91,7 @@ def reference_ar_generate(
 ) -> list[int]:
     """Greedy left-to-right decoding with a causal mask and no cache. Shifted-logit models
     read the next token from the last row; the others from a MASK appended at its position."""
-    shift = model.block_rules.logit_shift
+    shift = model.config.logits_shift
     x = list(prompt)
     for _ in range(gen_length):
         ids = torch.tensor(x if shift else x + [mask_id])
