@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from dlm_cli.loadtest.report import finalize
 from dlm_cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
 from dlm_cli.loadtest.sweep import find_knee, parse_levels
 from dlm_cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
+from dlm_cli.loadtest.vllm_format import VLLM_KEYS
 from dlm_cli.loadtest.workload import load_jsonl
 from engine.errors import UsageError
 from tests.fake_openai import Behaviour, serve
@@ -37,8 +39,15 @@ def test_summary_of_known_records() -> None:
     assert s["mean_denoising_steps"] == 10 and s["tokens_per_step"] == pytest.approx(1.1)
 
 
-def level(users: int, tokens_per_s: float, p50: float) -> dict:
-    return {"users": users, "output_tokens": 1, "output_tokens_per_s": tokens_per_s, "rps": 0.0, "p50_e2e": p50}
+def level(users: int, tokens_per_s: float, p50: float, ok: int = 50) -> dict:
+    return {
+        "users": users,
+        "ok": ok,
+        "output_tokens": 1,
+        "output_tokens_per_s": tokens_per_s,
+        "rps": 0.0,
+        "p50_e2e": p50,
+    }
 
 
 def test_knee_is_where_throughput_stops_rising_and_latency_climbs() -> None:
@@ -46,6 +55,16 @@ def test_knee_is_where_throughput_stops_rising_and_latency_climbs() -> None:
     assert find_knee(saturating)["users"] == 2
     linear = [level(1, 10, 1.0), level(2, 20, 1.0), level(4, 40, 1.0)]
     assert find_knee(linear)["users"] is None
+
+
+def test_no_knee_is_named_from_levels_too_thin_to_measure() -> None:
+    """Two or three requests per level (a short README run) give a verdict of noise: refuse it."""
+    thin = [level(1, 10, 1.0, ok=3), level(2, 19, 1.05, ok=2), level(4, 21, 1.9, ok=3)]
+    knee = find_knee(thin)
+    assert knee["users"] is None and "fewer than 20" in knee["reason"]
+    assert find_knee(thin, min_samples=2)["users"] == 2
+    summary = finalize({"levels": thin, "server_metrics": {}}, [], [])
+    assert summary["knee"]["users"] is None and len(summary["warnings"]) == 3
 
 
 def test_thresholds_and_quantities() -> None:
@@ -83,6 +102,7 @@ def loadtest(*args: str) -> subprocess.CompletedProcess:
 
 
 OUTPUTS = {
+    "vllm_result.json",
     "locust_stats.csv",
     "locust_stats_history.csv",
     "locust_failures.csv",
@@ -106,6 +126,8 @@ def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
             "1,2,4",
             "-t",
             "1.5s",
+            "--min-samples",
+            "5",  # a 1.5 s level of 80 ms requests holds ~15: enough for this two-slot server
             "--max-tokens",
             "8",
             "--out",
@@ -130,6 +152,13 @@ def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     rows = {(r["Type"], r["Name"]) for r in csv.DictReader(open(out / "locust_stats.csv"))}
     assert {("POST", "/v1/completions"), ("TTFT", "/v1/completions")} <= rows
     assert "<html" in (out / "locust_report.html").read_text()[:2000].lower()
+    vllm = json.loads((out / "vllm_result.json").read_text())
+    assert [level["max_concurrency"] for level in vllm] == [1, 2, 4]
+    for level_result in vllm:
+        assert set(VLLM_KEYS) <= set(level_result), set(VLLM_KEYS) - set(level_result)
+        assert level_result["completed"] == len(level_result["ttfts"]) == len(level_result["output_lens"]) > 0
+        assert level_result["diffusion"]["mean_denoising_steps_per_request"] == 8
+        assert 0 < level_result["median_ttft_ms"] <= level_result["median_e2el_ms"]
 
 
 @pytest.mark.slow
@@ -152,9 +181,13 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
             "--fail-on",
             "p50_e2e>1ms",
             "--json",
+            "--format",
+            "vllm",
         )
     assert result.returncode == 1, result.stderr[-2000:]
-    summary = json.loads(result.stdout)
+    vllm = json.loads(result.stdout)  # --format vllm: one object for a fixed run
+    assert vllm["endpoint_type"] == "openai-chat" and vllm["max_concurrency"] == 2 and vllm["failed"] == 0
+    summary = json.loads((tmp_path / "fixed" / "summary.json").read_text())
     assert summary["mode"] == "fixed" and summary["knee"] is None
     assert summary["violations"] and summary["violations"][0].startswith("p50_e2e>1ms")
     assert summary["gate"]["mean_denoising_steps"] == 4  # --steps reached the server

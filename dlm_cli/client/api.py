@@ -27,6 +27,7 @@ class StreamResult:
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     ttft: float | None = None  # seconds to the first non-empty text delta
+    text_times: list[float] = field(default_factory=list)  # seconds to each non-empty text delta
     e2e: float = 0.0  # seconds to the end of the stream
     error: str | None = None  # framing error, or the error body's message
     content_type: str = ""
@@ -158,8 +159,9 @@ class ApiClient:
                     text, finish = delta_text(event)
                     if text:
                         pieces.append(text)
+                        result.text_times.append(time.perf_counter() - start)
                         if result.ttft is None:
-                            result.ttft = time.perf_counter() - start
+                            result.ttft = result.text_times[0]
                     if finish:
                         result.finish_reason = finish
             except SSEError as exc:

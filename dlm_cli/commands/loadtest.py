@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
+from dlm_cli.loadtest.sweep import MIN_SAMPLES
 from dlm_cli.output import cli_errors, emit_json, err_console
+from engine.home import dlm_home
 
 
 def loadtest(
@@ -20,7 +22,9 @@ def loadtest(
     sweep: str | None = typer.Option(
         None, "--sweep", help="Concurrency levels to run in turn, e.g. 1,2,4,8: reports the knee."
     ),
-    out: Path | None = typer.Option(None, "--out", help="Output directory (default: ./loadtest-<time>)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Output directory (default: $DLM_HOME/loadtest/<time>, outside any checkout)."
+    ),
     prompts: Path | None = typer.Option(
         None, "--prompts", help="JSONL of {prompt|messages, fields...} (default: built-in prompts)."
     ),
@@ -38,6 +42,15 @@ def loadtest(
     slo: str = typer.Option("", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".'),
     fail_on: str = typer.Option("", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".'),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    result_format: str = typer.Option(
+        "dlm",
+        "--format",
+        help="What --json prints: dlm (the summary) or vllm (`vllm bench serve --save-result` keys, one object "
+        "per level, plus a diffusion section). Both are always written to the output directory.",
+    ),
+    min_samples: int = typer.Option(
+        MIN_SAMPLES, "--min-samples", help="Successful requests a level needs before a knee is named from it."
+    ),
 ) -> None:
     """Load-test a running server with locust (headless) and report latency, throughput, knee."""
     with cli_errors():
@@ -51,6 +64,10 @@ def loadtest(
         from dlm_cli.loadtest.workload import Workload, builtin_requests, load_jsonl
         from engine.errors import DlmError, UsageError
 
+        if result_format not in ("dlm", "vllm"):
+            raise UsageError(f"--format must be dlm or vllm, got {result_format!r}")
+        if min_samples < 1:
+            raise UsageError("--min-samples must be >= 1")
         if users < 1 or max_tokens < 1 or timeout <= 0 or (spawn_rate is not None and spawn_rate <= 0):
             raise UsageError("--users and --max-tokens must be >= 1; --timeout and --spawn-rate > 0")
         if not url.startswith(("http://", "https://")):
@@ -73,7 +90,7 @@ def loadtest(
             **{k: v for k, v in dllm.items() if v is not None},
         }
         workload = Workload(load_jsonl(prompts) if prompts else builtin_requests(), fields, model)
-        directory = out or Path(f"loadtest-{time.strftime('%Y%m%d-%H%M%S')}")
+        directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         plan = LoadPlan(url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds))
         if plan.ramp(0, levels[0]) >= seconds:
             raise UsageError("--duration must exceed the ramp-up (users / spawn-rate)")
@@ -81,8 +98,8 @@ def loadtest(
         from rich.live import Live
 
         with Live(console=err_console, auto_refresh=False, transient=True) as live:
-            result = run_loadtest(plan, on_tick=lambda tick: live.update(live_table(tick), refresh=True))
-        summary = finalize(result, thresholds, slo_bounds)
+            result, vllm = run_loadtest(plan, on_tick=lambda tick: live.update(live_table(tick), refresh=True))
+        summary = finalize(result, thresholds, slo_bounds, min_samples)
         knee = summary["knee"]["users"] if summary["knee"] else None
         plots = [p.name for p in plot_levels(summary["levels"], knee, directory)]
         summary["files"] = sorted({*(p.name for p in directory.iterdir()), *plots, "summary.json"})
@@ -93,7 +110,7 @@ def loadtest(
                 f"{summary['totals']['errors_by_status']}); results in {directory}/"
             )
         if json_out:
-            emit_json(summary)
+            emit_json(summary if result_format == "dlm" else (vllm if len(vllm) > 1 else vllm[0]))
         else:
             render_summary(summary, err_console)
             err_console.print(f"results in {directory}/: {', '.join(summary['files'])}")

@@ -1,6 +1,9 @@
 """PNG plots of a load test: latency percentiles and throughput against concurrency.
 
-Matplotlib's Agg backend renders without a display (CI machines have none).
+Matplotlib's Agg backend renders without a display (CI machines have none). Every value
+axis starts at zero (a throughput that moves from 6.4 to 9.6 tok/s must not look like a
+collapse), each level is labelled with its sample count, and the legend sits outside the
+axes so it hides no point.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def plot_levels(levels: list[dict[str, Any]], knee: int | None, out: Path) -> li
                     label=f"{p} {metric}",
                 )
     ax.set(xlabel="concurrent users", ylabel="seconds", title="Latency against concurrency")
-    _finish(ax, knee, users)
+    _finish(fig, [ax], knee, levels)
     written.append(_save(fig, out / "latency.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -42,26 +45,35 @@ def plot_levels(levels: list[dict[str, Any]], knee: int | None, out: Path) -> li
     twin.plot(users, [level["rps"] for level in levels], "--s", color="tab:orange", label="requests/s")
     twin.plot(users, [level["goodput_rps"] for level in levels], ":^", color="tab:green", label="goodput requests/s")
     twin.set_ylabel("requests/s")
-    twin.legend(loc="lower right")
-    _finish(ax, knee, users)
+    _finish(fig, [ax, twin], knee, levels)
     written.append(_save(fig, out / "throughput.png"))
     return written
 
 
-def _finish(ax: Any, knee: int | None, users: list[int]) -> None:
-    """Concurrency on a log2 axis (sweeps usually double), ticked at the levels run."""
+def _finish(fig: Any, axes: list[Any], knee: int | None, levels: list[dict[str, Any]]) -> None:
+    """Concurrency on a log2 axis (sweeps usually double), ticked at the levels run and
+    labelled with each level's sample count; value axes from zero; one legend outside."""
+    users = [level["users"] for level in levels]
+    ax = axes[0]
     ax.set_xscale("log", base=2)
-    ax.set_xticks(users, [str(u) for u in users])
+    ax.set_xticks(users, [f"{level['users']}\n(n={level['ok']})" for level in levels])
     if knee is not None:
         ax.axvline(knee, color="grey", linestyle=":", label=f"knee ({knee} users)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    handles, labels = [], []
+    for axis in axes:
+        axis.set_ylim(0, axis.get_ylim()[1] * 1.08)  # from zero, with room above the highest point
+        h, lab = axis.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    fig.tight_layout()
+    # Right of the figure (saved with bbox_inches="tight", so the image grows to hold it).
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
 
 
 def _save(fig: Any, path: Path) -> Path:
     from matplotlib import pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from dlm_cli.loadtest.sweep import find_knee
+from dlm_cli.loadtest.sweep import MIN_SAMPLES, find_knee, thin_levels
 from dlm_cli.loadtest.thresholds import Condition, violations
 
 
@@ -21,10 +21,16 @@ def gate_level(levels: list[dict[str, Any]], knee: dict[str, Any] | None) -> dic
     return levels[-1]
 
 
-def finalize(result: dict[str, Any], fail_on: list[Condition], slo: list[Condition]) -> dict[str, Any]:
-    """Add the knee (for sweeps), the gated metrics and the threshold verdict."""
+def finalize(
+    result: dict[str, Any], fail_on: list[Condition], slo: list[Condition], min_samples: int = MIN_SAMPLES
+) -> dict[str, Any]:
+    """Add the knee (for sweeps), sample-count warnings, the gated metrics and the verdict."""
     levels = result["levels"]
-    knee = find_knee(levels) if len(levels) > 1 else None
+    knee = find_knee(levels, min_samples) if len(levels) > 1 else None
+    warnings = [
+        f"{users} users: fewer than {min_samples} successful requests; its percentiles are rough"
+        for users in thin_levels(levels, min_samples)
+    ]
     gate = dict(gate_level(levels, knee))
     agreement = result["server_metrics"]
     for key, name in (("requests", "requests_mismatch"), ("output_tokens", "tokens_mismatch")):
@@ -35,6 +41,7 @@ def finalize(result: dict[str, Any], fail_on: list[Condition], slo: list[Conditi
         **result,
         "mode": "sweep" if len(levels) > 1 else "fixed",
         "knee": knee,
+        "warnings": warnings,
         "slo": [c.text for c in slo],
         "gate": gate,
         "fail_on": [c.text for c in fail_on],
@@ -60,6 +67,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def level_row(level: dict[str, Any]) -> list[str]:
     return [
         str(level["users"]),
+        str(level["ok"]),
         _num(level["rps"]),
         _num(level["output_tokens_per_s"], 1),
         _ms(level["p50_e2e"]),
@@ -75,6 +83,7 @@ def level_row(level: dict[str, Any]) -> list[str]:
 
 COLUMNS = (
     "users",
+    "n",  # successful requests measured at this level
     "req/s",
     "tok/s",
     "e2e\np50",
@@ -127,5 +136,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                 )
     else:
         console.print("server /metrics not readable: no client/server agreement check")
+    for warning in summary["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
     for violation in summary["violations"]:
         console.print(f"[bold red]threshold exceeded:[/] {violation}")

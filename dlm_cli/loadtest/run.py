@@ -26,12 +26,15 @@ from dlm_cli.client.metrics import GENERATION_TOKENS, REQUEST_SUCCESS, MetricsFo
 from dlm_cli.loadtest.stats import RequestRecord, summarize
 from dlm_cli.loadtest.thresholds import Condition
 from dlm_cli.loadtest.users import Recorder, user_class
+from dlm_cli.loadtest.vllm_format import level_result
 from dlm_cli.loadtest.workload import Workload
 from engine.errors import DlmError
 
 # Sample the HTML report's charts every second (locust's default is 5 s), so short runs chart.
 locust.stats.HISTORY_STATS_INTERVAL_SEC = 1
 LOCUST_PREFIX = "locust"
+# `vllm bench serve --save-result`-shaped results: one object, or a list for a sweep.
+VLLM_RESULT = "vllm_result.json"
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,11 @@ def write_locust_reports(env: Environment, writer: StatsCSVFileWriter, out: Path
     (out / f"{LOCUST_PREFIX}_report.html").write_text(get_html_report(env, show_download_link=False), encoding="utf-8")
 
 
-def run_loadtest(plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every level; return per-level summaries, totals and the agreement with /metrics."""
+def run_loadtest(
+    plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run every level; return (per-level summaries, totals and the agreement with /metrics;
+    the vLLM-shaped result of each level)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     with ApiClient(plan.url, plan.api_key, plan.timeout) as client:
         workload = plan.workload
@@ -173,10 +179,13 @@ def run_loadtest(plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | Non
         after = settled_scrape(client, before, sum(1 for r in recorder.records if r.ok))
     write_locust_reports(env, writer, plan.out)
     records = recorder.records
-    levels = []
+    levels, vllm = [], []
+    endpoint = workload.requests[0][0]
     for index, (users, (steady, end)) in enumerate(zip(plan.levels, windows)):
         window = [r for r in records if r.level == index and r.start >= steady]
         levels.append({"users": users, **summarize(window, end - steady, list(plan.slo))})
+        vllm.append(level_result(window, end - steady, users, workload.model, endpoint, list(plan.slo)))
+    (plan.out / VLLM_RESULT).write_text(json.dumps(vllm if len(vllm) > 1 else vllm[0], indent=2) + "\n")
     with open(plan.out / "requests.jsonl", "w") as handle:
         for record in records:
             handle.write(json.dumps(record.to_dict()) + "\n")
@@ -186,4 +195,4 @@ def run_loadtest(plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | Non
         "levels": levels,
         "totals": summarize(records, windows[-1][1] - started, list(plan.slo)),
         "server_metrics": agreement(before, after, records),
-    }
+    }, vllm

@@ -9,7 +9,7 @@ steady window (after ramp-up), over the requests started in it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,8 @@ class RequestRecord:
     output_tokens: int | None = None  # usage.completion_tokens of the stream's usage chunk
     prompt_tokens: int | None = None
     denoising_steps: int | None = None
+    itls: list[float] = field(default_factory=list)  # gaps between streamed text deltas, seconds
+    text: str = ""
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,9 @@ from engine.errors import UsageError
 
 SCALING_FLOOR = 0.5  # below half of linear scaling, the extra users mostly queue
 LATENCY_RISE = 1.1  # median latency up by at least 10%
+# Fewest successful requests a level needs before its median and throughput mean anything:
+# with 2-3 samples a single slow request moves the median by half, and a "knee" is noise.
+MIN_SAMPLES = 20
 
 
 def parse_levels(text: str) -> list[int]:
@@ -32,8 +35,23 @@ def throughput(level: dict[str, Any]) -> float:
     return level["output_tokens_per_s"] if level["output_tokens"] else level["rps"]
 
 
-def find_knee(levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """The knee of a sweep (each level: `users` plus its summary), with the reason."""
+def thin_levels(levels: list[dict[str, Any]], min_samples: int = MIN_SAMPLES) -> list[int]:
+    """User counts of the levels with fewer successful requests than `min_samples`."""
+    return [level["users"] for level in levels if level["ok"] < min_samples]
+
+
+def find_knee(levels: list[dict[str, Any]], min_samples: int = MIN_SAMPLES) -> dict[str, Any]:
+    """The knee of a sweep (each level: `users` plus its summary), with the reason.
+
+    No knee is named from levels too thin to measure: the reason says which and what to do."""
+    thin = thin_levels(levels, min_samples)
+    if thin:
+        return {
+            "users": None,
+            "scaling_after": None,
+            "reason": f"not measured: levels {', '.join(map(str, thin))} had fewer than {min_samples} "
+            "successful requests; run longer (-t) or lower --min-samples",
+        }
     for before, after in zip(levels, levels[1:]):
         t0, t1 = throughput(before), throughput(after)
         l0, l1 = before["p50_e2e"], after["p50_e2e"]

@@ -63,6 +63,8 @@ def user_class(url: str, api_key: str | None, timeout: float, workload: Workload
                     usage.get("completion_tokens"),
                     usage.get("prompt_tokens"),
                     usage.get("denoising_steps"),
+                    [b - a for a, b in zip(result.text_times, result.text_times[1:])],
+                    result.text,
                 )
                 length = len(result.text)
             except httpx.HTTPError as exc:
