@@ -185,6 +185,37 @@ def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
     return _with_tokens(config, mask_token_id, eos_token_id, overrides)
 
 
+def clover_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
+    """A tiny Clover (`clover_moe`) config.json: the Qwen3.5-MoE hybrid's text fields (Gated
+    DeltaNet layers with gated full attention every fourth layer, routed + shared experts)."""
+    config: dict[str, Any] = {
+        "architectures": ["CloverMoeForCausalLM"],
+        "model_type": "clover_moe",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "attn_output_gate": True,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+    }
+    return _with_tokens(config, mask_token_id, eos_token_id, overrides)
+
+
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """Random weights for the given names and shapes: norms near 1, matrices scaled by
     1/sqrt(fan-in), other vectors (biases, gates' parameters) small."""

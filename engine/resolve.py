@@ -1,7 +1,8 @@
 """Turn what the engine is given as MODEL into a checkpoint directory.
 
-The engine knows two kinds of MODEL: none (the embedded default model) and a checkpoint
-directory. Store names (`NAME`, `NAME@VERSION`) belong to the model store, which resolves
+The engine knows three kinds of MODEL: none (the embedded default model), `tiny:FAMILY` (a
+tiny random checkpoint of any family, engine/tiny_models.py) and a checkpoint directory.
+Store names (`NAME`, `NAME@VERSION`) belong to the model store, which resolves
 them to a directory before calling the engine (`dlm_cli.store.resolve`).
 """
 
@@ -15,11 +16,16 @@ from engine.errors import UsageError
 def checkpoint_dir(spec: str | Path | None) -> Path | None:
     """The checkpoint directory `spec` names, or None when it names no existing path.
 
-    None or "" -> the embedded default model (built on first use)."""
+    None or "" -> the embedded default model; `tiny:FAMILY` -> that tiny model (both built
+    on first use)."""
     if spec is None or str(spec) == "":
         from engine.default_model import ensure_default_model
 
         return ensure_default_model()
+    from engine.tiny_models import ensure_tiny_model, is_tiny
+
+    if is_tiny(str(spec)):
+        return ensure_tiny_model(str(spec))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -16,12 +16,12 @@ import torch
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
+from engine.block_checkpoints import write_tiny
 from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.runtime.block_batch import BlockBatch
 from engine.runtime.kv_cache import SequenceKVCache
-from tests.block_checkpoints import write_tiny
 from tests.oracles.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 
 FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]

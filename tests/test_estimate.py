@@ -77,14 +77,14 @@ TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]
     "dream": (TINY_DREAM, cw.random_dream_tensors, 3),  # sharded, with an index
     "qwen3_5_hybrid": (TINY_QWEN3_5, cw.random_qwen3_5_moe_tensors, 2),
 }
-# Block-causal families: the engine's own tiny writers (tests/block_checkpoints.py).
+# Block-causal families: the engine's own tiny writers (engine/block_checkpoints.py).
 BLOCK_FAMILIES = {"llada2": "llada2_moe", "sdar": "sdar", "sdar_moe": "sdar_moe", "pangu": "pangu"}
 
 
 def tiny_checkpoint(root: Path, name: str, **overrides: Any) -> Path:
     directory = root / name
     if name in BLOCK_FAMILIES:
-        from tests.block_checkpoints import write_tiny
+        from engine.block_checkpoints import write_tiny
 
         return write_tiny(directory, BLOCK_FAMILIES[name], **overrides)
     config, writer, shards = TINY[name]

@@ -119,7 +119,7 @@ def test_block_families_identical_through_triton_and_torch(
     """Every block-causal family: same ids with the Triton kernels (interpreted) as with
     the torch twins, on the serving path (exact block cache). openPangu decodes its fixed
     32-token blocks in sub-blocks, so it gets one short prompt to stay within the budget."""
-    from tests.block_checkpoints import write_tiny
+    from engine.block_checkpoints import write_tiny
 
     llm = LLM(write_tiny(tmp_path / family, family), dtype="float32", device="cpu")
     prompts = [[5, 17, 42, 8, 9]] if family == "pangu" else [[5, 17, 42, 8, 9], [9, 8, 7]]

@@ -189,8 +189,8 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("cache", ["block", "none"])
 def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache: str) -> None:
+    from engine.block_checkpoints import write_tiny
     from engine.llm import LLM
-    from tests.block_checkpoints import write_tiny
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine.block_checkpoints import write_tiny
 from engine.checkpoint_writer import (
     dream_config,
     llada_config,
@@ -14,7 +15,6 @@ from engine.checkpoint_writer import (
     random_llada_tensors,
     save_checkpoint,
 )
-from tests.block_checkpoints import write_tiny
 
 PROMPT = list(range(5, 27))
 # Per family: generation parameters that exercise its decoding path (caches, threshold).

@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints of the block-causal families, in their real formats.
 
-Tests and benchmarks need LLaDA2 / SDAR (dense and MoE) / openPangu checkpoints with the
-real config fields and tensor names, and nothing may be downloaded. Weights are random but
+`tiny:FAMILY` (engine/tiny_models.py), tests and benchmarks need LLaDA2 / SDAR (dense and
+MoE) / openPangu checkpoints with the real config fields and tensor names, and nothing may be
+downloaded. Weights are random but
 shaped so decisions are informative (as the reference fixtures are): norms near 1, sharper
 q/k, a larger LM head so confidences spread, a nonzero expert bias.
 """
@@ -98,7 +99,14 @@ def qwen_style_config(family: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def _tensors(config: dict[str, Any], seed: int, llada2: bool) -> dict[str, torch.Tensor]:
+def family_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny `family` checkpoint (llada2_moe, sdar, sdar_moe, pangu)."""
+    return llada2_config(**overrides) if family == "llada2_moe" else qwen_style_config(family, **overrides)
+
+
+def random_block_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights under the tensor names of the config's family."""
+    llada2 = config["model_type"] == "llada2_moe"
     r = RandomWeights(seed)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config["head_dim"]
@@ -141,6 +149,6 @@ def _tensors(config: dict[str, Any], seed: int, llada2: bool) -> dict[str, torch
 
 def write_tiny(directory: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """Write a tiny checkpoint of `family` (llada2_moe, sdar, sdar_moe, pangu) to `directory`."""
-    config = llada2_config(**overrides) if family == "llada2_moe" else qwen_style_config(family, **overrides)
-    save_checkpoint(Path(directory), config, _tensors(config, seed, family == "llada2_moe"))
+    config = family_config(family, **overrides)
+    save_checkpoint(Path(directory), config, random_block_tensors(config, seed))
     return Path(directory)
