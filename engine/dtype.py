@@ -93,24 +93,29 @@ def native_bf16_flags() -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def _best_matmul_seconds(dtype: torch.dtype) -> float:
-    rows, k = PROBE_SHAPE
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(rows, k, generator=generator).to(dtype)
-    b = torch.randn(k, k, generator=generator).to(dtype)
-    torch.matmul(a, b)  # first call: kernel selection, packing buffers
-    best = float("inf")
-    for _ in range(PROBE_REPEATS):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
-    return best
+def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Seconds of one `a @ b`."""
+    start = time.perf_counter()
+    torch.matmul(a, b)
+    return time.perf_counter() - start
 
 
 @cache
 def bf16_speedup() -> float:
-    """fp32 matmul time over bf16 matmul time on this CPU, measured once per process."""
-    return _best_matmul_seconds(torch.float32) / _best_matmul_seconds(torch.bfloat16)
+    """fp32 matmul time over bf16 matmul time on this CPU, measured once per process: the
+    two dtypes alternate and the best time of each counts, so load from other processes
+    slows both alike rather than biasing the ratio."""
+    rows, k = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    fp32 = (torch.randn(rows, k, generator=generator), torch.randn(k, k, generator=generator))
+    bf16 = tuple(t.to(torch.bfloat16) for t in fp32)
+    for a, b in (fp32, bf16):
+        torch.matmul(a, b)  # first call: kernel selection, packing buffers
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    for _ in range(PROBE_REPEATS):
+        for a, b in (fp32, bf16):
+            best[a.dtype] = min(best[a.dtype], _matmul_seconds(a, b))
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def _cpu_choice(requested: str) -> DtypeChoice:

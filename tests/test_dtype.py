@@ -21,12 +21,12 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Mock the CPU: `flags` it advertises and the probe's seconds per dtype (counted)."""
     state: dict = {"flags": frozenset(), "seconds": {torch.float32: 1.0, torch.bfloat16: 1.0}, "probes": 0}
 
-    def seconds(dtype: torch.dtype) -> float:
+    def seconds(a: torch.Tensor, b: torch.Tensor) -> float:
         state["probes"] += 1
-        return state["seconds"][dtype]
+        return state["seconds"][a.dtype]
 
     monkeypatch.setattr(dtypes, "cpu_flags", lambda: state["flags"])
-    monkeypatch.setattr(dtypes, "_best_matmul_seconds", seconds)
+    monkeypatch.setattr(dtypes, "_matmul_seconds", seconds)
     dtypes.bf16_speedup.cache_clear()
     yield state
     dtypes.bf16_speedup.cache_clear()
@@ -66,9 +66,12 @@ def test_cpu_flag_without_speed_runs_fp32(cpu: dict) -> None:
 def test_probe_runs_once_per_process(cpu: dict) -> None:
     cpu["flags"] = frozenset({"amx_bf16"})
     cpu["seconds"] = {torch.float32: 1.0, torch.bfloat16: 0.5}
+    dtypes.choose_dtype("auto", CPU)
+    probes = cpu["probes"]
+    assert probes == 2 * dtypes.PROBE_REPEATS
     for _ in range(3):
         dtypes.choose_dtype("auto", CPU)
-    assert cpu["probes"] == 2  # one fp32 and one bf16 measurement, then cached
+    assert cpu["probes"] == probes  # cached
 
 
 def test_explicit_dtype_is_kept_and_unknown_is_usage_error(cpu: dict) -> None:
