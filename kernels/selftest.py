@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -41,9 +41,6 @@ class KernelResult:
     @property
     def failed(self) -> bool:
         return self.status in ("mismatch", "error")
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

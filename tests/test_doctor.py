@@ -49,7 +49,7 @@ def test_reports_every_item(monkeypatch: pytest.MonkeyPatch) -> None:
     assert checks["tested with"]["matrix"] == doctor.SUPPORT_MATRIX
     if not torch.cuda.is_available():  # this machine: GPU items absent, kernels not compiled
         assert checks["gpus"]["count"] == 0 and checks["nccl"]["version"] is None
-        assert checks["kernel rms_norm"]["status"] in ("skipped", "absent")
+        assert checks["kernel rms_norm"]["self_test"] in ("skipped", "absent")
 
 
 def test_no_disk_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,8 +76,13 @@ def test_kernel_mismatch_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
 
     monkeypatch.setattr(selftest, "run", results)
+    monkeypatch.setenv("DLM_KERNELS", "triton")  # the dispatch runs Triton here (interpreted on CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     code, report = run_doctor("--port", str(free_port()))
     assert code == 1 and report["blockers"] == ["kernel attention"]
+    monkeypatch.setenv("DLM_KERNELS", "torch")  # not used: reported, not blocking
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 0 and report["checks"]["kernel attention"]["status"] == "warn"
 
 
 def test_bad_kernel_choice_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
