@@ -7,7 +7,7 @@ from importlib.metadata import version as package_version
 
 import typer
 
-from dlm_cli.commands import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
+from dlm_cli.commands import doctor, estimate, fetch, generate, loadtest, models, release, serve, validate, verify
 
 app = typer.Typer(
     name="dlm",
@@ -52,6 +52,7 @@ app.command("estimate")(estimate.estimate)
 app.command("serve")(serve.serve)
 app.command("validate")(validate.validate)
 app.command("loadtest")(loadtest.loadtest)
+app.command("doctor")(doctor.doctor)
 
 
 if __name__ == "__main__":

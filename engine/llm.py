@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.device import resolve_device
+from engine.dtype import checkpoint_dtype, choose_dtype
 from engine.errors import UsageError
 from engine.params import GenerationParams
 from engine.resolve import resolve_model
-from engine.runtime.engine import cap_device_memory, load_engine, resolve_device, resolve_dtype
+from engine.runtime.engine import cap_device_memory, load_engine
 from engine.runtime.sequence import Sequence
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
@@ -55,7 +57,8 @@ class LLM:
         `engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype)
+        self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir))
+        self.dtype = self.dtype_choice.dtype
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
@@ -74,7 +77,8 @@ class LLM:
             if parallel is not None and parallel.resolved().parallel:
                 from engine.parallel.distributed import EngineSpec, start_driver
 
-                spec = EngineSpec(str(self.model_dir), dtype, device, gpu_memory_utilization)
+                # The resolved dtype: every rank runs in the one this process chose.
+                spec = EngineSpec(str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization)
                 self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:

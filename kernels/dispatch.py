@@ -7,6 +7,10 @@
                   interpreter: how the kernels are tested without an accelerator).
 Every kernel has a torch twin in `kernels/<name>.py` and a Triton version with the same
 signature in `kernels/<name>_triton.py`, imported only when first chosen.
+
+A Triton kernel that failed its self-test on this process's device (`kernels.selftest`,
+run by `dlm serve` at start) is switched off with `fall_back`: every later call of it runs
+the torch twin, whatever `DLM_KERNELS` says.
 """
 
 from __future__ import annotations
@@ -46,6 +50,15 @@ _TRITON_MODULES = {
 }
 
 
+CHOICES = ("auto", "torch", "triton")
+# Triton kernels switched off in this process: name -> why (see `fall_back`).
+_fallen_back: dict[str, str] = {}
+
+
+class KernelChoiceError(ValueError):
+    """`DLM_KERNELS` names no choice, or one this device or install cannot run."""
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -59,17 +72,45 @@ def triton_available() -> bool:
 def backend(device: torch.device) -> str:
     """'triton' or 'torch' for tensors on `device`, per `DLM_KERNELS`."""
     choice = os.environ.get("DLM_KERNELS", "auto").lower()
-    if choice not in {"auto", "torch", "triton"}:
-        raise ValueError(f"DLM_KERNELS must be auto, torch or triton, not {choice!r}")
+    if choice not in CHOICES:
+        raise KernelChoiceError(f"DLM_KERNELS must be auto, torch or triton, not {choice!r}")
     if choice == "torch":
         return "torch"
     if choice == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if not triton_available():
-        raise RuntimeError("DLM_KERNELS=triton but triton is not installed")
+        raise KernelChoiceError("DLM_KERNELS=triton but triton is not installed")
     if device.type != "cuda" and not interpreting():
-        raise RuntimeError(f"DLM_KERNELS=triton on {device.type} tensors needs TRITON_INTERPRET=1")
+        raise KernelChoiceError(
+            f"DLM_KERNELS=triton on {device.type} tensors needs a CUDA device or TRITON_INTERPRET=1"
+        )
     return "triton"
+
+
+def triton_kernels() -> list[str]:
+    """The kernels that have a Triton version."""
+    return list(_TRITON_MODULES)
+
+
+def fall_back(name: str, reason: str) -> None:
+    """Run the torch twin for kernel `name` from now on in this process."""
+    if name not in _TRITON_MODULES:
+        raise KeyError(f"{name!r} has no Triton kernel")
+    _fallen_back[name] = reason
+
+
+def fallbacks() -> dict[str, str]:
+    """The kernels switched to their torch twin in this process, and why."""
+    return dict(_fallen_back)
+
+
+def torch_twin(name: str) -> Callable[..., Any]:
+    return _TORCH[name]
+
+
+def triton_kernel(name: str) -> Callable[..., Any]:
+    """The Triton version of kernel `name` (imports its module: needs triton)."""
+    return _triton(name)
 
 
 @cache
@@ -78,7 +119,7 @@ def _triton(name: str) -> Callable[..., Any]:
 
 
 def implementation(name: str, device: torch.device) -> Callable[..., Any]:
-    if name in _TRITON_MODULES and backend(device) == "triton":
+    if name in _TRITON_MODULES and name not in _fallen_back and backend(device) == "triton":
         return _triton(name)
     return _TORCH[name]
 

@@ -87,7 +87,10 @@ def test_generate_default_model_with_text_and_chat() -> None:
     payload = json.loads(result.stdout)
     assert "dlm-tiny-random" in payload["model"]
     assert isinstance(payload["text"], str) and payload["nfe"] == 32
-    assert payload["dtype"] == "bfloat16"  # serving default on CPU
+    from engine.dtype import native_bf16_flags
+
+    # auto on CPU: fp32 unless the CPU has native bf16, then the probe decides (tests/test_dtype.py)
+    assert payload["dtype"] in (("bfloat16", "float32") if native_bf16_flags() else ("float32",))
 
 
 @pytest.mark.parametrize(
@@ -118,4 +121,23 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tiny_ll
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--device", "cuda"], {}, "no CUDA device"),
+        ([], {"DLM_KERNELS": "bogus"}, "DLM_KERNELS must be auto, torch or triton"),
+        ([], {"DLM_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "needs a CUDA device or TRITON_INTERPRET=1"),
+    ],
+)
+def test_device_and_kernel_errors_are_one_line(args: list[str], env: dict, message: str, tiny_llada: Path) -> None:
+    import torch
+
+    if args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = dlm("generate", str(tiny_llada), "--prompt-ids", "1,2", *args, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error:") and message in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr

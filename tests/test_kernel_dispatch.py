@@ -24,10 +24,10 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLM_KERNELS", "triton")
     assert dispatch.backend(cpu) == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+    with pytest.raises(dispatch.KernelChoiceError, match="TRITON_INTERPRET"):
         dispatch.backend(cpu)
     monkeypatch.setenv("DLM_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="DLM_KERNELS"):
+    with pytest.raises(dispatch.KernelChoiceError, match="DLM_KERNELS"):
         dispatch.backend(cpu)
 
 

@@ -77,7 +77,9 @@ def post(
 
 
 def test_health_ready_and_models(server: ServerProcess) -> None:
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok"
+    assert health["dtype"]["dtype"] in ("float32", "bfloat16") and health["kernels"]["fallbacks"] == {}
     assert httpx.get(server.url + "/ready").status_code == 200
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}).json()
@@ -153,6 +155,8 @@ def test_server_output_equals_dlm_generate(server: ServerProcess, tmp_path_facto
             "16",
             "--steps",
             "16",
+            "--dtype",  # the one the server's auto chose (each process probes its CPU)
+            httpx.get(server.url + "/health").json()["dtype"]["dtype"],
             "--json",
         ],
         cwd=ROOT,

@@ -92,7 +92,7 @@ def generate(
     mode: str = typer.Option(
         "diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."
     ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16), float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option(
         "native", "--backend", help="native, or transformers: load any checkpoint with transformers."
@@ -197,3 +197,5 @@ def generate(
                 f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
                 f"finish_reason={out.finish_reason}[/]"
             )
+            if llm.dtype_choice.requested == "auto":
+                err_console.print(f"[dim]dtype {llm.dtype_choice.name} (auto: {llm.dtype_choice.reason})[/]")

@@ -27,7 +27,9 @@ def serve(
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="Model name clients send [the directory name]."
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16), float32, bfloat16, float16."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."
+    ),
     device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     gpu_memory_utilization: float | None = typer.Option(
         None,

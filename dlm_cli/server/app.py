@@ -58,7 +58,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         """Alive: the process answers and the engine loop runs (or the model is loading)."""
         if service.failure is not None:
             return APIError(503, service.failure, type="unavailable", code="unhealthy").response()
-        return JSONResponse({"status": "ok" if service.ready else "loading"})
+        return JSONResponse({"status": "ok" if service.ready else "loading", **service.runtime})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

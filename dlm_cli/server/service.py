@@ -80,6 +80,7 @@ class Service:
         self.draining = False
         self.load_error: str | None = None
         self.exit_code = 1  # of the process, when loading fails (2: the model was bad usage)
+        self.runtime: dict[str, Any] = {}  # the served model's dtype choice and kernels, for /health
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -150,6 +151,7 @@ class Service:
     def _serve(self, llm: LLM, ref: str | None, warmup: bool) -> LoadedModel:
         from engine.tokenizer import has_tokenizer
 
+        self._check_kernels(llm)
         cfg = self.config
         model_len = llm.config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
@@ -171,6 +173,22 @@ class Service:
             engine.warmup()
         engine.start()
         return LoadedModel(engine, tokenizer, llm.config.eos_token_id, max_model_len, llm.model_dir, ref)
+
+    def _check_kernels(self, llm: LLM) -> None:
+        """Where the dispatch would run Triton (CUDA), self-test every kernel on the model's
+        device and dtype and fall back to the torch twin for any that fails (logged by
+        kernels/selftest.py); record the dtype choice and the kernels for /health."""
+        from kernels import dispatch, selftest
+
+        tested = selftest.guard(llm.device, llm.dtype) if llm.backend == "native" else []
+        self.runtime = {
+            "dtype": llm.dtype_choice.to_dict(),
+            "kernels": {
+                "backend": dispatch.backend(llm.device),
+                "self_test": {result.name: result.status for result in tested},
+                "fallbacks": dispatch.fallbacks(),
+            },
+        }
 
     def loaded(self) -> list[LoadedModel]:
         """Every model whose engine loop may still hold requests."""

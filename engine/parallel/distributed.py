@@ -166,7 +166,7 @@ class EngineSpec:
 
 def rank_device(device: str, local_rank: int) -> torch.device:
     """One GPU per rank on a node (cuda:LOCAL_RANK); CPU ranks share the CPU."""
-    from engine.runtime.engine import resolve_device
+    from engine.device import resolve_device
 
     resolved = resolve_device(device)
     return torch.device("cuda", local_rank) if resolved.type == "cuda" else resolved
@@ -247,10 +247,11 @@ class Step:
 
 
 def _build(spec: EngineSpec, device: torch.device) -> Any:
-    from engine.runtime.engine import cap_device_memory, load_engine, resolve_dtype
+    from engine.dtype import checkpoint_dtype, choose_dtype
+    from engine.runtime.engine import cap_device_memory, load_engine
 
     cap_device_memory(device, spec.gpu_memory_utilization)
-    return load_engine(spec.model_dir, resolve_dtype(spec.dtype), device)
+    return load_engine(spec.model_dir, choose_dtype(spec.dtype, device, checkpoint_dtype(spec.model_dir)).dtype, device)
 
 
 def worker_loop(engine: Any, group: Group) -> None:

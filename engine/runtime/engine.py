@@ -25,25 +25,6 @@ from engine.runtime.block_sequence import BlockSequence
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sequence import Sequence
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError as exc:
-        raise UsageError(f"unknown device {device!r}") from exc
-
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
     """Cap this process's share of `device`'s memory (weights, caches, activations) at
@@ -59,16 +40,6 @@ def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
         return False
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return True
-
-
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """'auto' is bf16: on GPUs it is the serving dtype, and on AMX/AVX512-BF16 CPUs bf16
-    matmuls run several times faster than fp32. Reproducibility checks pass float32."""
-    if dtype == "auto":
-        return torch.bfloat16
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 @dataclass

@@ -1,0 +1,120 @@
+"""`dlm doctor`: every item reported (GPU items absent here), and exit 1 naming the blocker
+when fed a failure: no disk, a busy port, a kernel that disagrees with its twin."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dlm_cli import doctor
+from dlm_cli.main import app
+from kernels import selftest
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network in tests: offline mode, as an operator would set it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def run_doctor(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["doctor", "--json", *args])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_reports_every_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 0 and report["ok"] and report["blockers"] == [], report["blockers"]
+    checks = report["checks"]
+    expected = {"python", "torch", "driver", "gpus", "nccl", "kernel dispatch", "triton", "dtype", "disk", "port"}
+    expected |= {"store", "hub", "tested with"} | {f"kernel {name}" for name in selftest.CHECKS}
+    assert expected <= set(checks)
+    assert checks["torch"]["version"] == torch.__version__
+    assert checks["hub"]["offline"] is True
+    assert checks["dtype"]["dtype"] in ("float32", "bfloat16") and checks["dtype"]["requested"] == "auto"
+    assert checks["tested with"]["matrix"] == doctor.SUPPORT_MATRIX
+    if not torch.cuda.is_available():  # this machine: GPU items absent, kernels not compiled
+        assert checks["gpus"]["count"] == 0 and checks["nccl"]["version"] is None
+        assert checks["kernel rms_norm"]["self_test"] in ("skipped", "absent")
+
+
+def test_no_disk_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "free_bytes", lambda path: 10 << 20)
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 1 and report["blockers"] == ["disk"]
+    assert report["checks"]["disk"]["status"] == "fail"
+
+
+def test_busy_port_is_a_blocker() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, report = run_doctor("--port", str(busy.getsockname()[1]))
+    assert code == 1 and report["blockers"] == ["port"]
+    assert report["checks"]["port"]["free"] is False
+
+
+def test_kernel_mismatch_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
+    def results(device, dtype) -> list[selftest.KernelResult]:
+        return [
+            selftest.KernelResult(name, "mismatch" if name == "attention" else "ok", "max rel err 3.0e-01")
+            for name in selftest.CHECKS
+        ]
+
+    monkeypatch.setattr(selftest, "run", results)
+    monkeypatch.setenv("DLM_KERNELS", "triton")  # the dispatch runs Triton here (interpreted on CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 1 and report["blockers"] == ["kernel attention"]
+    monkeypatch.setenv("DLM_KERNELS", "torch")  # not used: reported, not blocking
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 0 and report["checks"]["kernel attention"]["status"] == "warn"
+
+
+def test_bad_kernel_choice_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLM_KERNELS", "bogus")
+    code, report = run_doctor("--port", str(free_port()))
+    assert code == 1 and report["blockers"] == ["kernel dispatch"]
+
+
+def test_store_reports_failed_and_unverified_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLM_STORE", str(tmp_path))
+    for version, verification in (("v1", {"ok": True}), ("v2", {"ok": False}), ("v3", None)):
+        directory = tmp_path / "models" / "m" / version
+        directory.mkdir(parents=True)
+        manifest = {
+            "name": "m",
+            "version": version,
+            "source": {},
+            "files": [],
+            "fetched_at": f"2026-01-0{version[1]}",
+            "content_sha256": "0",
+            "verification": verification,
+        }
+        (directory / "manifest.json").write_text(json.dumps(manifest))
+    code, report = run_doctor("--port", str(free_port()))
+    store = report["checks"]["store"]
+    assert code == 0 and store["status"] == "warn"
+    assert (store["verified"], store["failed"], store["unverified"]) == (["m@v1"], ["m@v2"], ["m@v3"])
+
+
+def test_table_names_the_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "free_bytes", lambda path: 0)
+    result = CliRunner().invoke(app, ["doctor", "--port", str(free_port())])
+    assert result.exit_code == 1
+    assert "blocked by: disk" in result.stdout
+    assert "0.0 GiB free" in result.stdout
