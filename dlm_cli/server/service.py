@@ -200,10 +200,6 @@ class Service:
         return self.served.engine if self.served is not None else None
 
     @property
-    def tokenizer(self) -> Any:
-        return self.served.tokenizer if self.served is not None else None
-
-    @property
     def max_model_len(self) -> int:
         return self.served.max_model_len if self.served is not None else 0
 
@@ -366,27 +362,6 @@ class Service:
             raise bad_request(str(exc), code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         return stream
-
-    # ---- text --------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        from engine.tokenizer import encode
-
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return encode(self.tokenizer, prompt)
-        return list(prompt)
-
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        from engine.tokenizer import encode_chat
-
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer, so no chat template", param="messages")
-        try:
-            return encode_chat(self.tokenizer, messages, tools)
-        except UsageError as exc:
-            raise bad_request(str(exc), param="messages") from None
 
     # ---- accounting --------------------------------------------------------------------
 
