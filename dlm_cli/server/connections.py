@@ -20,23 +20,34 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engine.errors import DlmError
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (as uvicorn would bind it), or a DlmError (exit 1)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host:port, as asyncio's `create_server` binds them
+    (TCP, so that accepted connections get TCP_NODELAY), or a DlmError (exit 1)."""
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
         raise DlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.set_inheritable(True)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise DlmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
 
 
 class HeadDeadlineProtocol(H11Protocol):
-    """h11 with `head_timeout`: from the connection's start, and from the end of each
-    response, a client has that many seconds to send a complete request head."""
+    """h11 with `head_timeout`: a client has that many seconds from connecting to send a
+    complete request head; after a response, that many more than the keep-alive timeout
+    (which uvicorn cancels at the first byte of the next request)."""
 
     head_timeout = 30.0
 
@@ -46,7 +57,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        self._arm(self.head_timeout)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -56,16 +67,16 @@ class HeadDeadlineProtocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.conn.their_state is h11.IDLE:  # waiting for the next request
-            self._arm()
+            self._arm(self.timeout_keep_alive + self.head_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float) -> None:
         self._disarm()
         if not self.transport.is_closing():
-            self._head_deadline = self.loop.call_later(self.head_timeout, self._expire)
+            self._head_deadline = self.loop.call_later(seconds, self._expire)
 
     def _disarm(self) -> None:
         if self._head_deadline is not None:

@@ -34,6 +34,10 @@ log = logging.getLogger("dlm.server")
 
 FAILED_EXIT_DELAY_S = 3.0  # after an engine failure: time to answer its requests and probes
 FORCED_EXIT_CODE = 1  # a second signal: requests were dropped
+# How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The
+# event loop waits behind the preparation thread (chat templates are pure Python) at most
+# this long per wake-up, which keeps /health fast under abusive bodies.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class JsonFormatter(logging.Formatter):
@@ -127,7 +131,8 @@ def exit_now(code: int) -> None:
 
 def serve(config: ServeConfig) -> int:
     """Serve until drained or stopped; returns the process exit code."""
-    sock = listen(config.host, config.port)  # a busy port fails here, before the model loads
+    sockets = listen(config.host, config.port)  # a busy port fails here, before the model loads
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     configure_logging(config.log_level)
     if not config.keys():
         log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
@@ -148,7 +153,7 @@ def serve(config: ServeConfig) -> int:
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
     )
     server = DrainingServer(uv_config, app.state.service)
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
     if server.exit_code == 0 and not server.started:
         return 1  # uvicorn could not bind or start
     return server.exit_code
