@@ -5,9 +5,10 @@ Loading runs in a worker thread after the socket is open, so `/health` answers w
 weights load and `/ready` turns 200 only once a warm-up forward has run.
 
 The served model is one `LoadedModel` that a hot swap (dlm_cli/server/hotswap.py) replaces
-on the event loop. A request handler reads the tokenizer, limits and engine of
-`self.served` from encoding its prompt to `submit()` without awaiting in between, so
-all three belong to one version, and the request keeps that version (`Job.served`) to the end.
+on the event loop. A request's prompt is encoded off the loop with the tokenizer of
+`self.served` (dlm_cli/server/prepare.py encodes it again if a swap happened meanwhile); from
+there to `submit()` the handler does not await, so tokenizer, limits and engine belong to one
+version, and the request keeps that version (`Job.served`) to the end.
 """
 
 from __future__ import annotations
