@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from dlm_cli.server import errors
+from dlm_cli.server import errors, heap
 from dlm_cli.server.admin import AdminEndpoint
 from dlm_cli.server.body import read_body
 from dlm_cli.server.config import ServeConfig
@@ -126,12 +126,6 @@ def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
 
 
 def _load_then_freeze(service: Service) -> None:
-    """Load, then exempt what loading made (the model, torch, transformers) from Python's
-    cyclic garbage collector: a full collection walks every tracked object while holding the
-    GIL, and over a loaded model it stalled the event loop for up to a second whenever request
-    preparation allocated enough to trigger one. Refcounting still frees those objects."""
-    import gc
-
+    """Load, then keep what loading made out of the cyclic GC's full collections."""
     service.load()
-    gc.collect()
-    gc.freeze()
+    heap.freeze()
