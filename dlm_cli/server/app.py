@@ -2,51 +2,48 @@
 
 Bodies are read and validated inside the handlers (not by FastAPI's signature parsing) so
 the order is always: API key, readiness, request rate, body size, JSON, fields, model,
-limits, queue. An unauthenticated caller learns nothing about the body, and every refusal
-is counted and logged the same way.
+prompt size, limits, queue. An unauthenticated caller learns nothing about the body, and
+every refusal is counted and logged the same way. Parsing and tokenising run on a bounded
+pool (dlm_cli/server/prepare.py), so no body, however large, delays `/health`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
-from dlm_cli.server import errors
+from dlm_cli.server import errors, heap
 from dlm_cli.server.admin import AdminEndpoint
+from dlm_cli.server.body import read_body
 from dlm_cli.server.config import ServeConfig
-from dlm_cli.server.errors import APIError, bad_request
+from dlm_cli.server.errors import APIError
 from dlm_cli.server.generation import Responder
+from dlm_cli.server.prepare import Preparer
 from dlm_cli.server.protocol import ChatRequest, CompletionRequest
 from dlm_cli.server.service import Job, Service
-
-Body = TypeVar("Body", bound=BaseModel)
-Req = TypeVar("Req", CompletionRequest, ChatRequest)
-# A generation route's own part: encode the body's prompt into the job, return max tokens.
-Encoder = Callable[[Service, Job, Req], int | None]
 
 
 def create_app(config: ServeConfig) -> FastAPI:
     service = Service(config)
+    preparer = Preparer(config.max_queue + config.max_num_seqs)
     admin = AdminEndpoint(service) if config.admin_enabled else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if admin is not None:  # registered before loading reads the deployment's current version
             await admin.start()
-        loading = asyncio.create_task(asyncio.to_thread(service.load))
+        loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
         yield
         service.draining = True
         if admin is not None:
             await admin.stop()
         await loading
         service.shutdown()
+        preparer.close()
 
     app = FastAPI(title="dlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -90,19 +87,19 @@ def create_app(config: ServeConfig) -> FastAPI:
             card.update(root=served.ref, version=served.version)
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def generate(request: Request, job: Job, model: type[Req], encode: Encoder[Req]) -> Response:
+    async def generate(request: Request, job: Job, model: type[CompletionRequest | ChatRequest]) -> Response:
         """What both generation routes do, in the contract's order: API key, readiness and
-        request rate (`admit`), body, fields, model; the route's prompt (`encode`, which
-        returns the requested max tokens); options, limits, queue. A refusal anywhere is
-        counted and logged once (`reject`)."""
+        request rate (`admit`), body; then, on the preparation pool, fields, model and the
+        prompt's size and tokens; then options, limits, queue. A refusal anywhere is counted
+        and logged once (`reject`)."""
         try:
             service.admit(job, request.headers.get("authorization"))
-            body = await _parse(request, model, config.max_body_bytes)
-            _supported(body)
-            service.check_model(body.model)
-            max_tokens = encode(service, job, body)
+            raw = await read_body(request, config.max_body_bytes, config.read_timeout)
+            prepared = await preparer.prepare(service, raw, model)
+            body = prepared.body
+            job.prompt_ids, job.prompt_text, job.tools = prepared.prompt_ids, prepared.prompt_text, prepared.tools
             _options(job, body)
-            params = service.params(job, body, max_tokens, body.temperature, body.seed, body.top_p)
+            params = service.params(job, body, prepared.max_tokens, body.temperature, body.seed, body.top_p)
             stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)
@@ -112,68 +109,13 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, Job("completions"), CompletionRequest, _completion_prompt)
+        return await generate(request, Job("completions"), CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await generate(request, Job("chat.completions"), ChatRequest, _chat_prompt)
+        return await generate(request, Job("chat.completions"), ChatRequest)
 
     return app
-
-
-async def _parse(request: Request, model: type[Body], limit: int) -> Body:
-    """Read at most `limit` bytes of JSON and validate it against `model`."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise _too_large(limit)
-    try:
-        data: Any = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise errors.validation_error(list(exc.errors())) from None
-
-
-def _completion_prompt(service: Service, job: Job, body: CompletionRequest) -> int | None:
-    """Encode a completion's prompt (text, or token ids) into `job`; its max_tokens."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request(
-                "one prompt per request: send several requests (they are batched on the server)", param="prompt"
-            )
-        prompt = prompt[0]  # type: ignore[assignment]
-    job.prompt_ids = service.encode_prompt(prompt)  # type: ignore[arg-type]
-    job.prompt_text = prompt if isinstance(prompt, str) else None
-    return body.max_tokens
-
-
-def _chat_prompt(service: Service, job: Job, body: ChatRequest) -> int | None:
-    """Render the chat template (with the tools, unless tool_choice is none) into `job`;
-    its max tokens (max_completion_tokens, else the legacy max_tokens)."""
-    messages = [m.for_template() for m in body.messages]
-    tools = None
-    if body.tools and body.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    job.prompt_ids = service.encode_chat(messages, tools)
-    job.prompt_text = json.dumps(messages, ensure_ascii=False)
-    job.tools = tools is not None
-    return body.max_completion_tokens or body.max_tokens
-
-
-def _supported(body: CompletionRequest | ChatRequest) -> None:
-    refused = body.unsupported()
-    if refused is not None:
-        raise bad_request(refused[1], param=refused[0], code="unsupported")
 
 
 def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
@@ -183,5 +125,7 @@ def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
     job.return_token_ids = body.return_token_ids
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+def _load_then_freeze(service: Service) -> None:
+    """Load, then keep what loading made out of the cyclic GC's full collections."""
+    service.load()
+    heap.freeze()

@@ -64,6 +64,14 @@ class ServeConfig(BaseModel):
     tokens_per_minute: float = Field(0, ge=0, description="generated tokens per API key; 0: unlimited")
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+    # connections (docs/serve.md#hardening): idle and slow clients are closed
+    read_timeout: float = Field(
+        30.0, gt=0, description="seconds to receive a request's headers, and again its body; then closed / 408"
+    )
+    keep_alive_timeout: int = Field(5, ge=1, description="seconds an idle keep-alive connection stays open")
+    max_connections: int = Field(
+        1000, ge=1, description="open connections and requests; beyond, uvicorn answers 503 at once"
+    )
     # scheduling and limits
     max_num_seqs: int = Field(8, ge=1, description="sequences sharing one forward")
     max_num_batched_tokens: int = Field(16384, ge=1, description="canvas tokens in one forward")

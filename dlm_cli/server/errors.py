@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("dlm.server")
 
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request": logged, never sent
+
 
 class APIError(Exception):
     def __init__(

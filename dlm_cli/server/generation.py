@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dlm_cli.server.errors import APIError
+from dlm_cli.server.errors import CLIENT_CLOSED, APIError
 from dlm_cli.server.service import Job, Service
 from dlm_cli.server.tools import parse_tool_calls, streamable
 from engine.runtime.async_engine import RequestOutput, RequestStream
@@ -28,7 +28,6 @@ _FAILURES = {
     "shutdown": (503, "unavailable", "shutdown", "the server shut down before the request finished"),
     "error": (500, "server_error", "engine_error", "the engine failed on this request"),
 }
-CLIENT_CLOSED = 499  # nginx's code for "client closed the request": logged, never sent
 
 
 def find_stop(text: str, stops: list[str]) -> int | None:

@@ -20,7 +20,6 @@ reach the old version any more.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 import weakref
@@ -28,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from dlm_cli.server import heap
 from dlm_cli.server.errors import APIError
 from dlm_cli.server.loaded import LoadedModel
 from dlm_cli.server.service import Service
@@ -148,15 +148,17 @@ class HotSwapper:
 async def _released(engine: weakref.ref[Any], patience: float = 10.0) -> None:
     """Wait until the old engine is garbage: the handlers of its last requests still hold it
     while they write their responses, which the drain let them finish. Reference counting
-    frees it then; a full collection (a fraction of a second with torch loaded, and it
-    stalls the event loop) runs only if reference cycles keep it alive."""
+    frees it then; a collection over frozen objects runs only if reference cycles keep it
+    alive. Then one full collection (a fraction of a second with torch loaded, and it stalls
+    the event loop) precedes freezing the new version's objects (dlm_cli/server/heap.py)."""
     start = time.monotonic()
     collected = False
     while engine() is not None and time.monotonic() < start + patience:
         await asyncio.sleep(0.02)
         if engine() is not None and not collected and time.monotonic() > start + 1.0:
-            gc.collect()
+            heap.collect()  # frozen objects too: the old version was loaded before the last freeze
             collected = True
+    heap.freeze()  # the new version's objects join the rest out of full collections
     _free_memory()
     if engine() is None:
         log.info("hot swap: the old version's weights are released")

@@ -2,8 +2,11 @@
 
 First SIGTERM (or Ctrl-C): `/ready` turns 503 and new requests get 503, while in-flight
 requests finish or time out for up to `shutdown_grace` seconds; the rest end with an error;
-then uvicorn closes and the process exits 0. A second signal exits at once. A model that
-fails to load ends the process with exit code 2 (unusable model) or 1.
+then uvicorn closes and the process exits 0. A second signal exits at once with code 1,
+dropping what still runs: the logs are flushed and the process ends with `os._exit`, since
+an interpreter shutdown beside running engine threads can abort in C++ (a signal status).
+A model that fails to load ends the process with exit code 2 (unusable model) or 1; a port
+that cannot be bound, with exit code 1 before the model loads.
 
 An engine that fails while serving (a tensor-parallel rank died or hung) cannot recover:
 its requests end with errors at once, `/health` and `/ready` answer 503 naming the cause for
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from types import FrameType
@@ -23,11 +27,17 @@ import uvicorn
 
 from dlm_cli.server.app import create_app
 from dlm_cli.server.config import ServeConfig
+from dlm_cli.server.connections import listen, protocol
 from dlm_cli.server.service import Service
 
 log = logging.getLogger("dlm.server")
 
 FAILED_EXIT_DELAY_S = 3.0  # after an engine failure: time to answer its requests and probes
+FORCED_EXIT_CODE = 1  # a second signal: requests were dropped
+# How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The
+# event loop waits behind the preparation thread (chat templates are pure Python) at most
+# this long per wake-up, which keeps /health fast under abusive bodies.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class JsonFormatter(logging.Formatter):
@@ -70,9 +80,9 @@ class DrainingServer(uvicorn.Server):
         # Unlike uvicorn's handler, the signal is not re-raised after shutdown: a drained
         # server exits 0.
         if self._drain_requested or self.should_exit:
-            self.should_exit = self.force_exit = True
-        else:
-            self._drain_requested = True
+            log.warning("second signal: exiting now with code %d; unfinished requests are dropped", FORCED_EXIT_CODE)
+            exit_now(FORCED_EXIT_CODE)
+        self._drain_requested = True
 
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
         await super().startup(sockets)
@@ -110,8 +120,19 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def exit_now(code: int) -> None:
+    """End the process at once, after flushing what it has logged and printed."""
+    for handler in logging.getLogger("dlm").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def serve(config: ServeConfig) -> int:
     """Serve until drained or stopped; returns the process exit code."""
+    sockets = listen(config.host, config.port)  # a busy port fails here, before the model loads
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     configure_logging(config.log_level)
     if not config.keys():
         log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
@@ -120,6 +141,9 @@ def serve(config: ServeConfig) -> int:
         app,
         host=config.host,
         port=config.port,
+        http=protocol(config.read_timeout),
+        timeout_keep_alive=config.keep_alive_timeout,
+        limit_concurrency=config.max_connections,
         log_level=config.log_level,
         access_log=False,
         log_config=None,
@@ -129,7 +153,7 @@ def serve(config: ServeConfig) -> int:
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
     )
     server = DrainingServer(uv_config, app.state.service)
-    server.run()
+    server.run(sockets=sockets)
     if server.exit_code == 0 and not server.started:
         return 1  # uvicorn could not bind or start
     return server.exit_code

@@ -5,9 +5,10 @@ Loading runs in a worker thread after the socket is open, so `/health` answers w
 weights load and `/ready` turns 200 only once a warm-up forward has run.
 
 The served model is one `LoadedModel` that a hot swap (dlm_cli/server/hotswap.py) replaces
-on the event loop. A request handler reads the tokenizer, limits and engine of
-`self.served` from encoding its prompt to `submit()` without awaiting in between, so
-all three belong to one version, and the request keeps that version (`Job.served`) to the end.
+on the event loop. A request's prompt is encoded off the loop with the tokenizer of
+`self.served` (dlm_cli/server/prepare.py encodes it again if a swap happened meanwhile); from
+there to `submit()` the handler does not await, so tokenizer, limits and engine belong to one
+version, and the request keeps that version (`Job.served`) to the end.
 """
 
 from __future__ import annotations
@@ -218,10 +219,6 @@ class Service:
         return self.served.engine if self.served is not None else None
 
     @property
-    def tokenizer(self) -> Any:
-        return self.served.tokenizer if self.served is not None else None
-
-    @property
     def max_model_len(self) -> int:
         return self.served.max_model_len if self.served is not None else 0
 
@@ -384,27 +381,6 @@ class Service:
             raise bad_request(str(exc), code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         return stream
-
-    # ---- text --------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        from engine.tokenizer import encode
-
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return encode(self.tokenizer, prompt)
-        return list(prompt)
-
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        from engine.tokenizer import encode_chat
-
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer, so no chat template", param="messages")
-        try:
-            return encode_chat(self.tokenizer, messages, tools)
-        except UsageError as exc:
-            raise bad_request(str(exc), param="messages") from None
 
     # ---- accounting --------------------------------------------------------------------
 

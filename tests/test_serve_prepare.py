@@ -1,0 +1,109 @@
+"""Request preparation off the event loop: sizes refused before any tokenising, a bounded
+backlog, and a prompt encoded again when a hot swap replaced the model meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from dlm_cli.server import prepare
+from dlm_cli.server.errors import APIError
+from dlm_cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Preparer
+from dlm_cli.server.protocol import ChatRequest, CompletionRequest
+
+
+class CountingTokenizer:
+    """Stands for a tokenizer: counts the calls that would cost CPU."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        self.calls += 1
+        return {"input_ids": [1] * len(text)}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:
+        self.calls += 1
+        return [1] * len(messages)
+
+
+@dataclass(eq=False)
+class Served:
+    max_model_len: int = 64
+    tokenizer: CountingTokenizer = field(default_factory=CountingTokenizer)
+
+
+@dataclass
+class FakeService:
+    served: Any
+    models: list[str | None] = field(default_factory=list)
+
+    def check_model(self, name: str | None) -> None:
+        self.models.append(name)
+
+
+def run(service: FakeService, body: dict[str, Any], model: type = CompletionRequest, backlog: int = 4) -> Any:
+    async def go() -> Any:
+        preparer = Preparer(backlog)
+        try:
+            return await preparer.prepare(service, json.dumps(body).encode(), model)  # type: ignore[arg-type]
+        finally:
+            preparer.close()
+
+    return asyncio.run(go())
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenising() -> None:
+    served = Served()
+    with pytest.raises(APIError) as caught:
+        run(FakeService(served), {"prompt": "x" * (64 * CHARS_PER_TOKEN + 1)})
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "context_length_exceeded", "prompt")
+    assert served.tokenizer.calls == 0
+    assert run(FakeService(served), {"prompt": "x" * 10}).prompt_ids == [1] * 10
+
+
+def test_a_chat_with_too_many_messages_is_refused_before_rendering() -> None:
+    served = Served()
+    messages = [{"role": "user", "content": "hi"}] * (64 // TOKENS_PER_MESSAGE + 1)
+    with pytest.raises(APIError) as caught:
+        run(FakeService(served), {"messages": messages}, ChatRequest)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+    assert served.tokenizer.calls == 0
+    prepared = run(FakeService(served), {"messages": messages[:3], "max_completion_tokens": 5}, ChatRequest)
+    assert (prepared.prompt_ids, prepared.max_tokens) == ([1] * 3, 5)
+
+
+def test_a_full_backlog_is_429_at_once() -> None:
+    async def go() -> None:
+        preparer = Preparer(1)
+        preparer.pending = 1  # one body already being prepared
+        try:
+            with pytest.raises(APIError) as caught:
+                await preparer.prepare(FakeService(Served()), b'{"prompt": "x"}', CompletionRequest)  # type: ignore[arg-type]
+            assert (caught.value.status, caught.value.code) == (429, "queue_full")
+            assert caught.value.headers["Retry-After"] == "1"
+        finally:
+            preparer.close()
+
+    asyncio.run(go())
+
+
+def test_a_hot_swap_during_preparation_encodes_again_with_the_new_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = Served(), Served()
+    service = FakeService(old)
+    encode = prepare._completion
+
+    def swapping(served: Served, body: CompletionRequest) -> Any:
+        service.served = new  # the swap lands while this body is being encoded
+        return encode(served, body)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prepare, "_completion", swapping)
+    run(service, {"prompt": "hello", "model": "m"})
+    assert (old.tokenizer.calls, new.tokenizer.calls) == (1, 1)
+    assert service.models == ["m", "m"]
