@@ -62,6 +62,9 @@ class DecoderLayer(nn.Module):
     and calls `block_attention`."""
 
     attention_name = "self_attn"
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
 
     def forward(
         self,
