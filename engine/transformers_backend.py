@@ -293,16 +293,6 @@ class GenerateMethodEngine(LLMEngine):
     def make_runner(self) -> GenerateMethodRunner:
         return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)
 
-    @property
-    def hf(self) -> Any:
-        """The transformers model."""
-        return self.runner.hf
-
-    @property
-    def method_name(self) -> str:
-        """`diffusion_generate` or `generate`: the method that decodes."""
-        return self.runner.method_name
-
     def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
         """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
         Fields the method does not take come back as None: no dlm step count or block applies
