@@ -158,12 +158,13 @@ def choose_dtype(requested: str, device: torch.device, checkpoint: str | None = 
     return choice
 
 
-def checkpoint_dtype(model_dir: Path) -> str | None:
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
     """The dtype a checkpoint's config.json states (`torch_dtype`, or `dtype` as newer
     transformers write it, at the top or in a multimodal model's `text_config`)."""
     from engine.config import read_config_json
 
-    raw = read_config_json(model_dir)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    raw = read_config_json(Path(model_dir))
+    nested = raw.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else {}
     found = raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     return found if isinstance(found, str) else None

@@ -15,7 +15,8 @@ from engine.errors import UsageError
 from engine.params import GenerationParams
 from engine.resolve import resolve_model
 from engine.runtime.engine import cap_device_memory, load_engine
-from engine.runtime.sequence import Sequence
+from engine.runtime.interface import Engine
+from engine.runtime.request import RequestState
 from engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 class GenerationOutput:
     prompt_ids: list[int]
     output_ids: list[int]  # generated ids only
+    completion_ids: list[int]  # output_ids up to and including the first EOS (what a server returns)
     text: str | None
     nfe: int  # model forwards spent on this request
     seconds: float
@@ -62,6 +64,7 @@ class LLM:
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
+        self.engine: Engine
         if backend == "transformers":
             if parallel is not None and parallel.resolved().parallel:
                 raise UsageError("--tensor-parallel-size needs the native backend")
@@ -89,9 +92,7 @@ class LLM:
 
     def close(self) -> None:
         """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -118,14 +119,17 @@ class LLM:
         params: GenerationParams | None = None,
         *,
         chat: bool = False,
-        on_step: Callable[[list[Sequence]], None] | None = None,
+        on_step: Callable[[list[RequestState]], None] | None = None,
         **overrides: Any,
     ) -> list[GenerationOutput]:
         """Decode one prompt or a list of prompts (text or token ids) together."""
+        batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
+        else:
+            batch = prompts  # type: ignore[assignment]  # a list of prompts
         params = GenerationParams(**{**(asdict(params) if params else {}), **overrides})
-        ids = [self.encode(p, chat=chat) for p in prompts]  # type: ignore[arg-type]
+        ids = [self.encode(p, chat=chat) for p in batch]
         start = time.perf_counter()
         seqs = self.engine.generate(ids, params, on_step=on_step)
         seconds = time.perf_counter() - start
@@ -135,6 +139,7 @@ class LLM:
             GenerationOutput(
                 prompt_ids=s.prompt_ids,
                 output_ids=s.output_ids,
+                completion_ids=s.completion_ids,
                 text=decode(self.tokenizer, s.output_ids, eos) if decodable else None,
                 nfe=s.nfe,
                 seconds=seconds,

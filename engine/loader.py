@@ -45,7 +45,7 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as exc:
             raise UsageError(f"{index} is not a valid safetensors index: {exc}") from exc
-        locations = {name: model_dir / file for name, file in weight_map.items()}
+        locations: dict[str, Path] = {name: model_dir / file for name, file in weight_map.items()}
         for file in set(locations.values()):
             if not file.exists():
                 raise UsageError(f"{index} names shard {file.name}, which is missing")
@@ -53,7 +53,7 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"no safetensors weights in {model_dir}")
-    locations: dict[str, Path] = {}
+    locations = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
@@ -127,17 +127,17 @@ def load_weights(
         for name, srcs in sources.items():
             param = params[name]
             shard: Shard | None = getattr(param, "shard", None)
+            dim = 0
             if shard is None:
                 parts = [handle(src).get_tensor(src) for src in srcs]
-                dim = 0
             else:
-                parts, dim = [], shard.cat_dim
+                parts, cat_dim = [], shard.cat_dim
                 for i, src in enumerate(srcs):
                     view = handle(src).get_slice(src)
                     shape = tuple(view.get_shape())
                     parts += [view[index] for index in shard.reads(i, shape)]
-                    if callable(dim):
-                        dim = dim(shape)
+                    if i == 0:  # a callable cat_dim reads the first source's shape
+                        dim = cat_dim(shape) if callable(cat_dim) else cat_dim
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
             del parts
             loader = getattr(param, "weight_loader", None)

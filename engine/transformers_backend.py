@@ -14,14 +14,15 @@ The checkpoint is loaded with transformers (its remote code only when the caller
   `diffusion_generate` when it has one, else `generate`, one request at a time: no
   cross-request batching, no dlm caches, dlm's commit rules do not apply.
 
-Both paths present LLMEngine's interface, so `dlm generate` and `dlm serve` (its scheduler,
-limits, metrics) drive them like a native model.
+Both paths are LLMEngines (the `Engine` protocol) over their own runner, so `dlm generate`
+and `dlm serve` (its scheduler, limits, metrics) drive them like a native model.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import GenerationParams
-from engine.registry import UNREGISTERED
 from engine.runtime.batch import ForwardBatch, gather_rows
 from engine.runtime.engine import LLMEngine, LoadedModel
+from engine.runtime.request import RequestState, narrow
 from engine.runtime.sequence import Sequence
 
 PATHS = {
@@ -87,7 +88,7 @@ class ForwardAdapter(nn.Module):
     The head's input is captured with a pre-hook on the output embedding; a head bias is
     folded in as one extra hidden unit fixed at 1 (W h + b = [W | b] [h; 1])."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: Any) -> None:  # a transformers PreTrainedModel
         super().__init__()
         self.hf = hf_model
         head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
@@ -187,21 +188,15 @@ DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode")
 _DEFAULTS = GenerationParams()
 
 
-class GenerateMethodEngine(LLMEngine):
-    """The model's own generation method behind LLMEngine's interface (`make_sequence`,
-    `running`, `step`, `abort`, `generate`), so `dlm generate` and the server's scheduler
-    drive it unchanged. The method decodes one prompt per call, so each `step()` runs one
-    whole request.
+class GenerateMethodRunner:
+    """The `Runner` of the generate path: the model's own generation method decodes one
+    prompt per call, so each `step` runs one whole request (and commits it).
 
     A field the method cannot honour is refused (`Unsupported`), never silently dropped:
     a client asking for `steps=2` must not believe it got them."""
 
-    path = "generate"
-    warmup_params = GenerationParams(gen_length=8)
-
-    def __init__(self, loaded: LoadedModel, hf_model: Any) -> None:  # no dlm runner: the model decodes
-        self.loaded, self.config, self.hf = loaded, loaded.config, hf_model
-        self.running: list[Sequence] = []  # type: ignore[assignment]
+    def __init__(self, hf_model: Any, config: ModelConfig, device: torch.device) -> None:
+        self.hf, self.config, self.device = hf_model, config, device
         self.method_name = "diffusion_generate" if hasattr(hf_model, "diffusion_generate") else "generate"
         self._method: Callable[..., Any] = getattr(hf_model, self.method_name)
         accepted = inspect.signature(self._method).parameters
@@ -228,7 +223,8 @@ class GenerateMethodEngine(LLMEngine):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._forward_lengths.append(int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0)
 
-    def _refuse_unsupported(self, params: GenerationParams) -> None:
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """Refuse what the method cannot honour."""
         for name in (*DIFFUSION_FIELDS, *DLM_FIELDS):
             if name not in self.takes and getattr(params, name) != getattr(_DEFAULTS, name):
                 taken = ", ".join(sorted(self.takes)) or "none of steps, block_length, threshold"
@@ -241,22 +237,10 @@ class GenerateMethodEngine(LLMEngine):
                 f"temperature cannot be set here: this model's {self.method_name} samples "
                 "with its own generation config"
             )
+        return params
 
-    def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        self._refuse_unsupported(params)
-        return params.validate(prompt_length, self.config.max_position_embeddings, UNREGISTERED)
-
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
-        Fields the method does not take come back as None: no dlm step count or block applies
-        (the server's step limit, for one, has nothing to bound)."""
-        resolved = self._resolve(params, prompt_length)
-        return replace(resolved, **{f: None for f in ("steps", "block_length") if f not in self.takes})
-
-    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = self._resolve(params, len(prompt_ids))
-        self.check_prompt(prompt_ids)
-        return Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> Sequence:
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)
 
     def _kwargs(self, params: GenerationParams) -> dict[str, Any]:
         """dlm's parameters under the names the method takes: the length; sampling when
@@ -277,30 +261,49 @@ class GenerateMethodEngine(LLMEngine):
         return {k: v for k, v in wanted.items() if v is not None}
 
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:  # type: ignore[override]
-        """Run the first unfinished request to its end; return the requests that finished."""
-        active = [s for s in self.running if not s.finished]
-        if active:
-            self._run(active[0])
-        done = [s for s in self.running if s.finished]
-        self.running = [s for s in self.running if not s.finished]
-        return done
+    def step(self, seqs: Seq[RequestState]) -> None:
+        """Run the first of `seqs` to its end."""
+        if seqs:
+            self._run(narrow(seqs[0], Sequence))
 
     def _run(self, seq: Sequence) -> None:
         if seq.params.seed is not None:
             torch.manual_seed(seq.params.seed)
         self._forward_lengths.clear()
-        ids = torch.tensor([seq.prompt_ids], device=self.loaded.device)
+        ids = torch.tensor([seq.prompt_ids], device=self.device)
         out = self._method(ids, **self._kwargs(seq.params))
         tokens = getattr(out, "sequences", out)[0, seq.prompt_length :].tolist()[: seq.params.gen_length]
         seq.canvas = torch.tensor(seq.prompt_ids + tokens, dtype=torch.long)
         seq.nfe = len(self._forward_lengths)
         seq.query_lengths = list(self._forward_lengths)
-        eos = self.config.eos_token_id
-        seq.finish_reason = "stop" if eos is not None and eos in tokens else "length"
+        eos = seq.eos_id
+        seq.finish("stop" if eos is not None and eos in tokens else "length")
+
+
+class GenerateMethodEngine(LLMEngine):
+    """LLMEngine over the model's own generation method (`GenerateMethodRunner`), so
+    `dlm generate` and the server's scheduler drive it unchanged, one request at a time."""
+
+    path = "generate"
+    max_num_seqs = 1
+    warmup_params = GenerationParams(gen_length=8)
+    runner: GenerateMethodRunner
+
+    def make_runner(self) -> GenerateMethodRunner:
+        return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)
+
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
+        Fields the method does not take come back as None: no dlm step count or block applies
+        (the server's step limit, for one, has nothing to bound)."""
+        resolved = super().validate(params, prompt_length)
+        dropped: dict[str, Any] = {f: None for f in ("steps", "block_length") if f not in self.runner.takes}
+        return replace(resolved, **dropped)
 
 
 class ForwardEngine(LLMEngine):
+    """LLMEngine (and its ModelRunner) over `ForwardAdapter`."""
+
     path = "forward"
 
 
@@ -325,4 +328,4 @@ def load_transformers_engine(
         getattr(hf_model, "generate", None)
     ):
         raise UsageError(f"{model_dir}: the model neither takes dlm's masked decoding nor has a generation method")
-    return GenerateMethodEngine(LoadedModel(config, hf_model, dtype, device), hf_model)
+    return GenerateMethodEngine(LoadedModel(config, hf_model, dtype, device))

@@ -67,7 +67,10 @@ def _lm_head(x: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
 def _compare_stats(a: TokenStats, b: TokenStats) -> tuple[bool, str]:
     if not torch.equal(a.token.cpu(), b.token.cpu()):
         return False, "argmax ids differ"
-    err = max(_rel(a.prob, b.prob), _rel(a.entropy, b.entropy), _rel(a.margin, b.margin))
+    pairs = [(a.prob, b.prob), (a.entropy, b.entropy), (a.margin, b.margin)]
+    if any((x is None) != (y is None) for x, y in pairs):
+        return False, "one side lacks a statistic the other computed"
+    err = max(_rel(x, y) for x, y in pairs if x is not None and y is not None)
     return err < 1e-3, f"max rel err {err:.1e}"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class VocabPartial:
     @staticmethod
     def cat(parts: list[VocabPartial]) -> VocabPartial:
         """Stack partials of disjoint ranges (in vocabulary order) for `combine`."""
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(VocabPartial):
             items = [getattr(p, f.name) for p in parts]
             values[f.name] = None if items[0] is None else torch.cat(items)

@@ -95,8 +95,8 @@ def test_batched_statistics_are_bitwise_those_of_a_solo_forward(
     ]
     while engine.running:
         active = list(engine.running)
-        solo = [engine.runner.step([copy.deepcopy(s)])[0] for s in active]
-        batched = engine.runner.step([copy.deepcopy(s) for s in active])
+        solo = [engine.runner.forward([copy.deepcopy(s)])[0] for s in active]
+        batched = engine.runner.forward([copy.deepcopy(s) for s in active])
         for (pos_a, a), (pos_b, b) in zip(solo, batched):
             assert torch.equal(pos_a, pos_b) and torch.equal(a.token, b.token) and torch.equal(a.prob, b.prob)
         engine.step()

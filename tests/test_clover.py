@@ -76,7 +76,7 @@ def test_preview_passes_leave_the_recurrent_state_unchanged(clover_dir: Path) ->
     engine = llm.engine
     seq = engine.add_request(PROMPT, GenerationParams(gen_length=64, threshold=1.0))
     engine.step()  # prefill + first preview
-    cache = engine.caches[seq.seq_id]
+    cache = seq.kv_cache  # the sequence holds its HybridCache
     snapshot = [
         (s.conv.clone(), s.recurrent.clone()) if hasattr(s, "conv") else (s[0].clone(), s[1].clone())
         for s in cache.layers

@@ -13,7 +13,7 @@ import torch
 
 from engine.errors import UsageError
 from engine.params import GenerationParams
-from engine.runtime.async_engine import AsyncEngine, committed_prefix
+from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.engine import LLMEngine, load_model
 from engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
 
@@ -66,7 +66,7 @@ def test_a_request_larger_than_the_token_budget_is_refused(engine: LLMEngine) ->
 def test_committed_prefix_stops_at_the_first_mask(engine: LLMEngine) -> None:
     seq = engine.make_sequence([5], GenerationParams(gen_length=4, block_length=4))
     seq.canvas[1:] = torch.tensor([10, 11, seq.mask_id, 12])
-    assert committed_prefix(seq) == [10, 11]
+    assert seq.committed_prefix == [10, 11]
 
 
 class StepLog:

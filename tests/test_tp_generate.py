@@ -44,10 +44,11 @@ def _scheduled(engine, prompts: list[list[int]], params: GenerationParams) -> li
     """A serving scheduler's pattern: make sequences, admit them into `running` directly,
     abort one mid-way, admit a late one, step until the rest finish."""
     first, doomed, late = (engine.make_sequence(p, params) for p in prompts)
-    engine.running += [first, doomed]
+    engine.add(first)
+    engine.add(doomed)
     engine.step()
     engine.abort(doomed)
-    engine.running.append(late)
+    engine.add(late)
     while engine.running:
         engine.step()
     return [first.output_ids, late.output_ids, [doomed.finish_reason]]

@@ -82,7 +82,7 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     ref = reference_model(seed=3)
     directory = save_reference(ref, tmp_path / "causal", eos_token_id=158)
     llm = LLM(directory, dtype="float32", device="cpu", backend="transformers")
-    assert llm.engine.path == "generate" and llm.engine.method_name == "generate"
+    assert llm.engine.path == "generate" and llm.engine.runner.method_name == "generate"
     prompt = [5, 17, 42, 99, 3, 7]
     out = llm.generate(prompt, gen_length=8)[0]
     with torch.inference_mode():
@@ -97,7 +97,7 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     assert llm.engine.validate(GenerationParams(gen_length=8), len(prompt)).steps is None  # no step count applies
     # Temperature 0 is greedy even when the model's generation config prefers sampling;
     # temperature > 0 samples through the model's own generate, reproducibly with a seed.
-    llm.engine.hf.generation_config.do_sample = True
+    llm.engine.runner.hf.generation_config.do_sample = True
     assert llm.generate(prompt, gen_length=8)[0].output_ids == out.output_ids
     sampled = llm.generate(prompt, gen_length=8, temperature=5.0, seed=4)[0]
     torch.manual_seed(4)

@@ -24,7 +24,6 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
     """Decode with a progress bar of committed tokens on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    mask = llm.config.mask_token_id
     columns = (
         TextColumn("denoising"),
         BarColumn(),
@@ -38,8 +37,7 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
 
         def on_step(seqs) -> None:  # noqa: ANN001
             seq = seqs[0]
-            done = sum(1 for t in seq.canvas[seq.prompt_length :].tolist() if t != mask)
-            progress.update(task, completed=done, nfe=seq.nfe)
+            progress.update(task, completed=params.gen_length - seq.masks_left, nfe=seq.nfe)
 
         return llm.generate(prompt_tokens, params, on_step=on_step)[0]
 
@@ -154,9 +152,9 @@ def generate(
                 parallel=parallel,
             )
         with llm:  # stops the worker ranks of a tensor-parallel model however this ends
-            if getattr(llm.engine, "tensor_parallel_size", 1) > 1:
+            if llm.engine.tensor_parallel_size > 1:
                 err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
-            path = getattr(llm.engine, "path", None)
+            path = llm.engine.path
             if path is not None:
                 from engine.transformers_backend import PATHS
 
@@ -172,6 +170,7 @@ def generate(
                         "model": str(llm.model_dir),
                         "prompt_ids": out.prompt_ids,
                         "output_ids": out.output_ids,
+                        "completion_ids": out.completion_ids,
                         "text": out.text,
                         "nfe": out.nfe,
                         "seconds": round(out.seconds, 6),
@@ -184,7 +183,7 @@ def generate(
                         "dtype": str(llm.dtype).replace("torch.", ""),
                         "device": str(llm.device),
                         "backend": {"name": backend, "path": path},
-                        "tensor_parallel_size": getattr(llm.engine, "tensor_parallel_size", 1),
+                        "tensor_parallel_size": llm.engine.tensor_parallel_size,
                     }
                 )
                 return

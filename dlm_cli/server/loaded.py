@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.runtime.async_engine import AsyncEngine
+from engine.runtime.request import completion
 
 
 @dataclass(eq=False)
@@ -35,9 +36,7 @@ class LoadedModel:
 
     def completion_ids(self, prefix: list[int]) -> list[int]:
         """Generated ids that count as the completion: up to and including the first EOS."""
-        if self.eos_id is not None and self.eos_id in prefix:
-            return prefix[: prefix.index(self.eos_id) + 1]
-        return prefix
+        return completion(prefix, self.eos_id)
 
     def describe(self) -> str:
         return self.ref or str(self.model_dir)

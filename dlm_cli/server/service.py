@@ -35,6 +35,7 @@ from engine.runtime.scheduler import QueueFull, SchedulerLimits
 
 if TYPE_CHECKING:
     from engine.llm import LLM
+    from engine.runtime.interface import Engine
 
 log = logging.getLogger("dlm.server")
 request_log = logging.getLogger("dlm.requests")
@@ -166,7 +167,7 @@ class Service:
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
-        ranks = getattr(llm.engine, "tensor_parallel_size", 1)
+        ranks = llm.engine.tensor_parallel_size
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
             llm.engine.on_failure(engine.fail)
             log.info("tensor parallel: %d ranks ready", ranks)
@@ -195,19 +196,18 @@ class Service:
         """Every model whose engine loop may still hold requests."""
         return ([self.served] if self.served is not None else []) + self.retiring
 
-    def _max_num_seqs(self, engine: Any) -> int:
+    def _max_num_seqs(self, engine: Engine) -> int:
         """The batch bound, after saying which transformers-backend path serves the model and
         what it costs; the generate path decodes one request at a time."""
-        path = getattr(engine, "path", None)
-        if path is None:
-            return self.config.max_num_seqs
-        from engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
+        path = engine.path
+        if path is not None:
+            from engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
 
-        log.info("transformers backend, %s path: %s", path, PATHS[path])
-        if path == "forward":
-            return self.config.max_num_seqs
-        log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
-        return 1
+            log.info("transformers backend, %s path: %s", path, PATHS[path])
+            if path == "generate":
+                log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
+        bound = engine.max_num_seqs
+        return self.config.max_num_seqs if bound is None else min(bound, self.config.max_num_seqs)
 
     def shutdown(self) -> None:
         for model in self.loaded():

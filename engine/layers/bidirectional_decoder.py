@@ -14,6 +14,7 @@ ask questions, so only they leave it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ class BidirectionalDecoderLayer(nn.Module):
         n, part = self.names, self.get_submodule
         select = batch.select if last else None
         h = part(n.attn_norm)(x)
-        out = self_attention(h, part(n.qkv), self.heads, rotary, cos_sin, batch, layer, select)
+        out = self_attention(h, cast(nn.Linear, part(n.qkv)), self.heads, rotary, cos_sin, batch, layer, select)
         if select is not None:
             x = gather_rows(x, select)
         x = x + part(n.attn_out)(out)

@@ -19,6 +19,7 @@ silu(z)) and the output projection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +210,8 @@ class GatedDeltaNet(nn.Module):
         T > 1, recurrent for single-token decode)."""
         b, t, _ = x.shape
         mixed, z, b_proj, a_proj = self.in_proj(x).split(self.split, dim=-1)
-        mixed, conv_history = causal_conv(mixed, self.conv1d.weight[:, 0], None if state is None else state.conv)
+        conv_weight = cast(torch.Tensor, self.conv1d.weight)
+        mixed, conv_history = causal_conv(mixed, conv_weight[:, 0], None if state is None else state.conv)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads
         # [B, T, H, D] -> [B, Hv, T, D] in fp32; value head h reads key head h // repeat.

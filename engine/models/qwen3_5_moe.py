@@ -21,6 +21,7 @@ per-layer states and leaves the cache alone; the caller commits them or drops th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ class Model(nn.Module):
 
     @property
     def layer_types(self) -> list[str]:
-        return [layer.layer_type for layer in self.model.layers]
+        return [cast(HybridLayer, layer).layer_type for layer in self.model.layers]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -45,7 +45,8 @@ import torch
 from engine.errors import DlmError, EngineFailed, UsageError
 from engine.parallel import state as parallel_state
 from engine.params import GenerationParams
-from engine.runtime.engine import LLMEngine
+from engine.runtime.interface import Engine
+from engine.runtime.request import RequestState
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 TIMEOUT_VAR = "DLM_DIST_TIMEOUT"  # seconds: overrides `timeout_s` (init and each collective)
@@ -246,7 +247,7 @@ class Step:
     stop: bool = False
 
 
-def _build(spec: EngineSpec, device: torch.device) -> Any:
+def _build(spec: EngineSpec, device: torch.device) -> Engine:
     from engine.dtype import checkpoint_dtype, choose_dtype
     from engine.runtime.engine import cap_device_memory, load_engine
 
@@ -254,10 +255,11 @@ def _build(spec: EngineSpec, device: torch.device) -> Any:
     return load_engine(spec.model_dir, choose_dtype(spec.dtype, device, checkpoint_dtype(spec.model_dir)).dtype, device)
 
 
-def worker_loop(engine: Any, group: Group) -> None:
-    """A non-driver rank: mirror each step message's running set, run the step, until told
-    to stop. A sequence that left the running set unfinished was aborted by the driver."""
-    seqs: dict[int, Any] = {}
+def worker_loop(engine: Engine, group: Group) -> None:
+    """A non-driver rank: mirror each step message's running set (admissions, aborts), run
+    the step, until told to stop. A sequence that left the running set unfinished was
+    aborted by the driver."""
+    seqs: dict[int, RequestState] = {}
     running: list[int] = []
     while True:
         message: Step = _broadcast(group, None)
@@ -271,8 +273,12 @@ def worker_loop(engine: Any, group: Group) -> None:
                 engine.abort(seq)
         for rid in message.forget:
             seqs.pop(rid, None)
+        for rid in message.running:
+            if rid not in running:  # admitted since the last step: appended, as on the driver
+                engine.add(seqs[rid])
         running = message.running
-        engine.running = [seqs[rid] for rid in running]
+        if [s.seq_id for s in engine.running] != [seqs[rid].seq_id for rid in running]:
+            raise RuntimeError("this rank's running set is out of step with the driver's")
         engine.step()
 
 
@@ -411,36 +417,37 @@ class Deadline:
                 os._exit(1)
 
 
-class DistributedEngine:
-    """The driver's view of the group: the interface of the local engine (attributes are
-    the local engine's), with `add_request` / `step` / `generate` mirrored to every rank."""
+class DistributedEngine(Engine):
+    """The driver's view of the group (satisfies `Engine`): the local engine's model and
+    running set, with sequences made here mirrored to every rank before each step."""
 
-    def __init__(self, engine: Any, group: Group, spawned: SpawnedRanks | None, timeout_s: float) -> None:
+    path: str | None = None  # native engines only
+    max_num_seqs: int | None = None
+
+    def __init__(self, engine: Engine, group: Group, spawned: SpawnedRanks | None, timeout_s: float) -> None:
         self.engine, self.group, self.spawned, self.timeout_s = engine, group, spawned, timeout_s
+        self.config, self.loaded, self.warmup_params = engine.config, engine.loaded, engine.warmup_params
         self._pending: list[tuple[int, list[int], GenerationParams]] = []
-        self._ids: dict[int, tuple[int, Any]] = {}  # id(sequence) -> (request id, sequence)
+        self._ids: dict[int, tuple[int, RequestState]] = {}  # id(sequence) -> (request id, sequence)
         self._next_id = 0
         self._lock = threading.Lock()  # a server makes sequences on its event loop during steps
         self._closed = False
         self._failure: EngineFailed | None = None  # the group is down: no collective may run
         self._deadline = Deadline(spawned)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
     @property
-    def running(self) -> list[Any]:
+    def running(self) -> list[RequestState]:
+        """The local engine's running set: the one list (each step message copies its order)."""
         return self.engine.running
-
-    @running.setter
-    def running(self, seqs: list[Any]) -> None:  # the local engine's list, never a copy here
-        self.engine.running = seqs
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.group.place.world
 
-    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Any:
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        return self.engine.validate(params, prompt_length)
+
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         if params.seed is None:  # every rank must draw the same sampling noise
             params = replace(params, seed=secrets.randbits(31))
         seq = self.engine.make_sequence(prompt_ids, params)  # validates before anything is sent
@@ -450,10 +457,15 @@ class DistributedEngine:
             self._pending.append((rid, list(prompt_ids), params))
         return seq
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Any:
-        seq = self.make_sequence(prompt_ids, params)
-        self.engine.running.append(seq)
-        return seq
+    def add(self, seq: RequestState) -> None:
+        self.engine.add(seq)
+
+    def abort(self, seq: RequestState, reason: str = "abort") -> None:
+        """The next step message leaves `seq` out: every rank aborts it then."""
+        self.engine.abort(seq, reason)
+
+    def cache_bytes(self) -> int:
+        return self.engine.cache_bytes()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(message)` as soon as a rank this process spawned dies, even between
@@ -461,16 +473,18 @@ class DistributedEngine:
         if self.spawned is None:
             return
 
+        spawned = self.spawned
+
         def notify(message: str) -> None:
-            self.spawned.failing = True  # handled: the watchdog leaves the process to the listener
+            spawned.failing = True  # handled: the watchdog leaves the process to the listener
             self._failure = self._failure or _down(message)
             callback(str(self._failure))
 
-        self.spawned.on_failure = notify
-        if self.spawned.failure is not None:  # a rank died before anyone listened
-            notify(self.spawned.failure)
+        spawned.on_failure = notify
+        if spawned.failure is not None:  # a rank died before anyone listened
+            notify(spawned.failure)
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[RequestState]:
         if self._failure is not None:
             raise self._failure
         with self._lock:
@@ -480,9 +494,6 @@ class DistributedEngine:
             self._ids = {k: v for k, v in self._ids.items() if k in live or not v[1].finished}
             message, self._pending = Step(self._pending, running, forget), []
         return self._guarded(lambda: (_broadcast(self.group, message), self.engine.step())[1])
-
-    # The local engine's loop, run over this class's mirrored add_request / step.
-    generate = LLMEngine.generate
 
     def _guarded(self, run: Callable[[], Any], limit_s: float | None = None) -> Any:
         """Run a step (or the load barrier) of the group: a backend error becomes the

@@ -1,6 +1,6 @@
 """AsyncEngine: continuous batching for an asyncio server.
 
-A background thread owns the `LLMEngine` and loops: apply cancellations, time out requests
+A background thread owns the engine (any `Engine`) and loops: apply cancellations, time out requests
 past their deadline, admit waiting requests (engine/runtime/scheduler.py), run one denoising step
 for the whole running set. Because deadlines and cancellations are applied between steps, a
 timed-out or abandoned request stops denoising within one step and frees its slot at once.
@@ -27,13 +27,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from engine.errors import DlmError, EngineFailed
 from engine.params import GenerationParams
-from engine.runtime.engine import LLMEngine
+from engine.runtime.interface import Engine
+from engine.runtime.request import RequestState
 from engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
-from engine.runtime.sequence import Sequence
 
 log = logging.getLogger("dlm.engine")
 
@@ -62,19 +60,6 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _generated(seq: Sequence) -> torch.Tensor:
-    """The canvas positions of the answer (a block-causal grid may extend past them)."""
-    return seq.canvas[seq.prompt_length : seq.prompt_length + seq.params.gen_length]
-
-
-def committed_prefix(seq: Sequence) -> list[int]:
-    """Generated ids up to the first MASK: the part of the answer that can no longer change."""
-    generated = _generated(seq)
-    masked = (generated == seq.mask_id).nonzero()
-    end = int(masked[0, 0]) if len(masked) else len(generated)
-    return generated[:end].tolist()
-
-
 @dataclass(eq=False)
 class RequestStream:
     """The consumer's side of one request: outputs arrive on an asyncio queue."""
@@ -91,7 +76,7 @@ class RequestStream:
         return self.request.request_id
 
     @property
-    def seq(self) -> Sequence:
+    def seq(self) -> RequestState:
         return self.request.seq
 
     def post(self, output: RequestOutput) -> None:
@@ -126,7 +111,7 @@ class RequestStream:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         limits: SchedulerLimits,
         observer: EngineObserver | None = None,
     ) -> None:
@@ -162,9 +147,7 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             if self._thread.is_alive():  # stuck in a step: the engine is not ours to close
                 return
-        close = getattr(self.engine, "close", None)  # a tensor-parallel engine stops its ranks
-        if close is not None:
-            close()
+        self.engine.close()  # a tensor-parallel engine stops its ranks
 
     def fail(self, reason: str) -> None:
         """The engine can run nothing more (any thread may say so): end every request with
@@ -268,7 +251,7 @@ class AsyncEngine:
         stream.post(
             RequestOutput(
                 request.request_id,
-                committed_prefix(seq),
+                seq.committed_prefix,
                 seq.nfe,
                 finish_reason=seq.finish_reason or "abort",
                 output_ids=seq.output_ids,
@@ -304,7 +287,7 @@ class AsyncEngine:
         while (batch := self._prepare_step()) is not None:
             if not batch:
                 continue
-            masked_before = [self._masked(r.seq) for r in batch]
+            masked_before = [r.seq.masks_left for r in batch]
             tokens = sum(forward_tokens(r.seq) for r in batch)
             start = time.perf_counter()
             try:
@@ -320,26 +303,21 @@ class AsyncEngine:
                         self._finish(request, error=f"{type(exc).__name__}: {exc}")
                 continue
             seconds = time.perf_counter() - start
-            committed = [before - self._masked(r.seq) for r, before in zip(batch, masked_before)]
+            committed = [before - r.seq.masks_left for r, before in zip(batch, masked_before)]
             if self.observer is not None:
                 self.observer.on_step(len(batch), tokens, committed, seconds)
             self._after_step(batch)
 
     def _after_step(self, batch: list[ScheduledRequest]) -> None:
-        eos = self.engine.config.eos_token_id
+        """Post the snapshots that grew and the final outputs. A request ends by its
+        sequence's own rule (an EOS ends it at block granularity), never by a rule of the
+        server's: so it spends the forwards `dlm generate` spends on it."""
         with self._cv:
             for request in batch:
                 seq, stream = request.seq, request.context
-                prefix = committed_prefix(seq)
-                if not seq.finished and eos is not None and eos in prefix:
-                    # Everything before the EOS is final: the answer is complete.
-                    self.engine.abort(seq, "stop")
+                prefix = seq.committed_prefix
                 if stream.wants_updates and not seq.finished and len(prefix) > stream.last_prefix:
                     stream.last_prefix = len(prefix)
                     stream.post(RequestOutput(request.request_id, prefix, seq.nfe))
             for request in self.scheduler.reap():
                 self._finish(request)
-
-    @staticmethod
-    def _masked(seq: Sequence) -> int:
-        return int((_generated(seq) == seq.mask_id).sum())

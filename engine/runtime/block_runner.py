@@ -4,10 +4,14 @@ Each sequence contributes one row (`BlockSequence.plan()`): the positions it fee
 of them enter its KV cache and which it decides. Rows are padded on the right (PAD group),
 hidden states leave the last layer only at the decided rows, and the LM head runs there
 through `kernels.dispatch.token_stats` (argmax, its probability), never over the vocabulary
-for the whole block. The family's commit rule then picks the positions to commit.
+for the whole block. The family's commit rule then picks the positions to commit: like
+ModelRunner, `step` commits (the `Runner` contract, engine/runtime/interface.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -19,13 +23,15 @@ from engine.params import GenerationParams
 from engine.runtime.block_batch import PAD_GROUP, BlockBatch
 from engine.runtime.block_sequence import BlockSequence, Work
 from engine.runtime.kv_cache import SequenceKVCache
+from engine.runtime.request import RequestState, narrow
 from engine.runtime.runner import MIN_ROWS
 from kernels import dispatch
 
 
 class BlockRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.model, self.config = model, config
+        self.model: Any = model  # a block-causal family's model: forward(BlockBatch)
+        self.config = config
         self.dtype, self.device = dtype, device
         rules, block_length = config.block_rules, config.block_length
         assert rules is not None and block_length is not None  # every block-causal family declares both
@@ -42,7 +48,7 @@ class BlockRunner:
         if params.cache == "block":
             heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
             cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
-        return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, self.rules, cache)
+        return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, rules=self.rules, cache=cache)
 
     def _batch(self, seqs: list[BlockSequence], works: list[Work]) -> BlockBatch:
         # At least MIN_ROWS fed and selected rows, so a GEMM rounds the same solo as batched.
@@ -70,11 +76,12 @@ class BlockRunner:
             write=[w.write for w in works],
         )
 
-    def step(self, seqs: list[BlockSequence]) -> None:
-        """Advance every sequence by one forward: one batched forward for those with the
-        exact cache, one for those recomputing their prefix (`--cache none`)."""
+    def step(self, seqs: Seq[RequestState]) -> None:
+        """Advance every sequence by one forward and commit: one batched forward for those
+        with the exact cache, one for those recomputing their prefix (`--cache none`)."""
+        mine = [narrow(s, BlockSequence) for s in seqs]
         for cached in (True, False):
-            group = [s for s in seqs if (s.cache is not None) == cached]
+            group = [s for s in mine if (s.cache is not None) == cached]
             if group:
                 self._forward(group)
 

@@ -17,19 +17,16 @@ undecided positions), and with the exact cache [0, cached) already have their K/
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.decoding.block_diffusion import BlockRules
 from engine.decoding.schedule import linear_schedule
-from engine.params import GenerationParams
 from engine.runtime.kv_cache import SequenceKVCache
+from engine.runtime.request import RequestState
 
 PREFILL_CHUNK = 2048  # context tokens fed per forward: bounds attention memory on long prompts
-
-_ids = itertools.count()
 
 
 @dataclass
@@ -45,19 +42,10 @@ class Work:
     decide: torch.Tensor  # absolute positions decided by this forward
 
 
-@dataclass
-class BlockSequence:
-    prompt_ids: list[int]
-    params: GenerationParams  # validated and resolved
-    mask_id: int
-    eos_id: int | None
-    rules: BlockRules
+@dataclass(eq=False)
+class BlockSequence(RequestState):
+    rules: BlockRules = field(kw_only=True)
     cache: SequenceKVCache | None = None
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    nfe: int = 0
-    query_lengths: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
     cached: int = 0
 
     def __post_init__(self) -> None:
@@ -75,17 +63,9 @@ class BlockSequence:
         return self.params.block_length
 
     @property
-    def prompt_length(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
     def cache_bytes(self) -> int:
         """Bytes of exact block K/V cache this request holds now (allocated capacity)."""
         return 0 if self.cache is None else self.cache.nbytes
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     @property
     def ctx_end(self) -> int:
@@ -173,9 +153,9 @@ class BlockSequence:
         self.decoded_end = self.block_end
         generated = self.canvas[self.prompt_length : self.block_end]
         if self.eos_id is not None and bool((generated == self.eos_id).any()):
-            self.finish_reason = "stop"
+            self.finish("stop")
         elif self.block_end >= self.grid_end:
-            self.finish_reason = "length"
+            self.finish("length")
         else:
             self._start_block(self.block_end)
 

@@ -106,9 +106,9 @@ class BatchKV:
                 continue
             spans = [sum(p.shape[1] for p in row) for row in pieces]
             full = fed.new_zeros((len(pieces), fed.shape[1], max(spans), fed.shape[3]))
-            for r, row in enumerate(pieces):
+            for r, row_pieces in enumerate(pieces):
                 offset = 0
-                for piece in row:
+                for piece in row_pieces:
                     full[r, :, offset : offset + piece.shape[1]] = piece
                     offset += piece.shape[1]
             out.append(full)

@@ -16,30 +16,42 @@ every assumption is listed in docs/clover.md. The loop, per sequence:
       (KV appended, DeltaNet state and conv ring moved on).
 3. stop after the block that contains EOS (skipping its commit pass), or after gen_length.
 
-It keeps the same interface as `LLMEngine` (add_request / step / generate). Sequences are
-run one at a time (no cross-request batching yet): their caches have different lengths.
+`CloverEngine` is `LLMEngine` over `CloverRunner` (the `Runner` contract: a step advances and
+commits). Sequences are run one at a time (no cross-request batching yet): their caches have
+different lengths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from typing import Any
+
 import torch
 
+from engine.config import ModelConfig
 from engine.decoding.step import decide, token_stats
 from engine.errors import UsageError
+from engine.layers.linear import lm_head_shard
 from engine.params import GenerationParams
-from engine.runtime.engine import LLMEngine, LoadedModel
+from engine.runtime.engine import LLMEngine
 from engine.runtime.hybrid_cache import HybridCache
+from engine.runtime.interface import Runner
+from engine.runtime.request import RequestState, narrow
 from engine.runtime.sequence import Sequence
 
 
-class CloverEngine(LLMEngine):
-    def __init__(self, loaded: LoadedModel) -> None:
-        super().__init__(loaded)
-        self.model = loaded.model
-        self.block_size = self.config.block_length  # the registry: 32, or `block_size` in config.json
-        self.caches: dict[int, HybridCache] = {}
+class CloverRunner:
+    """The `Runner` of Clover: sequences run one at a time (their caches differ in length);
+    each one's `HybridCache` lives on the sequence (`kv_cache`), so it goes when the request ends."""
 
-    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
+        self.model: Any = model  # the hybrid: forward_tokens, new_cache, lm_head_weight
+        self.config, self.device = config, device
+        self.block_size = config.block_length  # the registry: 32, or `block_size` in config.json
+        self.vocab_shard = lm_head_shard(config.logits_size)
+
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """Clover's rules: its trained block size, no classifier-free guidance."""
         resolved = params.resolved()
         if resolved.block_length != self.block_size:
             raise UsageError(
@@ -48,21 +60,20 @@ class CloverEngine(LLMEngine):
             )
         if resolved.cfg_scale > 0:
             raise UsageError("classifier-free guidance is not available for clover")
-        return super().make_sequence(prompt_ids, params)  # type: ignore[return-value]
+        return params
 
-    def abort(self, seq: Sequence, reason: str = "abort") -> None:  # type: ignore[override]
-        super().abort(seq, reason)
-        self.caches.pop(seq.seq_id, None)  # a cancelled request's cache goes with it
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> Sequence:
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)
 
-    def cache_bytes(self) -> int:
-        # A snapshot: a metrics scrape reads this while the step thread adds and drops caches.
-        return sum(cache.nbytes for cache in list(self.caches.values()))
+    def step(self, seqs: Seq[RequestState]) -> None:
+        """One preview pass per sequence (and the passes it entails, see the module docstring)."""
+        for seq in seqs:
+            self._advance(narrow(seq, Sequence))
 
     def _causal(self, seq: Sequence, cache: HybridCache, start: int, end: int) -> None:
         """Run tokens [start, end) causally and commit their states to the cache."""
-        device = self.loaded.device
-        ids = seq.canvas[start:end].to(device)[None]
-        _, states = self.model.forward_tokens(ids, torch.arange(start, end, device=device)[None], cache)
+        ids = seq.canvas[start:end].to(self.device)[None]
+        _, states = self.model.forward_tokens(ids, torch.arange(start, end, device=self.device)[None], cache)
         cache.commit(states, end - start)
         seq.nfe += 1
         seq.query_lengths.append(end - start)
@@ -70,10 +81,10 @@ class CloverEngine(LLMEngine):
     @torch.inference_mode()
     def _advance(self, seq: Sequence) -> None:
         """One preview (and, when it completes the block, the commit pass) for `seq`."""
-        device = self.loaded.device
-        cache = self.caches.get(seq.seq_id)
+        device = self.device
+        cache: HybridCache | None = seq.kv_cache
         if cache is None:
-            cache = self.caches[seq.seq_id] = self.model.new_cache()
+            cache = seq.kv_cache = self.model.new_cache()
             self._causal(seq, cache, 0, seq.prompt_length)
         start, end = seq.block_bounds()
         block = seq.block
@@ -84,27 +95,22 @@ class CloverEngine(LLMEngine):
         positions = seq.masked_positions()
         # The family's statistics (MASK never proposed): a preview that kept predicting MASK
         # would commit nothing and never fill the block.
-        stats = token_stats(
-            seq, hidden[0, (positions - start).to(device)], self.model.lm_head_weight, self.runner.vocab_shard
-        )
+        stats = token_stats(seq, hidden[0, (positions - start).to(device)], self.model.lm_head_weight, self.vocab_shard)
         seq.nfe += 1
         seq.query_lengths.append(end - start)
         seq.commit(*decide(seq, positions, stats))
         if seq.block == block and not seq.finished:
             return
-        eos = self.config.eos_token_id
+        eos = seq.eos_id
         if not seq.finished and eos is not None and eos in seq.canvas[start:end].tolist():
             seq.canvas = seq.canvas[:end]  # the answer ended in this block: no further blocks
-            seq.finish_reason = "stop"
+            seq.finish("stop")
         if not seq.finished:
             self._causal(seq, cache, start, end)
 
-    def step(self) -> list[Sequence]:
-        """Advance every running sequence by one preview pass; return those that finished."""
-        for seq in [s for s in self.running if not s.finished]:
-            self._advance(seq)
-        done = [s for s in self.running if s.finished]
-        for seq in done:
-            self.caches.pop(seq.seq_id, None)
-        self.running = [s for s in self.running if not s.finished]
-        return done
+
+class CloverEngine(LLMEngine):
+    """LLMEngine over Clover's runner."""
+
+    def make_runner(self) -> Runner:
+        return CloverRunner(self.loaded.model, self.config, self.loaded.device)

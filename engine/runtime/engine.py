@@ -14,16 +14,15 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, load_config
-from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
-from engine.runtime.block_sequence import BlockSequence
+from engine.runtime.interface import Engine, Runner
+from engine.runtime.request import RequestState
 from engine.runtime.runner import ModelRunner
-from engine.runtime.sequence import Sequence
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -91,54 +90,56 @@ def load_engine(
     return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
 
 
-class LLMEngine:
+class LLMEngine(Engine):
+    """The native engine: the family's runner over one running set (satisfies `Engine`)."""
+
     # The serving warm-up request (engine/runtime/async_engine.py): the family picks the block
     # length; a tiny threshold commits each block in one forward.
     warmup_params = GenerationParams(gen_length=32, threshold=1e-6)
+    path: str | None = None  # native: not the transformers backend
+    max_num_seqs: int | None = None  # batches as many sequences as the caller admits
+    tensor_parallel_size = 1
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.config = loaded.config
         self.family = family_named(loaded.config.family)
-        self.runner = ModelRunner(
-            loaded.model, loaded.device, lm_head_shard(loaded.config.logits_size), loaded.config.logits_shift
-        )
-        # Block-causal families (exact KV cache, AR mode) run through their own runner.
-        self.block_runner = (
-            BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device) if self.family.block_causal else None
-        )
-        self.running: list[Sequence | BlockSequence] = []
+        self.runner = self.make_runner()
+        self._running: list[RequestState] = []
+
+    def make_runner(self) -> Runner:
+        """Block-causal families (exact KV cache, AR mode) have their own runner."""
+        loaded = self.loaded
+        if self.family.block_causal:
+            return BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
+        shard = lm_head_shard(loaded.config.logits_size)
+        return ModelRunner(loaded.model, loaded.config, loaded.device, self.family.sampler, shard)
+
+    @property
+    def running(self) -> list[RequestState]:
+        return self._running
 
     def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
         """Resolve the family's defaults and validate: what every entry point should call."""
-        if self.block_runner is not None:
-            params = self.block_runner.resolve(params)
+        return self._resolve(params, prompt_length)
+
+    def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """The parameters a sequence decodes with (`validate` may show a caller fewer)."""
+        params = self.runner.resolve(params)
         return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
-        seq = self.make_sequence(prompt_ids, params)
-        self.running.append(seq)
-        return seq
-
-    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         """Validate a request and build its sequence without running it: the serving
         scheduler (engine/runtime/scheduler.py) decides when it joins `running`."""
-        resolved = self.validate(params, len(prompt_ids))
+        resolved = self._resolve(params, len(prompt_ids))
         self.check_prompt(prompt_ids)
-        seq: Sequence | BlockSequence
-        if self.block_runner is not None:
-            seq = self.block_runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
-        else:
-            seq = Sequence(
-                list(prompt_ids),
-                resolved,
-                self.config.mask_token_id,
-                self.config.eos_token_id,
-                sampler=self.family.sampler,
-            )
+        seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
+
+    def add(self, seq: RequestState) -> None:
+        self._running.append(seq)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
@@ -148,35 +149,17 @@ class LLMEngine:
     def cache_bytes(self) -> int:
         """Bytes of K/V cache (and recurrent state) the running requests hold on this
         process: what grows with concurrency and context besides the weights."""
-        return sum(seq.cache_bytes for seq in list(self.running))  # a snapshot: scrapes run beside steps
+        return sum(seq.cache_bytes for seq in list(self._running))  # a snapshot: scrapes run beside steps
 
-    def abort(self, seq: Sequence | BlockSequence, reason: str = "abort") -> None:
-        """Finish `seq` now (timeout, cancel, early stop): it is not part of the next forward."""
-        if seq.finish_reason is None:
-            seq.finish_reason = reason
-        self.running = [s for s in self.running if s is not seq]
+    def abort(self, seq: RequestState, reason: str = "abort") -> None:
+        seq.finish(reason)
+        self._running = [s for s in self._running if s is not seq]
 
-    def step(self) -> list[Sequence | BlockSequence]:
+    def step(self) -> list[RequestState]:
         """Advance every running sequence by one denoising step; return those that finished."""
-        active = [s for s in self.running if not s.finished]
-        if active and self.block_runner is not None:
-            self.block_runner.step(active)  # type: ignore[arg-type]
-        elif active:
-            for seq, (positions, stats) in zip(active, self.runner.step(active)):
-                seq.commit(*decide(seq, positions, stats))
-        done = [s for s in self.running if s.finished]
-        self.running = [s for s in self.running if not s.finished]
+        active = [s for s in self._running if not s.finished]
+        if active:
+            self.runner.step(active)
+        done = [s for s in self._running if s.finished]
+        self._running = [s for s in self._running if not s.finished]
         return done
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: GenerationParams,
-        on_step: Callable[[list[Sequence | BlockSequence]], None] | None = None,
-    ) -> list[Sequence | BlockSequence]:
-        seqs = [self.add_request(p, params) for p in prompts]
-        while any(not s.finished for s in seqs):
-            self.step()
-            if on_step is not None:
-                on_step(seqs)
-        return seqs

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a set of sequences into one batched forward and per-sequence stats.
+"""ModelRunner: the runner of bidirectional families: one batched forward, then each
+sequence's commit (the `Runner` contract, engine/runtime/interface.py).
 
 Each sequence contributes one row: its whole canvas, or with an approximate cache only the
 block / suffix being denoised (engine/runtime/cache.py), with its own absolute positions; rows are
@@ -15,13 +16,18 @@ selected rows are padded up to it. The cost is nil next to a forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from engine.decoding.step import token_stats
+from engine.config import ModelConfig
+from engine.decoding.step import decide, token_stats
+from engine.params import GenerationParams
 from engine.runtime import cache
 from engine.runtime.batch import ForwardBatch
+from engine.runtime.request import RequestState, narrow
 from engine.runtime.sequence import Sequence
 from kernels.token_stats import TokenStats, VocabShard
 
@@ -38,12 +44,30 @@ class _Row:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, vocab_shard: VocabShard | None = None, shift: int = 0
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        device: torch.device,
+        sampler: str,
+        vocab_shard: VocabShard | None = None,
     ) -> None:
-        self.model = model
-        self.device = device
-        self.shift = shift  # the family's `logits_shift` (ModelConfig)
+        self.model: Any = model  # a family's model (or the transformers adapter): forward(ForwardBatch)
+        self.config, self.device, self.sampler = config, device, sampler
+        self.shift = config.logits_shift  # the family record's (0 for the transformers adapter)
         self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
+
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """No family default to add: GenerationParams resolves its own."""
+        return params
+
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> Sequence:
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id, sampler=self.sampler)
+
+    def step(self, seqs: Seq[RequestState]) -> None:
+        """One forward for all `seqs`, then each one's commit."""
+        mine = [narrow(s, Sequence) for s in seqs]
+        for seq, (positions, stats) in zip(mine, self.forward(mine)):
+            seq.commit(*decide(seq, positions, stats))
 
     def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
         lengths = [len(r.ids) for r in rows]
@@ -60,8 +84,8 @@ class ModelRunner:
         return ForwardBatch(input_ids.to(self.device), positions.to(self.device), None, select.to(self.device), kv)
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TokenStats]]:
-        """One forward for all `seqs`; returns (decided positions, stats) per sequence."""
+    def forward(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TokenStats]]:
+        """One forward for all `seqs`; returns (decided positions, stats) per sequence, committing nothing."""
         rows: list[_Row] = []
         decided = []
         for seq in seqs:

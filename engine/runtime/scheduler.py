@@ -1,6 +1,7 @@
 """Scheduler: continuous batching whose unit is one denoising step.
 
-Every `LLMEngine.step()` is one forward over the running set. Between two steps the
+Every `Engine.step()` is one forward over the engine's running set, the one list of running
+sequences: the scheduler adds to it (`Engine.add`) and reads it, never keeps its own. Between two steps the
 scheduler removes what must leave (timed out, cancelled) and admits waiting requests while
 the running set stays within its bounds (sequences, and tokens fed to one forward), so
 requests at different steps, blocks and lengths share each forward and a newcomer joins at
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import DlmError, UsageError
-from engine.runtime.engine import LLMEngine
-from engine.runtime.sequence import Sequence
+from engine.runtime.interface import Engine
+from engine.runtime.request import RequestState
 
 
 class QueueFull(DlmError):
@@ -40,7 +41,7 @@ class SchedulerLimits:
         return self
 
 
-def forward_tokens(seq: Sequence) -> int:
+def forward_tokens(seq: RequestState) -> int:
     """Tokens this sequence feeds to each forward (the whole canvas; twice with CFG)."""
     return len(seq.canvas) * (2 if seq.params.cfg_scale > 0 else 1)
 
@@ -48,7 +49,7 @@ def forward_tokens(seq: Sequence) -> int:
 @dataclass(eq=False)
 class ScheduledRequest:
     request_id: str
-    seq: Sequence
+    seq: RequestState
     arrival: float  # time.monotonic() at submission
     deadline: float | None  # monotonic time after which the request is timed out
     admitted: float | None = None  # when it joined the running set
@@ -56,18 +57,23 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, engine: LLMEngine, limits: SchedulerLimits) -> None:
+    def __init__(self, engine: Engine, limits: SchedulerLimits) -> None:
         self.engine = engine
         self.limits = limits.validate()
         self.waiting: deque[ScheduledRequest] = deque()
-        self.running: list[ScheduledRequest] = []
+        self._admitted: dict[int, ScheduledRequest] = {}  # seq_id -> request, until reaped or removed
+
+    @property
+    def running(self) -> list[ScheduledRequest]:
+        """The requests of the engine's running set, in its order."""
+        return [self._admitted[s.seq_id] for s in self.engine.running if s.seq_id in self._admitted]
 
     @property
     def batch_tokens(self) -> int:
         return sum(forward_tokens(r.seq) for r in self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self._admitted)
 
     def check_room(self) -> None:
         """Raise QueueFull when the waiting queue is at its bound."""
@@ -97,8 +103,8 @@ class Scheduler:
             request = self.waiting.popleft()
             request.admitted = now
             tokens += cost
-            self.running.append(request)
-            self.engine.running.append(request.seq)
+            self._admitted[request.seq.seq_id] = request
+            self.engine.add(request.seq)
             admitted.append(request)
         return admitted
 
@@ -110,10 +116,11 @@ class Scheduler:
         """Take a request out now (timeout, cancel, early stop): it is not in the next forward."""
         self.engine.abort(request.seq, reason)
         self.waiting = deque(r for r in self.waiting if r is not request)
-        self.running = [r for r in self.running if r is not request]
+        self._admitted.pop(request.seq.seq_id, None)
 
     def reap(self) -> list[ScheduledRequest]:
-        """Drop the requests whose sequences finished in the last step."""
-        done = [r for r in self.running if r.seq.finished]
-        self.running = [r for r in self.running if not r.seq.finished]
+        """Forget the admitted requests whose sequences finished (the engine dropped them)."""
+        done = [r for r in self._admitted.values() if r.seq.finished]
+        for request in done:
+            del self._admitted[request.seq.seq_id]
         return done

@@ -9,35 +9,23 @@ be forced to emit after it, and what dInfer writes) instead of being denoised fo
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.decoding.schedule import linear_schedule
-from engine.params import GenerationParams
-
-_ids = itertools.count()
+from engine.runtime.request import RequestState
 
 
-@dataclass
-class Sequence:
-    prompt_ids: list[int]
-    params: GenerationParams  # already validated and resolved
-    mask_id: int
-    eos_id: int | None
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    canvas: torch.Tensor = field(init=False)
+@dataclass(eq=False)
+class Sequence(RequestState):
     block: int = 0
     step_in_block: int = 0
     schedule: list[int] = field(init=False)
-    nfe: int = 0
-    query_lengths: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None  # set by the engine on its device when seeded
     sampler: str = "llada"  # decoding rules of the model family: "llada" or "dream"
-    kv_cache: Any = None  # engine.runtime.cache.KVCache while an approximate cache is in use
+    # engine.runtime.cache.KVCache while an approximate cache is in use (Clover: its HybridCache)
+    kv_cache: Any = None
 
     def __post_init__(self) -> None:
         gen = self.params.gen_length
@@ -45,17 +33,12 @@ class Sequence:
         self._start_block()
 
     @property
-    def prompt_length(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
     def cache_bytes(self) -> int:
         """Bytes of approximate K/V cache this request holds now."""
-        return 0 if self.kv_cache is None else self.kv_cache.nbytes
+        return 0 if self.kv_cache is None else int(self.kv_cache.nbytes)
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def release(self) -> None:
+        self.kv_cache = None
 
     def block_bounds(self) -> tuple[int, int]:
         b = self.params.block_length
@@ -101,7 +84,12 @@ class Sequence:
         self.step_in_block += 1
         while not self.finished and len(self.masked_positions()) == 0:
             start, end = self.block_bounds()
-            if self.params.early_stop and self._holds_eos(start, end) and end < len(self.canvas):
+            if (
+                self.params.early_stop
+                and self.eos_id is not None
+                and self._holds_eos(start, end)
+                and end < len(self.canvas)
+            ):
                 self.canvas[end:] = self.eos_id
                 self._finish()
             elif self.block + 1 < self.params.num_blocks:
@@ -114,9 +102,4 @@ class Sequence:
         return self.eos_id is not None and bool((self.canvas[start:end] == self.eos_id).any())
 
     def _finish(self) -> None:
-        self.finish_reason = "stop" if self._holds_eos(self.prompt_length, len(self.canvas)) else "length"
-        self.kv_cache = None  # free the cache as soon as the request is done
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.canvas[self.prompt_length :].tolist()
+        self.finish("stop" if self._holds_eos(self.prompt_length, len(self.canvas)) else "length")

@@ -1,0 +1,124 @@
+"""The two seams of the runtime, declared: `Engine` (what every caller drives) and `Runner`
+(what an engine drives for one family).
+
+Every engine subclasses `Engine` (inheriting `add_request` and `generate`, written once over
+`make_sequence`, `add` and `step`): the native `LLMEngine` and its subclasses (`CloverEngine`,
+the transformers backend's `ForwardEngine` and `GenerateMethodEngine`) and the
+tensor-parallel driver (`DistributedEngine`). Callers (`engine.LLM`, `dlm generate`, the
+serving loop) use only these members, so no caller probes for an attribute.
+
+An engine keeps the one list of running sequences: `add` puts a sequence in it (the serving
+scheduler decides when), `abort` and `step` take sequences out; nothing else writes it.
+A sequence ends by its own rule (engine/runtime/request.py), so a request spends the same
+forwards whichever entry point runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Protocol
+
+from engine.config import ModelConfig
+from engine.params import GenerationParams
+from engine.runtime.request import RequestState
+
+if TYPE_CHECKING:
+    from engine.runtime.engine import LoadedModel
+
+
+class Runner(Protocol):
+    """Runs one family's forwards. `step` advances each sequence by one forward and commits
+    its decisions (so the engine never knows how a family decides)."""
+
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """The family's defaults and rules applied (before `GenerationParams.validate`)."""
+        ...
+
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> RequestState:
+        """A sequence for resolved, validated `params`, ending by its rule on the engine's `eos_id`."""
+        ...
+
+    def step(self, seqs: Seq[RequestState]) -> None:
+        """One forward for the unfinished `seqs` (sequences this runner built), then their commits."""
+        ...
+
+
+class Engine(Protocol):
+    """What `engine.LLM`, `dlm generate` and the serving loop drive."""
+
+    config: ModelConfig
+    loaded: LoadedModel
+    warmup_params: GenerationParams  # the cheap request a server runs before serving
+
+    @property
+    def running(self) -> list[RequestState]:
+        """The sequences the next `step` advances, in batch order (read-only: see `add`)."""
+        ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
+    def path(self) -> str | None:
+        """The transformers backend's path ("forward" or "generate"); None for native engines."""
+        ...
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        """A bound of the engine's own on the sequences decoded together (None: the caller's)."""
+        ...
+
+    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+        """The family's defaults resolved and every rule checked (`UsageError`, `Unsupported`)."""
+        ...
+
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
+        """Validate a request and build its sequence without running it."""
+        ...
+
+    def add(self, seq: RequestState) -> None:
+        """`seq` (from `make_sequence`) joins the running set: it is in the next `step`."""
+        ...
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
+        """`make_sequence`, then `add`."""
+        seq = self.make_sequence(prompt_ids, params)
+        self.add(seq)
+        return seq
+
+    def abort(self, seq: RequestState, reason: str = "abort") -> None:
+        """Finish `seq` now (timeout, cancel, stop string): it is not in the next forward."""
+        ...
+
+    def step(self) -> list[RequestState]:
+        """Advance every running sequence by one step; return those that finished."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: GenerationParams,
+        on_step: Callable[[list[RequestState]], None] | None = None,
+    ) -> list[RequestState]:
+        """Add `prompts` and step until each has ended (others in the running set take part
+        in the same steps)."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while any(not s.finished for s in seqs):
+            self.step()
+            if on_step is not None:
+                on_step(seqs)
+        return seqs
+
+    def cache_bytes(self) -> int:
+        """Bytes of cache the running requests hold on this process."""
+        ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` as soon as the engine can run nothing more (a rank died).
+        A single process fails by raising from `step`: nothing to watch."""
+        return None
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process (worker ranks); idempotent."""
+        return None

@@ -1,0 +1,102 @@
+"""RequestState: what every kind of sequence shares, whatever family decodes it.
+
+A request's canvas holds the prompt, then the answer's `gen_length` positions (MASK until
+committed), possibly followed by grid padding a block-causal family decodes past the answer.
+The progress notions every caller needs are read here, once: the committed prefix (what can
+be streamed: a dLLM commits anywhere in its block, but nothing before the first MASK can
+change), the MASK positions left, the completion (the committed prefix up to its first
+EOS), the forwards spent and the finish reason. The end of a request is decided by the
+sequence's own rule, never by a caller: so the same request spends the same forwards through
+`dlm generate`, `engine.LLM` and the HTTP server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from engine.params import GenerationParams
+
+_ids = itertools.count()
+S = TypeVar("S", bound="RequestState")
+
+
+@dataclass(eq=False)
+class RequestState:
+    prompt_ids: list[int]
+    params: GenerationParams  # already validated and resolved
+    mask_id: int
+    eos_id: int | None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    nfe: int = 0  # model forwards spent on this request
+    query_lengths: list[int] = field(default_factory=list)  # tokens fed to each forward
+    finish_reason: str | None = None  # stop, length, or the caller's reason (abort, timeout, ...)
+    generator: torch.Generator | None = None  # set by the engine on its device when seeded
+    canvas: torch.Tensor = field(init=False, repr=False)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of cache (K/V, recurrent state) this request holds now."""
+        return 0
+
+    def release(self) -> None:
+        """Drop what the request holds beyond its canvas (caches): it will run no more."""
+
+    def finish(self, reason: str) -> None:
+        """End the request now with `reason` (kept if it already ended) and free its caches."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.release()
+
+    def answer(self) -> torch.Tensor:
+        """The canvas positions of the answer (a block-causal grid may extend past them)."""
+        return self.canvas[self.prompt_length : self.prompt_length + self.params.gen_length]
+
+    @property
+    def masks_left(self) -> int:
+        """Answer positions still MASK."""
+        return int((self.answer() == self.mask_id).sum())
+
+    @property
+    def committed_prefix(self) -> list[int]:
+        """Generated ids up to the first MASK: the part of the answer that can no longer change."""
+        answer = self.answer()
+        masked = (answer == self.mask_id).nonzero()
+        end = int(masked[0, 0]) if len(masked) else len(answer)
+        return answer[:end].tolist()
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The committed prefix up to and including its first EOS: the answer as a client
+        receives it (what follows an EOS is filler)."""
+        return completion(self.committed_prefix, self.eos_id)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Every answer position (generated ids only; MASK where nothing was committed)."""
+        return self.answer().tolist()
+
+
+def completion(prefix: list[int], eos_id: int | None) -> list[int]:
+    """`prefix` up to and including its first `eos_id`."""
+    if eos_id is not None and eos_id in prefix:
+        return prefix[: prefix.index(eos_id) + 1]
+    return prefix
+
+
+def narrow(seq: RequestState, kind: type[S]) -> S:
+    """`seq` as the kind a runner builds: an engine only hands a runner back its own sequences."""
+    if not isinstance(seq, kind):
+        raise TypeError(f"a {kind.__name__} was expected, got a {type(seq).__name__}")
+    return seq
