@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from dlm_cli.commands import estimate, fetch, generate, loadtest, models, release, serve, validate, verify
+from dlm_cli.commands import deploy, estimate, fetch, generate, loadtest, models, release, serve, validate, verify
 
 app = typer.Typer(
     name="dlm",
@@ -31,6 +31,7 @@ app.command("estimate")(estimate.estimate)
 app.command("serve")(serve.serve)
 app.command("validate")(validate.validate)
 app.command("loadtest")(loadtest.loadtest)
+app.add_typer(deploy.app, name="deploy")
 
 
 if __name__ == "__main__":
