@@ -11,8 +11,9 @@ leaves the rotation by itself, as a Kubernetes readiness probe would take it out
   (`not_ready`, `draining`, `engine_failed`) or for a non-streamed one cut at the end of the
   shutdown grace (`shutdown`), which sent nothing to the client. Nothing else is replayed: no
   retry on timeouts, on a connection closed mid-request, or once the answer has begun.
-- **SSE without buffering:** HAProxy forwards response data as it arrives; no compression,
-  no response buffering is configured.
+- **SSE without buffering:** HAProxy forwards response data as it arrives (no compression,
+  no response buffering), and `option http-no-delay` sends each event at once instead of
+  waiting to fill a packet, which otherwise held the first chunk back by ~150 ms here.
 - **Weighted split between groups** (A/B: dLLM vs AR, version A vs B): the front end sends
   each request to a split backend that round-robins by weight over one internal front end
   per group, so the shares are exact over any window of `sum(weights)` requests (no random
@@ -116,6 +117,7 @@ def render(settings: ProxySettings) -> str:
         "    mode http",
         "    log global",
         "    option httplog",
+        "    option http-no-delay",
         f"    timeout connect {settings.connect_timeout_ms}ms",
         f"    timeout client {timeout_s}s",
         f"    timeout server {timeout_s}s",
