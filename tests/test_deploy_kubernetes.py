@@ -199,6 +199,7 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", COMMIT_A, "-tp", "8", "--nnodes", "3"], "must be a multiple of nnodes"),
         (["org/m", "--revision", COMMIT_A, "--name", "Bad_Name"], "invalid setting name"),
         (["org/m", "--revision", COMMIT_A, "--store-access-mode", "ReadWriteOnce"], "must be ReadWriteMany"),
+        (["org/m", "--revision", COMMIT_A, "--store-size", "lots"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--gpu", "A100-40GB", "--config", "TP1"], "more than A100-40GB has"),
         (["org/m", "--revision", COMMIT_A, "--config", "KEYS"], "API keys go in the Secret"),
     ],
@@ -213,6 +214,20 @@ def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_pat
     assert result.exit_code in (1, 2), result.output
     assert "Traceback" not in result.output
     assert message in result.output
+
+
+def test_api_keys_come_from_a_secret(big_config: Path) -> None:
+    def server_env(*args: str) -> list[dict[str, Any]]:
+        objects = by_kind(render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), *args))
+        return objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+
+    keys = [e for e in server_env() if e["name"] == "DLM_API_KEYS"]
+    assert keys == [
+        {"name": "DLM_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "dlm-api-keys", "key": "api-keys"}}}
+    ]
+    keys = [e for e in server_env("--api-key-secret", "prod-keys") if e["name"] == "DLM_API_KEYS"]
+    assert keys[0]["valueFrom"]["secretKeyRef"]["name"] == "prod-keys"
+    assert not [e for e in server_env("--no-api-keys") if e["name"] == "DLM_API_KEYS"]
 
 
 def test_kustomize_base(tmp_path: Path, big_config: Path) -> None:

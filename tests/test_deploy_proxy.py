@@ -15,10 +15,12 @@ Without it these tests skip with the reason, except under CI=true, where they fa
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -29,7 +31,7 @@ import httpx
 import pytest
 
 from dlm_cli.deploy.haproxy import ProxySettings, parse_group, render
-from tests.serving import ServerProcess, wait_until
+from tests.serving import ROOT, ServerProcess, wait_until
 
 HAPROXY = shutil.which("haproxy")
 if HAPROXY is None:
@@ -206,6 +208,21 @@ def test_proxy_adds_under_50ms_to_the_first_chunk(tmp_path: Path) -> None:
         upstream.shutdown()
     assert min(p[0] for p in proxied) <= min(d[0] for d in direct) + 0.050
     assert all(end >= SlowStream.PAUSE for _, end, _ in proxied)  # the stream did take its time
+
+
+@pytest.mark.slow
+def test_dlm_loadtest_runs_through_the_proxy(cluster: tuple[list[ServerProcess], Proxy, Path]) -> None:
+    _, proxy, _ = cluster
+    done = subprocess.run(
+        [sys.executable, "-m", "dlm_cli", "loadtest", proxy.url, "-u", "2", "-t", "5s", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    totals = json.loads(done.stdout)["totals"]
+    assert totals["ok"] > 0 and totals["errors_by_status"] == {}
 
 
 @pytest.mark.slow

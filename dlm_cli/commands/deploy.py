@@ -84,7 +84,8 @@ def kubernetes(
             shm_size=shm_size,
             drain_delay=drain_delay,
             load_throughput_mb=load_throughput_mb,
-            api_key_secret=None if no_api_keys else api_key_secret or "",
+            api_keys=not no_api_keys,
+            api_key_secret=api_key_secret,
             hf_token_secret=hf_token_secret,
         )
         flags = {"tensor_parallel_size": tensor_parallel_size, "nnodes": nnodes}

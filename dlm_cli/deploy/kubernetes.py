@@ -43,6 +43,7 @@ LWS_API = "leaderworkerset.x-k8s.io/v1"
 # Set by the server itself; the init step supplies the model and the pod its address.
 NOT_IN_CONFIG = {"model", "deployment", "store", "host", "port", "nnodes", "node_rank", "master_addr", "master_port"}
 REVISION = re.compile(r"^[0-9a-f]{40}$")
+QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 FETCH_SCRIPT = f"""set -eu
@@ -77,8 +78,9 @@ class KubernetesSettings(BaseModel):
     shm_size: str = Field("16Gi", description="/dev/shm for NCCL (a memory-backed emptyDir)")
     drain_delay: int = Field(10, ge=0, description="preStop seconds for endpoints to stop routing to the pod")
     load_throughput_mb: float = Field(200.0, gt=0, description="MB/s a pod reads its weights at (startup probe)")
-    api_key_secret: str | None = Field("", description="Secret with key `api-keys` [NAME-api-keys]; None: no keys")
-    hf_token_secret: str = Field("", description="Secret with key `token` for gated repos [NAME-hf-token]")
+    api_keys: bool = Field(True, description="require API keys (DLM_API_KEYS from a Secret)")
+    api_key_secret: str | None = Field(None, description="Secret with key `api-keys` [NAME-api-keys]")
+    hf_token_secret: str | None = Field(None, description="Secret with key `token` for gated repos [NAME-hf-token]")
 
     @field_validator("name")
     @classmethod
@@ -87,9 +89,16 @@ class KubernetesSettings(BaseModel):
             raise ValueError("must be lowercase letters, digits and '-', start with a letter, at most 42 characters")
         return value
 
-    def secret(self, which: Literal["api-keys", "hf-token"]) -> str | None:
+    @field_validator("store_size", "shm_size")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not QUANTITY.fullmatch(value):
+            raise ValueError("must be a Kubernetes quantity such as 500Gi or 16Gi")
+        return value
+
+    def secret(self, which: Literal["api-keys", "hf-token"]) -> str:
         given = self.api_key_secret if which == "api-keys" else self.hf_token_secret
-        return f"{self.name}-{which}" if given == "" else given
+        return given or f"{self.name}-{which}"
 
 
 def kubernetes_settings(**values: Any) -> KubernetesSettings:
@@ -277,9 +286,8 @@ def _server_container(
         ],
         "securityContext": _container_security(),
     }
-    api_keys = settings.secret("api-keys")
-    if api_keys is not None:
-        secret = {"secretKeyRef": {"name": api_keys, "key": "api-keys"}}
+    if settings.api_keys:
+        secret = {"secretKeyRef": {"name": settings.secret("api-keys"), "key": "api-keys"}}
         container["env"].append({"name": "DLM_API_KEYS", "valueFrom": secret})
     if config.nnodes > 1:
         container["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
