@@ -6,6 +6,7 @@ without losing capacity; resources come from `dlm estimate`'s plan."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -164,9 +165,28 @@ def test_resources_drain_and_probes_follow_the_plan(big_config: Path) -> None:
     # SIGTERM comes after the preStop delay; the grace period covers it and the server's drain
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
     assert leader["spec"]["terminationGracePeriodSeconds"] >= 10 + 30
+    # the store holds two versions during a release: the weights twice, plus a margin
+    store = objects["PersistentVolumeClaim"]["spec"]["resources"]["requests"]["storage"]
+    assert store == f"{math.ceil(2.2 * plan['parameters']['total'] * 2 / 1024**3)}Gi"
     volumes = {v["name"]: v for v in leader["spec"]["volumes"]}
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["store"]["persistentVolumeClaim"]["claimName"] == "dlm-store"
+
+
+def test_cpu_replicas_ask_for_memory_not_gpus(tmp_path: Path, big_config: Path) -> None:
+    from dlm_cli.estimate.plan import Serving, estimate
+
+    settings = tmp_path / "serve.toml"
+    settings.write_text('device = "cpu"\n')
+    objects = by_kind(
+        render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "--config", str(settings))
+    )
+    container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["requests"] and "limits" not in container["resources"]
+    assert container["image"].endswith("-cpu")
+    plan = estimate(str(big_config), Serving(batch=8, gen_length=1024))
+    memory = int(container["resources"]["requests"]["memory"].removesuffix("Gi")) * 1024**3
+    assert memory >= plan["memory_per_gpu"]["total_bytes"]  # the whole plan lives in host memory
 
 
 def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> None:

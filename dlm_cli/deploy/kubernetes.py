@@ -156,15 +156,15 @@ class Sizing(BaseModel):
     """What one pod needs, from the memory plan."""
 
     gpus_per_pod: int
-    gpu_memory_bytes: int  # the plan's peak per GPU
-    weight_bytes_per_pod: int
     host_memory_bytes: int
-    checkpoint_bytes: int
+    checkpoint_bytes: int  # the weights once, at the serving dtype (what the store holds per version)
     startup_seconds: int
 
 
 def sizing(config: ServeConfig, report: dict[str, Any], settings: KubernetesSettings) -> Sizing:
     """Pod resources from `dlm estimate`'s report for this server's shape."""
+    from dlm_cli.estimate.plan import WEIGHT_FORMATS
+
     ranks_per_pod = config.tensor_parallel_size // config.nnodes
     per_gpu = report["memory_per_gpu"]
     weights_per_rank = sum(r["bytes"] for r in per_gpu["rows"] if r["name"].startswith("weights: "))
@@ -176,15 +176,16 @@ def sizing(config: ServeConfig, report: dict[str, Any], settings: KubernetesSett
                 f"more than {verdict['gpu']} has; smallest TP that fits: {verdict['smallest_tp'] or 'none'}"
             )
     cpu = config.device == "cpu"
+    serving = report["serving"]
     weights_per_pod = weights_per_rank * ranks_per_pod
     read_seconds = weights_per_pod / (settings.load_throughput_mb * 1e6)
     return Sizing(
         gpus_per_pod=0 if cpu else ranks_per_pod,
-        gpu_memory_bytes=per_gpu["total_bytes"],
-        weight_bytes_per_pod=weights_per_pod,
         # on CPU every rank's whole plan lives in host memory; on GPU the host stages weights
         host_memory_bytes=(per_gpu["total_bytes"] * ranks_per_pod if cpu else weights_per_pod) + HOST_OVERHEAD_BYTES,
-        checkpoint_bytes=weights_per_rank * config.tensor_parallel_size,
+        checkpoint_bytes=round(
+            report["parameters"]["total"] * WEIGHT_FORMATS[serving["dtype"]].bytes_per_param(serving["group_size"])
+        ),
         startup_seconds=math.ceil(read_seconds) + WARMUP_SECONDS,
     )
 
