@@ -211,10 +211,23 @@ def test_proxy_adds_under_50ms_to_the_first_chunk(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dlm_loadtest_runs_through_the_proxy(cluster: tuple[list[ServerProcess], Proxy, Path]) -> None:
+def test_dlm_loadtest_runs_through_the_proxy(cluster: tuple[list[ServerProcess], Proxy, Path], tmp_path: Path) -> None:
     _, proxy, _ = cluster
     done = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "loadtest", proxy.url, "-u", "2", "-t", "5s", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "dlm_cli",
+            "loadtest",
+            proxy.url,
+            "-u",
+            "2",
+            "-t",
+            "5s",
+            "--out",
+            str(tmp_path / "loadtest"),
+            "--json",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
