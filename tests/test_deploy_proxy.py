@@ -29,8 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from dlm_cli.deploy.haproxy import ProxySettings, parse_group, render
+from dlm_cli.main import app
 from tests.serving import ROOT, ServerProcess, wait_until
 
 HAPROXY = shutil.which("haproxy")
@@ -61,7 +63,9 @@ class Proxy:
         )
         config = directory / f"haproxy-{self.port}.cfg"
         config.write_text(render(settings))
-        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stderr=subprocess.PIPE, text=True)
+        self.log = directory / f"haproxy-{self.port}.log"
+        with self.log.open("w") as log:  # a file: a pipe nobody reads could fill and stall haproxy
+            self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stderr=log, stdout=log)
         self.url = f"http://127.0.0.1:{self.port}"
 
         def listening() -> bool:
@@ -292,7 +296,7 @@ def test_rolling_restart_behind_the_proxy_fails_no_request(cluster: tuple[list[S
         stop.set()
         for t in clients:
             t.join(120)
-    assert failures == []
+    assert failures == [], proxy.log.read_text()
     assert served_by("dlm0") > 0 and served_by("dlm1") > 0
 
 
@@ -328,3 +332,30 @@ def test_weighted_split_between_two_groups(tmp_path: Path) -> None:
     assert sum(groups.values()) == 400
     assert abs(groups["group_blue"] / 400 - 0.70) <= 0.05
     assert abs(groups["group_green"] / 400 - 0.30) <= 0.05
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [["dlm=10.0.0.1:8000"], ["a:80=10.0.0.1:8000,10.0.0.2:8000", "b:20=[::1]:8000"]],
+)
+def test_rendered_configuration_is_valid_haproxy(groups: list[str], tmp_path: Path) -> None:
+    args = ["deploy", "haproxy", "--out", str(tmp_path / "haproxy.cfg")]
+    result = CliRunner().invoke(app, [*args, *(x for g in groups for x in ("--group", g))])
+    assert result.exit_code == 0, result.output
+    check = subprocess.run([HAPROXY, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        (["dlm"], "expected NAME[:WEIGHT]=HOST:PORT"),
+        (["dlm=10.0.0.1"], "is not HOST:PORT"),
+        (["dlm:0=10.0.0.1:8000"], "weight must be 1..256"),
+        (["a=10.0.0.1:8000", "a=10.0.0.2:8000"], "group names repeat"),
+    ],
+)
+def test_bad_groups_are_one_line_errors(groups: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["deploy", "haproxy", *(x for g in groups for x in ("--group", g))])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output

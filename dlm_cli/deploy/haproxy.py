@@ -11,9 +11,14 @@ leaves the rotation by itself, as a Kubernetes readiness probe would take it out
   (`not_ready`, `draining`, `engine_failed`) or for a non-streamed one cut at the end of the
   shutdown grace (`shutdown`), which sent nothing to the client. Nothing else is replayed: no
   retry on timeouts, on a connection closed mid-request, or once the answer has begun.
+  `option http-buffer-request` holds each request whole, so a retry can resend it.
 - **SSE without buffering:** HAProxy forwards response data as it arrives (no compression,
   no response buffering), and `option http-no-delay` sends each event at once instead of
   waiting to fill a packet, which otherwise held the first chunk back by ~150 ms here.
+- **One server connection per request** (`option http-server-close`; clients keep theirs):
+  a replica that stops closes its idle connections, and a request sent on one as it closes
+  would be lost mid-way, which no safe retry covers. A fresh connection on a local network
+  costs well under a millisecond against requests that take hundreds.
 - **Weighted split between groups** (A/B: dLLM vs AR, version A vs B): the front end sends
   each request to a split backend that round-robins by weight over one internal front end
   per group, so the shares are exact over any window of `sum(weights)` requests (no random
@@ -93,6 +98,7 @@ def _group_backend(group: Group, settings: ProxySettings) -> list[str]:
         "    balance leastconn",
         "    option httpchk GET /ready",
         "    http-check expect status 200",
+        "    option http-buffer-request",  # a retry resends the request: hold all of it first
         "    retry-on conn-failure 503",
         f"    retries {settings.retries}",
         "    option redispatch 1",
@@ -118,6 +124,7 @@ def render(settings: ProxySettings) -> str:
         "    log global",
         "    option httplog",
         "    option http-no-delay",
+        "    option http-server-close",
         f"    timeout connect {settings.connect_timeout_ms}ms",
         f"    timeout client {timeout_s}s",
         f"    timeout server {timeout_s}s",
