@@ -21,8 +21,10 @@ leaves the rotation by itself, as a Kubernetes readiness probe would take it out
   costs well under a millisecond against requests that take hundreds.
 - **Weighted split between groups** (A/B: dLLM vs AR, version A vs B): the front end sends
   each request to a split backend that round-robins by weight over one internal front end
-  per group, so the shares are exact over any window of `sum(weights)` requests (no random
-  draw); each group then balances its own replicas by least outstanding requests.
+  per group, so the shares are exact over each cycle of `sum(weights)` requests (no random
+  draw); each group then balances its own replicas by least outstanding requests. A group
+  with no ready replica answers 503 for its share rather than moving it to the other group:
+  an A/B comparison must not silently become A/A.
 """
 
 from __future__ import annotations
