@@ -7,7 +7,19 @@ from importlib.metadata import version as package_version
 
 import typer
 
-from dlm_cli.commands import doctor, estimate, fetch, generate, loadtest, models, release, serve, validate, verify
+from dlm_cli.commands import (
+    deploy,
+    doctor,
+    estimate,
+    fetch,
+    generate,
+    loadtest,
+    models,
+    release,
+    serve,
+    validate,
+    verify,
+)
 
 app = typer.Typer(
     name="dlm",
@@ -53,6 +65,7 @@ app.command("serve")(serve.serve)
 app.command("validate")(validate.validate)
 app.command("loadtest")(loadtest.loadtest)
 app.command("doctor")(doctor.doctor)
+app.add_typer(deploy.app, name="deploy")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None, tls: bool = False) -> None:
+    def __init__(
+        self, args: list[str], home: Path, env: dict[str, str] | None = None, tls: bool = False, port: int = 0
+    ) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlm_cli", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
+            [sys.executable, "-m", "dlm_cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
