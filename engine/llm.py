@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,9 @@ class LLM:
         """Decode one prompt or a list of prompts (text or token ids) together."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = GenerationParams(**{**(asdict(params) if params else {}), **overrides})
+        if params is None or overrides:  # resolved parameters pass through unchanged
+            given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
+            params = GenerationParams(**{**given, **overrides})
         ids = [self.encode(p, chat=chat) for p in prompts]  # type: ignore[arg-type]
         start = time.perf_counter()
         seqs = self.engine.generate(ids, params, on_step=on_step)

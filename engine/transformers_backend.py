@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import DlmError, Unsupported, UsageError
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.registry import UNREGISTERED
 from engine.runtime.batch import ForwardBatch, gather_rows
 from engine.runtime.engine import LLMEngine, LoadedModel
@@ -235,12 +235,14 @@ class GenerateMethodEngine(LLMEngine):
                 taken = ", ".join(sorted(self.takes)) or "none of steps, block_length, threshold"
                 raise Unsupported(
                     f"{name} does not apply here: this model decodes with its own {self.method_name} "
-                    f"(transformers backend, generate path), which takes {taken}"
+                    f"(transformers backend, generate path), which takes {taken}",
+                    field=name,
                 )
         if params.temperature > 0 and not self.samples:
             raise Unsupported(
                 f"temperature cannot be set here: this model's {self.method_name} samples "
-                "with its own generation config"
+                "with its own generation config",
+                field="temperature",
             )
 
     def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
@@ -255,7 +257,10 @@ class GenerateMethodEngine(LLMEngine):
         return replace(resolved, **{f: None for f in ("steps", "block_length") if f not in self.takes})
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = self._resolve(params, len(prompt_ids))
+        if isinstance(params, ResolvedParams):  # validate() refused what it must; lay out the holder
+            resolved = params.validate(len(prompt_ids), self.config.max_position_embeddings, UNREGISTERED)
+        else:
+            resolved = self._resolve(params, len(prompt_ids))
         self.check_prompt(prompt_ids)
         return Sequence(list(prompt_ids), resolved, self.config.mask_token_id, self.config.eos_token_id)
 

@@ -102,7 +102,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             service.check_model(body.model)
             max_tokens = encode(service, job, body)
             _options(job, body)
-            params = service.params(job, body, max_tokens, body.temperature, body.seed, body.top_p)
+            params = service.params(job, body, max_tokens)
             stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)

@@ -446,7 +446,7 @@ class DistributedEngine:
         with self._lock:
             rid = self._next_id = self._next_id + 1
             self._ids[id(seq)] = (rid, seq)
-            self._pending.append((rid, list(prompt_ids), params))
+            self._pending.append((rid, list(prompt_ids), seq.params))  # resolved: ranks do not re-validate
         return seq
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Any:

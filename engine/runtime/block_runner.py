@@ -94,7 +94,8 @@ class BlockRunner:
                 shard=self.vocab_shard,
             )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
-            chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id)
+            last = seq.step_in_unit >= len(seq.schedule) - 1  # the unit's share of `steps` is spent
+            chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id, last)
             if chosen.numel() == 0:
                 # Progress is counted in `pending` positions (a committed MASK argmax, as dInfer
                 # and SDAR commit it, still settles its position): a forward that settles none

@@ -22,11 +22,12 @@ run one at a time (no cross-request batching yet): their caches have different l
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.decoding.step import decide, token_stats
-from engine.errors import UsageError
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.runtime.engine import LLMEngine, LoadedModel
 from engine.runtime.hybrid_cache import HybridCache
 from engine.runtime.sequence import Sequence
@@ -41,16 +42,15 @@ class CloverEngine(LLMEngine):
         self.block_size = int(self.config.raw.get("block_size", DEFAULT_BLOCK))
         self.caches: dict[int, HybridCache] = {}
 
-    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> Sequence:
-        resolved = params.resolved()
-        if resolved.block_length != self.block_size:
-            raise UsageError(
-                f"clover decodes {self.block_size}-token blocks: use block_length {self.block_size} "
-                f"and a gen_length that is a multiple of it"
-            )
-        if resolved.cfg_scale > 0:
-            raise UsageError("classifier-free guidance is not available for clover")
-        return super().make_sequence(prompt_ids, params)  # type: ignore[return-value]
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
+        """Clover's rules are part of the one validation: its block size by default, and no
+        other block length (nor guidance)."""
+        if isinstance(params, ResolvedParams):
+            return params
+        params = replace(params, block_length=params.block_length or self.block_size)
+        return params.validate(
+            prompt_length, self.config.max_position_embeddings, self.family, fixed_block=self.block_size
+        )
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:  # type: ignore[override]
         super().abort(seq, reason)

@@ -18,7 +18,7 @@ from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
 from engine.runtime.block_sequence import BlockSequence
@@ -136,11 +136,19 @@ class LLMEngine:
         )
         self.running: list[Sequence | BlockSequence] = []
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """Resolve the family's defaults and validate: what every entry point should call."""
-        if self.block_runner is not None:
-            params = self.block_runner.resolve(params)
-        return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
+        """Resolve the family's defaults and validate: what every entry point should call.
+        Parameters already resolved (this call at the boundary) pass as they are."""
+        if isinstance(params, ResolvedParams):
+            return params
+        if self.block_runner is None:
+            return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
+        return self.block_runner.resolve(params).validate(
+            prompt_length,
+            self.config.max_position_embeddings,
+            self.family,
+            aligned_grid=self.block_runner.rules.aligned_grid,
+        )
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
         seq = self.make_sequence(prompt_ids, params)
