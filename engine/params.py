@@ -183,8 +183,8 @@ class GenerationParams:
         multiples of the block length (LLaDA2, SDAR), so a prompt that does not end on a
         boundary makes the model decode one block more, and the steps are split over it too."""
         family = family or FAMILIES[0]
-        for f in dataclasses.fields(self):
-            f.metadata["param"].check(f.name, getattr(self, f.name))
+        for name, spec in PARAMS.items():
+            spec.check(name, getattr(self, name))
         if self.steps is not None and self.refinement_steps is not None:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
@@ -259,7 +259,7 @@ class GenerationParams:
             alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
             if alg == "confidence_threshold" and threshold is None:
                 threshold = DEFAULT_THRESHOLD
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         return ResolvedParams(**values, decoded_blocks=decoded)
 

@@ -116,6 +116,7 @@ def test_clover_rules_are_part_of_validation() -> None:
 def test_step_budget_resolution() -> None:
     resolved = GenerationParams(gen_length=64, block_length=16, refinement_steps=3).validate(4, 512)
     assert isinstance(resolved, ResolvedParams) and (resolved.steps, resolved.refinement_steps) == (12, None)
+    assert resolved.validate(4, 512) == resolved  # resolving again changes nothing
     assert GenerationParams(gen_length=64, block_length=16, refinement_steps=99).validate(4, 512).steps == 64
     # A server's --max-steps lowers the default (one token per step, or refinement steps)...
     assert GenerationParams(gen_length=64, block_length=16, max_steps=10).validate(4, 512).steps == 8

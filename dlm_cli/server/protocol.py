@@ -29,8 +29,8 @@ IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 # Not honoured by dlm: accepted only with these values (asking for nothing), else `unsupported`.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
     "top_logprobs": (None, 0),
     "best_of": (None, 1),
