@@ -86,6 +86,23 @@ def _param(default: Any, help: str, **spec: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Forwards:
+    """How a model spends forwards on its blocks beyond one per denoising step: what turns
+    `steps` into a bound on the forwards a request spends. Declared by the engine that
+    decodes the family."""
+
+    aligned_grid: bool = False  # blocks at multiples of block_length (LLaDA2, SDAR): one more may straddle the prompt
+    sub_blocks: int = 1  # a block is denoised in this many sub-blocks, at least a forward each (openPangu)
+    per_block: int = 0  # forwards per block besides its steps (openPangu's commit forward, Clover's commit pass)
+
+    def blocks(self, prompt_length: int, gen_length: int, block: int) -> int:
+        """Blocks decoded for this prompt."""
+        if not self.aligned_grid:
+            return gen_length // block
+        return -(-(prompt_length + gen_length) // block) - prompt_length // block
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     gen_length: int = _param(128, "Tokens to generate.", low=1, http="max_tokens")
     steps: int | None = _param(
@@ -171,7 +188,7 @@ class GenerationParams:
         family: Family | None = None,
         *,
         fixed_block: int | None = None,
-        aligned_grid: bool = False,
+        forwards: Forwards | None = None,
     ) -> ResolvedParams:
         """Return the resolved parameters or raise UsageError naming the bad field.
 
@@ -179,9 +196,8 @@ class GenerationParams:
         and the defaults that depend on it. Block-causal families (LLaDA2, SDAR, openPangu)
         take the exact `block` cache and `ar` mode, and no classifier-free guidance or factor
         rule. `fixed_block`: the model decodes blocks of exactly this size and nothing else
-        (Clover), so no other block length and no guidance. `aligned_grid`: blocks sit at
-        multiples of the block length (LLaDA2, SDAR), so a prompt that does not end on a
-        boundary makes the model decode one block more, and the steps are split over it too."""
+        (Clover), so no other block length and no guidance. `forwards`: how the model spends
+        forwards on blocks (default: one per denoising step)."""
         family = family or FAMILIES[0]
         for name, spec in PARAMS.items():
             spec.check(name, getattr(self, name))
@@ -189,7 +205,7 @@ class GenerationParams:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
             raise UsageError("threshold and factor are alternative commit rules: give one", field="factor")
-        p = self._resolved(family, prompt_length if aligned_grid else None)
+        p = self._resolved(family, prompt_length, forwards or Forwards())
         if p.cache not in family.caches and p.cache != "none":
             choices = ", ".join(family.caches)
             raise UsageError(
@@ -226,10 +242,9 @@ class GenerationParams:
             )
         return p
 
-    def _resolved(self, family: Family, grid_prompt: int | None) -> ResolvedParams:
+    def _resolved(self, family: Family, prompt_length: int, forwards: Forwards) -> ResolvedParams:
         """Fill the defaults that depend on other fields and on the family; check the block
-        layout the steps are split over. `grid_prompt`: the prompt length, when blocks sit on
-        an absolute grid (the first and last blocks decoded may straddle the prompt's end)."""
+        layout the steps are split over."""
         gen = self.gen_length
         block = self.block_length
         if block is None:
@@ -237,15 +252,16 @@ class GenerationParams:
         if gen % block:
             raise UsageError(f"gen_length ({gen}) must be a multiple of block_length ({block})", field="gen_length")
         blocks = gen // block
-        decoded = blocks if grid_prompt is None else -(-(grid_prompt + gen) // block) - grid_prompt // block
+        decoded = forwards.blocks(prompt_length, gen, block)
         if self.refinement_steps is not None:
             steps = min(self.refinement_steps, block) * decoded  # a block takes at most one step per token
         else:
             steps = self.steps or block * decoded  # default: one token per step
         if self.steps is None and self.max_steps is not None and steps > self.max_steps:
             # The default would exceed the limit: the most steps within it, evenly over the
-            # blocks (at least one per block; more than the limit is the caller's to refuse).
-            steps = max(1, self.max_steps // decoded) * decoded
+            # blocks, besides the forwards a block costs anyway (at least one step per block;
+            # `max_forwards` above the limit is the caller's to refuse).
+            steps = max(1, self.max_steps // decoded - forwards.per_block) * decoded
         if self.steps is not None and steps % blocks:
             raise UsageError(
                 f"steps ({steps}) must be divisible by the number of blocks (gen_length/block_length = {blocks})",
@@ -261,7 +277,8 @@ class GenerationParams:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
-        return ResolvedParams(**values, decoded_blocks=decoded)
+        per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded)
 
 
 @dataclass(frozen=True)
@@ -273,6 +290,9 @@ class ResolvedParams(GenerationParams):
     # Blocks the model decodes: gen_length / block_length, or one more when an absolute block
     # grid straddles the prompt's end. `steps` is split evenly over them.
     decoded_blocks: int = 1
+    # The most forwards the request can spend (its `usage.denoising_steps`): `steps`, plus
+    # what the model's block layout costs beyond them (`Forwards`).
+    max_forwards: int = 0
 
     @property
     def num_blocks(self) -> int:

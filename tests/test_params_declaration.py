@@ -132,8 +132,9 @@ PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal 
 def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from engine.llm import LLM
     from tests.block_checkpoints import write_tiny
+    from tests.tp_checkpoints import write_family
 
-    paths = {"llada": tiny_llada, "dream": tiny_dream}
+    paths = {"llada": tiny_llada, "dream": tiny_dream, "clover": write_family(tmp_path_factory.mktemp("c"), "clover")}
     for family in ("llada2_moe", "sdar", "pangu"):
         paths[family] = write_tiny(tmp_path_factory.mktemp(family), family)
     return {name: LLM(path, dtype="float32", device="cpu") for name, path in paths.items()}
@@ -142,7 +143,7 @@ def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPat
 RULES = [{"threshold": 0.99}, {"factor": 0.01}, {}]
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "llada2_moe", "sdar", "pangu"])
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2_moe", "sdar", "pangu", "clover"])
 @pytest.mark.parametrize("rule", RULES, ids=["threshold", "factor", "schedule"])
 @pytest.mark.parametrize("budget", ["steps", "max_steps"])
 def test_steps_bound_the_forwards_whatever_the_rule(engines: dict, family: str, rule: dict, budget: str) -> None:
@@ -151,17 +152,15 @@ def test_steps_bound_the_forwards_whatever_the_rule(engines: dict, family: str, 
     fam = family_named(engines[family].config.family)
     if "factor" in rule and (fam.sampler == "dream" or fam.block_causal):
         pytest.skip("the factor rule is LLaDA's")
-    params = GenerationParams(gen_length=32, early_stop=False, **rule, **{budget: 8})
-    engine = engines[family].engine
-    seq = engine.generate([PROMPT], params)[0]
+    block = 32 if family == "pangu" else None  # 4 sub-blocks and a commit forward per block
+    params = GenerationParams(gen_length=32, block_length=block, early_stop=False, **rule, **{budget: 8})
+    seq = engines[family].engine.generate([PROMPT], params)[0]
     assert seq.finished and len(seq.output_ids) == 32
-    if family != "pangu":
-        assert seq.nfe <= 8, (seq.nfe, seq.params)
-        return
-    # openPangu decodes each block in sub-blocks, at least one forward each, and spends one
-    # more forward per block: the commit forward that predicts the block's first token.
-    per_block = max(seq.params.steps_per_block, engine.block_runner.rules.sub_blocks) + 1
-    assert seq.nfe <= seq.params.num_blocks * per_block, (seq.nfe, seq.params)
+    assert seq.nfe <= seq.params.max_forwards, (seq.nfe, seq.params)
+    # A server's limit bounds every forward; `steps` bounds the denoising steps, and openPangu
+    # and Clover spend one forward more per block (docs/serve.md).
+    extra = seq.params.decoded_blocks if family in ("pangu", "clover") and budget == "steps" else 0
+    assert seq.params.max_forwards <= 8 + extra, seq.params
 
 
 @pytest.mark.parametrize("family", ["llada2_moe", "sdar"])

@@ -290,9 +290,10 @@ class Service:
             resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
-        if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
+        if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             raise _steps_exceeded(
-                f"this request needs {resolved.steps} denoising steps, over this server's limit of {cfg.max_steps}"
+                f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
+                f"server's limit of {cfg.max_steps}"
             )
         return resolved
 

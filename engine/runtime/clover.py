@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from engine.decoding.step import decide, token_stats
-from engine.params import GenerationParams, ResolvedParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime.engine import LLMEngine, LoadedModel
 from engine.runtime.hybrid_cache import HybridCache
 from engine.runtime.sequence import Sequence
@@ -49,7 +49,11 @@ class CloverEngine(LLMEngine):
             return params
         params = replace(params, block_length=params.block_length or self.block_size)
         return params.validate(
-            prompt_length, self.config.max_position_embeddings, self.family, fixed_block=self.block_size
+            prompt_length,
+            self.config.max_position_embeddings,
+            self.family,
+            fixed_block=self.block_size,
+            forwards=Forwards(per_block=1),  # a block's commit pass (the prompt's prefill replaces the last one)
         )
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:  # type: ignore[override]

@@ -18,7 +18,7 @@ from engine.decoding.step import decide
 from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
-from engine.params import GenerationParams, ResolvedParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
 from engine.runtime.block_sequence import BlockSequence
@@ -143,11 +143,11 @@ class LLMEngine:
             return params
         if self.block_runner is None:
             return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
+        rules = self.block_runner.rules
+        # openPangu's commit forward of a block also decides the next block's first token.
+        forwards = Forwards(rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0)
         return self.block_runner.resolve(params).validate(
-            prompt_length,
-            self.config.max_position_embeddings,
-            self.family,
-            aligned_grid=self.block_runner.rules.aligned_grid,
+            prompt_length, self.config.max_position_embeddings, self.family, forwards=forwards
         )
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> Sequence | BlockSequence:
