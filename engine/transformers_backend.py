@@ -245,11 +245,11 @@ class GenerateMethodEngine(LLMEngine):
                 field="temperature",
             )
 
-    def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+    def _resolve(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         self._refuse_unsupported(params)
         return params.validate(prompt_length, self.config.max_position_embeddings, UNREGISTERED)
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
         Fields the method does not take come back as None: no dlm step count or block applies
         (the server's step limit, for one, has nothing to bound)."""

@@ -15,7 +15,7 @@ from engine.config import ModelConfig
 from engine.decoding.block_diffusion import choose, resolve_block_params
 from engine.decoding.step import confidence
 from engine.layers.linear import lm_head_shard, local_kv_heads
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.runtime.block_batch import PAD_GROUP, BlockBatch
 from engine.runtime.block_sequence import BlockSequence, Work
 from engine.runtime.kv_cache import SequenceKVCache
@@ -33,8 +33,8 @@ class BlockRunner:
     def resolve(self, params: GenerationParams) -> GenerationParams:
         return resolve_block_params(params, self.model.default_block_length)
 
-    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> BlockSequence:
-        """`params` already resolved and validated; decoding stops after a block holding `eos_id`."""
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> BlockSequence:
+        """Decoding stops after a block holding `eos_id`."""
         c = self.config
         cache = None
         if params.cache == "block":

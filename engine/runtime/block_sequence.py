@@ -24,7 +24,7 @@ import torch
 
 from engine.decoding.block_diffusion import BlockRules
 from engine.decoding.schedule import linear_schedule
-from engine.params import GenerationParams
+from engine.params import ResolvedParams
 from engine.runtime.kv_cache import SequenceKVCache
 
 PREFILL_CHUNK = 2048  # context tokens fed per forward: bounds attention memory on long prompts
@@ -48,7 +48,7 @@ class Work:
 @dataclass
 class BlockSequence:
     prompt_ids: list[int]
-    params: GenerationParams  # validated and resolved
+    params: ResolvedParams  # validated and resolved once, at the boundary
     mask_id: int
     eos_id: int | None
     rules: BlockRules

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.decoding.schedule import linear_schedule
-from engine.params import GenerationParams
+from engine.params import ResolvedParams
 
 _ids = itertools.count()
 
@@ -24,7 +24,7 @@ _ids = itertools.count()
 @dataclass
 class Sequence:
     prompt_ids: list[int]
-    params: GenerationParams  # already validated and resolved
+    params: ResolvedParams  # validated and resolved once, at the boundary
     mask_id: int
     eos_id: int | None
     seq_id: int = field(default_factory=lambda: next(_ids))
