@@ -94,12 +94,25 @@ class Forwards:
     aligned_grid: bool = False  # blocks at multiples of block_length (LLaDA2, SDAR): one more may straddle the prompt
     sub_blocks: int = 1  # a block is denoised in this many sub-blocks, at least a forward each (openPangu)
     per_block: int = 0  # forwards per block besides its steps (openPangu's commit forward, Clover's commit pass)
+    # With the exact block cache, context beyond this many tokens is first fed in chunks (0: never);
+    # chunks of `prefill_chunk` tokens when the context attends causally, else of whole blocks.
+    prefill_chunk: int = 0
+    causal_context: bool = False
 
     def blocks(self, prompt_length: int, gen_length: int, block: int) -> int:
         """Blocks decoded for this prompt."""
         if not self.aligned_grid:
             return gen_length // block
         return -(-(prompt_length + gen_length) // block) - prompt_length // block
+
+    def prefill(self, prompt_length: int, block: int) -> int:
+        """Forwards that only fill the block cache before the first block is decoded
+        (engine/runtime/block_sequence.py, `plan`)."""
+        start = prompt_length // block * block if self.aligned_grid else prompt_length
+        if not self.prefill_chunk or start <= self.prefill_chunk:
+            return 0
+        step = self.prefill_chunk if self.causal_context else max(block, self.prefill_chunk // block * block)
+        return -(-(start - self.prefill_chunk) // step)
 
 
 @dataclass(frozen=True)
@@ -253,6 +266,8 @@ class GenerationParams:
             raise UsageError(f"gen_length ({gen}) must be a multiple of block_length ({block})", field="gen_length")
         blocks = gen // block
         decoded = forwards.blocks(prompt_length, gen, block)
+        cache = family.default_cache if self.cache == "auto" else self.cache
+        prefill = forwards.prefill(prompt_length, block) if cache == "block" else 0
         if self.refinement_steps is not None:
             steps = min(self.refinement_steps, block) * decoded  # a block takes at most one step per token
         else:
@@ -261,7 +276,7 @@ class GenerationParams:
             # The default would exceed the limit: the most steps within it, evenly over the
             # blocks, besides the forwards a block costs anyway (at least one step per block;
             # `max_forwards` above the limit is the caller's to refuse).
-            steps = max(1, self.max_steps // decoded - forwards.per_block) * decoded
+            steps = max(1, (self.max_steps - prefill) // decoded - forwards.per_block) * decoded
         if self.steps is not None and steps % blocks:
             raise UsageError(
                 f"steps ({steps}) must be divisible by the number of blocks (gen_length/block_length = {blocks})",
@@ -269,7 +284,6 @@ class GenerationParams:
             )
         if steps < decoded:
             raise UsageError(f"steps ({steps}) must be at least one per block decoded ({decoded})", field="steps")
-        cache = family.default_cache if self.cache == "auto" else self.cache
         alg, threshold = self.alg, self.threshold
         if family.sampler == "dream":
             alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
@@ -278,7 +292,7 @@ class GenerationParams:
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
-        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded)
+        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,15 @@ def test_steps_bound_the_forwards_whatever_the_rule(engines: dict, family: str, 
     assert seq.params.max_forwards <= 8 + extra, seq.params
 
 
+@pytest.mark.parametrize("family", ["sdar", "pangu"])
+def test_the_prefill_of_a_long_prompt_counts_against_max_steps(engines: dict, family: str) -> None:
+    engine = engines[family].engine
+    prompt = [(7 * i) % 300 + 1 for i in range(3001)]
+    params = GenerationParams(gen_length=8, block_length=8, threshold=0.99, max_steps=6, early_stop=False)
+    seq = engine.generate([prompt], params)[0]
+    assert seq.query_lengths[0] == 2048 and seq.nfe <= seq.params.max_forwards <= 6, (seq.nfe, seq.params)
+
+
 @pytest.mark.parametrize("family", ["llada2_moe", "sdar"])
 def test_an_absolute_grid_splits_the_steps_over_every_block_it_decodes(engines: dict, family: str) -> None:
     """A 22-token prompt ends inside a block: the grid decodes one block more than

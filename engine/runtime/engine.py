@@ -21,7 +21,7 @@ from engine.loader import load_weights
 from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
-from engine.runtime.block_sequence import BlockSequence
+from engine.runtime.block_sequence import PREFILL_CHUNK, BlockSequence
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sequence import Sequence
 
@@ -145,7 +145,9 @@ class LLMEngine:
             return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
         rules = self.block_runner.rules
         # openPangu's commit forward of a block also decides the next block's first token.
-        forwards = Forwards(rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0)
+        forwards = Forwards(
+            rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
+        )
         return self.block_runner.resolve(params).validate(
             prompt_length, self.config.max_position_embeddings, self.family, forwards=forwards
         )
