@@ -14,7 +14,9 @@ Step semantics: `steps` is an upper bound on the denoising steps of every commit
 is split evenly over the blocks; the schedule rule spends exactly a block's share, while
 the threshold and factor rules (and Dream's `confidence_threshold`) may finish a block
 sooner, and the last step of a block's share commits whatever is left in it.
-`refinement_steps` gives the same budget per block instead of in all.
+`refinement_steps` gives the same budget per block instead of in all. Some families spend
+forwards besides the denoising steps (`Forwards`, declared by their engine);
+`ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
 """
 
 from __future__ import annotations
