@@ -14,9 +14,16 @@ class DlmError(Exception):
 
 
 class UsageError(DlmError):
-    """The user asked for something invalid: a bad path, flag value or model."""
+    """The user asked for something invalid: a bad path, flag value or model.
+
+    `field` names the request parameter at fault (a `GenerationParams` field, or `prompt`)
+    when there is one, so the server can answer `param` without reading the message."""
 
     exit_code = 2
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Unsupported(UsageError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +128,9 @@ class LLM:
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
         else:
             batch = prompts  # type: ignore[assignment]  # a list of prompts
-        params = GenerationParams(**{**(asdict(params) if params else {}), **overrides})
+        if params is None or overrides:  # resolved parameters pass through unchanged
+            given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
+            params = GenerationParams(**{**given, **overrides})
         ids = [self.encode(p, chat=chat) for p in batch]
         start = time.perf_counter()
         seqs = self.engine.generate(ids, params, on_step=on_step)

@@ -1,12 +1,29 @@
-"""GenerationParams: what a request asks of the denoiser, validated against the model.
+"""GenerationParams: what a request asks of the denoiser, declared and validated in one place.
 
-Validation lives here (not in the CLI or the server) so every entry point rejects the same
-inputs with the same one-line message.
+Every decoding parameter is one field below, with its default and a `Param` record: its
+help text, its range or choices, and its names on the command line (`dlm generate`) and in
+the HTTP body (`dlm serve`). The CLI options and the HTTP schema are built from these
+records (dlm_cli/params.py, dlm_cli/server/protocol.py), so a parameter is written once.
+
+`validate()` is the one check: it fills the defaults that depend on other fields and on the
+model family, applies the ranges and the family's rules, and returns a `ResolvedParams`,
+which the engine, its scheduler and the tensor-parallel ranks accept as it is. Every
+refusal is a `UsageError` naming its field (`error.field`).
+
+Step semantics: `steps` is an upper bound on the denoising steps of every commit rule. It
+is split evenly over the blocks; the schedule rule spends exactly a block's share, while
+the threshold and factor rules (and Dream's `confidence_threshold`) may finish a block
+sooner, and the last step of a block's share commits whatever is left in it.
+`refinement_steps` gives the same budget per block instead of in all. Some families spend
+forwards besides the denoising steps (`Forwards`, declared by their engine);
+`ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import UsageError
 from engine.registry import FAMILIES, Family
@@ -19,45 +36,279 @@ DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 RANKING_ALGS = ("maskgit_plus", "topk_margin", "entropy")  # commit the top-n by a confidence
 DREAM_DEFAULT_ALG = "entropy"  # deterministic at temperature 0; DiffuCoder's recommendation
 DEFAULT_THRESHOLD = 0.9  # Fast-dLLM's default for `confidence_threshold`
+SEED_LIMIT = 2**63  # torch.Generator's seeds are below this
+
+
+@dataclass(frozen=True)
+class Param:
+    """How one GenerationParams field is offered and checked.
+
+    `cli` and `http` are its names outside ("" = derived from the field name, None = not
+    offered there); the bounds are inclusive unless `*_open`; `choices` lists the accepted
+    strings."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    cli: str | None = ""
+    http: str | None = ""
+
+    def check(self, name: str, value: Any) -> None:
+        """Refuse a value outside the range or choices (None means "not given")."""
+        if value is None:
+            return
+        if self.choices is not None:
+            if value not in self.choices:
+                raise UsageError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}", field=name)
+            return
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if too_low or too_high:
+            raise UsageError(f"{name} must be {self.range()}, got {value}", field=name)
+
+    def range(self) -> str:
+        """The accepted range in words: `at least 1`, `positive`, `in (0, 1]`."""
+        low, high = _num(self.low), _num(self.high)
+        if self.high is None:
+            if self.low_open:
+                return "positive" if self.low == 0 else f"greater than {low}"
+            return f"at least {low}" if self.low != 0 else ">= 0"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _num(value: float | None) -> str:
+    return str(int(value)) if value is not None and float(value).is_integer() else str(value)
+
+
+def _param(default: Any, help: str, **spec: Any) -> Any:
+    return field(default=default, metadata={"param": Param(help, **spec)})
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """How a model spends forwards on its blocks beyond one per denoising step: what turns
+    `steps` into a bound on the forwards a request spends. Declared by the engine that
+    decodes the family."""
+
+    aligned_grid: bool = False  # blocks at multiples of block_length (LLaDA2, SDAR): one more may straddle the prompt
+    sub_blocks: int = 1  # a block is denoised in this many sub-blocks, at least a forward each (openPangu)
+    per_block: int = 0  # forwards per block besides its steps (openPangu's commit forward, Clover's commit pass)
+    # With the exact block cache, context beyond this many tokens is first fed in chunks (0: never);
+    # chunks of `prefill_chunk` tokens when the context attends causally, else of whole blocks.
+    prefill_chunk: int = 0
+    causal_context: bool = False
+
+    def blocks(self, prompt_length: int, gen_length: int, block: int) -> int:
+        """Blocks decoded for this prompt."""
+        if not self.aligned_grid:
+            return gen_length // block
+        return -(-(prompt_length + gen_length) // block) - prompt_length // block
+
+    def prefill(self, prompt_length: int, block: int) -> int:
+        """Forwards that only fill the block cache before the first block is decoded
+        (engine/runtime/block_sequence.py, `plan`)."""
+        start = prompt_length // block * block if self.aligned_grid else prompt_length
+        if not self.prefill_chunk or start <= self.prefill_chunk:
+            return 0
+        step = self.prefill_chunk if self.causal_context else max(block, self.prefill_chunk // block * block)
+        return -(-(start - self.prefill_chunk) // step)
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    gen_length: int = 128
-    steps: int | None = None  # default: gen_length (one token per step)
-    block_length: int | None = None  # default: 32 when it divides gen_length, else gen_length
-    remasking: str = "low_confidence"
-    temperature: float = 0.0
-    cfg_scale: float = 0.0
-    threshold: float | None = None  # Fast-dLLM parallel decoding: commit all conf >= threshold
-    factor: float | None = None  # Fast-dLLM factor rule: accept rank n while conf >= 1 - f/(n+1)
-    seed: int | None = None
-    cache: str = "auto"  # auto (the family's exact cache, if any) | none | prefix | dual | block
-    mode: str = "diffusion"
-    early_stop: bool = True  # once a finished block holds EOS, fill the rest with EOS and stop
+    gen_length: int = _param(128, "Tokens to generate.", low=1, http="max_tokens")
+    steps: int | None = _param(
+        None,
+        "Upper bound on denoising steps in all, split evenly over the blocks: every rule (schedule, threshold, "
+        "factor) finishes a block within its share, the share's last step committing what is left "
+        "(default: gen_length, one token per step).",
+        low=1,
+    )
+    refinement_steps: int | None = _param(
+        None,
+        "Denoising steps per block (at most the block length) instead of --steps in all.",
+        low=1,
+    )
+    block_length: int | None = _param(
+        None, "Semi-autoregressive block size (default: the family's, else 32 if it divides gen_length).", low=1
+    )
+    remasking: str = _param("low_confidence", "Which positions a step commits.", choices=REMASKING)
+    temperature: float = _param(0.0, "Sampling temperature (0: greedy).", low=0)
+    cfg_scale: float = _param(0.0, "Classifier-free guidance scale (0: off; LLaDA family, no cache).", low=0)
+    threshold: float | None = _param(
+        None,
+        "Fast-dLLM parallel decoding: commit every masked token with confidence >= T, at least one per step.",
+        low=0,
+        high=1,
+        low_open=True,
+    )
+    factor: float | None = _param(
+        None, "Fast-dLLM factor rule instead of a threshold (LLaDA family).", low=0, low_open=True
+    )
+    seed: int | None = _param(
+        None, "Random seed for sampling and random remasking.", low=0, high=SEED_LIMIT, high_open=True
+    )
+    cache: str = _param(
+        "auto",
+        "auto (the family's exact cache, if any)|none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed "
+        "per block; LLaDA, Dream)|block (exact KV cache of block-causal models).",
+        choices=CACHES,
+    )
+    mode: str = _param(
+        "diffusion", "diffusion|ar (ar: one token per forward, block-causal models).", choices=MODES, http="decode_mode"
+    )
+    early_stop: bool = _param(
+        True,
+        "Stop once a finished block holds EOS (the rest is filled with EOS).",
+        cli="--early-stop/--no-early-stop",
+        http=None,
+    )
     # Dream family (diffusion_generate):
-    alg: str | None = None  # default: confidence_threshold with a threshold, else entropy
-    alg_temp: float | None = None  # sample committed positions from softmax(confidence / alg_temp)
-    top_p: float | None = None
-    top_k: int | None = None
-    eps: float = 1e-3  # last timestep of linspace(1, eps, steps + 1)
+    alg: str | None = _param(
+        None,
+        "Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold "
+        "(default: confidence_threshold with a threshold, else entropy).",
+        choices=DREAM_ALGS,
+    )
+    alg_temp: float | None = _param(
+        None, "Dream family: sample committed positions from softmax(confidence/alg_temp).", low=0, low_open=True
+    )
+    top_p: float | None = _param(
+        None, "Dream family: nucleus filtering of the token distribution.", low=0, high=1, low_open=True
+    )
+    top_k: int | None = _param(None, "Dream family: keep the k most likely tokens.", low=1)
+    eps: float = _param(
+        1e-3,
+        "Dream family: last timestep of linspace(1, eps, steps + 1).",
+        low=0,
+        high=1,
+        low_open=True,
+        high_open=True,
+        cli=None,
+        http=None,
+    )
+    # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
+    # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.
+    max_steps: int | None = _param(
+        None, "Largest step count a default may take (a server's limit).", low=1, cli=None, http=None
+    )
 
-    def resolved(self, family: Family | None = None) -> GenerationParams:
-        """Fill the defaults that depend on other fields (and, for `alg`, on the family)."""
+    def validate(
+        self,
+        prompt_length: int,
+        max_length: int,
+        family: Family | None = None,
+        *,
+        fixed_block: int | None = None,
+        forwards: Forwards | None = None,
+    ) -> ResolvedParams:
+        """Return the resolved parameters or raise UsageError naming the bad field.
+
+        `family` (default: LLaDA) decides which decoding fields apply, which caches exist
+        and the defaults that depend on it. Block-causal families (LLaDA2, SDAR, openPangu)
+        take the exact `block` cache and `ar` mode, and no classifier-free guidance or factor
+        rule. `fixed_block`: the model decodes blocks of exactly this size and nothing else
+        (Clover), so no other block length and no guidance. `forwards`: how the model spends
+        forwards on blocks (default: one per denoising step)."""
+        family = family or FAMILIES[0]
+        for name, spec in PARAMS.items():
+            spec.check(name, getattr(self, name))
+        if self.steps is not None and self.refinement_steps is not None:
+            raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
+        if self.threshold is not None and self.factor is not None:
+            raise UsageError("threshold and factor are alternative commit rules: give one", field="factor")
+        p = self._resolved(family, prompt_length, forwards or Forwards())
+        if p.cache not in family.caches and p.cache != "none":
+            choices = ", ".join(family.caches)
+            raise UsageError(
+                f"cache {p.cache!r} is for bidirectional models; block-causal models take --cache block "
+                "(exact KV cache) or none (recompute the prefix every step)"
+                if family.block_causal
+                else f"cache {p.cache!r} is not available for {family.name} models; use one of {choices}",
+                field="cache",
+            )
+        if p.remasking == "random" and (p.threshold is not None or p.factor is not None):
+            raise UsageError(
+                "threshold and factor rank positions by model confidence; "
+                "they cannot be combined with random remasking",
+                field="remasking",
+            )
+        if family.block_causal:
+            _validate_block_causal(p)
+        if fixed_block is not None:
+            _validate_fixed_block(p, family, fixed_block)
+        if p.cfg_scale > 0 and p.cache != "none":
+            raise UsageError(
+                "classifier-free guidance is not available with a cache; use --cache none", field="cfg_scale"
+            )
+        _validate_sampler(p, family)
+        if p.mode != "diffusion" and not family.block_causal:
+            raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
+        if prompt_length < 1:
+            raise UsageError("the prompt is empty", field="prompt")
+        if prompt_length + p.gen_length > max_length:
+            raise UsageError(
+                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}) exceeds "
+                f"the model's maximum length of {max_length} tokens",
+                field="prompt",
+            )
+        return p
+
+    def _resolved(self, family: Family, prompt_length: int, forwards: Forwards) -> ResolvedParams:
+        """Fill the defaults that depend on other fields and on the family; check the block
+        layout the steps are split over."""
+        gen = self.gen_length
         block = self.block_length
         if block is None:
-            block = 32 if self.gen_length % 32 == 0 else self.gen_length
-        cache = self.cache
-        if cache == "auto":
-            cache = family.default_cache if family is not None else "none"
-        p = replace(self, block_length=block, steps=self.steps or self.gen_length, cache=cache)
-        if family is not None and family.sampler == "dream":
-            alg = p.alg or ("confidence_threshold" if p.threshold is not None else DREAM_DEFAULT_ALG)
-            threshold = p.threshold
+            block = 32 if gen % 32 == 0 else gen
+        if gen % block:
+            raise UsageError(f"gen_length ({gen}) must be a multiple of block_length ({block})", field="gen_length")
+        blocks = gen // block
+        decoded = forwards.blocks(prompt_length, gen, block)
+        cache = family.default_cache if self.cache == "auto" else self.cache
+        prefill = forwards.prefill(prompt_length, block) if cache == "block" else 0
+        if self.refinement_steps is not None:
+            steps = min(self.refinement_steps, block) * decoded  # a block takes at most one step per token
+        else:
+            steps = self.steps or block * decoded  # default: one token per step
+        if self.steps is None and self.max_steps is not None and steps > self.max_steps:
+            # The default would exceed the limit: the most steps within it, evenly over the
+            # blocks, besides the forwards a block costs anyway (at least one step per block;
+            # `max_forwards` above the limit is the caller's to refuse).
+            steps = max(1, (self.max_steps - prefill) // decoded - forwards.per_block) * decoded
+        if self.steps is not None and steps % blocks:
+            raise UsageError(
+                f"steps ({steps}) must be divisible by the number of blocks (gen_length/block_length = {blocks})",
+                field="steps",
+            )
+        if steps < decoded:
+            raise UsageError(f"steps ({steps}) must be at least one per block decoded ({decoded})", field="steps")
+        alg, threshold = self.alg, self.threshold
+        if family.sampler == "dream":
+            alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
             if alg == "confidence_threshold" and threshold is None:
                 threshold = DEFAULT_THRESHOLD
-            p = replace(p, alg=alg, threshold=threshold)
-        return p
+        values = {name: getattr(self, name) for name in PARAMS}
+        values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
+        per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
+
+
+@dataclass(frozen=True)
+class ResolvedParams(GenerationParams):
+    """Parameters `GenerationParams.validate()` accepted for one model and prompt length:
+    defaults filled (`steps` and `block_length` set, `cache` never `auto`), every rule
+    checked. Engines take them without checking again."""
+
+    # Blocks the model decodes: gen_length / block_length, or one more when an absolute block
+    # grid straddles the prompt's end. `steps` is split evenly over them.
+    decoded_blocks: int = 1
+    # The most forwards the request can spend (its `usage.denoising_steps`): `steps`, plus
+    # what the model's block layout costs beyond them (`Forwards`).
+    max_forwards: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -66,116 +317,70 @@ class GenerationParams:
 
     @property
     def steps_per_block(self) -> int:
+        """Each block's share of `steps`: no rule spends more forwards on a block."""
         assert self.steps is not None
-        return self.steps // self.num_blocks
-
-    def validate(self, prompt_length: int, max_length: int, family: Family | None = None) -> GenerationParams:
-        """Return the resolved parameters or raise UsageError naming the bad field.
-
-        `family` (default: LLaDA) decides which decoding fields apply and which caches exist.
-        Block-causal families (LLaDA2, SDAR, openPangu) take the exact `block` cache and `ar`
-        mode, and no classifier-free guidance or factor rule."""
-        family = family or FAMILIES[0]
-        block_causal = family.block_causal
-        p = self.resolved(family)
-        assert p.block_length is not None and p.steps is not None
-        if p.gen_length < 1:
-            raise UsageError(f"gen_length must be at least 1, got {p.gen_length}")
-        if p.block_length < 1:
-            raise UsageError(f"block_length must be at least 1, got {p.block_length}")
-        if p.gen_length % p.block_length:
-            raise UsageError(f"gen_length ({p.gen_length}) must be a multiple of block_length ({p.block_length})")
-        if p.steps < 1:
-            raise UsageError(f"steps must be at least 1, got {p.steps}")
-        if p.steps % p.num_blocks:
-            raise UsageError(
-                f"steps ({p.steps}) must be divisible by the number of blocks "
-                f"(gen_length/block_length = {p.num_blocks})"
-            )
-        if p.remasking not in REMASKING:
-            raise UsageError(f"remasking must be one of {', '.join(REMASKING)}, got {p.remasking!r}")
-        if p.threshold is not None and not 0.0 < p.threshold <= 1.0:
-            raise UsageError(f"threshold must be in (0, 1], got {p.threshold}")
-        if p.factor is not None and p.factor <= 0:
-            raise UsageError(f"factor must be positive, got {p.factor}")
-        if p.threshold is not None and p.factor is not None:
-            raise UsageError("threshold and factor are alternative commit rules: give one")
-        if p.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {p.temperature}")
-        if p.cfg_scale < 0:
-            raise UsageError(f"cfg_scale must be >= 0, got {p.cfg_scale}")
-        if p.cache not in CACHES:
-            raise UsageError(f"cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
-        if block_causal:
-            _validate_block_causal(p)
-        elif p.cache not in family.caches:
-            raise UsageError(
-                f"cache {p.cache!r} is not available for {family.name} models; use one of {', '.join(family.caches)}"
-            )
-        if p.remasking == "random" and (p.threshold is not None or p.factor is not None):
-            raise UsageError(
-                "threshold and factor rank positions by model confidence; they cannot be combined with random remasking"
-            )
-        if p.cfg_scale > 0 and p.cache != "none":
-            raise UsageError("classifier-free guidance is not available with a cache; use --cache none")
-        _validate_sampler(p, family)
-        if p.mode not in MODES:
-            raise UsageError(f"mode must be one of {', '.join(MODES)}, got {p.mode!r}")
-        if p.mode != "diffusion" and not block_causal:
-            raise UsageError(f"mode {p.mode!r} is not available for this model family")
-        if prompt_length < 1:
-            raise UsageError("the prompt is empty")
-        if prompt_length + p.gen_length > max_length:
-            raise UsageError(
-                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}) exceeds "
-                f"the model's maximum length of {max_length} tokens"
-            )
-        return p
+        return self.steps // self.decoded_blocks
 
 
-def _validate_sampler(p: GenerationParams, family: Family) -> None:
+PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(GenerationParams)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(GenerationParams)}
+
+
+def cli_flag(name: str) -> str | None:
+    """The `dlm generate` option of field `name` (None: not offered there)."""
+    cli = PARAMS[name].cli
+    return cli if cli != "" else "--" + name.replace("_", "-")
+
+
+def http_name(name: str) -> str | None:
+    """The HTTP body field of GenerationParams field `name` (None: not offered there)."""
+    http = PARAMS[name].http
+    return http if http != "" else name
+
+
+def _validate_sampler(p: ResolvedParams, family: Family) -> None:
     """Fields that belong to one decoding family only, and Dream's own constraints."""
     dream_only = {"alg": p.alg, "alg_temp": p.alg_temp, "top_p": p.top_p, "top_k": p.top_k}
     if family.sampler != "dream":
         given = [name for name, value in dream_only.items() if value is not None]
         if given:
-            raise UsageError(f"{given[0]} applies to Dream-family models, not {family.name}")
+            raise UsageError(f"{given[0]} applies to Dream-family models, not {family.name}", field=given[0])
         return
     if p.remasking != "low_confidence":
-        raise UsageError("remasking applies to LLaDA-family models; for Dream choose --alg (e.g. origin)")
+        raise UsageError(
+            "remasking applies to LLaDA-family models; for Dream choose --alg (e.g. origin)", field="remasking"
+        )
     if p.factor is not None:
-        raise UsageError("the factor rule applies to LLaDA-family models; for Dream use --threshold")
+        raise UsageError("the factor rule applies to LLaDA-family models; for Dream use --threshold", field="factor")
     if p.cfg_scale > 0:
-        raise UsageError("classifier-free guidance applies to LLaDA-family models, not Dream")
-    if p.alg not in DREAM_ALGS:
-        raise UsageError(f"alg must be one of {', '.join(DREAM_ALGS)}, got {p.alg!r}")
+        raise UsageError("classifier-free guidance applies to LLaDA-family models, not Dream", field="cfg_scale")
     if p.threshold is not None and p.alg != "confidence_threshold":
-        raise UsageError(f"threshold goes with alg confidence_threshold, not {p.alg!r}")
-    if p.alg_temp is not None:
-        if p.alg_temp <= 0:
-            raise UsageError(f"alg_temp must be positive, got {p.alg_temp}")
-        if p.alg not in RANKING_ALGS:
-            raise UsageError(f"alg_temp samples among ranked positions; it needs alg {', '.join(RANKING_ALGS)}")
-    if p.top_p is not None and not 0.0 < p.top_p <= 1.0:
-        raise UsageError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k is not None and p.top_k < 1:
-        raise UsageError(f"top_k must be at least 1, got {p.top_k}")
-    if not 0.0 < p.eps < 1.0:
-        raise UsageError(f"eps must be in (0, 1), got {p.eps}")
-    if p.cache != "none" and p.alg != "confidence_threshold" and p.steps_per_block < 2:
+        raise UsageError(f"threshold goes with alg confidence_threshold, not {p.alg!r}", field="threshold")
+    if p.alg_temp is not None and p.alg not in RANKING_ALGS:
+        raise UsageError(
+            f"alg_temp samples among ranked positions; it needs alg {', '.join(RANKING_ALGS)}", field="alg_temp"
+        )
+    if p.cache != "none" and p.steps_per_block < 2:
         raise UsageError(
             "with a cache, Dream's first step of each block only commits the block's first token: "
-            f"steps per block must be at least 2, got {p.steps_per_block}"
+            f"steps per block must be at least 2, got {p.steps_per_block}",
+            field="steps",
         )
 
 
-def _validate_block_causal(p: GenerationParams) -> None:
-    if p.cache not in ("none", "block"):
+def _validate_block_causal(p: ResolvedParams) -> None:
+    if p.cfg_scale > 0:
+        raise UsageError("classifier-free guidance is not available for block-causal models", field="cfg_scale")
+    if p.factor is not None:
+        raise UsageError("the factor rule is not available for block-causal models; use --threshold", field="factor")
+
+
+def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
+    if p.block_length != block:
         raise UsageError(
-            f"cache {p.cache!r} is for bidirectional models; block-causal models take "
-            "--cache block (exact KV cache) or none (recompute the prefix every step)"
+            f"{family.name} decodes {block}-token blocks: use block_length {block} "
+            "and a gen_length that is a multiple of it",
+            field="block_length",
         )
     if p.cfg_scale > 0:
-        raise UsageError("classifier-free guidance is not available for block-causal models")
-    if p.factor is not None:
-        raise UsageError("the factor rule is not available for block-causal models; use --threshold")
+        raise UsageError(f"classifier-free guidance is not available for {family.name}", field="cfg_scale")

@@ -32,7 +32,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import DlmError, Unsupported, UsageError
-from engine.params import GenerationParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.registry import UNREGISTERED
 from engine.runtime.batch import ForwardBatch, gather_rows
 from engine.runtime.engine import LLMEngine, LoadedModel
 from engine.runtime.request import RequestState, narrow
@@ -195,6 +196,9 @@ class GenerateMethodRunner:
     A field the method cannot honour is refused (`Unsupported`), never silently dropped:
     a client asking for `steps=2` must not believe it got them."""
 
+    fixed_block: int | None = None
+    forwards: Forwards | None = None  # the method spends what it spends (counted, not bounded)
+
     def __init__(self, hf_model: Any, config: ModelConfig, device: torch.device) -> None:
         self.hf, self.config, self.device = hf_model, config, device
         self.method_name = "diffusion_generate" if hasattr(hf_model, "diffusion_generate") else "generate"
@@ -230,16 +234,22 @@ class GenerateMethodRunner:
                 taken = ", ".join(sorted(self.takes)) or "none of steps, block_length, threshold"
                 raise Unsupported(
                     f"{name} does not apply here: this model decodes with its own {self.method_name} "
-                    f"(transformers backend, generate path), which takes {taken}"
+                    f"(transformers backend, generate path), which takes {taken}",
+                    field=name,
                 )
         if params.temperature > 0 and not self.samples:
             raise Unsupported(
                 f"temperature cannot be set here: this model's {self.method_name} samples "
-                "with its own generation config"
+                "with its own generation config",
+                field="temperature",
             )
         return params
 
-    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
+        """The holder of one request. `GenerateMethodEngine.validate` hides the dlm-only
+        fields the method ignores (steps, block length); the holder lays them out again."""
+        if params.steps is None or params.block_length is None:
+            params = params.validate(len(prompt_ids), self.config.max_position_embeddings, UNREGISTERED)
         return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)
 
     def _kwargs(self, params: GenerationParams) -> dict[str, Any]:
@@ -292,7 +302,7 @@ class GenerateMethodEngine(LLMEngine):
     def make_runner(self) -> GenerateMethodRunner:
         return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
         Fields the method does not take come back as None: no dlm step count or block applies
         (the server's step limit, for one, has nothing to bound)."""

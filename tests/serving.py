@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,17 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+
+
+@contextmanager
+def ready_server(args: list[str], home: Path) -> Iterator[ServerProcess]:
+    """A ready `dlm serve` for the block; it must exit cleanly (0) after SIGTERM."""
+    proc = ServerProcess(args, home)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -46,7 +46,7 @@ def test_factor_rule() -> None:
 
 
 def test_steps_that_cannot_finish_a_block_fail_loudly() -> None:
-    params = GenerationParams(gen_length=8, block_length=8, steps=4).resolved()
+    params = GenerationParams(gen_length=8, block_length=8, steps=4).validate(2, 512)
     seq = Sequence([1, 2], params, mask_id=99, eos_id=None)
     with pytest.raises(RuntimeError, match="MASK token 99 was committed at \\[3\\]"):
         seq.commit(torch.tensor([2, 3]), torch.tensor([5, 99]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from dlm_cli import parallel as tp
+from dlm_cli import params as dp
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -43,53 +44,30 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
 
 
 def generate(
+    ctx: typer.Context,
     model: str | None = typer.Argument(
         None, help="Checkpoint directory or store name[@version] (default: the embedded tiny random model)."
     ),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
-    gen_length: int = typer.Option(128, "--gen-length", help="Tokens to generate."),
-    steps: int | None = typer.Option(None, "--steps", help="Denoising steps in total (default: gen-length)."),
-    block_length: int | None = typer.Option(
-        None, "--block-length", help="Semi-autoregressive block size (default: 32 if it divides gen-length)."
-    ),
-    remasking: str = typer.Option("low_confidence", "--remasking", help="low_confidence or random."),
-    threshold: float | None = typer.Option(
-        None,
-        "--threshold",
-        help="Fast-dLLM parallel decoding: commit every masked token with confidence >= T (0 < T <= 1).",
-    ),
-    factor: float | None = typer.Option(None, "--factor", help="Fast-dLLM factor rule instead of a threshold."),
-    cfg_scale: float = typer.Option(0.0, "--cfg-scale", help="Classifier-free guidance scale (0: off)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="Gumbel-noise sampling temperature (0: greedy)."),
-    seed: int | None = typer.Option(None, "--seed", help="Random seed for sampling and random remasking."),
-    cache: str = typer.Option(
-        "auto",
-        "--cache",
-        help=(
-            "auto (block where the family has it, else none)|none|prefix|dual (Fast-dLLM approximate K/V cache, "
-            "refreshed per block; LLaDA, Dream)|block (exact KV cache of block-causal models)."
-        ),
-    ),
-    alg: str | None = typer.Option(
-        None,
-        "--alg",
-        help="Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold (default entropy).",
-    ),
-    alg_temp: float | None = typer.Option(
-        None, "--alg-temp", help="Dream family: sample committed positions from softmax(confidence/alg_temp)."
-    ),
-    top_p: float | None = typer.Option(
-        None, "--top-p", help="Dream family: nucleus filtering of the token distribution."
-    ),
-    top_k: int | None = typer.Option(None, "--top-k", help="Dream family: keep the k most likely tokens."),
-    early_stop: bool = typer.Option(
-        True, "--early-stop/--no-early-stop", help="Stop once a finished block holds EOS (the rest is filled with EOS)."
-    ),
-    mode: str = typer.Option(
-        "diffusion", "--mode", help="diffusion|ar (ar: one token per forward, block-causal models)."
-    ),
+    gen_length: int = dp.option("gen_length"),
+    steps: int | None = dp.option("steps"),
+    refinement_steps: int | None = dp.option("refinement_steps"),
+    block_length: int | None = dp.option("block_length"),
+    remasking: str = dp.option("remasking"),
+    threshold: float | None = dp.option("threshold"),
+    factor: float | None = dp.option("factor"),
+    cfg_scale: float = dp.option("cfg_scale"),
+    temperature: float = dp.option("temperature"),
+    seed: int | None = dp.option("seed"),
+    cache: str = dp.option("cache"),
+    alg: str | None = dp.option("alg"),
+    alg_temp: float | None = dp.option("alg_temp"),
+    top_p: float | None = dp.option("top_p"),
+    top_k: int | None = dp.option("top_k"),
+    early_stop: bool = dp.option("early_stop"),
+    mode: str = dp.option("mode"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option(
@@ -119,29 +97,11 @@ def generate(
             model = str(resolve_model(model))
 
         from engine.llm import LLM
-        from engine.params import GenerationParams
 
         parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
         if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
             return
-        params = GenerationParams(
-            gen_length=gen_length,
-            steps=steps,
-            block_length=block_length,
-            remasking=remasking,
-            temperature=temperature,
-            cfg_scale=cfg_scale,
-            threshold=threshold,
-            factor=factor,
-            seed=seed,
-            cache=cache,
-            mode=mode,
-            alg=alg,
-            alg_temp=alg_temp,
-            top_p=top_p,
-            top_k=top_k,
-            early_stop=early_stop,
-        )
+        params = dp.decoding_params(ctx.params)
         with err_console.status("loading model"):
             llm = LLM(
                 model,
@@ -163,7 +123,7 @@ def generate(
             source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
             prompt_tokens = llm.encode(source, chat=chat)
             resolved = llm.engine.validate(params, len(prompt_tokens))
-            out = _generate_with_progress(llm, prompt_tokens, params)
+            out = _generate_with_progress(llm, prompt_tokens, resolved)
             if json_out:
                 emit_json(
                     {

@@ -55,7 +55,11 @@ def serve(
     default_max_tokens: int | None = typer.Option(
         None, "--default-max-tokens", help="max_tokens when a request gives none [min(128, max-tokens)]."
     ),
-    max_steps: int | None = typer.Option(None, "--max-steps", help="Largest denoising steps per request [1024]."),
+    max_steps: int | None = typer.Option(
+        None,
+        "--max-steps",
+        help="Cap on every request's denoising steps (usage.denoising_steps), whatever its rule or family [1024].",
+    ),
     refinement_steps: int | None = typer.Option(
         None, "--refinement-steps", help="Denoising steps per block when a request gives no steps [one token per step]."
     ),

@@ -99,7 +99,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             body = prepared.body
             job.prompt_ids, job.prompt_text, job.tools = prepared.prompt_ids, prepared.prompt_text, prepared.tools
             _options(job, body)
-            params = service.params(job, body, prepared.max_tokens, body.temperature, body.seed, body.top_p)
+            params = service.params(job, body, prepared.max_tokens)
             stream = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)

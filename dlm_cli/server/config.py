@@ -80,7 +80,9 @@ class ServeConfig(BaseModel):
     default_max_tokens: int | None = Field(
         None, ge=1, description="when a request gives none; default: min(128, max_tokens)"
     )
-    max_steps: int = Field(1024, ge=1, description="largest denoising step count per request")
+    max_steps: int = Field(
+        1024, ge=1, description="cap on every request's denoising steps (forwards), whatever its rule or family"
+    )
     refinement_steps: int | None = Field(
         None, ge=1, description="denoising steps per block when a request gives none; default: one token per step"
     )

@@ -54,6 +54,8 @@ def validation_error(errors: list[Any]) -> APIError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.search(str(p))]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # a misspelt or foreign field is refused, never ignored
+        return bad_request(f"unrecognized request field {param!r}", param=param, code="unknown_parameter")
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return bad_request(message, param=param, code="invalid_value")
 

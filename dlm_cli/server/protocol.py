@@ -1,9 +1,16 @@
 """Request bodies of the OpenAI API as dlm accepts them, plus the dLLM fields.
 
-Unknown fields are ignored (OpenAI SDKs send fields dlm has no use for); known fields are
-type-checked, and fields dlm cannot honour (n > 1, logprobs, penalties, ...) are refused by
-`unsupported()` rather than silently ignored; fields only some families take (Dream's `alg`,
-`top_p`, `top_k`, a cache mode) are refused by the family's validation (engine/params.py).
+Every top-level field is declared: an unknown one (`"treshold"`) is a 400 naming it, as the
+OpenAI API answers. Fields fall in four groups:
+- decoding parameters: one per `GenerationParams` field offered over HTTP (`PARAM_FIELDS`),
+  typed here, described, defaulted and range-checked by their declaration in engine/params.py
+  (absent = that default); fields only some families take are refused by its validation;
+- OpenAI fields dlm acts on (model, max_tokens, stream, stop, ...);
+- fields OpenAI SDKs and frameworks send that change nothing here (`IGNORED`): accepted;
+- fields dlm cannot honour (`NEUTRAL`): accepted only with a value that asks for nothing,
+  else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
+Nested objects (messages, tools) stay lenient: clients echo assistant messages back with
+fields of their own (refusal, annotations, ...).
 """
 
 from __future__ import annotations
@@ -11,6 +18,35 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+from engine.params import PARAMS, http_name
+
+# Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
+PARAM_FIELDS: dict[str, str] = {http_name(n): n for n in PARAMS if http_name(n) is not None}  # type: ignore[misc]
+
+# Sent by OpenAI SDKs and frameworks, harmless here: accepted and ignored.
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+# Not honoured by dlm: accepted only with these values (asking for nothing), else `unsupported`.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "reasoning_effort": (None,),
+}
+
+
+def _param(name: str) -> Any:
+    """A decoding parameter's body field: absent (None) means GenerationParams' default;
+    its description, default and range live in that declaration (engine/params.py)."""
+    return Field(None, description=PARAMS[PARAM_FIELDS[name]].help)
 
 
 class _Body(BaseModel):
@@ -24,37 +60,56 @@ class StreamOptions(_Body):
 class DiffusionFields(_Body):
     """dLLM parameters as top-level body fields (OpenAI SDKs send them via `extra_body`)."""
 
-    steps: int | None = Field(None, ge=1)
-    # Denoising steps per block (the deployment guides' "refinement steps"); `steps` is the total.
-    refinement_steps: int | None = Field(None, ge=1)
-    block_length: int | None = Field(None, ge=1)
-    remasking: Literal["low_confidence", "random"] | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    cfg_scale: float | None = Field(None, ge=0)
-    cache: StrictStr | None = None
-    decode_mode: StrictStr | None = None
-    # Dream family (diffusion_generate); `top_p` is on the generation body.
-    alg: StrictStr | None = None
-    alg_temp: float | None = None
-    top_k: int | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int | None = _param("steps")
+    refinement_steps: int | None = _param("refinement_steps")  # the deployment guides' name
+    block_length: int | None = _param("block_length")
+    remasking: StrictStr | None = _param("remasking")
+    threshold: float | None = _param("threshold")
+    factor: float | None = _param("factor")
+    cfg_scale: float | None = _param("cfg_scale")
+    cache: StrictStr | None = _param("cache")
+    decode_mode: StrictStr | None = _param("decode_mode")
+    # Dream family (diffusion_generate).
+    alg: StrictStr | None = _param("alg")
+    alg_temp: float | None = _param("alg_temp")
+    top_k: int | None = _param("top_k")
+    top_p: float | None = _param("top_p")
+    # Sampling, shared with the OpenAI API.
+    temperature: float | None = _param("temperature")
+    seed: int | None = _param("seed")
+    max_tokens: int | None = _param("max_tokens")
 
 
 class _Generation(DiffusionFields):
     model: StrictStr | None = None
-    max_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)  # the Responses API's name for max_tokens
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # torch.Generator's range
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    return_token_ids: StrictBool = False  # as in vLLM: also return the generated token ids
+    # IGNORED
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    # NEUTRAL
+    n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: StrictStr | None = None
-    return_token_ids: StrictBool = False  # as in vLLM: also return the generated token ids
+    logit_bias: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    best_of: int | None = None
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    reasoning_effort: StrictStr | None = None
 
     @model_validator(mode="after")
     def _output_tokens(self) -> _Generation:
@@ -72,10 +127,10 @@ class _Generation(DiffusionFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field dlm cannot honour, else None."""
-        if self.n != 1:
-            return "n", "n must be 1: send one request per choice (requests are batched on the server)"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                if name == "n":
+                    return name, "n must be 1: send one request per choice (requests are batched on the server)"
                 return name, f"{name} is not supported by diffusion decoding"
         return None
 

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +26,10 @@ from dlm_cli.server.config import ServeConfig
 from dlm_cli.server.errors import APIError, bad_request
 from dlm_cli.server.loaded import LoadedModel
 from dlm_cli.server.metrics import ServerMetrics
-from dlm_cli.server.protocol import DiffusionFields
+from dlm_cli.server.protocol import PARAM_FIELDS, DiffusionFields
 from dlm_cli.server.ratelimit import RateLimiter
 from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
-from engine.params import GenerationParams
+from engine.params import PARAMS, GenerationParams, ResolvedParams, http_name
 from engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
 from engine.runtime.scheduler import QueueFull, SchedulerLimits
 
@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlm.server")
 request_log = logging.getLogger("dlm.requests")
-
-# The first word of an engine validation message names the field; the API calls some differently.
-_PARAM = {"gen_length": "max_tokens", "mode": "decode_mode", "the": "prompt", "prompt": "prompt"}
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] = field(default_factory=list)
-    params: GenerationParams | None = None
+    params: ResolvedParams | None = None
     stops: list[str] = field(default_factory=list)
     tools: bool = False
     stream: bool = False
@@ -269,18 +266,12 @@ class Service:
                 code="model_not_found",
             )
 
-    def params(
-        self,
-        job: Job,
-        body: DiffusionFields,
-        max_tokens: int | None,
-        temperature: float | None,
-        seed: int | None,
-        top_p: float | None = None,
-    ) -> GenerationParams:
-        """The request's generation parameters, checked against the server's limits."""
+    def params(self, job: Job, body: DiffusionFields, max_tokens: int | None) -> ResolvedParams:
+        """The request's decoding parameters, resolved and validated once for the served model
+        and checked against the server's limits. Each body field maps onto its GenerationParams
+        field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
         cfg = self.config
-        gen = max_tokens or cfg.default_max_tokens or cfg.max_tokens
+        gen = max_tokens if max_tokens is not None else (cfg.default_max_tokens or cfg.max_tokens)
         if gen > cfg.max_tokens:
             raise bad_request(
                 f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
@@ -291,69 +282,37 @@ class Service:
             raise bad_request(
                 f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}) exceeds the "
                 f"maximum context of {self.max_model_len} tokens",
-                param="messages" if job.endpoint == "chat.completions" else "prompt",
+                param=_prompt_param(job),
                 code="context_length_exceeded",
             )
-        if body.steps is not None and body.refinement_steps is not None:
-            raise bad_request("give steps (in all) or refinement_steps (per block), not both", param="refinement_steps")
-        per_block = body.refinement_steps or (cfg.refinement_steps if body.steps is None else None)
         if body.steps is not None and body.steps > cfg.max_steps:
-            raise bad_request(
-                f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}",
-                param="steps",
-                code="steps_exceeded",
-            )
+            raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}")
         if cfg.tokens_per_minute and gen > cfg.tokens_per_minute:
             raise bad_request(
                 f"max_tokens ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
                 param="max_tokens",
             )
-        params = GenerationParams(
-            gen_length=gen,
-            steps=body.steps,
-            block_length=body.block_length or cfg.block_length,
-            remasking=body.remasking or "low_confidence",
-            temperature=temperature or 0.0,
-            cfg_scale=body.cfg_scale or 0.0,
-            threshold=body.threshold,
-            factor=body.factor,
-            seed=seed,
-            cache=body.cache or "auto",
-            mode=body.decode_mode or "diffusion",
-            alg=body.alg,
-            alg_temp=body.alg_temp,
-            top_k=body.top_k,
-            top_p=None if top_p == 1.0 else top_p,  # 1 filters nothing: any family takes it
-        )
+        given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
+        if given.get("top_p") == 1.0:
+            del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
+        if body.steps is None and body.refinement_steps is None and cfg.refinement_steps is not None:
+            given["refinement_steps"] = cfg.refinement_steps
+        if body.block_length is None and cfg.block_length is not None:
+            given["block_length"] = cfg.block_length
+        given.update(gen_length=gen, max_steps=cfg.max_steps)
         assert self.engine is not None
-        validate = self.engine.engine.validate  # the family's defaults and rules, as `dlm generate`
-        try:
-            resolved = validate(params, len(job.prompt_ids))
-            if per_block is not None and resolved.block_length is not None:
-                # Per-block steps over the resolved block layout (the family's block length);
-                # a block cannot take more steps than it has tokens.
-                steps = min(per_block, resolved.block_length) * resolved.num_blocks
-                params = replace(params, steps=steps)
-                resolved = validate(params, len(job.prompt_ids))
-            elif body.steps is None and resolved.steps is not None and resolved.steps > cfg.max_steps:
-                # One token per step would exceed the limit: take the most steps within it
-                # that still divide evenly over the blocks.
-                blocks = max(1, resolved.num_blocks)
-                params = replace(params, steps=max(blocks, cfg.max_steps // blocks * blocks))
-                resolved = validate(params, len(job.prompt_ids))
+        try:  # the family's defaults and rules, as `dlm generate` applies them
+            resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
         except UsageError as exc:
-            word = str(exc).split()[0]
-            code = "unsupported" if isinstance(exc, Unsupported) else "invalid_value"
-            raise bad_request(str(exc), param=_PARAM.get(word, word), code=code) from None
-        if resolved.steps is not None and resolved.steps > cfg.max_steps:  # e.g. decode_mode ar
-            raise bad_request(
-                f"this request needs {resolved.steps} denoising steps, over this server's limit of {cfg.max_steps}",
-                param="steps",
-                code="steps_exceeded",
+            raise _refused(exc, job) from None
+        if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
+            raise _steps_exceeded(
+                f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
+                f"server's limit of {cfg.max_steps}"
             )
-        return params
+        return resolved
 
-    def submit(self, job: Job, params: GenerationParams) -> RequestStream:
+    def submit(self, job: Job, params: ResolvedParams) -> RequestStream:
         """Charge the token rate, then queue the request on the served model (429 at once when
         the queue is full); the request stays on that model to its end."""
         wait = self.limiter.check(job.key, "tokens", params.gen_length)
@@ -378,7 +337,7 @@ class Service:
         except EngineFailed as exc:
             raise _engine_failed(str(exc)) from None
         except UsageError as exc:
-            raise bad_request(str(exc), code="invalid_value") from None
+            raise _refused(exc, job) from None
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         return stream
 
@@ -428,6 +387,22 @@ class Service:
             line["prompt"] = job.prompt_text
             line["output"] = job.output_text
         request_log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _prompt_param(job: Job) -> str:
+    return "messages" if job.endpoint == "chat.completions" else "prompt"
+
+
+def _refused(exc: UsageError, job: Job) -> APIError:
+    """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
+    GenerationParams field or `prompt`), in the API's name for it."""
+    field = exc.field
+    param = http_name(field) if field in PARAMS else (_prompt_param(job) if field == "prompt" else field)
+    return bad_request(str(exc), param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
+
+
+def _steps_exceeded(message: str) -> APIError:
+    return bad_request(message, param="steps", code="steps_exceeded")
 
 
 def _rate_limited(message: str, wait: int) -> APIError:

@@ -19,6 +19,9 @@ Commit rules (all take the confidences and tokens of the eligible positions):
   is >= min(max_conf - 1e-5, threshold), so at least the most confident one;
 - dynamic threshold (SDAR `low_confidence_dynamic`, openPangu `confidence_threshold`): all
   with confidence strictly > threshold if there are at least `k` of them, else the top k.
+
+Whatever the rule, `steps` bounds the denoising steps: the last step of a (sub-)block's share
+commits every position left in it, as the static schedule does by construction.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def resolve_block_params(params: GenerationParams, default_block: int) -> Genera
     """Family defaults: the trained block size; `--mode ar` is a block of one token decoded
     in one step (and so one token per forward)."""
     if params.mode == "ar":
-        return replace(params, block_length=1, steps=params.gen_length, threshold=None)
+        return replace(params, block_length=1, steps=params.gen_length, refinement_steps=None, threshold=None)
     if params.block_length is None:
         return replace(params, block_length=default_block)
     return params
@@ -71,8 +74,12 @@ def choose(
     tokens: torch.Tensor,
     scheduled: int,
     mask_id: int,
+    last: bool = False,
 ) -> torch.Tensor:
-    """Indices (into conf) of the positions to commit at this step."""
+    """Indices (into conf) of the positions to commit at this step; `last`: the step spends
+    the last of the (sub-)block's share of `steps`, so every position left is committed."""
+    if last:
+        return torch.arange(conf.numel())
     if params.threshold is None:
         return static_top_k(conf, scheduled)
     if rules.threshold_rule == "dinfer":

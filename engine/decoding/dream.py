@@ -8,7 +8,7 @@ at the last step), picked by the algorithm:
   top-2 probability, or negative entropy; with `alg_temp`, n positions drawn without
   replacement from softmax(confidence / alg_temp);
 - `confidence_threshold` (Fast-dLLM): the most confident position plus every other one at or
-  above the threshold, with no step budget.
+  above the threshold; `steps` stays an upper bound, so the block's last step commits the rest.
 With a cache, step 0 is Fast-dLLM's refresh forward, which commits only the block's first
 token (`Sequence.positions_to_decide`). The count is computed in float32 tensors exactly as
 the reference does, since int() truncation turns rounding into a different count.
@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 
 from engine.decoding.commit import above_threshold, top_k
-from engine.params import GenerationParams
+from engine.params import ResolvedParams
 from kernels.token_stats import TokenStats
 
 
@@ -56,14 +56,16 @@ def confidence(alg: str, stats: TokenStats) -> torch.Tensor:
     return stats.prob
 
 
-def choose(params: GenerationParams, step: int, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
+def choose(params: ResolvedParams, step: int, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
     """Indices into the decided positions to commit at block step `step` (>= 1 with a cache)."""
     alg, n, device = params.alg, stats.prob.numel(), stats.prob.device
     assert alg is not None
+    steps = params.steps_per_block
     if alg == "confidence_threshold":
         assert params.threshold is not None
+        if step >= steps - 1:  # the block's share of the steps is spent: commit the rest
+            return torch.arange(n)
         return above_threshold(stats.prob.cpu(), params.threshold)
-    steps = params.steps_per_block
     if alg == "origin":
         draw = torch.rand(n, device=device, generator=generator).cpu()
         return (draw < transfer_probability(step, steps, params.eps)).nonzero()[:, 0]

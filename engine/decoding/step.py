@@ -13,7 +13,7 @@ from engine.decoding import dream
 from engine.decoding.commit import above_threshold, factor_rule, top_k
 from engine.decoding.sampling import filtered_stats
 from engine.layers.linear import gather_logits
-from engine.params import GenerationParams
+from engine.params import ResolvedParams
 from engine.runtime.sequence import Sequence
 from kernels import dispatch
 from kernels.token_stats import TokenStats, VocabShard
@@ -48,7 +48,7 @@ def token_stats(
     )
 
 
-def confidence(params: GenerationParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
+def confidence(params: ResolvedParams, stats: TokenStats, generator: torch.Generator | None) -> torch.Tensor:
     """Per-position confidence used to rank commits ('random' remasking ignores the model)."""
     if params.remasking == "random":
         return torch.rand(stats.prob.shape, dtype=torch.float64, device=stats.prob.device, generator=generator)
@@ -66,12 +66,14 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
             chosen = dream.choose(params, step, stats, seq.generator)
     else:
         conf = confidence(params, stats, seq.generator).cpu()
-        if params.threshold is not None:
+        if step >= params.steps_per_block - 1:
+            chosen = torch.arange(conf.numel())  # the block's share of the steps is spent: commit the rest
+        elif params.threshold is not None:
             chosen = above_threshold(conf, params.threshold)
         elif params.factor is not None:
             chosen = factor_rule(conf, params.factor)
         else:
-            chosen = top_k(conf, seq.schedule[step] if step < len(seq.schedule) else 1)
+            chosen = top_k(conf, seq.schedule[step])
     require_progress(seq, positions, chosen)
     return positions[chosen], stats.token.cpu()[chosen]
 
@@ -80,7 +82,8 @@ def require_progress(seq: Sequence, positions: torch.Tensor, chosen: torch.Tenso
     """Fail loudly instead of spinning: a block must finish in a bounded number of steps.
 
     LLaDA's rules commit at least one position per step (the schedule sums to the block's
-    masks, the threshold and factor rules keep the most confident one); Dream's timestep
+    masks, the threshold and factor rules keep the most confident one) and the last step of
+    the block's share commits the rest; Dream's timestep
     rules may commit nothing before the block's last scheduled step, but from then on commit
     every remaining position. A step that commits nothing where its rule promises a commit
     would repeat forever on the unchanged canvas."""

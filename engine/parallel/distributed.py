@@ -44,7 +44,7 @@ import torch
 
 from engine.errors import DlmError, EngineFailed, UsageError
 from engine.parallel import state as parallel_state
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.runtime.interface import Engine
 from engine.runtime.request import RequestState
 
@@ -444,7 +444,7 @@ class DistributedEngine(Engine):
     def tensor_parallel_size(self) -> int:
         return self.group.place.world
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         return self.engine.validate(params, prompt_length)
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
@@ -454,7 +454,7 @@ class DistributedEngine(Engine):
         with self._lock:
             rid = self._next_id = self._next_id + 1
             self._ids[id(seq)] = (rid, seq)
-            self._pending.append((rid, list(prompt_ids), params))
+            self._pending.append((rid, list(prompt_ids), seq.params))  # resolved: ranks do not re-validate
         return seq
 
     def add(self, seq: RequestState) -> None:

@@ -19,9 +19,9 @@ from engine.config import ModelConfig
 from engine.decoding.block_diffusion import choose, resolve_block_params
 from engine.decoding.step import confidence
 from engine.layers.linear import lm_head_shard, local_kv_heads
-from engine.params import GenerationParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime.block_batch import PAD_GROUP, BlockBatch
-from engine.runtime.block_sequence import BlockSequence, Work
+from engine.runtime.block_sequence import PREFILL_CHUNK, BlockSequence, Work
 from engine.runtime.kv_cache import SequenceKVCache
 from engine.runtime.request import RequestState, narrow
 from engine.runtime.runner import MIN_ROWS
@@ -37,12 +37,17 @@ class BlockRunner:
         assert rules is not None and block_length is not None  # every block-causal family declares both
         self.rules, self.block_length = rules, block_length
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
+        self.fixed_block: int | None = None
+        # openPangu's commit forward of a block also decides the next block's first token.
+        self.forwards: Forwards | None = Forwards(
+            rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
+        )
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         return resolve_block_params(params, self.block_length)
 
-    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> BlockSequence:
-        """`params` already resolved and validated; decoding stops after a block holding `eos_id`."""
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> BlockSequence:
+        """Decoding stops after a block holding `eos_id`."""
         c = self.config
         cache = None
         if params.cache == "block":
@@ -103,7 +108,8 @@ class BlockRunner:
                 shard=self.vocab_shard,
             )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
-            chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id)
+            last = seq.step_in_unit >= len(seq.schedule) - 1  # the unit's share of `steps` is spent
+            chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id, last)
             if chosen.numel() == 0:
                 # Progress is counted in `pending` positions (a committed MASK argmax, as dInfer
                 # and SDAR commit it, still settles its position): a forward that settles none

@@ -17,7 +17,7 @@ from engine.config import ModelConfig, load_config
 from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
-from engine.params import GenerationParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
 from engine.runtime.interface import Engine, Runner
@@ -119,19 +119,24 @@ class LLMEngine(Engine):
     def running(self) -> list[RequestState]:
         return self._running
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """Resolve the family's defaults and validate: what every entry point should call."""
-        return self._resolve(params, prompt_length)
-
-    def _resolve(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """The parameters a sequence decodes with (`validate` may show a caller fewer)."""
-        params = self.runner.resolve(params)
-        return params.validate(prompt_length, self.config.max_position_embeddings, self.family)
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
+        """Resolve the family's defaults and validate: what every entry point should call.
+        Parameters already resolved (this call at the boundary) pass as they are."""
+        if isinstance(params, ResolvedParams):
+            return params
+        runner = self.runner
+        return runner.resolve(params).validate(
+            prompt_length,
+            self.config.max_position_embeddings,
+            self.family,
+            fixed_block=runner.fixed_block,
+            forwards=runner.forwards,
+        )
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         """Validate a request and build its sequence without running it: the serving
         scheduler (engine/runtime/scheduler.py) decides when it joins `running`."""
-        resolved = self._resolve(params, len(prompt_ids))
+        resolved = self.validate(params, len(prompt_ids))
         self.check_prompt(prompt_ids)
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
         if resolved.seed is not None:

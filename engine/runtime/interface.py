@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import ModelConfig
-from engine.params import GenerationParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime.request import RequestState
 
 if TYPE_CHECKING:
@@ -31,11 +31,15 @@ class Runner(Protocol):
     """Runs one family's forwards. `step` advances each sequence by one forward and commits
     its decisions (so the engine never knows how a family decides)."""
 
+    # What the one validation (`GenerationParams.validate`) needs from the family's runner:
+    fixed_block: int | None  # the only block length the family decodes (None: any)
+    forwards: Forwards | None  # forwards spent beyond one per step, so `steps` bounds them all
+
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """The family's defaults and rules applied (before `GenerationParams.validate`)."""
         ...
 
-    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> RequestState:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> RequestState:
         """A sequence for resolved, validated `params`, ending by its rule on the engine's `eos_id`."""
         ...
 
@@ -69,8 +73,9 @@ class Engine(Protocol):
         """A bound of the engine's own on the sequences decoded together (None: the caller's)."""
         ...
 
-    def validate(self, params: GenerationParams, prompt_length: int) -> GenerationParams:
-        """The family's defaults resolved and every rule checked (`UsageError`, `Unsupported`)."""
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
+        """The family's defaults resolved and every rule checked (`UsageError`, `Unsupported`)
+        once; parameters already resolved pass as they are."""
         ...
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from engine.params import GenerationParams
+from engine.params import ResolvedParams
 
 _ids = itertools.count()
 S = TypeVar("S", bound="RequestState")
@@ -27,7 +27,7 @@ S = TypeVar("S", bound="RequestState")
 @dataclass(eq=False)
 class RequestState:
     prompt_ids: list[int]
-    params: GenerationParams  # already validated and resolved
+    params: ResolvedParams  # validated and resolved once, at the boundary
     mask_id: int
     eos_id: int | None
     seq_id: int = field(default_factory=lambda: next(_ids))

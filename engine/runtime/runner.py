@@ -24,7 +24,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.decoding.step import decide, token_stats
-from engine.params import GenerationParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime import cache
 from engine.runtime.batch import ForwardBatch
 from engine.runtime.request import RequestState, narrow
@@ -43,6 +43,9 @@ class _Row:
 
 
 class ModelRunner:
+    fixed_block: int | None = None  # any block length
+    forwards: Forwards | None = None  # one forward per step, nothing more
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -60,7 +63,7 @@ class ModelRunner:
         """No family default to add: GenerationParams resolves its own."""
         return params
 
-    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, eos_id: int | None) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
         return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id, sampler=self.sampler)
 
     def step(self, seqs: Seq[RequestState]) -> None:

@@ -1,0 +1,204 @@
+"""Request parameters are declared once (engine/params.py): the `dlm generate` options and
+the HTTP request fields are built from that declaration and must not drift from it; `steps`
+bounds the denoising forwards whatever the commit rule; refusals name their field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+
+from dlm_cli.main import app
+from dlm_cli.server.protocol import IGNORED, NEUTRAL, PARAM_FIELDS, ChatRequest, CompletionRequest, DiffusionFields
+from engine.errors import UsageError
+from engine.params import DEFAULTS, PARAMS, GenerationParams, ResolvedParams, cli_flag, http_name
+from engine.registry import family_named
+
+# `dlm generate` options that are not decoding parameters (model loading, prompt, output).
+GENERATE_OTHER = {
+    "model", "prompt", "prompt_ids", "chat", "dtype", "device", "backend", "trust_remote_code", "json_out",
+    "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "moe_parallel",
+}  # fmt: skip
+# Request fields of the OpenAI API that are not decoding parameters.
+OPENAI_OTHER = {
+    "model", "max_output_tokens", "stream", "stream_options", "stop", "return_token_ids", "prompt", "echo",
+    "logprobs", "suffix", "messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
+}  # fmt: skip
+
+
+def _generate_command() -> Any:
+    return typer.main.get_command(app).commands["generate"]  # type: ignore[attr-defined]
+
+
+def test_every_generate_option_is_a_declared_parameter_with_its_default() -> None:
+    options = {p.name: p for p in _generate_command().params}
+    for name, option in options.items():
+        if name in GENERATE_OTHER:
+            continue
+        assert name in PARAMS, f"--{name} is a decoding option not declared in GenerationParams"
+        assert option.default == DEFAULTS[name], name
+        assert cli_flag(name) in (option.opts[0], "/".join(option.opts + option.secondary_opts)), name
+        assert option.help is not None and option.help.startswith(PARAMS[name].help), name
+    for name in PARAMS:
+        if cli_flag(name) is not None:
+            assert name in options, f"GenerationParams.{name} is offered as {cli_flag(name)} but dlm generate lacks it"
+
+
+def test_every_request_field_is_declared_or_listed() -> None:
+    for model in (CompletionRequest, ChatRequest):
+        for name, info in model.model_fields.items():
+            if name in PARAM_FIELDS:
+                assert info.default is None, f"{name}: an absent field means GenerationParams' default"
+                assert info.description == PARAMS[PARAM_FIELDS[name]].help, name
+            else:
+                assert name in OPENAI_OTHER | set(IGNORED) | set(NEUTRAL), f"{name} is neither declared nor listed"
+    assert set(DiffusionFields.model_fields) == set(PARAM_FIELDS)
+    for name in PARAMS:
+        if http_name(name) is not None:
+            assert http_name(name) in CompletionRequest.model_fields, name
+
+
+def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:
+    from pydantic import ValidationError
+
+    from dlm_cli.server.errors import validation_error
+
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"prompt": "x", "treshold": 0.9})
+    error = validation_error(list(caught.value.errors()))
+    assert (error.status, error.param, error.code) == (400, "treshold", "unknown_parameter")
+    sdk = {
+        "user": "u",
+        "metadata": {"a": "b"},
+        "store": False,
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "logit_bias": None,
+        "stream_options": {"include_usage": True},
+    }
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi", "refusal": None}], **sdk})
+    assert body.unsupported() is None
+    refused = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}})
+    assert refused.unsupported() is not None and refused.unsupported()[0] == "logit_bias"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(threshold=1.5), "threshold"),
+        (dict(steps=0), "steps"),
+        (dict(refinement_steps=0), "refinement_steps"),
+        (dict(steps=8, refinement_steps=2), "refinement_steps"),
+        (dict(gen_length=30, block_length=8), "gen_length"),
+        (dict(mode="ar"), "mode"),
+        (dict(top_k=3), "top_k"),
+        (dict(seed=2**63), "seed"),
+        (dict(threshold=0.9, factor=1.0), "factor"),
+    ],
+)
+def test_refusals_name_their_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        GenerationParams(**kwargs).validate(8, 512)
+    assert caught.value.field == field
+
+
+def test_clover_rules_are_part_of_validation() -> None:
+    clover = family_named("clover")
+    with pytest.raises(UsageError, match="32-token blocks") as caught:
+        GenerationParams(gen_length=32, block_length=16).validate(4, 512, clover, fixed_block=32)
+    assert caught.value.field == "block_length"
+    with pytest.raises(UsageError, match="guidance"):
+        GenerationParams(gen_length=32, cfg_scale=1.0).validate(4, 512, clover, fixed_block=32)
+
+
+def test_step_budget_resolution() -> None:
+    resolved = GenerationParams(gen_length=64, block_length=16, refinement_steps=3).validate(4, 512)
+    assert isinstance(resolved, ResolvedParams) and (resolved.steps, resolved.refinement_steps) == (12, None)
+    assert resolved.validate(4, 512) == resolved  # resolving again changes nothing
+    assert GenerationParams(gen_length=64, block_length=16, refinement_steps=99).validate(4, 512).steps == 64
+    # A server's --max-steps lowers the default (one token per step, or refinement steps)...
+    assert GenerationParams(gen_length=64, block_length=16, max_steps=10).validate(4, 512).steps == 8
+    assert GenerationParams(gen_length=64, refinement_steps=8, max_steps=6).validate(4, 512).steps == 6
+    # ...and leaves an explicit steps to the server (it answers steps_exceeded).
+    assert GenerationParams(gen_length=64, steps=32, max_steps=8).validate(4, 512).steps == 32
+
+
+PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal tiny models
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from engine.llm import LLM
+    from tests.block_checkpoints import write_tiny
+    from tests.tp_checkpoints import write_family
+
+    paths = {"llada": tiny_llada, "dream": tiny_dream, "clover": write_family(tmp_path_factory.mktemp("c"), "clover")}
+    for family in ("llada2_moe", "sdar", "pangu"):
+        paths[family] = write_tiny(tmp_path_factory.mktemp(family), family)
+    return {name: LLM(path, dtype="float32", device="cpu") for name, path in paths.items()}
+
+
+RULES = [{"threshold": 0.99}, {"factor": 0.01}, {}]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2_moe", "sdar", "pangu", "clover"])
+@pytest.mark.parametrize("rule", RULES, ids=["threshold", "factor", "schedule"])
+@pytest.mark.parametrize("budget", ["steps", "max_steps"])
+def test_steps_bound_the_forwards_whatever_the_rule(engines: dict, family: str, rule: dict, budget: str) -> None:
+    """Tiny random weights are never confident: a threshold or factor rule commits one token
+    per forward, so without the bound a 32-token block would take 32 forwards."""
+    fam = family_named(engines[family].config.family)
+    if "factor" in rule and (fam.sampler == "dream" or fam.block_causal):
+        pytest.skip("the factor rule is LLaDA's")
+    block = 32 if family == "pangu" else None  # 4 sub-blocks and a commit forward per block
+    params = GenerationParams(gen_length=32, block_length=block, early_stop=False, **rule, **{budget: 8})
+    seq = engines[family].engine.generate([PROMPT], params)[0]
+    assert seq.finished and len(seq.output_ids) == 32
+    assert seq.nfe <= seq.params.max_forwards, (seq.nfe, seq.params)
+    # A server's limit bounds every forward; `steps` bounds the denoising steps, and openPangu
+    # and Clover spend one forward more per block (docs/serve.md).
+    extra = seq.params.decoded_blocks if family in ("pangu", "clover") and budget == "steps" else 0
+    assert seq.params.max_forwards <= 8 + extra, seq.params
+
+
+@pytest.mark.parametrize("family", ["sdar", "pangu"])
+def test_the_prefill_of_a_long_prompt_counts_against_max_steps(engines: dict, family: str) -> None:
+    engine = engines[family].engine
+    prompt = [(7 * i) % 300 + 1 for i in range(3001)]
+    params = GenerationParams(gen_length=8, block_length=8, threshold=0.99, max_steps=6, early_stop=False)
+    seq = engine.generate([prompt], params)[0]
+    assert seq.query_lengths[0] == 2048 and seq.nfe <= seq.params.max_forwards <= 6, (seq.nfe, seq.params)
+
+
+@pytest.mark.parametrize("family", ["llada2_moe", "sdar"])
+def test_an_absolute_grid_splits_the_steps_over_every_block_it_decodes(engines: dict, family: str) -> None:
+    """A 22-token prompt ends inside a block: the grid decodes one block more than
+    gen_length / block_length, and `steps` still bounds the forwards."""
+    engine, prompt = engines[family].engine, PROMPT[:22]
+    params = GenerationParams(gen_length=32, steps=16, threshold=0.99, early_stop=False)
+    seq = engine.generate([prompt], params)[0]
+    assert seq.params.decoded_blocks == seq.params.num_blocks + 1
+    assert seq.finished and seq.nfe <= 16, (seq.nfe, seq.params)
+    too_few = GenerationParams(gen_length=32, steps=seq.params.num_blocks)
+    with pytest.raises(UsageError, match="one per block decoded") as caught:
+        engine.validate(too_few, len(prompt))
+    assert caught.value.field == "steps"
+
+
+@pytest.mark.slow
+def test_refinement_steps_on_the_command_line(tiny_llada: Path) -> None:
+    import json
+
+    from tests.test_cli import dlm
+
+    common = ("generate", str(tiny_llada), "--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8")
+    per_block = dlm(*common, "--refinement-steps", "2", "--threshold", "0.99", "--dtype", "float32", "--json")
+    assert per_block.returncode == 0, per_block.stderr
+    out = json.loads(per_block.stdout)
+    assert out["params"]["steps"] == 4 and out["nfe"] <= 4
+    in_all = json.loads(dlm(*common, "--steps", "4", "--threshold", "0.99", "--dtype", "float32", "--json").stdout)
+    assert in_all["output_ids"] == out["output_ids"] and in_all["nfe"] == out["nfe"]
+    both = dlm(*common, "--steps", "4", "--refinement-steps", "2")
+    assert both.returncode == 2 and "error: give steps (in all) or refinement_steps (per block)" in both.stderr
