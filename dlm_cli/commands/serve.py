@@ -73,6 +73,9 @@ def serve(
     shutdown_grace: float | None = typer.Option(
         None, "--shutdown-grace", help="Seconds SIGTERM waits for in-flight requests [30]."
     ),
+    ready_wait: float | None = typer.Option(
+        None, "--ready-wait", help="Seconds a request sent while the model loads waits for it, not 503 [120]."
+    ),
     requests_per_minute: float | None = typer.Option(
         None, "--requests-per-minute", help="Per-key request rate (0: off)."
     ),

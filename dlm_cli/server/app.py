@@ -10,6 +10,7 @@ pool (dlm_cli/server/prepare.py), so no body, however large, delays `/health`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -33,10 +34,13 @@ def create_app(config: ServeConfig) -> FastAPI:
     admin = AdminEndpoint(service) if config.admin_enabled else None
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if admin is not None:  # registered before loading reads the deployment's current version
             await admin.start()
-        loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
+        # The model loads beside the running server: /health answers at once, /ready turns
+        # 200 when loading ends, and generation requests that arrive meanwhile wait for it
+        # (within `ready_wait`) rather than get 503 right after the server said it listens.
+        loading = app.state.loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
         yield
         service.draining = True
         if admin is not None:
@@ -48,6 +52,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     app = FastAPI(title="dlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.admin = admin
+    app.state.loading = None  # the loading task, once the lifespan starts it
     errors.install(app)
 
     @app.get("/health")
@@ -93,7 +98,12 @@ def create_app(config: ServeConfig) -> FastAPI:
         prompt's size and tokens; then options, limits, queue. A refusal anywhere is counted
         and logged once (`reject`)."""
         try:
-            service.admit(job, request.headers.get("authorization"))
+            service.authenticate(job, request.headers.get("authorization"))
+            loading: asyncio.Task[None] | None = request.app.state.loading
+            if not service.ready and loading is not None and not loading.done():  # held, within a bound
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(loading), config.ready_wait)
+            service.admit(job)
             raw = await read_body(request, config.max_body_bytes, config.read_timeout)
             prepared = await preparer.prepare(service, raw, model)
             body = prepared.body

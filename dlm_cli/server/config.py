@@ -92,6 +92,9 @@ class ServeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
+    ready_wait: float = Field(
+        120.0, ge=0, description="seconds a generation request that arrives while the model loads waits for it"
+    )
     # releases (docs/weights.md): serve a store deployment and accept hot swaps
     deployment: str | None = Field(None, description="store deployment to serve (its current version)")
     store: Path | None = Field(None, description="model store; default $DLM_HOME/store")

@@ -75,6 +75,9 @@ class DrainingServer(uvicorn.Server):
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
         self._failed_at: float | None = None
+        self.urls: list[str] = []
+        self.scheme = "https" if config.ssl_certfile else "http"
+        self._announced = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's handler, the signal is not re-raised after shutdown: a drained
@@ -89,9 +92,19 @@ class DrainingServer(uvicorn.Server):
         for server in getattr(self, "servers", []):
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
-                log.info("listening on %s:%d", host, port)
+                self.urls.append(f"{self.scheme}://{host}:{port}")
+                log.info("listening on %s:%d (requests wait while the model loads)", host, port)
+
+    def announce_ready(self) -> None:
+        """One line with the URL, once the model answers: the moment to send requests (the
+        port, chosen by the OS for --port 0, is the one bound)."""
+        self._announced = True
+        for url in self.urls:
+            log.info("ready: serving %s at %s/v1", self.service.model_name, url)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.service.ready and not self._announced:
+            self.announce_ready()
         if self.service.load_error is not None:
             self.exit_code = self.service.exit_code
             return True

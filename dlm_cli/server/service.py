@@ -237,9 +237,13 @@ class Service:
 
     # ---- admission ---------------------------------------------------------------------
 
-    def admit(self, job: Job, authorization: str | None) -> None:
-        """Authenticate, check readiness, the per-key request rate and the queue."""
+    def authenticate(self, job: Job, authorization: str | None) -> None:
+        """Who is calling (401 for a missing or wrong key): first, so an unauthenticated
+        caller is neither held nor told anything about the server's state."""
         job.key = self.keys.identify(authorization)
+
+    def admit(self, job: Job) -> None:
+        """Check readiness, the authenticated key's request rate and the queue."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type="unavailable", code="draining")
         if not self.ready or self.engine is None:
