@@ -185,12 +185,12 @@ def dream_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overr
     return _with_tokens(config, mask_token_id, eos_token_id, overrides)
 
 
-def clover_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
-    """A tiny Clover (`clover_moe`) config.json: the Qwen3.5-MoE hybrid's text fields (Gated
-    DeltaNet layers with gated full attention every fourth layer, routed + shared experts)."""
+def qwen3_5_moe_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3.5-MoE text config.json: Gated DeltaNet layers with gated full attention
+    every fourth layer, routed + shared experts (the hybrid behind Clover)."""
     config: dict[str, Any] = {
-        "architectures": ["CloverMoeForCausalLM"],
-        "model_type": "clover_moe",
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
         "hidden_size": 64,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
@@ -214,6 +214,12 @@ def clover_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **over
         "rms_norm_eps": 1e-6,
     }
     return _with_tokens(config, mask_token_id, eos_token_id, overrides)
+
+
+def clover_config(vocab_size: int, mask_token_id: int, eos_token_id: int, **overrides: Any) -> dict[str, Any]:
+    """A tiny Clover (`clover_moe`) config.json: block diffusion over the Qwen3.5-MoE hybrid."""
+    clover = {"architectures": ["CloverMoeForCausalLM"], "model_type": "clover_moe"}
+    return qwen3_5_moe_config(vocab_size, mask_token_id, eos_token_id, **{**clover, **overrides})
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:

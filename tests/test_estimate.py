@@ -48,30 +48,8 @@ TINY_DREAM = {
     "max_position_embeddings": 512,
     "mask_token_id": 319,
 }
-TINY_QWEN3_5 = {
-    "architectures": ["Qwen3_5MoeForCausalLM"],
-    "model_type": "qwen3_5_moe_text",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 300,
-    "tie_word_embeddings": False,
-    "partial_rotary_factor": 0.25,
-    "full_attention_interval": 4,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 48,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "attn_output_gate": True,
-    "max_position_embeddings": 1024,
-}
+# The Qwen3.5 hybrid's text config (its token ids do not change the counts).
+TINY_QWEN3_5 = cw.qwen3_5_moe_config(300, 299, 298, max_position_embeddings=1024)
 TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]] = {
     "llada": (TINY_LLADA, cw.random_llada_tensors, 1),
     "dream": (TINY_DREAM, cw.random_dream_tensors, 3),  # sharded, with an index
