@@ -169,7 +169,7 @@ def fetch_local(
     follow_symlinks: bool = False,
 ) -> FetchResult:
     src = directory.expanduser().resolve()
-    name = check_name(name or src.name)
+    name = check_name(src.name if name is None else name)
     found, unusable = _source_files(src, follow_symlinks)
     selected = set(_select(sorted({*found, *unusable}), include, exclude))
     if not selected:
@@ -258,7 +258,7 @@ def fetch_hub(
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
-    name = check_name(name or repo_id.split("/")[-1])
+    name = check_name(repo_id.split("/")[-1] if name is None else name)
     revision = revision or "main"
     tag = _filter_tag(include, exclude)
     if COMMIT.match(revision):  # immutable: no need to ask the hub what it resolves to

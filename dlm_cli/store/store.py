@@ -62,7 +62,10 @@ def split_ref(spec: str) -> tuple[str, str | None]:
 
 def local_path(spec: str) -> Path | None:
     """SPEC as an existing file system path, else None (also when it cannot be one: a
-    component longer than the file system allows, a NUL byte, a link loop)."""
+    component longer than the file system allows, a NUL byte, a link loop; and the empty
+    string, which Path would read as the current directory)."""
+    if not spec:
+        return None
     path = Path(spec).expanduser()
     try:
         return path if path.exists() else None
