@@ -228,29 +228,58 @@ def test_models_listing_goes_to_stdout_whole_when_piped(good: Path, tmp_path: Pa
     assert len(row) == 1 and manifest.fetched_at in row[0] and "…" not in run.stdout
 
 
-def test_validate_and_loadtest_bad_inputs(tmp_path: Path) -> None:
-    closed = "http://127.0.0.1:9"
-    no_ca = str(tmp_path / "no-ca.pem")
+def _dlm(*args: str) -> tuple[int, str, str]:
+    """`dlm ARGS` in a process of its own (loadtest imports locust, which monkey-patches the
+    process for gevent: never in the test process)."""
+    from tests.weights_helpers import ROOT
+
+    run = subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    return run.returncode, run.stdout, run.stderr
+
+
+CLOSED = "http://127.0.0.1:9"
+
+
+def _tls_cases(tmp_path: Path) -> list[tuple[tuple[str, ...], int]]:
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("not a certificate")
-    for command in ("validate", "loadtest"):
-        for args, code in (
-            (("ftp://x",), 2),
-            ((closed, "--cacert", no_ca), 2),
-            ((closed, "--cacert", str(not_pem)), 2),
-            ((closed, "--cacert", str(not_pem), "--insecure"), 2),
-            ((closed, "--timeout", "0"), 2),
-        ):
-            _assert_one_error(*cli(command, *args), code)
-    for args in (("--users", "0"), ("--duration", "soon"), ("--prompts", no_ca), ("--sweep", "1,x"), ("--slo", "x")):
-        _assert_one_error(*cli("loadtest", closed, *args), 2)
-    for args in (("--suite", no_ca), ("--skip", "no-such-check")):
-        _assert_one_error(*cli("validate", closed, *args), 2)
+    return [
+        (("ftp://x",), 2),
+        ((CLOSED, "--cacert", str(tmp_path / "no-ca.pem")), 2),
+        ((CLOSED, "--cacert", str(not_pem)), 2),
+        ((CLOSED, "--cacert", str(not_pem), "--insecure"), 2),
+        ((CLOSED, "--timeout", "0"), 2),
+    ]
+
+
+def test_validate_bad_inputs(tmp_path: Path) -> None:
+    for args, code in _tls_cases(tmp_path):
+        _assert_one_error(*cli("validate", *args), code)
+    for args in (("--suite", str(tmp_path / "none.yaml")), ("--skip", "no-such-check")):
+        _assert_one_error(*cli("validate", CLOSED, *args), 2)
     report = tmp_path / "reports" / "nested" / "x.xml"
-    code, stdout, stderr = cli("validate", closed, "--ready-timeout", "0", "--junit-xml", str(report))
+    code, stdout, stderr = cli("validate", CLOSED, "--ready-timeout", "0", "--junit-xml", str(report))
     assert code == 1 and not RAW_EXCEPTION.search(stdout + stderr) and report.is_file()  # folder created
-    code, stdout, stderr = cli("validate", closed, "--junit-xml", str(tmp_path))  # a directory
+    code, stdout, stderr = cli("validate", CLOSED, "--junit-xml", str(tmp_path))  # a directory
     _assert_one_error(code, stdout, stderr, 2)
+
+
+@pytest.mark.slow
+def test_loadtest_bad_inputs(tmp_path: Path) -> None:
+    cases = _tls_cases(tmp_path) + [
+        ((CLOSED, *args), 2)
+        for args in (
+            ("--users", "0"),
+            ("--duration", "soon"),
+            ("--prompts", str(tmp_path / "none.jsonl")),
+            ("--sweep", "1,x"),
+            ("--slo", "x"),
+        )
+    ]
+    for args, code in cases:
+        _assert_one_error(*_dlm("loadtest", *args), code)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
