@@ -65,4 +65,7 @@ def fetch(
         )
         if not m.verified:
             problems = len((m.verification or {}).get("failures", []))
-            raise DlmError(f"{m.name}@{m.version} is stored but failed verification ({problems} problems)")
+            raise DlmError(
+                f"{m.name}@{m.version} is stored but failed verification ({problems} problems); "
+                "fix the source and fetch it again to replace it"
+            )
