@@ -1,7 +1,8 @@
 """Shared CLI plumbing: JSON on stdout, human text on stderr, errors as one line + exit code.
 
 Engine errors (`engine.errors.DlmError`) carry their exit code: 2 for bad usage, 1 for a
-failed operation. Imports of the engine stay inside functions so `--help` remains fast.
+failed operation; an OSError (disk full, permission denied, a path too long) is a failed
+operation too. Imports of the engine stay inside functions so `--help` remains fast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from rich.markup import escape
 err_console = Console(stderr=True)
 
 
+def listing_console() -> Console:
+    """Where a listing goes: stdout. When stdout is not a terminal (a pipe, a file) it is
+    made wide enough that no table cell is cut or folded, so `dlm models | grep` sees whole
+    values on one line."""
+    console = Console()
+    return console if console.is_terminal else Console(width=100_000)
+
+
 def emit_json(payload: Any) -> None:
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     sys.stdout.flush()
@@ -34,6 +43,17 @@ def cli_errors() -> Iterator[None]:
     except DlmError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:  # the file system or the network refused: a failed operation, not a bug
+        err_console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/]")
         raise typer.Exit(130) from None
+
+
+def _one_line(exc: OSError) -> str:
+    """`strerror: filename` when the OS said which file, else the message's first line."""
+    if exc.strerror and exc.filename is not None:
+        return f"{exc.strerror}: {exc.filename}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -231,10 +231,12 @@ def test_admin_endpoint_is_loopback_only_and_needs_its_key(deployment: Deploymen
     key = {"Authorization": f"Bearer {record.admin_key}"}
     other = server.http.post(record.admin_url + admin.SWAP_PATH, json={**body, "deployment": "canary"}, headers=key)
     assert other.status_code == 400 and other.json()["error"]["code"] == "wrong_deployment"
-    missing = server.http.post(record.admin_url + admin.SWAP_PATH, json=body, headers=key)
-    assert missing.status_code == 500
-    assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
-    assert "still serving" in missing.json()["error"]["message"]
+    # A swap no release journalled in the store is refused before anything loads.
+    unjournalled = server.http.post(record.admin_url + admin.SWAP_PATH, json=body, headers=key)
+    assert unjournalled.status_code == 409
+    assert set(unjournalled.json()["error"]) == {"message", "type", "param", "code"}
+    assert unjournalled.json()["error"]["code"] == "no_pending_release"
+    assert "swaps go through `dlm release`" in unjournalled.json()["error"]["message"]
     assert deployment.word() in ("alpha", "beta")
     assert not any(record.admin_key in line for line in server.lines)  # never logged
     second = _dlm("serve", "--deployment", "prod", "--store", str(store.root), "--port", "0")

@@ -80,10 +80,13 @@ def test_deployments_are_independent_and_cli_contract(stocked: tuple[Store, list
     assert [d["deployment"] for d in listing["deployments"]] == ["canary"]
     roles = {v["version"]: v["release_role"] for v in listing["models"][0]["versions"]}
     assert roles[v1] == "the current release of deployment canary"
-    code, _, stderr = cli("release", "m", "--store", root)
-    assert code == 2 and "MODEL@VERSION" in stderr
     code, _, stderr = cli("rollback", "--store", root)
     assert code == 2 and "no release to roll back from" in stderr
+    # A bare name releases its newest verified version and says which (issue 19).
+    newest = store.find("m").version
+    code, stdout, stderr = cli("release", "m", "--store", root, "--json")
+    assert code == 0 and json.loads(stdout)["current"]["version"] == newest
+    assert f"m resolves to m@{newest}, its newest verified version" in stderr
 
 
 def test_release_requires_a_verified_intact_version(stocked: tuple[Store, list[str]], sources: list[Path]) -> None:

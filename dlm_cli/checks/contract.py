@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from dlm_cli.checks.runner import Check, CheckFailed, CheckSkipped, Context, expect_status, json_body
-from dlm_cli.client.api import StreamResult, error_message
+from dlm_cli.client.api import StreamResult, error_message, tls_failure
 
 PROMPT = "Write one sentence about the sea."
 FINISH_REASONS = ("stop", "length")
@@ -37,6 +37,12 @@ def readiness(ctx: Context) -> str:
                 expect_status(response, 200, "/ready")
             last = "HTTP 503"
         except httpx.TransportError as exc:
+            failure = tls_failure(exc)
+            if failure is not None:  # waiting will not fix a certificate: say so now
+                raise CheckFailed(
+                    f"TLS with {ctx.client.base_url} failed ({failure}); pass --cacert FILE (the server's CA) "
+                    "or --insecure"
+                ) from None
             last = type(exc).__name__
         if time.perf_counter() >= deadline:
             raise CheckFailed(f"not ready within {ctx.options.ready_timeout:g}s (last: {last})")

@@ -8,7 +8,7 @@ from dlm_cli.checks.abnormal import ABNORMAL_CHECKS
 from dlm_cli.checks.contract import CONTRACT_CHECKS
 from dlm_cli.checks.runner import Check, CheckResult, Context, ValidateOptions, run_checks
 from dlm_cli.checks.suite import Suite, suite_checks
-from dlm_cli.client.api import ApiClient
+from dlm_cli.client.api import ApiClient, Verify
 from engine.errors import UsageError
 
 
@@ -31,9 +31,10 @@ def run_validation(
     skip: tuple[str, ...] = (),
     on_start: Callable[[str], None] | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    verify: Verify = True,
 ) -> list[CheckResult]:
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"URL must start with http:// or https://, got {url!r}")
     checks = validation_checks(suite, skip)
-    with ApiClient(url, api_key, timeout, max_connections=max(100, options.burst)) as client:
+    with ApiClient(url, api_key, timeout, max_connections=max(100, options.burst), verify=verify) as client:
         return run_checks(Context(client, options), checks, on_result=on_result, on_start=on_start)

@@ -8,8 +8,10 @@ before the request is sent to the arrival of the line that carries the data.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -76,8 +78,39 @@ def openai_error_problem(response: httpx.Response) -> str | None:
     return None
 
 
+Verify = ssl.SSLContext | bool  # how https:// servers are checked: True (default CAs), a context, or False
+
+
+def tls_verify(cacert: Path | None = None, insecure: bool = False) -> Verify:
+    """The TLS check for `--cacert FILE` / `--insecure` (validated here, at the boundary):
+    httpx's CA bundle by default, FILE's CA (a private one) instead, or no check."""
+    from engine.errors import UsageError
+
+    if cacert is not None and insecure:
+        raise UsageError("give --cacert or --insecure, not both")
+    if insecure:
+        return False
+    if cacert is None:
+        return True  # httpx's default: the certifi CA bundle
+    try:
+        return ssl.create_default_context(cafile=str(cacert))
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--cacert {cacert}: not a readable PEM CA file ({exc})") from None
+
+
+def tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a transport error (a certificate no CA vouches for, a
+    handshake with a plain-HTTP port), if that is what it was."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class ApiClient:
-    """A base URL, an optional API key, and a timeout applied to every call."""
+    """A base URL, an optional API key, a timeout applied to every call, and the TLS check."""
 
     def __init__(
         self,
@@ -85,6 +118,7 @@ class ApiClient:
         api_key: str | None = None,
         timeout: float = 60.0,
         max_connections: int = 100,
+        verify: Verify = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -93,6 +127,7 @@ class ApiClient:
             base_url=self.base_url,
             timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections),
+            verify=verify,
         )
 
     def close(self) -> None:

@@ -19,6 +19,11 @@ def fetch(
     exclude: list[str] | None = typer.Option(None, "--exclude", help="Skip files matching this glob (repeatable)."),
     name: str | None = typer.Option(None, "--name", help="Name in the store (default: the repo or directory name)."),
     link: bool = typer.Option(False, "--link", help="Hard-link local files instead of copying them (same filesystem)."),
+    follow_symlinks: bool = typer.Option(
+        False,
+        "--follow-symlinks",
+        help="Copy what symbolic links pointing outside the source directory point to (refused otherwise).",
+    ),
     workers: int | None = typer.Option(
         None, "--workers", help="Parallel file transfers / hashes (default: CPU count)."
     ),
@@ -42,6 +47,7 @@ def fetch(
             include=include or (),
             exclude=exclude or (),
             link=link,
+            follow_symlinks=follow_symlinks,
             progress=ByteBar(),
             workers=workers,
         )
@@ -59,4 +65,7 @@ def fetch(
         )
         if not m.verified:
             problems = len((m.verification or {}).get("failures", []))
-            raise DlmError(f"{m.name}@{m.version} is stored but failed verification ({problems} problems)")
+            raise DlmError(
+                f"{m.name}@{m.version} is stored but failed verification ({problems} problems); "
+                "fix the source and fetch it again to replace it"
+            )

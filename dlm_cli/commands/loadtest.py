@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION
 from dlm_cli.loadtest.sweep import MIN_SAMPLES
 from dlm_cli.output import cli_errors, emit_json, err_console
 from engine.home import dlm_home
@@ -41,6 +42,8 @@ def loadtest(
     decode_mode: str | None = typer.Option(None, "--decode-mode", help="dLLM: diffusion|ar."),
     slo: str = typer.Option("", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".'),
     fail_on: str = typer.Option("", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".'),
+    cacert: Path | None = CACERT_OPTION,
+    insecure: bool = INSECURE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     result_format: str = typer.Option(
         "dlm",
@@ -54,7 +57,9 @@ def loadtest(
 ) -> None:
     """Load-test a running server with locust (headless) and report latency, throughput, knee."""
     with cli_errors():
-        # locust first: importing it monkey-patches sockets and ssl for gevent.
+        # dlm_cli.loadtest.run imports locust, which monkey-patches sockets and ssl for gevent:
+        # every TLS context is made after these imports.
+        from dlm_cli.client.api import tls_verify
         from dlm_cli.loadtest.plots import plot_levels
         from dlm_cli.loadtest.report import finalize, live_table, render_summary, write_summary
         from dlm_cli.loadtest.run import LoadPlan, run_loadtest
@@ -91,7 +96,10 @@ def loadtest(
         }
         workload = Workload(load_jsonl(prompts) if prompts else builtin_requests(), fields, model)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
-        plan = LoadPlan(url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds))
+        verify = tls_verify(cacert, insecure)
+        plan = LoadPlan(
+            url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds), verify
+        )
         if plan.ramp(0, levels[0]) >= seconds:
             raise UsageError("--duration must exceed the ramp-up (users / spawn-rate)")
 

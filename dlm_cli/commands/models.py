@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from dlm_cli.output import cli_errors, emit_json, err_console
+from dlm_cli.output import cli_errors, emit_json, err_console, listing_console
 from dlm_cli.store_ui import JSON_OPTION, STORE_OPTION, human_size, open_store
 
 
@@ -15,6 +15,19 @@ def _source(source: dict[str, Any]) -> str:
     if source.get("kind") == "hub":
         return f"{source['repo_id']}@{source['revision']}"
     return str(source.get("path"))
+
+
+def _settled_listing(store: Any) -> dict[str, Any]:
+    """The listing, with interrupted swaps settled first, unless another store command is
+    running: then as it stands (a swap in progress shows as the deployment's `pending`)."""
+    from dlm_cli.store.atomic import Busy
+    from dlm_cli.store.releases import transaction
+
+    try:
+        with transaction(store, blocking=False):
+            return _listing(store)
+    except Busy:
+        return _listing(store)
 
 
 def _listing(store: Any) -> dict[str, Any]:
@@ -47,16 +60,19 @@ def _listing(store: Any) -> dict[str, Any]:
 
 
 def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> None:
-    """List the store: names, versions, sizes, verification state, and release history."""
+    """List the store on stdout: names, versions, sizes, verification state, and release history."""
     with cli_errors():
-        listing = _listing(open_store(store))
+        listing = _settled_listing(open_store(store))
         if json_out:
             emit_json(listing)
             return
         from rich.table import Table
 
+        out = listing_console()
+
         table = Table(title=f"models in {listing['store']}", title_justify="left")
-        for column in ("model@version", "state", "size", "fetched", "source", "release"):
+        table.add_column("model@version", no_wrap=True)  # whole, so it can be copied and grepped
+        for column in ("state", "size", "fetched", "source", "release"):
             table.add_column(column, overflow="fold")
         for model in listing["models"]:
             for v in model["versions"]:
@@ -69,11 +85,11 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
                     _source(v["source"]),
                     v["release_role"] or "",
                 )
-        err_console.print(table)
+        out.print(table)
         for state in listing["deployments"]:
             history = Table(title=f"deployment {state['deployment']}", title_justify="left")
             for column in ("at", "action", "model@version", "status", "detail"):
-                history.add_column(column, overflow="fold")
+                history.add_column(column, overflow="fold", no_wrap=column == "model@version")
             for event in state["history"]:
                 history.add_row(
                     event["at"],
@@ -82,7 +98,12 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
                     event["status"],
                     event.get("error") or "",
                 )
-            err_console.print(history)
+            pending = state.get("pending")
+            if pending:
+                history.add_row(
+                    pending["at"], pending["action"], f"{pending['model']}@{pending['version']}", "swapping"
+                )
+            out.print(history)
 
 
 def rm(

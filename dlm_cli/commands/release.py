@@ -13,11 +13,13 @@ from dlm_cli.store_ui import JSON_OPTION, STORE_OPTION, open_store
 DEPLOYMENT_OPTION: Any = typer.Option("default", "--deployment", "-d", help="Deployment name.")
 
 
-def _report(outcome: Any, json_out: bool) -> None:
+def _report(outcome: Any, json_out: bool, asked: str | None = None) -> None:
     if json_out:
         emit_json(outcome.to_json())
     current = outcome.current
     ref = f"{current['model']}@{current['version']}" if current else "nothing"
+    if asked is not None and "@" not in asked:  # a bare name: say which version it meant
+        err_console.print(f"{asked} resolves to {ref}, its newest verified version", highlight=False)
     if not outcome.changed:
         err_console.print(f"deployment {outcome.deployment} already serves {ref}", highlight=False)
         return
@@ -28,7 +30,9 @@ def _report(outcome: Any, json_out: bool) -> None:
 
 
 def release(
-    model: str = typer.Argument(..., help="MODEL@VERSION from the store (must be verified)."),
+    model: str = typer.Argument(
+        ..., help="MODEL@VERSION from the store (must be verified); a bare MODEL means its newest verified version."
+    ),
     deployment: str = DEPLOYMENT_OPTION,
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -37,7 +41,7 @@ def release(
     with cli_errors():
         from dlm_cli.store.releases import release as run_release
 
-        _report(run_release(open_store(store), model, deployment), json_out)
+        _report(run_release(open_store(store), model, deployment), json_out, model)
 
 
 def rollback(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -30,6 +31,8 @@ def validate(
         None, "--min-context", help="Fail unless prompts of this many tokens are served."
     ),
     skip: list[str] = typer.Option([], "--skip", help="Check to leave out (repeatable)."),
+    cacert: Path | None = CACERT_OPTION,
+    insecure: bool = INSECURE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ) -> None:
     """Check a running server against the HTTP contract; exit 1 if any check fails."""
@@ -38,10 +41,14 @@ def validate(
         from dlm_cli.checks.runner import FAILED, ValidateOptions
         from dlm_cli.checks.suite import load_suite
         from dlm_cli.checks.validate import run_validation
+        from dlm_cli.client.api import tls_verify
         from engine.errors import UsageError
 
         if max_tokens < 1 or burst < 1 or timeout <= 0 or ready_timeout < 0:
             raise UsageError("--max-tokens and --burst must be >= 1, --timeout > 0, --ready-timeout >= 0")
+        verify = tls_verify(cacert, insecure)
+        if junit_xml is not None:  # before any check runs, so their results are never lost
+            _writable(junit_xml)
         options = ValidateOptions(
             model=model, max_tokens=max_tokens, ready_timeout=ready_timeout, burst=burst, min_context=min_context
         )
@@ -55,6 +62,7 @@ def validate(
                 suite=loaded,
                 skip=tuple(skip),
                 on_start=lambda name: status.update(f"check [bold]{name}[/]"),
+                verify=verify,
             )
         if junit_xml:
             write_junit(results, url, junit_xml)
@@ -64,3 +72,15 @@ def validate(
             render_table(results, url, err_console)
         if any(r.status == FAILED for r in results):
             raise typer.Exit(1)
+
+
+def _writable(path: Path) -> None:
+    """Create the report's folder if needed, and refuse (bad usage) a path that cannot be written."""
+    from engine.errors import UsageError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--junit-xml {path}: cannot create its folder ({exc.strerror or exc})") from None
+    if path.is_dir():
+        raise UsageError(f"--junit-xml {path} is a directory; give a file name")

@@ -21,7 +21,7 @@ from locust.env import Environment
 from locust.html import get_html_report
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
-from dlm_cli.client.api import ApiClient
+from dlm_cli.client.api import ApiClient, Verify
 from dlm_cli.client.metrics import GENERATION_TOKENS, REQUEST_SUCCESS, MetricsFormatError, parse_samples
 from dlm_cli.loadtest.stats import RequestRecord, summarize
 from dlm_cli.loadtest.thresholds import Condition
@@ -48,6 +48,7 @@ class LoadPlan:
     api_key: str | None = None
     timeout: float = 60.0
     slo: tuple[Condition, ...] = ()
+    verify: Verify = True  # TLS check of an https:// server (dlm_cli.client.api.tls_verify)
 
     def ramp(self, before: int, users: int) -> float:
         return max(0.0, (users - before) / self.spawn_rate) if self.spawn_rate else 0.0
@@ -134,14 +135,14 @@ def run_loadtest(
     """Run every level; return (per-level summaries, totals and the agreement with /metrics;
     the vLLM-shaped result of each level)."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    with ApiClient(plan.url, plan.api_key, plan.timeout) as client:
+    with ApiClient(plan.url, plan.api_key, plan.timeout, verify=plan.verify) as client:
         workload = plan.workload
         if workload.model is None:
             workload = Workload(workload.requests, workload.fields, resolve_model(client))
         before = scrape(client)
         recorder = Recorder()
         env = Environment(
-            user_classes=[user_class(plan.url, plan.api_key, plan.timeout, workload, recorder)],
+            user_classes=[user_class(plan.url, plan.api_key, plan.timeout, workload, recorder, plan.verify)],
             host=plan.url,
             stop_timeout=plan.timeout,
         )

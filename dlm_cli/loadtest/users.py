@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from locust import User, constant, task
 
-from dlm_cli.client.api import ApiClient
+from dlm_cli.client.api import ApiClient, Verify
 from dlm_cli.loadtest.stats import RequestRecord
 from dlm_cli.loadtest.workload import Workload
 
@@ -32,7 +32,9 @@ class Recorder:
     records: list[RequestRecord] = field(default_factory=list)
 
 
-def user_class(url: str, api_key: str | None, timeout: float, workload: Workload, recorder: Recorder) -> type[User]:
+def user_class(
+    url: str, api_key: str | None, timeout: float, workload: Workload, recorder: Recorder, verify: Verify = True
+) -> type[User]:
     counter = itertools.count()
 
     class CompletionUser(User):
@@ -40,7 +42,7 @@ def user_class(url: str, api_key: str | None, timeout: float, workload: Workload
         wait_time = constant(0)  # closed loop: the next request as soon as one finishes
 
         def on_start(self) -> None:
-            self.api = ApiClient(url, api_key, timeout, max_connections=1)
+            self.api = ApiClient(url, api_key, timeout, max_connections=1, verify=verify)
 
         def on_stop(self) -> None:
             self.api.close()

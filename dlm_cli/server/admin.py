@@ -26,7 +26,8 @@ from dlm_cli.server import errors
 from dlm_cli.server.auth import KeyRing
 from dlm_cli.server.hotswap import HotSwapper, SwapRequest
 from dlm_cli.server.service import Service
-from dlm_cli.store.admin import SWAP_PATH, register_server, unregister_server
+from dlm_cli.store.admin import SWAP_PATH, unregister_server
+from dlm_cli.store.releases import register
 from dlm_cli.store.store import Store
 
 log = logging.getLogger("dlm.server")
@@ -97,8 +98,10 @@ class AdminEndpoint:
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{LOOPBACK}:{port}"
-        if config.deployment is not None:
-            register_server(Store(config.store), config.deployment, self.url, self.key)
+        if config.deployment is not None:  # what to load is read in the same store transaction
+            store = Store(config.store)
+            manifest, path = await asyncio.to_thread(register, store, config.deployment, self.url, self.key)
+            self.service.pinned = (str(path), f"{manifest.name}@{manifest.version}")
         log.info("admin endpoint on %s%s (deployment %s)", self.url, SWAP_PATH, config.deployment or "-")
         return self.url
 

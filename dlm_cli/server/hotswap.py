@@ -15,6 +15,11 @@ The steps, one swap at a time (a second one is refused with 409 while one runs):
 
 Only then is the swap answered, so `dlm release` records success only once no request can
 reach the old version any more.
+
+For a store deployment the swap must carry the intent id the release wrote in the store's swap
+journal (dlm_cli/store/releases.py): the server checks it before loading, notes in its record
+that it is switching, and notes what it serves once it has switched (or given up), so a
+release killed meanwhile is settled from what the server really did.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class SwapRequest(BaseModel):
     version: str
     path: str
     content_sha256: str | None = None
+    intent: str | None = None  # the store's journal entry (required for a deployment)
 
     @property
     def ref(self) -> str:
@@ -65,8 +71,12 @@ class HotSwapper:
             raise APIError(409, "another swap is in progress; retry when it has finished", code="swap_in_progress")
         async with self._lock:
             old = await self._serving(request)
-            candidate = await self._load(request, old)
-            self._switch(old, candidate)
+            await self._journal(request, old)
+            try:
+                candidate = await self._load(request, old)
+                self._switch(old, candidate)
+            finally:
+                await self._journal_end()
             old_engine = await self._retire(old)
             del old, candidate  # the last references this swap holds
             await _released(old_engine)
@@ -92,6 +102,32 @@ class HotSwapper:
                 503, f"the server failed to load its model: {service.load_error}", type="unavailable", code="not_ready"
             )
         return service.served
+
+    async def _journal(self, request: SwapRequest, old: LoadedModel) -> None:
+        """Act only on the release pending in the store, and say so in the server record."""
+        config = self.service.config
+        if config.deployment is None:
+            return
+        from dlm_cli.store.releases import claim_swap
+        from dlm_cli.store.store import Store
+        from engine.errors import DlmError
+
+        try:
+            await asyncio.to_thread(
+                claim_swap, Store(config.store), config.deployment, request.intent, request.ref, old.ref
+            )
+        except DlmError as exc:
+            raise APIError(409, str(exc), param="intent", code="no_pending_release") from None
+
+    async def _journal_end(self) -> None:
+        config = self.service.config
+        if config.deployment is None:
+            return
+        from dlm_cli.store.releases import swap_ended
+        from dlm_cli.store.store import Store
+
+        served = self.service.served
+        await asyncio.to_thread(swap_ended, Store(config.store), config.deployment, served.ref if served else None)
 
     async def _load(self, request: SwapRequest, old: LoadedModel) -> LoadedModel:
         log.info(

@@ -78,6 +78,8 @@ class Service:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        # a deployment's checkpoint and NAME@VERSION, read as the admin endpoint registers
+        self.pinned: tuple[str, str] | None = None
         self.exit_code = 1  # of the process, when loading fails (2: the model was bad usage)
         self.runtime: dict[str, Any] = {}  # the served model's dtype choice and kernels, for /health
 
@@ -113,17 +115,16 @@ class Service:
         )
 
     def initial_checkpoint(self) -> tuple[str | None, str | None]:
-        """What to load at start: MODEL, or the deployment's current release (read now, after
-        the admin endpoint registered, so a release made meanwhile reaches this server)."""
+        """What to load at start: MODEL, or the deployment's current release (read when the
+        admin endpoint registered, in one store transaction, so a release made since reaches
+        this server as a hot swap once it has loaded)."""
         if self.config.deployment is None:
             from dlm_cli.store.resolve import resolve_model
 
             return str(resolve_model(self.config.model)), None
-        from dlm_cli.store.releases import current_checkpoint
-        from dlm_cli.store.store import Store
-
-        manifest, path = current_checkpoint(Store(self.config.store), self.config.deployment)
-        return str(path), f"{manifest.name}@{manifest.version}"
+        if self.pinned is None:
+            raise DlmError(f"deployment {self.config.deployment}: the admin endpoint did not register")
+        return self.pinned
 
     def open(self, model: str | None, ref: str | None, *, warmup: bool) -> LoadedModel:
         """Load a checkpoint, check it against the limits, warm it up and start its engine loop."""

@@ -50,9 +50,14 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+class Busy(Exception):
+    """A non-blocking `locked` found the lock held."""
+
+
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `path` (created if needed) for the block.
+def locked(path: Path, blocking: bool = True) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `path` (created if needed) for the block; with
+    `blocking=False`, raise Busy at once when another process holds it.
 
     The kernel drops the lock when the holder dies, so a SIGKILLed fetch or release never
     leaves a stale lock behind.
@@ -61,7 +66,10 @@ def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise Busy(str(path)) from None
         yield
     finally:
         os.close(fd)

@@ -4,7 +4,10 @@ Hub: the revision is resolved to a commit first, so a version always names immut
 content; files download through huggingface_hub into a staging directory named after that
 commit (an interrupted fetch resumes there), then each file is checked against the hub's
 hash for it (sha256 for LFS files, git's blob id for the rest) before the version is
-published. Local: files are copied (or hard-linked) and hashed in the same pass.
+published. Local: files are copied (or hard-linked) and hashed in the same pass; symbolic
+links are followed only inside the source tree (or, with `follow_symlinks`, anywhere), and a
+broken one (dangling, a loop) or anything that is not a regular file is stored as a finding
+that fails the version instead of being copied.
 Either way the version id is derived from the content, so a second fetch of the same thing
 does no transfer: for a commit already in the store, no network call either when the
 revision is given as a full commit hash.
@@ -23,12 +26,23 @@ from pathlib import Path
 from typing import Any
 
 from dlm_cli.store.hashing import ByteProgress, NoProgress, copy_hashing, git_blob_sha1, parallel_map, sha256_file
-from dlm_cli.store.store import FILES, FileEntry, Manifest, Store, check_name, content_hash, iter_files, now
+from dlm_cli.store.releases import transaction
+from dlm_cli.store.store import (
+    FILES,
+    FileEntry,
+    Manifest,
+    Store,
+    check_name,
+    content_hash,
+    iter_files,
+    local_path,
+    now,
+)
 from dlm_cli.store.verify import VerifyReport, check_structure
 from engine.errors import DlmError, UsageError
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
+COMMIT = re.compile(r"[0-9a-f]{40}\Z")
 
 
 @dataclass
@@ -71,15 +85,21 @@ def _filter_tag(include: Sequence[str], exclude: Sequence[str]) -> str:
     return "-" + hashlib.sha256(blob).hexdigest()[:6]
 
 
-def _publish(store: Store, staging: Path, manifest: Manifest, transferred: int) -> FetchResult:
-    """Structural checks on the staged files, then the atomic rename into the store."""
+def _publish(
+    store: Store, staging: Path, manifest: Manifest, transferred: int, unusable: dict[str, str] | None = None
+) -> FetchResult:
+    """Structural checks on the staged files (plus the source entries that could not be
+    copied, as failures), then the atomic rename into the store."""
     report = VerifyReport(path=str(staging / FILES), model=manifest.name, version=manifest.version)
     report.files = len(manifest.files)
+    for rel, problem in sorted((unusable or {}).items()):
+        report.fail(rel, "source", problem)
     check_structure(staging / FILES, report)
     manifest.verification = report.record(hashed=True)
-    published = store.commit(staging, manifest)
-    if not published:
-        manifest = store.manifest(manifest.name, manifest.version)
+    with transaction(store):
+        published = store.commit(staging, manifest)
+        if not published:
+            manifest = store.manifest(manifest.name, manifest.version)
     path = store.files_dir(manifest.name, manifest.version)
     report.path = str(path)
     return FetchResult(manifest, path, not published, transferred, report if published else None)
@@ -92,11 +112,49 @@ def _unchanged_copy(
     """A version copied from this very path whose files all still have the size and mtime
     they had then: re-fetching it would read everything to learn nothing."""
     for manifest in reversed(store.manifests(name)):
-        if manifest.source != source:
+        if manifest.source != source or manifest.state == "failed":  # a failed one is fetched again
             continue
         if {f.path: f.source_stat for f in manifest.files} == stats:
             return manifest
     return None
+
+
+def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, Path], dict[str, str]]:
+    """Walk a local source: (relative path -> file to read, relative path -> why it cannot
+    be copied). Dot-directories (.git, .cache) are skipped, as in `iter_files`. A symbolic
+    link is read through when its target lies inside `src`; one leaving it is refused unless
+    `follow_symlinks`; links to an enclosing directory (loops) and dangling links are unusable."""
+    files: dict[str, Path] = {}
+    unusable: dict[str, str] = {}
+    pending: list[tuple[Path, str, frozenset[Path]]] = [(src, "", frozenset({src}))]
+    while pending:
+        directory, prefix, ancestors = pending.pop()
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            rel, path = prefix + entry.name, Path(entry.path)
+            real = path
+            if entry.is_symlink():
+                try:
+                    real = path.resolve(strict=True)
+                except (OSError, RuntimeError):
+                    unusable[rel] = "a broken symbolic link (dangling, or a loop)"
+                    continue
+                if not real.is_relative_to(src) and not follow_symlinks:
+                    raise DlmError(
+                        f"{path} is a symbolic link to {real}, outside {src}: refused "
+                        "(`dlm fetch --follow-symlinks` copies what such links point to)"
+                    )
+            if real.is_dir():
+                if entry.name.startswith("."):
+                    continue
+                if real in ancestors:
+                    unusable[rel] = f"a symbolic link to its own enclosing directory {real} (a loop)"
+                    continue
+                pending.append((real, rel + "/", ancestors | {real}))
+            elif real.is_file():
+                files[rel] = real
+            else:
+                unusable[rel] = "not a regular file (a socket, FIFO or device)"
+    return files, unusable
 
 
 def fetch_local(
@@ -108,29 +166,34 @@ def fetch_local(
     link: bool,
     progress: ByteProgress,
     workers: int | None,
+    follow_symlinks: bool = False,
 ) -> FetchResult:
     src = directory.expanduser().resolve()
-    name = check_name(name or src.name)
-    rels = _select([p.relative_to(src).as_posix() for p in iter_files(src)], include, exclude)
-    if not rels:
+    name = check_name(src.name if name is None else name)
+    found, unusable = _source_files(src, follow_symlinks)
+    selected = set(_select(sorted({*found, *unusable}), include, exclude))
+    if not selected:
         raise UsageError(
             f"no files to fetch from {src}" + (" (after --include/--exclude)" if include or exclude else "")
         )
+    unusable = {rel: why for rel, why in unusable.items() if rel in selected}
+    sources = {rel: path for rel, path in found.items() if rel in selected}
+    rels = sorted(sources)
     stats = {}
     for rel in rels:
-        st = (src / rel).stat()
+        st = sources[rel].stat()
         stats[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     source = {"kind": "local", "path": str(src), "include": list(include), "exclude": list(exclude), "link": link}
-    with store.lock(name):
-        existing = _unchanged_copy(store, name, source, stats)
+    with store.staging_lock(name):
+        existing = None if unusable else _unchanged_copy(store, name, source, stats)
         if existing is not None:
             return FetchResult(existing, store.files_dir(name, existing.version), True, 0, None)
         store.clear_stale_staging(name)
         staging = store.staging(name)
         try:
 
-            def transfer(path: Path, advance: Any) -> str:
-                dst = staging / FILES / path.relative_to(src)
+            def transfer(rel: str, advance: Any) -> str:
+                path, dst = sources[rel], staging / FILES / rel
                 if link:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
@@ -141,23 +204,20 @@ def fetch_local(
                         return sha256_file(dst, advance)
                 return copy_hashing(path, dst, advance)
 
-            digests = parallel_map(
-                transfer, [src / r for r in rels], progress, "linking" if link else "copying", workers
-            )
-            failed = {p: d for p, d in digests.items() if isinstance(d, OSError)}
+            total = sum(stat["size"] for stat in stats.values())
+            digests = parallel_map(transfer, rels, progress, "linking" if link else "copying", workers, total)
+            failed = {rel: d for rel, d in digests.items() if isinstance(d, OSError)}
             if failed:
-                path, exc = next(iter(failed.items()))
-                raise DlmError(f"could not copy {path}: {exc}")
+                rel, exc = next(iter(failed.items()))
+                raise DlmError(f"could not copy {sources[rel]}: {exc}")
             for rel in rels:
-                st = (src / rel).stat()
+                st = sources[rel].stat()
                 if {"size": st.st_size, "mtime_ns": st.st_mtime_ns} != stats[rel]:
                     raise DlmError(f"{src / rel} changed while it was being copied; fetch again")
-            files = [
-                FileEntry(rel, stats[rel]["size"], str(digests[src / rel]), source_stat=stats[rel]) for rel in rels
-            ]
+            files = [FileEntry(rel, stats[rel]["size"], str(digests[rel]), source_stat=stats[rel]) for rel in rels]
             digest = content_hash(files)
             manifest = Manifest(name, digest[:12], source, files, now(), digest)
-            return _publish(store, staging, manifest, sum(f.size for f in files))
+            return _publish(store, staging, manifest, sum(f.size for f in files), unusable)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -177,10 +237,12 @@ def _hub_error(repo_id: str, exc: Exception) -> DlmError:
 
 
 def _existing(store: Store, name: str, version: str) -> Manifest | None:
+    """The stored version, unless absent or failed (a failed one is fetched again)."""
     try:
-        return store.manifest(name, version)
+        manifest = store.manifest(name, version)
     except UsageError:
         return None
+    return None if manifest.state == "failed" else manifest
 
 
 def fetch_hub(
@@ -196,7 +258,7 @@ def fetch_hub(
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
-    name = check_name(name or repo_id.split("/")[-1])
+    name = check_name(repo_id.split("/")[-1] if name is None else name)
     revision = revision or "main"
     tag = _filter_tag(include, exclude)
     if COMMIT.match(revision):  # immutable: no need to ask the hub what it resolves to
@@ -232,7 +294,7 @@ def fetch_hub(
         "include": list(include),
         "exclude": list(exclude),
     }
-    with store.lock(name):
+    with store.staging_lock(name):
         staging = store.staging(name, key=f"hub-{version}")
         target = staging / FILES
         before = sum(p.stat().st_size for p in iter_files(target)) if target.exists() else 0
@@ -290,20 +352,21 @@ def fetch(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     link: bool = False,
+    follow_symlinks: bool = False,
     progress: ByteProgress | None = None,
     workers: int | None = None,
 ) -> FetchResult:
     """Fetch SOURCE (a directory, or a hub repo id) into the store."""
     progress = progress or NoProgress()
-    path = Path(source).expanduser()
-    if path.exists():
+    path = local_path(source)
+    if path is not None:
         if not path.is_dir():
             raise UsageError(f"{source} is a file; SOURCE must be a directory or a hub repo id")
         if revision is not None:
             raise UsageError("--revision applies to hub sources, not to a local directory")
-        return fetch_local(path, store, name, include, exclude, link, progress, workers)
-    if link:
-        raise UsageError("--link applies to local sources only")
+        return fetch_local(path, store, name, include, exclude, link, progress, workers, follow_symlinks)
+    if link or follow_symlinks:
+        raise UsageError(f"{'--link' if link else '--follow-symlinks'} applies to local sources only")
     if not HUB_ID.match(source):
         raise UsageError(f"no directory at {source!r}, and it is not a hub repo id (org/name)")
     return fetch_hub(source, store, name, revision, include, exclude, progress, workers)

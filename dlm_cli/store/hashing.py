@@ -13,9 +13,10 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 CHUNK = 8 << 20
+K = TypeVar("K")
 
 
 class ByteProgress(Protocol):
@@ -80,31 +81,34 @@ def copy_hashing(src: Path, dst: Path, advance: Callable[[int], None] = lambda n
 
 
 def parallel_map(
-    work: Callable[[Path, Callable[[int], None]], str],
-    paths: list[Path],
+    work: Callable[[K, Callable[[int], None]], str],
+    items: list[K],
     progress: ByteProgress,
     description: str,
     workers: int | None = None,
-) -> dict[Path, str | OSError]:
-    """Run `work(path, advance)` over `paths` in threads; an OSError is returned, not raised,
-    so one unreadable file does not hide the state of the others."""
-    total = sum(p.stat().st_size for p in paths if p.is_file())
+    total_bytes: int | None = None,
+) -> dict[K, str | OSError]:
+    """Run `work(item, advance)` over `items` (paths, unless `total_bytes` is given) in
+    threads; an OSError is returned, not raised, so one unreadable file does not hide the
+    state of the others."""
+    if total_bytes is None:
+        total_bytes = sum(p.stat().st_size for p in items if isinstance(p, Path) and p.is_file())
     lock = threading.Lock()
 
     def advance(n: int) -> None:
         with lock:
             progress.advance(n)
 
-    def one(path: Path) -> str | OSError:
+    def one(item: K) -> str | OSError:
         try:
-            return work(path, advance)
+            return work(item, advance)
         except OSError as exc:
             return exc
 
-    workers = max(1, min(workers or os.cpu_count() or 1, len(paths) or 1))
-    progress.start(description, total)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(items) or 1))
+    progress.start(description, total_bytes)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return dict(zip(paths, pool.map(one, paths)))
+            return dict(zip(items, pool.map(one, items)))
     finally:
         progress.stop()

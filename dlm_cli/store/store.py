@@ -4,7 +4,8 @@ A version directory is built under `<name>/.staging/` and appears under its fina
 one `rename` once every file is written, fsynced and hashed and its manifest is on disk, so
 a fetch killed at any point never leaves a listed, half-written version. Versions are
 immutable afterwards except for the manifest's `verification` record, which is rewritten
-atomically. Version ids are derived from what was fetched (the hub commit, or the content
+atomically, and a `failed` version, which a fetch of the same content that passes the checks
+replaces whole. Version ids are derived from what was fetched (the hub commit, or the content
 hash of a local copy), so fetching the same thing twice lands on the same version.
 """
 
@@ -25,7 +26,7 @@ from dlm_cli.store.atomic import fsync_dir, locked, read_json, write_json_atomic
 from engine.errors import DlmError, UsageError
 from engine.home import dlm_home
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no trailing newline
 MANIFEST = "manifest.json"
 FILES = "files"
 STAGING = ".staging"
@@ -42,7 +43,7 @@ def now() -> str:
 
 
 def check_name(name: str, what: str = "model name") -> str:
-    if not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.match(name):
         raise UsageError(
             f"invalid {what} {name!r}: use letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
@@ -57,6 +58,19 @@ def split_ref(spec: str) -> tuple[str, str | None]:
         check_name(version, "version")
         return name, version
     return name, None
+
+
+def local_path(spec: str) -> Path | None:
+    """SPEC as an existing file system path, else None (also when it cannot be one: a
+    component longer than the file system allows, a NUL byte, a link loop; and the empty
+    string, which Path would read as the current directory)."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    try:
+        return path if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def content_hash(files: list[FileEntry]) -> str:
@@ -133,8 +147,16 @@ class Store:
     def files_dir(self, name: str, version: str) -> Path:
         return self.version_dir(name, version) / FILES
 
-    def lock(self, name: str) -> Any:
-        """Serialises fetches, commits and removals of one model."""
+    def lock(self, blocking: bool = True) -> Any:
+        """The store-wide lock: every change to what the store lists or serves (publishing,
+        verification records, removal, releases, server registration) happens under it,
+        and reads what it protects only once it is held. Callers normally take it through
+        `dlm_cli.store.releases.transaction`, which also settles interrupted hot swaps."""
+        return locked(self.root / ".lock", blocking)
+
+    def staging_lock(self, name: str) -> Any:
+        """Serialises the (long) transfers of one model's fetches into its staging area;
+        taken before, never inside, the store-wide lock."""
         return locked(self.model_dir(name) / ".lock")
 
     # -- reading ------------------------------------------------------------------------
@@ -209,14 +231,20 @@ class Store:
                     shutil.rmtree(entry, ignore_errors=True)
 
     def commit(self, staging: Path, manifest: Manifest) -> bool:
-        """Publish a staged version: write its manifest, then rename it into place.
+        """Publish a staged version: write its manifest, then rename it into place (the
+        caller holds the store lock).
 
-        Returns False (and discards the staging copy) when that version already exists.
+        Returns False (and discards the staging copy) when that version already exists,
+        unless the stored one failed verification and the staged one passed: then the
+        staged copy replaces it (a fetch repairs a failed version).
         """
         target = self.version_dir(manifest.name, manifest.version)
         if (target / MANIFEST).is_file():
-            shutil.rmtree(staging, ignore_errors=True)
-            return False
+            stored = self.manifest(manifest.name, manifest.version)
+            if stored.state != "failed" or not manifest.verified:
+                shutil.rmtree(staging, ignore_errors=True)
+                return False
+            self._unlist(target)
         if target.exists():  # a torn leftover from an older, non-atomic tool: not listed, replace
             shutil.rmtree(target)
         for directory, _, _ in os.walk(staging / FILES):
@@ -227,22 +255,26 @@ class Store:
         return True
 
     def record_verification(self, name: str, version: str, verification: dict[str, Any]) -> Manifest:
-        with self.lock(name):
-            manifest = self.manifest(name, version)
-            manifest.verification = verification
-            write_json_atomic(self.version_dir(name, version) / MANIFEST, manifest.to_json())
+        """Rewrite the version's verification record (the caller holds the store lock)."""
+        if not (self.version_dir(name, version) / MANIFEST).is_file():
+            raise DlmError(f"{name}@{version} was removed while it was being verified")
+        manifest = self.manifest(name, version)
+        manifest.verification = verification
+        write_json_atomic(self.version_dir(name, version) / MANIFEST, manifest.to_json())
         return manifest
 
     def remove(self, name: str, version: str) -> None:
-        """Unlist the version atomically (rename to a dot name), then delete its files."""
-        with self.lock(name):
-            for leftover in self.model_dir(name).glob(".trash-*"):  # from a removal killed midway
-                shutil.rmtree(leftover, ignore_errors=True)
-            target = self.version_dir(name, version)
-            trash = target.parent / f".trash-{version}-{os.getpid()}"
-            os.rename(target, trash)
-            fsync_dir(target.parent)
-            shutil.rmtree(trash, ignore_errors=True)
+        """Unlist the version atomically, then delete its files (the caller holds the store lock)."""
+        self._unlist(self.version_dir(name, version))
+
+    def _unlist(self, target: Path) -> None:
+        """Rename a version directory to a dot name (no longer listed), then delete it."""
+        for leftover in target.parent.glob(".trash-*"):  # from a removal killed midway
+            shutil.rmtree(leftover, ignore_errors=True)
+        trash = target.parent / f".trash-{target.name}-{os.getpid()}"
+        os.rename(target, trash)
+        fsync_dir(target.parent)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def iter_files(root: Path) -> Iterator[Path]:

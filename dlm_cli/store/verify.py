@@ -15,8 +15,8 @@ from typing import Any
 
 from dlm_cli.store.hashing import ByteProgress, NoProgress, parallel_map, sha256_file
 from dlm_cli.store.safetensors_format import check_safetensors
-from dlm_cli.store.store import Manifest, Store, iter_files, now
-from engine.errors import DlmError
+from dlm_cli.store.store import Manifest, Store, iter_files, local_path, now, split_ref
+from engine.errors import DlmError, UsageError
 
 INDEX = "model.safetensors.index.json"
 
@@ -129,7 +129,11 @@ def check_weights(directory: Path, report: VerifyReport) -> None:
         return
     holders: dict[str, list[str]] = {}
     for rel, path in sorted(shards.items()):
-        result = check_safetensors(path)
+        try:
+            result = check_safetensors(path)
+        except OSError as exc:  # a dangling link or a looping one, an unreadable file
+            report.fail(rel, "safetensors", f"unreadable: {exc.strerror or exc}")
+            continue
         for problem in result.problems:
             report.fail(rel, "safetensors", problem)
         for tensor in result.tensors:
@@ -174,10 +178,23 @@ def check_tokenizer(directory: Path, report: VerifyReport) -> None:
         report.fail("tokenizer", "tokenizer", str(exc))
 
 
+STRUCTURE_CHECKS = (
+    ("safetensors", ".", check_weights),
+    ("config", "config.json", check_config),
+    ("tokenizer", "tokenizer", check_tokenizer),
+)
+
+
 def check_structure(directory: Path, report: VerifyReport) -> None:
-    check_weights(directory, report)
-    check_config(directory, report)
-    check_tokenizer(directory, report)
+    """The checks that need no manifest. Each parses files of unknown origin, so whatever a
+    parser raises (bad encodings, nesting deeper than the parser's recursion limit, a
+    directory where a file belongs, wrong JSON types) is a finding against that check, not a
+    crash: verification always produces a report."""
+    for check, file, run in STRUCTURE_CHECKS:
+        try:
+            run(directory, report)
+        except Exception as exc:  # noqa: BLE001 - the boundary with untrusted files, see above
+            report.fail(file, check, f"could not be read: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def verify_directory(
@@ -206,10 +223,19 @@ def verify_model(
 ) -> VerifyReport:
     """Verify MODEL: a checkpoint directory, or a store version (whose manifest then records
     the result, so `release` knows whether it may use it)."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
+    from dlm_cli.store.releases import transaction
+
+    path = local_path(spec)
+    if path is not None and path.is_dir():
         return verify_directory(path, None, progress, workers)
+    if path is not None:
+        raise UsageError(f"{spec} is a file; MODEL is a checkpoint directory or a store NAME[@VERSION]")
+    try:
+        split_ref(spec)
+    except UsageError:
+        raise UsageError(f"no such directory: {spec} (nor is it a store NAME[@VERSION])") from None
     manifest = store.find(spec)
     report = verify_directory(store.files_dir(manifest.name, manifest.version), manifest, progress, workers)
-    store.record_verification(manifest.name, manifest.version, report.record(hashed=True))
+    with transaction(store):
+        store.record_verification(manifest.name, manifest.version, report.record(hashed=True))
     return report

@@ -1,0 +1,18 @@
+"""The options of the commands that call a running server (`dlm validate`, `dlm loadtest`):
+how its TLS certificate is checked. Turned into a check by dlm_cli.client.api.tls_verify."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+CACERT_OPTION: Any = typer.Option(
+    None,
+    "--cacert",
+    envvar="DLM_CACERT",
+    help="PEM file of the CA that signed an https:// server's certificate (a private CA).",
+)
+INSECURE_OPTION: Any = typer.Option(
+    False, "--insecure", help="Do not check an https:// server's certificate (testing only)."
+)

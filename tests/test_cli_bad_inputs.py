@@ -1,0 +1,335 @@
+"""Every store, validate and loadtest subcommand over a corpus of bad inputs (issue 16): no
+traceback, one `error:` line, the documented exit code (1 failed operation, 2 bad usage), and
+a corrupted checkpoint that `dlm fetch` could read is recorded as a `failed` version.
+
+Commands run in process (tests/weights_helpers.cli re-raises any exception that is not an exit,
+so a crash fails the test as a traceback would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dlm_cli.store.fetch import fetch
+from dlm_cli.store.releases import load_state, release
+from dlm_cli.store.store import Store
+from tests.weights_helpers import cli, make_checkpoint
+
+ERROR_LINE = re.compile(r"\W*error\b", re.IGNORECASE)
+RAW_EXCEPTION = re.compile(r"^\s*\w*(Error|Exception)\b.*:|Traceback", re.MULTILINE)
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than any recursive JSON parser's limit
+BAD_UTF8 = b'{"model_type": "llada", "x": "\xff\xfe"}'
+
+
+def _assert_one_error(code: int, stdout: str, stderr: str, expected_code: int) -> None:
+    out = stdout + stderr
+    assert not RAW_EXCEPTION.search(out), out[-2000:]
+    errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
+    assert len(errors) == 1 and errors[0].startswith("error: "), stderr[-2000:]
+    assert code == expected_code, (code, stderr[-2000:])
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("good") / "ckpt", shards=2)
+
+
+def _shard(directory: Path) -> Path:
+    return sorted(directory.glob("*.safetensors"))[0]
+
+
+def _header_bytes(path: Path, raw: bytes) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def _config_dir(d: Path) -> None:
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    (d / "config.json" / "inner.txt").write_text("x")
+
+
+def _wrong_types(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    config.update(hidden_size="big", num_hidden_layers=[1], vocab_size=None)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+CORRUPTIONS: dict[str, Callable[[Path], None]] = {
+    "config invalid utf-8": lambda d: (d / "config.json").write_bytes(BAD_UTF8),
+    "config deep nesting": lambda d: (d / "config.json").write_text(DEEP),
+    "config is a directory": _config_dir,
+    "config is a list": lambda d: (d / "config.json").write_text("[1, 2]"),
+    "config wrong types": _wrong_types,
+    "index invalid utf-8": lambda d: (d / "model.safetensors.index.json").write_bytes(BAD_UTF8),
+    "index deep nesting": lambda d: (d / "model.safetensors.index.json").write_text(DEEP),
+    "index wrong types": lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+    "header invalid utf-8": lambda d: _header_bytes(_shard(d), b'{"a": "\xff"}'),
+    "header deep nesting": lambda d: _header_bytes(_shard(d), DEEP.encode()),
+    "tokenizer invalid utf-8": lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe\x00garbage"),
+    "tokenizer deep nesting": lambda d: (d / "tokenizer_config.json").write_text(DEEP),
+    "symlink loop": lambda d: os.symlink("loop.bin", d / "loop.bin"),
+    "dangling symlink": lambda d: os.symlink(d / "no-such-file", d / "dangling.bin"),
+    "directory link to itself": lambda d: os.symlink(".", d / "again"),
+    "fifo": lambda d: os.mkfifo(d / "pipe"),
+}
+UNCOPIED = {"symlink loop", "dangling symlink", "directory link to itself", "fifo"}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupted_checkpoint_fetch_records_failed_and_verify_reports(kind: str, good: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(good, source, symlinks=True)
+    CORRUPTIONS[kind](source)
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--name", "bad", "--store", str(store))
+    _assert_one_error(code, stdout, stderr, 1)
+    assert "failed verification" in stderr
+    code, stdout, _ = cli("models", "--store", str(store), "--json")
+    [version] = json.loads(stdout)["models"][0]["versions"]
+    assert version["state"] == "failed"
+    code, stdout, stderr = cli("verify", str(source))  # the directory itself: structure only
+    if code or kind not in UNCOPIED:  # an entry fetch cannot copy need not break a directory's structure
+        _assert_one_error(code, stdout, stderr, 1)
+    code, stdout, stderr = cli("verify", f"bad@{version['version']}", "--store", str(store))
+    if kind in UNCOPIED:  # not stored: re-verifying judges what the store holds (docs/weights.md)
+        assert code in (0, 1) and not RAW_EXCEPTION.search(stdout + stderr), stderr
+    else:
+        _assert_one_error(code, stdout, stderr, 1)
+
+
+def test_fetch_refuses_links_out_of_the_source_unless_told(good: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(good, source)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not part of the checkpoint")
+    os.symlink(outside, source / "notes.txt")
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--store", str(store))
+    _assert_one_error(code, stdout, stderr, 1)
+    assert "outside" in stderr and "--follow-symlinks" in stderr
+    assert not Store(store).models()  # nothing read, nothing stored
+    code, stdout, stderr = cli("fetch", str(source), "--store", str(store), "--follow-symlinks", "--json")
+    assert code == 0, stderr
+    stored = Path(json.loads(stdout)["path"]) / "notes.txt"
+    assert stored.read_text() == "not part of the checkpoint" and not stored.is_symlink()
+    # A link that stays inside the tree is read through, without the flag.
+    inside = tmp_path / "inside"
+    shutil.copytree(good, inside)
+    os.symlink("config.json", inside / "config-link.json")
+    code, stdout, stderr = cli("fetch", str(inside), "--store", str(store), "--json")
+    assert code == 0, stderr
+    assert (Path(json.loads(stdout)["path"]) / "config-link.json").is_file()
+
+
+def test_fetch_repairs_a_failed_version(good: Path, tmp_path: Path) -> None:
+    """Issue 19: fetching again, once the source is fixed, replaces a failed version."""
+    source = tmp_path / "src"
+    shutil.copytree(good, source)
+    os.symlink(source / "gone", source / "dangling.bin")
+    store = Store(tmp_path / "store")
+    first = fetch(str(source), store, name="m")
+    assert first.manifest.state == "failed"
+    (source / "dangling.bin").unlink()  # the same content, minus the broken link
+    second = fetch(str(source), store, name="m")
+    assert second.manifest.version == first.manifest.version and second.manifest.state == "verified"
+    assert not second.already_present and store.manifest("m", first.manifest.version).verified
+
+
+NAMES = {
+    "300 characters": "a" * 300,
+    "trailing newline": "name\n",
+    "slash": "a/b",
+    "empty": "",
+    "NUL": "a\x00b",
+}
+
+
+@pytest.mark.parametrize("label", list(NAMES))
+def test_bad_names_are_usage_errors(label: str, good: Path, tmp_path: Path) -> None:
+    bad = NAMES[label]
+    store = str(tmp_path / "store")
+    for args in (
+        ("verify", bad),
+        *([] if "/" in bad else [("fetch", bad)]),  # a/b is a hub repo id
+        ("fetch", str(good), "--name", bad),
+        ("release", f"{bad}@v1"),
+        ("release", "m@v1", "--deployment", bad),
+        ("rollback", "--deployment", bad),
+        ("rm", f"{bad}@v1"),
+    ):
+        code, stdout, stderr = cli(*args, "--store", store)
+        _assert_one_error(code, stdout, stderr, 2)
+
+
+def test_missing_things_say_what_is_missing(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    code, stdout, stderr = cli("verify", "/no/such/dir", "--store", store)
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "no such directory: /no/such/dir" in stderr
+    for args in (("verify", "m@v1"), ("rm", "m@v1"), ("release", "m"), ("rollback",), ("rm", "m", "--keep", "-1")):
+        code, stdout, stderr = cli(*args, "--store", store)
+        _assert_one_error(code, stdout, stderr, 2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, stdout, stderr = cli("fetch", str(blocker), "--store", store)
+    _assert_one_error(code, stdout, stderr, 2)
+    code, stdout, stderr = cli("release", "m@v1", "--store", str(blocker / "store"))  # a store under a file
+    _assert_one_error(code, stdout, stderr, 1)
+
+
+def test_deployment_names_cannot_collide_with_server_records(good: Path, tmp_path: Path) -> None:
+    """Issue 16 point 5: deployments `X` and `X.server` are independent, and a running
+    server's record is neither of them."""
+    from dlm_cli.store import admin
+
+    store = Store(tmp_path / "store")
+    version = fetch(str(good), store, name="m").manifest.version
+    release(store, f"m@{version}", "X")
+    admin.register_server(store, "X", "http://127.0.0.1:9", "k", serving=f"m@{version}")
+    try:
+        release(store, f"m@{version}", "X.server")
+        assert load_state(store, "X")["history"] and load_state(store, "X.server")["history"]
+        code, stdout, _ = cli("models", "--store", str(store.root), "--json")
+        assert [d["deployment"] for d in json.loads(stdout)["deployments"]] == ["X", "X.server"]
+    finally:
+        admin.unregister_server(store, "X")
+    assert load_state(store, "X.server")["current"]["version"] == version
+
+
+@pytest.mark.slow
+def test_models_listing_goes_to_stdout_whole_when_piped(good: Path, tmp_path: Path) -> None:
+    """Issue 19: `dlm models | grep` finds whole rows; nothing is cut to `…` or folded."""
+    from tests.weights_helpers import ROOT
+
+    store = Store(tmp_path / "store" / ("deep-" * 12))  # a long store path in the title
+    manifest = fetch(str(good), store, name="a-model-with-a-rather-long-name-" + "x" * 40).manifest
+    run = subprocess.run(
+        [sys.executable, "-m", "dlm_cli", "models", "--store", str(store.root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60"},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    row = [line for line in run.stdout.splitlines() if f"{manifest.name}@{manifest.version}" in line]
+    assert len(row) == 1 and manifest.fetched_at in row[0] and "…" not in run.stdout
+
+
+def _dlm(*args: str) -> tuple[int, str, str]:
+    """`dlm ARGS` in a process of its own (loadtest imports locust, which monkey-patches the
+    process for gevent: never in the test process)."""
+    from tests.weights_helpers import ROOT
+
+    run = subprocess.run(
+        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    return run.returncode, run.stdout, run.stderr
+
+
+CLOSED = "http://127.0.0.1:9"
+
+
+def _tls_cases(tmp_path: Path) -> list[tuple[tuple[str, ...], int]]:
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate")
+    return [
+        (("ftp://x",), 2),
+        ((CLOSED, "--cacert", str(tmp_path / "no-ca.pem")), 2),
+        ((CLOSED, "--cacert", str(not_pem)), 2),
+        ((CLOSED, "--cacert", str(not_pem), "--insecure"), 2),
+        ((CLOSED, "--timeout", "0"), 2),
+    ]
+
+
+def test_validate_bad_inputs(tmp_path: Path) -> None:
+    for args, code in _tls_cases(tmp_path):
+        _assert_one_error(*cli("validate", *args), code)
+    for args in (("--suite", str(tmp_path / "none.yaml")), ("--skip", "no-such-check")):
+        _assert_one_error(*cli("validate", CLOSED, *args), 2)
+    report = tmp_path / "reports" / "nested" / "x.xml"
+    code, stdout, stderr = cli("validate", CLOSED, "--ready-timeout", "0", "--junit-xml", str(report))
+    assert code == 1 and not RAW_EXCEPTION.search(stdout + stderr) and report.is_file()  # folder created
+    code, stdout, stderr = cli("validate", CLOSED, "--junit-xml", str(tmp_path))  # a directory
+    _assert_one_error(code, stdout, stderr, 2)
+
+
+@pytest.mark.slow
+def test_loadtest_bad_inputs(tmp_path: Path) -> None:
+    cases = _tls_cases(tmp_path) + [
+        ((CLOSED, *args), 2)
+        for args in (
+            ("--users", "0"),
+            ("--duration", "soon"),
+            ("--prompts", str(tmp_path / "none.jsonl")),
+            ("--sweep", "1,x"),
+            ("--slo", "x"),
+        )
+    ]
+    for args, code in cases:
+        _assert_one_error(*_dlm("loadtest", *args), code)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_validate_reaches_a_tls_server_with_a_private_ca(tmp_path: Path) -> None:
+    """`--cacert` trusts a private CA, `--insecure` trusts anything, and without either a
+    certificate problem fails readiness at once (not after the whole ready timeout)."""
+    import ssl
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dlm_cli.checks.contract import readiness
+    from dlm_cli.checks.runner import CheckFailed, Context, ValidateOptions
+    from dlm_cli.client.api import ApiClient, tls_verify
+
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=dlm test CA", cwd=tmp_path)  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1",
+             cwd=tmp_path)  # fmt: skip
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+             "srv.pem", "-days", "1", "-extfile", "san.ext", cwd=tmp_path)  # fmt: skip
+
+    class Ready(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "srv.pem", tmp_path / "srv.key")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_address[1]}"
+    options = ValidateOptions(ready_timeout=30)
+    try:
+        for verify in (tls_verify(tmp_path / "ca.pem"), tls_verify(insecure=True)):
+            with ApiClient(url, verify=verify) as client:
+                assert readiness(Context(client, options)).startswith("ready")
+        with ApiClient(url) as client:  # an hour's patience: only an immediate refusal lets this pass
+            with pytest.raises(CheckFailed, match="--cacert FILE"):
+                readiness(Context(client, ValidateOptions(ready_timeout=3600)))
+    finally:
+        server.shutdown()
+        server.server_close()
