@@ -130,8 +130,8 @@ PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal 
 
 @pytest.fixture(scope="module")
 def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from engine.block_checkpoints import write_tiny
     from engine.llm import LLM
-    from tests.block_checkpoints import write_tiny
     from tests.tp_checkpoints import write_family
 
     paths = {"llada": tiny_llada, "dream": tiny_dream, "clover": write_family(tmp_path_factory.mktemp("c"), "clover")}
