@@ -634,3 +634,19 @@ def test_unknown_inputs_are_usage_errors(tmp_path: Path) -> None:
         estimate(str(config), Serving())
     with pytest.raises(DlmError):
         estimate(str(config), Serving())
+
+
+def test_one_flag_vocabulary_with_serve(tmp_path: Path) -> None:
+    """`--tensor-parallel-size`/`-tp`, as `dlm serve` spells it; `--tp` still works."""
+    from typer.testing import CliRunner
+
+    from dlm_cli.main import app
+
+    directory = tiny_checkpoint(tmp_path, "sdar")
+    plans = [
+        CliRunner().invoke(app, ["estimate", str(directory), flag, "2", "--json"])
+        for flag in ("--tensor-parallel-size", "-tp", "--tp")
+    ]
+    assert all(r.exit_code == 0 for r in plans), [r.output for r in plans]
+    tp = [json.loads(r.stdout)["serving"]["tp"] for r in plans]
+    assert tp == [2, 2, 2]

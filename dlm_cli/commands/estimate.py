@@ -103,7 +103,13 @@ def estimate(
     kv_dtype: str = typer.Option(
         "auto", "--kv-dtype", help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8."
     ),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (GPUs per replica)."),
+    tp: int = typer.Option(
+        1,
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp",  # the older spelling, kept
+        help="Tensor-parallel ranks (GPUs per replica), as `dlm serve --tensor-parallel-size` takes them.",
+    ),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     context: int | None = typer.Option(
         None, "--context", help="Tokens per sequence, prompt + generation (default min(max position, 4096))."
