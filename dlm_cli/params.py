@@ -8,6 +8,7 @@ them without restating the mapping. Ranges and family rules are checked by
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -29,6 +30,18 @@ def option(name: str) -> Any:
     else:
         extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
+
+
+def check_before_loading(model_dir: Path, params: GenerationParams, prompt_length: int) -> None:
+    """Refuse what the checkpoint's family refuses from config.json alone, before seconds of
+    loading: flag combinations, ranges, the length. The engine's validation after loading
+    is the one whose result decodes (it also knows the prompt's tokens and the runner's
+    forwards); this one only fails early, with the same messages."""
+    from engine.config import load_config
+    from engine.registry import family_named
+
+    config = load_config(model_dir)
+    params.validate(prompt_length, config.max_position_embeddings, family_named(config.family))
 
 
 def decoding_params(given: dict[str, Any]) -> GenerationParams:

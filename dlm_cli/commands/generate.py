@@ -91,17 +91,19 @@ def generate(
         if (prompt is None) == (prompt_ids is None):
             raise UsageError("give exactly one of --prompt or --prompt-ids")
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-        if model is not None:  # fail fast, before torch is imported; also resolves store names
-            from dlm_cli.store.resolve import resolve_model
+        from dlm_cli.store.resolve import resolve_model
 
-            model = str(resolve_model(model))
+        checkpoint = resolve_model(model)  # fails fast; also resolves store names
+        model = str(checkpoint)
+        params = dp.decoding_params(ctx.params)
+        if backend == "native":  # a text prompt has at least one token
+            dp.check_before_loading(checkpoint, params, len(ids) if ids is not None else 1)
 
         from engine.llm import LLM
 
         parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
         if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
             return
-        params = dp.decoding_params(ctx.params)
         with err_console.status("loading model"):
             llm = LLM(
                 model,

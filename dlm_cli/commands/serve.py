@@ -146,7 +146,11 @@ def serve(
                     f"deployment {config.deployment} is already served by process {other.pid} "
                     f"(admin endpoint {other.admin_url}); one server per deployment and store"
                 )
-        elif config.model is not None:
+        elif config.backend == "native":  # settings the checkpoint refuses fail before it loads
+            from engine.config import load_config as model_config
+
+            config.model_len(model_config(resolve_model(config.model)).max_position_embeddings)
+        else:
             resolve_model(config.model)  # a wrong path is a usage error before anything starts
         parallel = config.parallel()
         if json_out:

@@ -114,6 +114,19 @@ class ServeConfig(BaseModel):
             raise ValueError(f"must be one of {', '.join(levels)}")
         return value.lower()
 
+    def model_len(self, model_max: int) -> int:
+        """The served max_model_len for a model whose positions end at `model_max`; a setting
+        that cannot work is a usage error (checked from config.json before loading, and again
+        for every version a deployment loads)."""
+        if self.max_model_len is not None and self.max_model_len > model_max:
+            raise UsageError(f"max_model_len ({self.max_model_len}) exceeds the model's maximum ({model_max})")
+        if self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
+            raise UsageError(
+                f"max_model_len ({self.max_model_len}) exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): such a request could never run"
+            )
+        return self.max_model_len or min(model_max, self.max_num_batched_tokens)
+
     def keys(self) -> list[str]:
         """Every accepted API key: the list plus the key file (one per line, # comments)."""
         keys = [k.get_secret_value() for k in self.api_keys]

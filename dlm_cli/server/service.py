@@ -153,15 +153,7 @@ class Service:
 
         self._check_kernels(llm)
         cfg = self.config
-        model_len = llm.config.max_position_embeddings
-        if cfg.max_model_len is not None and cfg.max_model_len > model_len:
-            raise UsageError(f"max_model_len ({cfg.max_model_len}) exceeds the model's maximum ({model_len})")
-        if cfg.max_model_len is not None and cfg.max_model_len > cfg.max_num_batched_tokens:
-            raise UsageError(
-                f"max_model_len ({cfg.max_model_len}) exceeds max_num_batched_tokens "
-                f"({cfg.max_num_batched_tokens}): such a request could never run"
-            )
-        max_model_len = cfg.max_model_len or min(model_len, cfg.max_num_batched_tokens)
+        max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
