@@ -24,11 +24,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dlm_cli.hub import hub_status
+
 # Below this much free disk under the store a fetch of even a small model fails.
 MIN_FREE_DISK = 1 << 30
 # Below this, warn: one 8B checkpoint in bf16 is about 16 GB.
 LOW_FREE_DISK = 20 << 30
-HUB_TIMEOUT_S = 2.0
 
 # What this version of dlm was tested with (the suite and benchmarks were run on these).
 SUPPORT_MATRIX: dict[str, Any] = {
@@ -248,20 +249,13 @@ def check_store() -> Check:
 
 def probe_hub() -> Check:
     """One bounded HEAD request to the hub endpoint, unless offline mode is set."""
-    from huggingface_hub import constants
-
-    endpoint = constants.ENDPOINT
-    if constants.HF_HUB_OFFLINE:
+    status = hub_status()
+    if status.offline:
         return Check("hub", "info", "offline mode (HF_HUB_OFFLINE): only local checkpoints", {"offline": True})
-    import httpx
-
-    data: dict[str, Any] = {"offline": False, "endpoint": endpoint}
-    try:
-        response = httpx.head(endpoint, timeout=HUB_TIMEOUT_S, follow_redirects=False)
-    except httpx.HTTPError as exc:
-        reason = str(exc) or type(exc).__name__
-        return Check("hub", "warn", f"{endpoint} unreachable ({reason}); set HF_HUB_OFFLINE=1 to skip", data)
-    return Check("hub", "ok", f"{endpoint} reachable (HTTP {response.status_code})", data)
+    data: dict[str, Any] = {"offline": False, "endpoint": status.endpoint}
+    if status.problem is not None:
+        return Check("hub", "warn", f"{status.problem}; set HF_HUB_OFFLINE=1 to skip", data)
+    return Check("hub", "ok", f"{status.endpoint} reachable (HTTP {status.http_status})", data)
 
 
 def check_support_matrix() -> Check:

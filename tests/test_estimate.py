@@ -619,6 +619,9 @@ def test_hub_repo_reads_config_and_headers_only(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake_metadata)
+    from dlm_cli.hub import HubStatus
+
+    monkeypatch.setattr("dlm_cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, None, 200))
     report = estimate("someorg/tiny-dream", Serving(context=256, gen_length=64))
     assert asked == ["config.json"]
     assert report["model"]["kind"] == "hub" and report["model"]["source"] == "hf://someorg/tiny-dream"
@@ -650,3 +653,18 @@ def test_one_flag_vocabulary_with_serve(tmp_path: Path) -> None:
     assert all(r.exit_code == 0 for r in plans), [r.output for r in plans]
     tp = [json.loads(r.stdout)["serving"]["tp"] for r in plans]
     assert tp == [2, 2, 2]
+
+
+def test_an_unreachable_hub_fails_at_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bounded probe decides; huggingface_hub's download (and its retries) never starts."""
+    import huggingface_hub
+
+    from dlm_cli.hub import HubStatus
+
+    def never(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("the download was attempted")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", never)
+    monkeypatch.setattr("dlm_cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, "unreachable"))
+    with pytest.raises(DlmError, match="unreachable"):
+        estimate("org/model", Serving())

@@ -623,7 +623,15 @@ def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
 
-    try:
+    from dlm_cli.hub import hub_status
+
+    status = hub_status()  # at once, not after huggingface_hub's retries
+    if status.problem is not None and not status.offline:
+        raise DlmError(
+            f"cannot read {repo_id!r} from the Hugging Face hub: {status.problem}; "
+            "pass a local checkpoint directory or a config.json instead"
+        )
+    try:  # in offline mode, from the local hub cache if it holds the file
         config_path = hf_hub_download(repo_id, "config.json", revision=revision)
     except RepositoryNotFoundError as exc:  # also gated repositories
         raise UsageError(f"hub repository {repo_id!r} not found or not accessible: {type(exc).__name__}") from None
