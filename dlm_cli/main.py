@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
-
 import typer
 
 from dlm_cli.commands import (
@@ -20,6 +17,7 @@ from dlm_cli.commands import (
     validate,
     verify,
 )
+from dlm_cli.version import dlm_version
 
 app = typer.Typer(
     name="dlm",
@@ -28,14 +26,6 @@ app = typer.Typer(
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
 )
-
-
-def dlm_version() -> str:
-    """The installed distribution's version (pyproject.toml is its one source)."""
-    try:
-        return package_version("dlm")
-    except PackageNotFoundError:  # a checkout on sys.path without an install
-        return "unknown (not installed)"
 
 
 def _print_version(value: bool) -> None:

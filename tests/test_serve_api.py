@@ -425,6 +425,29 @@ def test_metrics_names_and_auth(server: ServerProcess) -> None:
     assert m['dlm_request_rejections_total{reason="invalid_api_key"}'] >= 1
     assert m["dlm_tokens_per_step_sum"] > 0 and m["dlm_prompt_tokens_total"] > 0
     assert m["dlm_kv_cache_bytes"] == 0  # every request is done: no cache is held
+    info = [k for k in m if k.startswith("dlm_model_info{")]
+    assert len(info) == 1 and m[info[0]] == 1 and 'deployment=""' in info[0], info  # one series: what serves
+    assert m["process_resident_memory_bytes"] > 0
+    assert "dlm_gpu_memory_allocated_bytes" not in m  # exported on CUDA only
+
+
+def test_tokenize_detokenize_and_version_as_vllm_has_them(server: ServerProcess) -> None:
+    """`/tokenize` gives the ids the server decodes from (a completion's prompt, or a chat with
+    its template applied), `/detokenize` turns ids back, `/version` says dlm's version."""
+    tokens = post(server, "/tokenize", {"prompt": "Hello, diffusion"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello, diffusion"}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hello, diffusion"}]}).json()
+    assert chat["count"] > tokens["count"]  # the template adds its role markers
+    completion = post(
+        server, "/v1/completions", {"prompt": "Hello, diffusion", "max_tokens": 8, "return_token_ids": True}
+    )
+    assert completion.json()["usage"]["prompt_tokens"] == tokens["count"]
+    assert post(server, "/tokenize", {"prompt": "x"}, headers={}).status_code == 401
+    bad = post(server, "/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert post(server, "/detokenize", {"tokens": [1], "nope": 1}).status_code == 400
+    assert httpx.get(server.url + "/version").json()["version"]
 
 
 def test_request_log_lines_carry_ids_not_secrets_or_text(server: ServerProcess) -> None:

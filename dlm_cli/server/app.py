@@ -26,6 +26,7 @@ from dlm_cli.server.generation import Responder
 from dlm_cli.server.prepare import Preparer
 from dlm_cli.server.protocol import ChatRequest, CompletionRequest
 from dlm_cli.server.service import Job, Service
+from dlm_cli.version import dlm_version
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -76,6 +77,30 @@ def create_app(config: ServeConfig) -> FastAPI:
         if not config.public_metrics:
             service.keys.identify(request.headers.get("authorization"))
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """dlm's version, as vLLM's `/version` answers (no key needed: it says nothing of the model)."""
+        return JSONResponse({"version": dlm_version()})
+
+    async def utility(request: Request) -> bytes:
+        """The preamble of `/tokenize` and `/detokenize`: key, readiness, body."""
+        service.keys.identify(request.headers.get("authorization"))
+        if not service.ready:
+            raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        return await read_body(request, config.max_body_bytes, config.read_timeout)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """A completion's `prompt` or a chat's `messages` (template applied) as the token ids
+        the server would decode from, as vLLM's `/tokenize` answers."""
+        prepared = await preparer.prepare(service, await utility(request), None)
+        ids = prepared.prompt_ids
+        return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse({"prompt": await preparer.detokenize(service, await utility(request))})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

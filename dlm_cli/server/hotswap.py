@@ -160,6 +160,7 @@ class HotSwapper:
         service = self.service
         service.retiring.append(old)
         service.served = new
+        service.metrics.serving(service.model_name, new.version, service.config.deployment)
         log.info(
             "hot swap: new requests go to %s; draining %s (%d running, %d waiting)",
             new.describe(),

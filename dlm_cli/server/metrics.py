@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -34,6 +34,13 @@ class ServerMetrics:
             "(rank 0's shard under tensor parallelism).",
             registry=r,
         )
+        self.model_info = Gauge(
+            "dlm_model_info",
+            "The model served now (value 1): its served name, store version and deployment ('' when none).",
+            ["model", "version", "deployment"],
+            registry=r,
+        )
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.e2e = Histogram("dlm_e2e_request_latency_seconds", "Arrival to last byte.", buckets=LATENCY, registry=r)
         self.ttft = Histogram(
             "dlm_time_to_first_token_seconds",
@@ -121,6 +128,18 @@ class ServerMetrics:
         self.waiting.set_function(waiting)
         self.batch_token_usage.set_function(token_usage)
         self.cache_bytes.set_function(cache_bytes)
+
+    def watch_gpu(self, allocated: Callable[[], float]) -> None:
+        """Export the serving GPU's allocated bytes (only where there is one: no series on CPU)."""
+        gauge = Gauge(
+            "dlm_gpu_memory_allocated_bytes", "Bytes torch has allocated on the serving GPU.", registry=self.registry
+        )
+        gauge.set_function(allocated)
+
+    def serving(self, model: str, version: str | None, deployment: str | None) -> None:
+        """The one `dlm_model_info` series: the model served now (after a load or a hot swap)."""
+        self.model_info.clear()
+        self.model_info.labels(model, version or "", deployment or "").set(1)
 
     def on_step(self, batch_size: int, batch_tokens: int, committed: list[int], seconds: float) -> None:
         self.batch_size.observe(batch_size)

@@ -23,7 +23,7 @@ from dlm_cli.server import errors
 from dlm_cli.server.body import parse_json
 from dlm_cli.server.errors import APIError, bad_request
 from dlm_cli.server.loaded import LoadedModel
-from dlm_cli.server.protocol import ChatRequest, CompletionRequest
+from dlm_cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from engine.errors import UsageError
 
 if TYPE_CHECKING:
@@ -58,9 +58,10 @@ class Preparer:
         self.pending = 0
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="dlm-prepare")
 
-    async def prepare(self, service: Service, raw: bytes, model: type[Body]) -> Prepared:
+    async def prepare(self, service: Service, raw: bytes, model: type[Body] | None) -> Prepared:
         """The body parsed and encoded by the model served when it is done: after a hot swap
-        in between, it is encoded again with the new version's tokenizer."""
+        in between, it is encoded again with the new version's tokenizer. `model` None: a
+        chat body when it has `messages`, else a completion body (`/tokenize`)."""
         if self.pending >= self.backlog:
             raise APIError(
                 429,
@@ -82,13 +83,23 @@ class Preparer:
         finally:
             self.pending -= 1
 
+    async def detokenize(self, service: Service, raw: bytes) -> str:
+        """`/detokenize`: token ids back to text with the served model's tokenizer."""
+        loop = asyncio.get_running_loop()
+        served = service.served
+        if served is None:
+            raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        return await loop.run_in_executor(self._pool, _detokenize, service, served, raw)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _prepare(service: Service, served: LoadedModel, raw: bytes, model: type[Body]) -> Prepared:
+def _prepare(service: Service, served: LoadedModel, raw: bytes, model: type[Body] | None) -> Prepared:
     """In the contract's order: JSON, fields, supported options, model, then the prompt."""
     data = parse_json(raw)
+    if model is None:
+        model = ChatRequest if "messages" in data else CompletionRequest
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -100,6 +111,21 @@ def _prepare(service: Service, served: LoadedModel, raw: bytes, model: type[Body
     if isinstance(body, ChatRequest):
         return _chat(served, body)
     return _completion(served, body)
+
+
+def _detokenize(service: Service, served: LoadedModel, raw: bytes) -> str:
+    try:
+        body = DetokenizeRequest.model_validate(parse_json(raw))
+    except ValidationError as exc:
+        raise errors.validation_error(list(exc.errors())) from None
+    service.check_model(body.model)
+    if served.tokenizer is None:
+        raise bad_request("this model has no tokenizer", param="tokens")
+    vocab = served.engine.engine.config.logits_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return str(served.tokenizer.decode(body.tokens))
 
 
 def _completion(served: LoadedModel, body: CompletionRequest) -> Prepared:

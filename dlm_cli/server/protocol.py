@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from engine.params import PARAMS, http_name
 
@@ -149,6 +149,14 @@ class CompletionRequest(_Generation):
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()
+
+
+class DetokenizeRequest(_Body):
+    """`/detokenize`, as vLLM has it: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 class TextPart(_Body):

@@ -106,6 +106,7 @@ class Service:
             lambda: sum(m.engine.batch_tokens for m in self.loaded()) / self.config.max_num_batched_tokens,
             lambda: sum(m.engine.cache_bytes for m in self.loaded()),
         )
+        self.metrics.serving(self.model_name, self.served.version, self.config.deployment)
         self.ready = True
         log.info(
             "ready: model %s from %s (max_model_len %d)",
@@ -152,6 +153,11 @@ class Service:
         from engine.tokenizer import has_tokenizer
 
         self._check_kernels(llm)
+        if llm.device.type == "cuda" and self.served is None:  # the first load (a hot swap keeps the GPU)
+            import torch
+
+            device = llm.device
+            self.metrics.watch_gpu(lambda: torch.cuda.memory_allocated(device))
         cfg = self.config
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
