@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from dlm_cli.commands import (
+    batch,
     deploy,
     doctor,
     estimate,
@@ -55,6 +56,7 @@ app.command("serve")(serve.serve)
 app.command("validate")(validate.validate)
 app.command("loadtest")(loadtest.loadtest)
 app.command("doctor")(doctor.doctor)
+app.command("batch")(batch.batch)
 app.add_typer(deploy.app, name="deploy")
 
 
