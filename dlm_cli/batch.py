@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm_cli.jsonl import read_objects
 from dlm_cli.server.config import ServeConfig
 from engine.errors import DlmError, UsageError
 
@@ -48,21 +49,9 @@ class BatchSummary:
 def read_requests(path: Path) -> list[BatchRequest]:
     """The input file, checked whole before any request runs (a bad line is a usage error
     naming it, never a half-done batch)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
     requests: list[BatchRequest] = []
     seen: set[str] = set()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}:{number}: not JSON") from None
-        if not isinstance(item, dict):
-            raise UsageError(f"{path}:{number}: a request is a JSON object")
+    for number, item in read_objects(path):
         custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
         if not isinstance(custom_id, str) or not custom_id:
             raise UsageError(f"{path}:{number}: custom_id must be a non-empty string")
@@ -76,8 +65,6 @@ def read_requests(path: Path) -> list[BatchRequest]:
             raise UsageError(f"{path}:{number}: a batch request cannot stream")
         seen.add(custom_id)
         requests.append(BatchRequest(custom_id, url, body))
-    if not requests:
-        raise UsageError(f"{path} holds no requests")
     return requests
 
 

@@ -44,19 +44,24 @@ def _root(
     """dlm: serve diffusion language models in production. Every command takes --json."""
 
 
-app.command("generate")(generate.generate)
-app.command("fetch")(fetch.fetch)
-app.command("verify")(verify.verify)
-app.command("models")(models.models)
-app.command("rm")(models.rm)
-app.command("release")(release.release)
-app.command("rollback")(release.rollback)
-app.command("estimate")(estimate.estimate)
-app.command("serve")(serve.serve)
-app.command("validate")(validate.validate)
-app.command("loadtest")(loadtest.loadtest)
-app.command("doctor")(doctor.doctor)
-app.command("batch")(batch.batch)
+# name -> function: one line per subcommand, in the order `dlm --help` lists them
+COMMANDS = {
+    "generate": generate.generate,
+    "fetch": fetch.fetch,
+    "verify": verify.verify,
+    "models": models.models,
+    "rm": models.rm,
+    "release": release.release,
+    "rollback": release.rollback,
+    "estimate": estimate.estimate,
+    "serve": serve.serve,
+    "validate": validate.validate,
+    "loadtest": loadtest.loadtest,
+    "doctor": doctor.doctor,
+    "batch": batch.batch,
+}
+for command_name, function in COMMANDS.items():
+    app.command(command_name)(function)
 app.add_typer(deploy.app, name="deploy")
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm_cli.jsonl import read_objects
 from engine.errors import UsageError
 
 BUILTIN_PROMPTS = (
@@ -46,25 +46,13 @@ def builtin_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
 def load_jsonl(path: str | Path) -> tuple[tuple[str, dict[str, Any]], ...]:
     """One request per line: {"prompt": ...} or {"messages": [...]}, plus optional fields."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise UsageError(f"cannot read prompts {path}: {exc.strerror}") from None
     requests = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}:{number}: not JSON") from None
-        if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+    for number, item in read_objects(path, "prompts"):
+        if ("prompt" in item) == ("messages" in item):
             raise UsageError(f"{path}:{number}: give exactly one of prompt or messages")
         unknown = set(item) - {"prompt", "messages", *LINE_FIELDS}
         if unknown:
             raise UsageError(f"{path}:{number}: unknown field(s) {', '.join(sorted(unknown))}")
         route = "/v1/completions" if "prompt" in item else "/v1/chat/completions"
         requests.append((route, item))
-    if not requests:
-        raise UsageError(f"{path} holds no requests")
     return tuple(requests)
