@@ -340,10 +340,16 @@ def read_config_json(path: Path) -> dict[str, Any]:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise UsageError(f"no config.json at {path}")
+    if not file.is_file():
+        raise UsageError(f"{file} is not a file")
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{file} is not valid JSON: {exc}") from exc
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{file} is not valid UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{file} nests deeper than any config.json does") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{file} does not hold a JSON object")
     return raw
@@ -355,9 +361,10 @@ def load_config(path: Path) -> ModelConfig:
     if "mask_token_id" not in raw and generation.is_file():
         # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json.
         try:
-            mask = json.loads(generation.read_text()).get("mask_token_id")
-        except json.JSONDecodeError:
-            mask = None
+            generation_config = json.loads(generation.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
+            generation_config = None
+        mask = generation_config.get("mask_token_id") if isinstance(generation_config, dict) else None
         if mask is not None:
             raw = {**raw, "mask_token_id": mask}
     return config_from_dict(raw)

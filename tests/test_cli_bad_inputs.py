@@ -1,4 +1,5 @@
-"""Every store, validate and loadtest subcommand over a corpus of bad inputs (issue 16): no
+"""Every store, validate and loadtest subcommand (and generate, estimate and serve over corrupted
+configs) over a corpus of bad inputs (issue 16): no
 traceback, one `error:` line, the documented exit code (1 failed operation, 2 bad usage), and
 a corrupted checkpoint that `dlm fetch` could read is recorded as a `failed` version.
 
@@ -333,3 +334,26 @@ def test_validate_reaches_a_tls_server_with_a_private_ca(tmp_path: Path) -> None
     finally:
         server.shutdown()
         server.server_close()
+
+
+# Corruptions of what the engine reads first: generate, estimate and serve refuse them with
+# one line, before any weights load (the store's checks above cover fetch and verify).
+ENGINE_CORRUPTIONS = [k for k in CORRUPTIONS if k.startswith("config")]
+
+
+@pytest.mark.parametrize("kind", ENGINE_CORRUPTIONS)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "{dir}", "--prompt-ids", "1,2,3", "--gen-length", "8"],
+        ["estimate", "{dir}"],
+        ["serve", "{dir}", "--port", "0"],
+    ],
+    ids=["generate", "estimate", "serve"],
+)
+def test_engine_commands_refuse_corrupted_configs(kind: str, command: list[str], good: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(good, source, symlinks=True)
+    CORRUPTIONS[kind](source)
+    code, stdout, stderr = cli(*[part.format(dir=source) for part in command])
+    _assert_one_error(code, stdout, stderr, 2)
