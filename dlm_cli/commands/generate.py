@@ -46,7 +46,8 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
 def generate(
     ctx: typer.Context,
     model: str | None = typer.Argument(
-        None, help="Checkpoint directory or store name[@version] (default: the embedded tiny random model)."
+        None,
+        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY (default: the embedded default model).",
     ),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),

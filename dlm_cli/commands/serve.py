@@ -11,7 +11,11 @@ from dlm_cli.output import cli_errors, emit_json, err_console
 
 
 def serve(
-    model: str | None = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny random model)."),
+    model: str | None = typer.Argument(
+        None,
+        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY "
+        "(default: the embedded default model).",
+    ),
     model_path: str | None = typer.Option(
         None, "--model-path", "--model", help="MODEL as an option, as other servers spell it."
     ),
