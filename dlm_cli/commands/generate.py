@@ -47,7 +47,8 @@ def generate(
     ctx: typer.Context,
     model: str | None = typer.Argument(
         None,
-        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY (default: the embedded default model).",
+        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY "
+        "(default: the embedded default model).",
     ),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
