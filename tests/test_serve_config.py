@@ -180,3 +180,16 @@ def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.Monk
     assert cap_device_memory(torch.device("cuda", 0), None) is False and len(calls) == 1
     with pytest.raises(UsageError, match="gpu_memory_utilization must be in"):
         cap_device_memory(torch.device("cuda", 0), 1.2)
+
+
+def test_weight_loading_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A server loading a large checkpoint says how far it got, not nothing for minutes."""
+    from dlm_cli.server.service import LoadProgress
+    from engine.llm import LLM
+    from engine.tiny_models import ensure_tiny_model
+
+    monkeypatch.setattr(LoadProgress, "EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="dlm"):
+        LLM(ensure_tiny_model("tiny:llada"), dtype="float32", device="cpu", on_load=LoadProgress())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading weights:")]
+    assert lines and lines[-1].startswith(f"loading weights: {len(lines)} tensors read")

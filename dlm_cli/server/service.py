@@ -132,6 +132,7 @@ class Service:
         from engine.llm import LLM
 
         cfg = self.config
+        log.info("loading %s", model)
         llm = LLM(
             model,
             dtype=cfg.dtype,
@@ -140,6 +141,7 @@ class Service:
             trust_remote_code=cfg.trust_remote_code,
             parallel=cfg.parallel(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            on_load=LoadProgress(),
         )
         if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
             log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
@@ -168,6 +170,7 @@ class Service:
             llm.engine.on_failure(engine.fail)
             log.info("tensor parallel: %d ranks ready", ranks)
         if warmup:
+            log.info("warming up (one request through the engine before /ready)")
             engine.warmup()
         engine.start()
         return LoadedModel(engine, tokenizer, llm.config.eos_token_id, max_model_len, llm.model_dir, ref)
@@ -406,6 +409,24 @@ def _refused(exc: UsageError, job: Job) -> APIError:
 
 def _steps_exceeded(message: str) -> APIError:
     return bad_request(message, param="steps", code="steps_exceeded")
+
+
+class LoadProgress:
+    """Weight loading made visible: a log line every few seconds with the tensors read so far
+    (a large checkpoint takes minutes; silence would look like a hang)."""
+
+    EVERY_S = 5.0
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.tensors = 0
+
+    def __call__(self, name: str) -> None:
+        self.tensors += 1
+        now = time.monotonic()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            log.info("loading weights: %d tensors read in %.0fs (now %s)", self.tensors, now - self.start, name)
 
 
 def _rate_limited(message: str, wait: int) -> APIError:
