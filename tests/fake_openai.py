@@ -51,6 +51,8 @@ class Behaviour:
     ready_after: float = 0.0
     answers: dict[str, str] = field(default_factory=dict)  # prompt substring -> canned text
     tool_call: dict[str, Any] | None = None  # chat requests with tools get this call
+    leaks_mask: bool = False  # answers end in an undecoded MASK token
+    batch_dependent: bool = False  # the text depends on how many requests are in flight
 
 
 def error(
@@ -197,6 +199,10 @@ def make_app(b: Behaviour) -> FastAPI:
                 b.overload_status, "queue full", "rate_limit_error", {"Retry-After": "1"} if b.retry_after else None
             )
         text = answer(prompt, max_tokens, b)
+        if b.leaks_mask:
+            text += "<|mask|>"
+        if b.batch_dependent and state["inflight"]:
+            text = text[::-1]
         n_out = len(text.split())
         usage = {
             "prompt_tokens": n_prompt,
