@@ -67,7 +67,7 @@ MISBEHAVIOURS = {
         {"determinism", "completion_stream", "chat_stream", "batch_invariance"},
     ),
     "MASK in the text": (Behaviour(leaks_mask=True), {"no_leaks"}),
-    "text depends on the batch": (Behaviour(batch_dependent=True, step_delay=0.003), {"batch_invariance"}),
+    "text depends on the batch": (Behaviour(batch_dependent=True, step_delay=0.01), {"batch_invariance"}),
     "no /metrics": (Behaviour(metrics=False), {"metrics"}),
     "ignores dLLM fields": (Behaviour(ignores_dllm=True), {"steps", "threshold", "block_length"}),
     "refuses dLLM fields as invalid": (Behaviour(refuses_dllm="invalid_value"), {"steps", "threshold", "block_length"}),
