@@ -16,10 +16,10 @@ from dlm_cli.checks.runner import Check, CheckFailed, CheckSkipped, Context
 
 # Prompts of other lengths sent beside the checked one, so a batching server batches them.
 COMPANIONS = ("Hi.", "Count from one to twenty, slowly, in words.", "Name a colour.")
-# Special tokens of the families dlm serves, and U+FFFD (bytes that decode to no character).
-LEAK = re.compile(r"<\|[^|<>]*(mask|pad)[^|<>]*\|>|\[MASK\]|\[PAD\]|<mask>|<pad>|\ufffd", re.IGNORECASE)
+# MASK and padding tokens of the families dlm serves. Not U+FFFD or control characters: a
+# byte-level model (random weights above all) may legitimately emit byte sequences that decode so.
+LEAK = re.compile(r"<\|[^|<>]*(mask|pad)[^|<>]*\|>|\[MASK\]|\[PAD\]|<mask>|<pad>", re.IGNORECASE)
 OVERLOADED = (429, 503)  # a full queue: the burst check judges how it is reported
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def batch_invariance(ctx: Context) -> str:
@@ -40,16 +40,17 @@ def batch_invariance(ctx: Context) -> str:
 
 
 def no_leaks(ctx: Context) -> str:
-    """No MASK or padding token, undecodable byte or control character in the answers."""
+    """No MASK or padding token in the answers (a decoder that skips no special tokens, or a
+    canvas position returned before it was unmasked)."""
     texts = {
         "completion": ctx.facts["completion"]["choices"][0]["text"],
         "chat": (ctx.facts.get("chat", {}).get("choices") or [{}])[0].get("message", {}).get("content") or "",
     }
     for what, text in texts.items():
-        found = LEAK.search(text) or CONTROL.search(text)
+        found = LEAK.search(text)
         if found:
             raise CheckFailed(f"the {what} answer holds {found.group(0)!r}: {text[:60]!r}")
-    return "no MASK, padding, undecodable or control characters in the answers"
+    return "no MASK or padding token in the answers"
 
 
 def plausible_steps(ctx: Context) -> str:
