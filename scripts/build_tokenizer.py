@@ -28,6 +28,23 @@ def corpus() -> list[str]:
     return [p.read_text(errors="ignore") for p in files]
 
 
+def save(tok: Tokenizer, directory: Path, max_length: int) -> None:
+    """tokenizer.json, and a tokenizer_config.json naming the special tokens and the chat template
+    (also used by scripts/train_tiny_dllm.py)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "mask_token": "<|mask|>",
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def main() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -39,18 +56,7 @@ def main() -> None:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer)
-    OUT.mkdir(parents=True, exist_ok=True)
-    tok.save(str(OUT / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "mask_token": "<|mask|>",
-        "model_max_length": 2048,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (OUT / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save(tok, OUT, 2048)
     print(f"vocab {tok.get_vocab_size()} -> {OUT}")
 
 

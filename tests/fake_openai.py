@@ -51,6 +51,8 @@ class Behaviour:
     ready_after: float = 0.0
     answers: dict[str, str] = field(default_factory=dict)  # prompt substring -> canned text
     tool_call: dict[str, Any] | None = None  # chat requests with tools get this call
+    leaks_mask: bool = False  # answers end in an undecoded MASK token
+    batch_dependent: bool = False  # JSON answers decoded beside other requests come out reversed
 
 
 def error(
@@ -197,6 +199,8 @@ def make_app(b: Behaviour) -> FastAPI:
                 b.overload_status, "queue full", "rate_limit_error", {"Retry-After": "1"} if b.retry_after else None
             )
         text = answer(prompt, max_tokens, b)
+        if b.leaks_mask:
+            text += "<|mask|>"
         n_out = len(text.split())
         usage = {
             "prompt_tokens": n_prompt,
@@ -233,8 +237,11 @@ def make_app(b: Behaviour) -> FastAPI:
             streamed = text[::-1] if b.stream_text_differs else text
             events = stream_events(chat, streamed, usage, body, decode(b.step_delay))
             return StreamingResponse(frame(events, b.sse), media_type="text/event-stream")
+        peak = 0  # the most requests in flight while this one decoded
         async for _ in decode(b.step_delay):
-            pass
+            peak = max(peak, state["inflight"])
+        if b.batch_dependent and peak > 1:
+            text = text[::-1]
         tool = b.tool_call if chat and body.get("tools") else None
         return JSONResponse(completion(chat, text, usage, tool))
 

@@ -62,7 +62,12 @@ MISBEHAVIOURS = {
     "no [DONE]": (Behaviour(sse="no_done"), {"completion_stream", "chat_stream"}),
     "no blank line between events": (Behaviour(sse="no_blank_lines"), {"completion_stream", "chat_stream"}),
     "stream differs from JSON": (Behaviour(stream_text_differs=True), {"completion_stream", "chat_stream"}),
-    "non-deterministic": (Behaviour(random_text=True), {"determinism", "completion_stream", "chat_stream"}),
+    "non-deterministic": (
+        Behaviour(random_text=True),
+        {"determinism", "completion_stream", "chat_stream", "batch_invariance"},
+    ),
+    "MASK in the text": (Behaviour(leaks_mask=True), {"no_leaks"}),
+    "text depends on the batch": (Behaviour(batch_dependent=True, step_delay=0.01), {"batch_invariance"}),
     "no /metrics": (Behaviour(metrics=False), {"metrics"}),
     "ignores dLLM fields": (Behaviour(ignores_dllm=True), {"steps", "threshold", "block_length"}),
     "refuses dLLM fields as invalid": (Behaviour(refuses_dllm="invalid_value"), {"steps", "threshold", "block_length"}),

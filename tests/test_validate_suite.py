@@ -87,6 +87,30 @@ def test_suite_expectations_pass_and_fail_by_case(tmp_path: Path) -> None:
     assert "no fenced rust code block" in results["suite.code-wrong-language"].detail
 
 
+PASS_RATE_SUITE = """
+min_pass_rate: %s
+cases:
+  - {name: sum, messages: [{role: user, content: "sum please"}], expect: {regex: '^\\s*85\\s*$'}}
+  - {name: sum-again, prompt: "sum again", expect: {regex: '^\\s*85\\s*$'}}
+  - {name: wrong, prompt: "something else", expect: {contains: "85"}}
+"""
+
+
+@pytest.mark.parametrize("rate, passed", [(0.6, True), (0.9, False)])
+def test_min_pass_rate_makes_the_cases_one_named_check(tmp_path: Path, rate: float, passed: bool) -> None:
+    suite = load_suite(write(tmp_path, PASS_RATE_SUITE % rate))
+    with serve(Behaviour(answers={"sum": " 85"})) as url:
+        results = {
+            r.name: r for r in run_validation(url, ValidateOptions(ready_timeout=2, burst=2), suite=suite, timeout=10)
+        }
+    assert [name for name in results if name.startswith("suite.")] == ["suite.pass_rate"]
+    result = results["suite.pass_rate"]
+    assert result.status == (PASSED if passed else FAILED)
+    assert result.detail.startswith("2/3 cases passed")
+    if not passed:
+        assert "wrong: answer" in result.detail
+
+
 def test_expectations_on_text() -> None:
     text = 'Call: <tool_call>{"name": "get_weather", "arguments": {"city": 3}}</tool_call>'
     assert unmet(Expect(json=True), text, []) == []
@@ -114,6 +138,7 @@ def test_expectations_on_text() -> None:
             "duplicate case names",
         ),
         ("cases: []\n", "cases"),
+        ("min_pass_rate: 1.5\ncases:\n  - {name: a, prompt: x, expect: {}}\n", "min_pass_rate"),
         ("cases: [\n", "not valid YAML"),
     ],
 )

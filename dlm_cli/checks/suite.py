@@ -85,9 +85,14 @@ class Case(BaseModel):
 
 
 class Suite(BaseModel):
+    """Without `min_pass_rate` every case is its own check (`suite.<case>`); with it, the cases
+    are one check, `suite.pass_rate`, that passes when at least that share of them do: the
+    known-answer form for a model that is right most of the time, not always."""
+
     model_config = ConfigDict(extra="forbid")
 
     defaults: dict[str, Any] = {}  # body fields merged into every case's request
+    min_pass_rate: float | None = Field(None, gt=0, le=1)
     cases: list[Case] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -186,7 +191,26 @@ def run_case(ctx: Context, suite: Suite, case: Case) -> str:
     return f"{len(text)} characters" + (f", {len(tool_calls)} tool call(s)" if tool_calls else "")
 
 
+def run_pass_rate(ctx: Context, suite: Suite) -> str:
+    """Every case; fails when fewer than `min_pass_rate` of them pass, naming the first failures."""
+    assert suite.min_pass_rate is not None
+    failed = []
+    for case in suite.cases:
+        try:
+            run_case(ctx, suite, case)
+        except CheckFailed as exc:
+            failed.append(f"{case.name}: {exc}")
+    total = len(suite.cases)
+    rate = (total - len(failed)) / total
+    summary = f"{total - len(failed)}/{total} cases passed ({rate:.0%}, minimum {suite.min_pass_rate:.0%})"
+    if rate < suite.min_pass_rate:
+        raise CheckFailed(summary + "; " + "; ".join(failed[:3]))
+    return summary
+
+
 def suite_checks(suite: Suite) -> list[Check]:
+    if suite.min_pass_rate is not None:
+        return [Check("suite.pass_rate", lambda ctx: run_pass_rate(ctx, suite), ("models",))]
     return [
         Check(f"suite.{case.name}", lambda ctx, c=case: run_case(ctx, suite, c), ("models",)) for case in suite.cases
     ]

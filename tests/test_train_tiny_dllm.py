@@ -1,0 +1,60 @@
+"""scripts/train_tiny_dllm.py: what it trains is what dlm serves, and its data split holds.
+
+The script trains a plain-PyTorch twin of the LLaDA model and saves its state dict as the
+checkpoint; if the twin and engine/models/llada.py ever disagree, a trained model would be
+served wrong. Compared in float32 on random weights (no training needed).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import train_tiny_dllm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    train_tiny_dllm.build_tokenizer(directory)
+    return directory
+
+
+def test_engine_computes_the_training_twins_logits_float32(tokenizer_dir: Path, tmp_path: Path) -> None:
+    from engine.runtime.batch import ForwardBatch
+    from engine.runtime.engine import load_engine
+
+    torch.manual_seed(0)
+    config = train_tiny_dllm.model_config(train_tiny_dllm.load_tokenizer(tokenizer_dir))
+    twin = train_tiny_dllm.TinyLLaDA(config)
+    with torch.no_grad():  # move every weight off its initial value (norms off 1)
+        for p in twin.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    train_tiny_dllm.save(twin, config, tokenizer_dir, tmp_path / "model")
+    engine = load_engine(tmp_path / "model", torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, config["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(24).expand(2, 24)
+    hidden = engine.loaded.model(ForwardBatch(ids, rows, None, rows, None))
+    with torch.no_grad():
+        expected = twin(ids)
+    torch.testing.assert_close(hidden @ engine.loaded.model.lm_head_weight.T, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tokenizer_splits_digits_and_has_the_chat_template(tokenizer_dir: Path) -> None:
+    tok = train_tiny_dllm.load_tokenizer(tokenizer_dir)
+    pieces = tok.convert_ids_to_tokens(tok("What is 27 + 58?")["input_ids"])
+    assert [p for p in pieces if p.strip("Ġ").isdigit()] == ["2", "7", "5", "8"]
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+
+
+def test_held_out_prompts_are_never_trained_on() -> None:
+    held = {q for pairs in train_tiny_dllm.evaluation_set(20).values() for q, _ in pairs}
+    examples = train_tiny_dllm.training_examples(random.Random(0))
+    trained = {next(examples)[0] for _ in range(20_000)}
+    assert held and not held & trained
