@@ -287,6 +287,7 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
+@pytest.mark.slow  # runs openssl
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_validate_reaches_a_tls_server_with_a_private_ca(tmp_path: Path) -> None:
     """`--cacert` trusts a private CA, `--insecure` trusts anything, and without either a

@@ -334,6 +334,7 @@ def test_weighted_split_between_two_groups(tmp_path: Path) -> None:
     assert abs(groups["group_green"] / 400 - 0.30) <= 0.05
 
 
+@pytest.mark.slow  # runs haproxy -c
 @pytest.mark.parametrize(
     "groups",
     [["dlm=10.0.0.1:8000"], ["a:80=10.0.0.1:8000,10.0.0.2:8000", "b:20=[::1]:8000"]],
