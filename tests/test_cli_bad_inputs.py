@@ -358,3 +358,28 @@ def test_engine_commands_refuse_corrupted_configs(kind: str, command: list[str],
     CORRUPTIONS[kind](source)
     code, stdout, stderr = cli(*[part.format(dir=source) for part in command])
     _assert_one_error(code, stdout, stderr, 2)
+
+
+BAD_BATCH_FILES = {
+    "not JSON": "{nope\n",
+    "not an object": "[1, 2]\n",
+    "no custom_id": '{"url": "/v1/completions", "body": {"prompt": "x"}}\n',
+    "duplicate custom_id": '{"custom_id": "a", "url": "/v1/completions", "body": {}}\n' * 2,
+    "other url": '{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n',
+    "streaming": '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "stream": true}}\n',
+    "empty": "\n",
+    "invalid utf-8": b"\xff\xfe".decode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("label", list(BAD_BATCH_FILES))
+def test_batch_refuses_a_bad_input_file_before_loading(label: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    content = BAD_BATCH_FILES[label]
+    if label == "invalid utf-8":
+        source.write_bytes(content.encode("latin-1"))
+    else:
+        source.write_text(content)
+    code, stdout, stderr = cli("batch", str(source), str(tmp_path / "out.jsonl"))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert not (tmp_path / "out.jsonl").exists()
