@@ -1,4 +1,4 @@
-from dlm_cli.main import app
+from dlm_cli.main import main
 
 if __name__ == "__main__":  # spawned tensor-parallel ranks import this module too
-    app()
+    main()

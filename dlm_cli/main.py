@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+import typer.main
 
 from dlm_cli.commands import (
     batch,
@@ -65,5 +68,22 @@ for command_name, function in COMMANDS.items():
 app.add_typer(deploy.app, name="deploy")
 
 
+def _unlabel_flags(command: Any) -> None:
+    """An on/off flag takes no value: its help line shows no `<bool>` type label (Typer's
+    rich help labels every option with its type; a metavar of "" leaves the column empty)."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _unlabel_flags(sub)
+
+
+def main() -> None:
+    """The `dlm` entry point: the Typer app as one click command, its help tidied."""
+    command = typer.main.get_command(app)
+    _unlabel_flags(command)
+    command()
+
+
 if __name__ == "__main__":
-    app()
+    main()

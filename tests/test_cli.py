@@ -141,3 +141,11 @@ def test_device_and_kernel_errors_are_one_line(args: list[str], env: dict, messa
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error:") and message in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["serve"], ["deploy", "kubernetes"]])
+def test_help_shows_no_type_label_on_flags(command: list[str]) -> None:
+    """On/off flags take no value, so their help lines carry no `<bool>` label."""
+    result = dlm(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--help" in result.stdout and "<bool>" not in result.stdout
