@@ -74,6 +74,15 @@ def _unlabel_flags(command: Any) -> None:
     for param in command.params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
+    help_option = command.get_help_option  # click makes --help afresh for each context
+
+    def unlabelled_help(ctx: Any) -> Any:
+        option = help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = unlabelled_help
     for sub in getattr(command, "commands", {}).values():
         _unlabel_flags(sub)
 
