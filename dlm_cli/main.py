@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import typer
@@ -88,10 +89,26 @@ def _unlabel_flags(command: Any) -> None:
 
 
 def main() -> None:
-    """The `dlm` entry point: the Typer app as one click command, its help tidied."""
+    """The `dlm` entry point: the Typer app as one click command, its help tidied, and a
+    command line click refuses (an unknown flag, a missing argument) reported like every
+    other usage error: one `error:` line, exit 2, not a boxed panel."""
     command = typer.main.get_command(app)
     _unlabel_flags(command)
-    command()
+    try:
+        result = command.main(standalone_mode=False)
+    except Exception as exc:
+        # Typer vendors click, so its UsageError class is not importable by a stable name:
+        # recognise it by what every click usage error has.
+        if getattr(exc, "exit_code", None) == 2 and hasattr(exc, "format_message"):
+            message = exc.format_message()  # empty for a bare `dlm`: its help was shown
+            if message:
+                sys.stderr.write(f"error: {message}\n")
+            sys.exit(2)
+        if type(exc).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+            sys.stderr.write("error: interrupted\n")
+            sys.exit(130)
+        raise
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,19 @@ def test_help_shows_no_type_label_on_flags(command: list[str]) -> None:
     result = dlm(*command, "--help")
     assert result.returncode == 0, result.stderr
     assert "--help" in result.stdout and "<bool>" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--gen-lenght", "5"], "error: No such option: --gen-lenght"),
+        (["estimate"], "error: Missing argument"),
+        (["nosuchcommand"], "error: No such command"),
+    ],
+)
+def test_a_command_line_click_refuses_is_one_error_line(args: list[str], message: str) -> None:
+    """An unknown flag, a missing argument or command: one `error:` line and exit 2, as
+    every other usage error (not a boxed panel)."""
+    result = dlm(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
