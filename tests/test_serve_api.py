@@ -446,6 +446,7 @@ def test_tokenize_detokenize_and_version_as_vllm_has_them(server: ServerProcess)
     assert post(server, "/tokenize", {"prompt": "x"}, headers={}).status_code == 401
     bad = post(server, "/detokenize", {"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert bad.json()["error"]["code"] == "invalid_value"
     assert post(server, "/detokenize", {"tokens": [1], "nope": 1}).status_code == 400
     assert httpx.get(server.url + "/version").json()["version"]
 

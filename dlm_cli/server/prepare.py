@@ -120,11 +120,13 @@ def _detokenize(service: Service, served: LoadedModel, raw: bytes) -> str:
         raise errors.validation_error(list(exc.errors())) from None
     service.check_model(body.model)
     if served.tokenizer is None:
-        raise bad_request("this model has no tokenizer", param="tokens")
+        raise bad_request("this model has no tokenizer", param="tokens", code="unsupported")
     vocab = served.engine.engine.config.logits_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        raise bad_request(
+            f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens", code="invalid_value"
+        )
     return str(served.tokenizer.decode(body.tokens))
 
 
