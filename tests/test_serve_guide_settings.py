@@ -84,7 +84,7 @@ def test_max_output_tokens_is_max_tokens(server: ServerProcess) -> None:
     "fields, param",
     [
         ({"max_tokens": 32, "steps": 8, "refinement_steps": 4}, "refinement_steps"),
-        ({"max_tokens": 32, "max_output_tokens": 16}, None),
+        ({"max_tokens": 32, "max_output_tokens": 16}, "max_output_tokens"),
         ({"max_tokens": 32, "refinement_steps": 0}, None),
     ],
 )

@@ -56,7 +56,8 @@ def validation_error(errors: list[Any]) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":  # a misspelt or foreign field is refused, never ignored
         return bad_request(f"unrecognized request field {param!r}", param=param, code="unknown_parameter")
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    text = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's wrapping of our ValueErrors
+    message = f"{param}: {text}" if param else text
     return bad_request(message, param=param, code="invalid_value")
 
 

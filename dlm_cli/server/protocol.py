@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.params import PARAMS, http_name
 
@@ -111,12 +121,18 @@ class _Generation(DiffusionFields):
     function_call: StrictStr | dict[str, Any] | None = None
     reasoning_effort: StrictStr | None = None
 
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _one_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """`max_output_tokens` and `max_tokens` may not disagree (the error names the field)."""
+        if value is not None and info.data.get("max_tokens") not in (None, value):
+            raise ValueError("give max_tokens or max_output_tokens, not both")
+        return value
+
     @model_validator(mode="after")
     def _output_tokens(self) -> _Generation:
-        """`max_output_tokens` is read as `max_tokens` (the two may not disagree)."""
+        """`max_output_tokens` is read as `max_tokens`."""
         if self.max_output_tokens is not None:
-            if self.max_tokens not in (None, self.max_output_tokens):
-                raise ValueError("give max_tokens or max_output_tokens, not both")
             self.max_tokens = self.max_output_tokens
         return self
 
