@@ -108,7 +108,24 @@ def main() -> None:
             sys.stderr.write("error: interrupted\n")
             sys.exit(130)
         raise
-    sys.exit(result if isinstance(result, int) else 0)
+    _exit(result if isinstance(result, int) else 0)
+
+
+def _exit(code: int) -> None:
+    """End the process with `code`. Where triton was imported (torch imports it when it
+    builds a model on the meta device), skip the interpreter's teardown: triton's native
+    module prints dozens of "nanobind: leaked ..." lines there, which read like a crash at
+    the end of every `dlm serve` or `dlm batch`. Everything dlm writes is closed by then;
+    the streams and log handlers are flushed first."""
+    if "triton" not in sys.modules:
+        sys.exit(code)
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
