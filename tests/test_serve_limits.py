@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -117,11 +116,11 @@ def test_queue_full_is_429_at_once_and_timeouts_free_the_slot(server: ServerProc
 
     with httpx.Client(base_url=server.url, timeout=60) as http:  # connected before the clock starts
         assert http.get("/health").status_code == 200
-        start = time.perf_counter()
         refused = http.post("/v1/completions", json=LONG)
-        elapsed = time.perf_counter() - start
     assert refused.status_code == 429, refused.text
-    assert elapsed < 0.1, elapsed
+    # Refused at once, not after waiting for room: the requests ahead are still where they were.
+    m = server.metrics()
+    assert m["dlm_num_requests_running"] == 1 and m["dlm_num_requests_waiting"] == 1, m
     assert int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["code"] == "queue_full"
     assert refused.json()["error"]["type"] == "rate_limit_error"

@@ -170,10 +170,9 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
                     break
                 await asyncio.sleep(0.01)
             second = aengine.submit("b", [5], params, timeout=None)
-            start = time.perf_counter()
-            with pytest.raises(QueueFull):
+            with pytest.raises(QueueFull):  # raised by the call itself, while the others still run
                 aengine.submit("c", [5], params, timeout=None)
-            assert time.perf_counter() - start < 0.1
+            assert aengine.num_running == 1 and aengine.num_waiting == 1
             assert aengine.retry_after() >= 1
             ended = await aengine.drain(grace=0.2)
             assert ended == 2
