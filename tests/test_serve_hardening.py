@@ -101,7 +101,9 @@ def test_malformed_corpus_gets_400s_no_tracebacks_and_the_server_still_answers(s
         response = post(server, path, raw)
         assert response.status_code == 400, (raw[:80], response.text)
         assert response.json()["error"]["code"] == code, (raw[:80], response.text)
-    # one request line per refusal, every refusal counted
+    # one request line per refusal, every refusal counted (the log is read from the server's
+    # stdout by a thread, so the last line may still be on its way)
+    wait_until(lambda: len(server.request_logs()) - before >= len(CORPUS))
     refused = server.request_logs()[before:]
     assert [line["status"] for line in refused] == [400] * len(CORPUS)
     metrics = server.metrics()

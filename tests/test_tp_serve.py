@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,13 +146,12 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
         )
         pid = _worker_pid(server.proc.pid)
         os.kill(pid, sig)
-        start = time.monotonic()
         cause = cause.format(pid=pid)
 
         health: list[httpx.Response] = []
         assert wait_until(
             lambda: health.append(httpx.get(server.url + "/health")) or health[-1].status_code != 200,
-            timeout=10,
+            timeout=60,  # a hang guard only: the cause below proves which timeout fired
             interval=0.1,
         )
         assert health[-1].status_code == 503 and re.search(cause, health[-1].json()["error"]["message"])
@@ -162,15 +160,14 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
 
         for thread in threads:
-            thread.join(timeout=20)
-        assert time.monotonic() - start < 15
+            thread.join(timeout=60)
         for name in ("running", "queued"):
             error = answers[name].json()["error"]
             assert answers[name].status_code == 500 and error["code"] == "engine_error", name
             assert re.search(cause, error["message"]), error
 
-        code = server.proc.wait(timeout=20)
-        assert code == 1 and time.monotonic() - start < 20
+        code = server.proc.wait(timeout=60)
+        assert code == 1
         assert any(re.search("error: " + cause, line) for line in server.lines), "\n".join(server.lines)
         assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=5), "rank 1 outlived the server"
     finally:
