@@ -15,12 +15,13 @@ the torch twin, whatever `DLM_KERNELS` says.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
@@ -30,6 +31,9 @@ from kernels.moe import fused_moe_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_torch
 from kernels.token_stats import TokenStats, VocabShard, combine, merge, token_stats_partial_torch, token_stats_torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _TORCH: dict[str, Callable[..., Any]] = {
     "token_stats": token_stats_torch,
@@ -150,50 +154,20 @@ def token_stats(
     return combine(shard.gather(merge(part)))
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    residual: torch.Tensor | None = None,
-    zero_centred: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) (`kernels.rms_norm`)."""
-    return implementation("rms_norm", x.device)(x, weight, eps, residual=residual, zero_centred=zero_centred)
+def _dispatched(name: str, twin: Callable[P, R]) -> Callable[P, R]:
+    """Kernel `name` with its torch twin's signature and docstring, run by the implementation
+    `implementation` picks for the device of its first argument (always a tensor)."""
+
+    @functools.wraps(twin)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        device = cast(torch.Tensor, args[0]).device
+        return cast(R, implementation(name, device)(*args, **kwargs))
+
+    return call
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q and k in place (`kernels.rotary`)."""
-    implementation("rotary", q.device)(q, k, cos, sin)
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    kv_lens: torch.Tensor | None = None,
-    q_positions: torch.Tensor | None = None,
-    block_size: int | None = None,
-) -> torch.Tensor:
-    """Bidirectional or block-causal attention over variable lengths (`kernels.attention`)."""
-    return implementation("attention", q.device)(
-        q, k, v, kv_lens=kv_lens, q_positions=q_positions, block_size=block_size
-    )
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention under an explicit boolean mask (`kernels.attention`, torch only)."""
-    return implementation("masked_attention", q.device)(q, k, v, mask)
-
-
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-) -> torch.Tensor:
-    """Routed experts' SwiGLU MLPs, weighted and summed (`kernels.moe`); an id equal to the
-    number of experts in `w13` marks a slot whose expert another device holds."""
-    return implementation("fused_moe", x.device)(x, w13, w2, topk_ids, topk_weights)
+rms_norm = _dispatched("rms_norm", rms_norm_torch)
+rotary = _dispatched("rotary", rotary_torch)
+attention = _dispatched("attention", attention_torch)
+masked_attention = _dispatched("masked_attention", masked_attention_torch)  # torch only: no Triton kernel yet
+fused_moe = _dispatched("fused_moe", fused_moe_torch)
