@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.runtime.block_batch import BlockBatch
 from engine.runtime.kv_cache import SequenceKVCache
+from tests.generate_cli import generate_json
 from tests.oracles.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 
 FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]
@@ -176,27 +176,7 @@ def test_cli_block_cache_and_ar_mode(tmp_path: Path) -> None:
     runner = CliRunner()
     outs = {}
     for flags in (["--cache", "block"], ["--mode", "ar", "--cache", "block"], ["--cache", "none"]):
-        result = runner.invoke(
-            app,
-            [
-                "generate",
-                str(model),
-                "--prompt-ids",
-                "5,6,7,8,9",
-                "--gen-length",
-                "8",
-                "--threshold",
-                "0.6",
-                "--dtype",
-                "float32",
-                "--device",
-                "cpu",
-                "--json",
-                *flags,
-            ],
-        )
-        assert result.exit_code == 0, result.output
-        outs[" ".join(flags)] = json.loads(result.stdout)
+        outs[" ".join(flags)] = generate_json(model, [5, 6, 7, 8, 9], "--gen-length", "8", "--threshold", "0.6", *flags)
     assert outs["--cache block"]["output_ids"] == outs["--cache none"]["output_ids"]
     assert outs["--mode ar --cache block"]["nfe"] == 8
     assert outs["--mode ar --cache block"]["params"]["block_length"] == 1

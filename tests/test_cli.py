@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.generate_cli import generate_json
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,23 +59,7 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
 
 
 def test_generate_json_contract(tiny_llada: Path) -> None:
-    result = dlm(
-        "generate",
-        str(tiny_llada),
-        "--prompt-ids",
-        "5,17,42",
-        "--gen-length",
-        "16",
-        "--block-length",
-        "8",
-        "--threshold",
-        "0.5",
-        "--dtype",
-        "float32",
-        "--json",
-    )
-    assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
+    payload = generate_json(tiny_llada, [5, 17, 42], "--gen-length", "16", "--block-length", "8", "--threshold", "0.5")
     for key in ("output_ids", "text", "nfe", "seconds", "tokens_per_second", "finish_reason"):
         assert key in payload
     assert len(payload["output_ids"]) == 16

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from dlm_cli.main import app
 from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
+from tests.generate_cli import generate_json
 from tests.hybrid_checkpoints import reference_model, save_reference
 
 MASK, EOS = 159, 158
@@ -93,26 +92,7 @@ def test_preview_passes_leave_the_recurrent_state_unchanged(clover_dir: Path) ->
 
 
 def test_cli_generate_json(clover_dir: Path) -> None:
-    result = CliRunner().invoke(
-        app,
-        [
-            "generate",
-            str(clover_dir),
-            "--prompt-ids",
-            ",".join(map(str, PROMPT)),
-            "--gen-length",
-            "32",
-            "--threshold",
-            "0.02",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = generate_json(clover_dir, PROMPT, "--gen-length", "32", "--threshold", "0.02")
     assert len(data["output_ids"]) == 32 and MASK not in data["output_ids"]
 
 

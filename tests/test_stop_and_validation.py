@@ -97,27 +97,10 @@ def test_dream_defaults() -> None:
 
 
 def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
-    import json
-
+    from tests.generate_cli import generate_json
     from tests.test_cli import dlm
 
-    ok = dlm(
-        "generate",
-        str(tiny_dream),
-        "--prompt-ids",
-        "1,2,3",
-        "--gen-length",
-        "16",
-        "--block-length",
-        "8",
-        "--cache",
-        "prefix",
-        "--dtype",
-        "float32",
-        "--json",
-    )
-    assert ok.returncode == 0, ok.stderr
-    out = json.loads(ok.stdout)
+    out = generate_json(tiny_dream, [1, 2, 3], "--gen-length", "16", "--block-length", "8", "--cache", "prefix")
     assert out["cache"] == "prefix" and out["params"]["alg"] == "entropy"
     assert out["query_lengths"][:2] == [19, 16] and out["tokens_fed"] == sum(out["query_lengths"])
     assert out["finish_reason"] in ("stop", "length")
