@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # Environment the whole suite needs, set once before any test module is imported:
@@ -30,6 +31,18 @@ def reference() -> Path:
     path = reference_dir()
     assert path is not None
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    tiny models are overhead-bound, and spinning OpenMP threads contend on shared CPUs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def session_home(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -103,9 +103,11 @@ class ServerProcess:
 
 
 @contextmanager
-def ready_server(args: list[str], home: Path) -> Iterator[ServerProcess]:
+def ready_server(
+    args: list[str], home: Path, env: dict[str, str] | None = None, tls: bool = False
+) -> Iterator[ServerProcess]:
     """A ready `dlm serve` for the block; it must exit cleanly (0) after SIGTERM."""
-    proc = ServerProcess(args, home)
+    proc = ServerProcess(args, home, env=env, tls=tls)
     try:
         proc.wait_ready()
         yield proc

@@ -24,17 +24,10 @@ from engine.runtime.kv_cache import SequenceKVCache
 from tests.generate_cli import generate_json
 from tests.oracles.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]
 PROMPT = list(range(5, 27))  # 22 tokens: not a multiple of the block, so grids differ
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from engine.llm import LLM
 from engine.params import GenerationParams
 from tests.oracles.block_reference_loop import masked_logits
+from tests.reference_vectors import load_vector, reference_llm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLADA2 = [
     "llada2_kvcache_thr0.95_p20",
@@ -25,28 +25,9 @@ LLADA2 = [
 SDAR = ["sdar_dynamic_thr0.9_p20", "sdar_static_p20"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models() -> dict[str, LLM]:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    return {m: LLM(ref / "models" / m, dtype="float32", device="cpu") for m in ("llada2_tiny", "sdar_tiny")}
-
-
-def _vector(name: str) -> tuple[dict, dict]:
-    from tests.conftest import reference_dir
-
-    ref = Path(reference_dir()) / "vectors"
-    return json.loads((ref / f"{name}.json").read_text()), load_file(str(ref / f"{name}.safetensors"))
+    return {m: reference_llm(m) for m in ("llada2_tiny", "sdar_tiny")}
 
 
 def _params(meta: dict) -> GenerationParams:
@@ -69,7 +50,7 @@ def _params(meta: dict) -> GenerationParams:
 
 @pytest.mark.parametrize("name", LLADA2 + SDAR)
 def test_vector_tokens(models: dict[str, LLM], name: str) -> None:
-    meta, _ = _vector(name)
+    meta, _ = load_vector(name)
     engine = models[meta["model_dir"]].engine
     eos = meta["decoding_parameters"].get("eos_id", engine.config.eos_token_id)
     saved = engine.config
@@ -96,7 +77,7 @@ def test_vector_tokens(models: dict[str, LLM], name: str) -> None:
 
 @pytest.mark.parametrize("name,block", [("llada2_kvcache_thr0.95_p20", 32), ("sdar_static_p20", 4)])
 def test_first_forward_logits(models: dict[str, LLM], name: str, block: int) -> None:
-    meta, tensors = _vector(name)
+    meta, tensors = load_vector(name)
     model = models[meta["model_dir"]].engine.loaded.model
     x = tensors["first_forward_input_ids"][0]
     ours = masked_logits(model, x, torch.arange(len(x)) // block * block)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from safetensors.torch import load_file
 
 from engine.llm import LLM
-from tests.oracles.reference_loop import full_logits
+from tests.reference_vectors import assert_reproduces, first_logits_match, load_vector, reference_llm
 
 VECTORS = [
     "llada_generate_gen64",
@@ -28,48 +25,24 @@ VECTORS = [
 ]
 
 
-def cache_of(reference: str) -> str:
-    """The vector's cache variant, from the reference function's name."""
-    return "prefix" if "prefix_cache" in reference else "dual" if "dual_cache" in reference else "none"
-
-
 @pytest.fixture(scope="module")
-def llm(request: pytest.FixtureRequest) -> LLM:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    return LLM(ref / "models" / "llada_tiny_v2", dtype="float32", device="cpu")
-
-
-def _vector(llm: LLM, name: str) -> tuple[dict, dict]:
-    ref = llm.model_dir.parent.parent / "vectors"
-    return json.loads((ref / f"{name}.json").read_text()), load_file(str(ref / f"{name}.safetensors"))
+def llm() -> LLM:
+    return reference_llm("llada_tiny_v2")
 
 
 @pytest.mark.parametrize("name", VECTORS)
 def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
-    meta, _ = _vector(llm, name)
-    out = llm.generate(
-        meta["prompt_ids"],
-        gen_length=meta["gen_length"],
-        steps=meta["steps"],
+    meta, _ = load_vector(name)
+    assert_reproduces(
+        llm,
+        meta,
         block_length=meta["block_length"],
         remasking=meta["remasking"],
-        temperature=meta["temperature"],
         threshold=meta["extra_kwargs"].get("threshold"),
-        cache=cache_of(meta["reference"]),
-        early_stop=False,
-    )[0]
-    assert out.output_ids == meta["generated_ids"]
-    assert out.nfe == meta["nfe"]
-    assert out.query_lengths == meta["query_lengths_per_call"]
+    )
 
 
 @pytest.mark.parametrize("name", ["llada_generate_gen64", "fastdllm_llada_generate_gen128"])
 def test_first_forward_logits(llm: LLM, name: str) -> None:
-    meta, tensors = _vector(llm, name)
-    x = tensors["first_forward_input_ids"].reshape(1, -1)
-    ours = full_logits(llm.engine.loaded.model, x)
-    ref = tensors["first_logits"].reshape(ours.shape)
-    tolerance = 1e-4 * ref.std().item()
-    assert (ours - ref).abs().max().item() <= tolerance
+    _, tensors = load_vector(name)
+    assert first_logits_match(llm.engine.loaded.model, tensors)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.conftest import session_home
-from tests.serving import ROOT, ServerProcess
+from tests.serving import ROOT, ServerProcess, ready_server
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -30,7 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# one key per line\n{OTHER_KEY}\n")
-    proc = ServerProcess(
+    with ready_server(
         [
             "--api-key",
             KEY,
@@ -49,12 +49,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         ],
         session_home(tmp_path_factory),
         env={"DLM_MAX_STEPS": "128"},
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import session_home
-from tests.serving import ServerProcess
+from tests.serving import ServerProcess, ready_server
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -26,7 +26,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     home = session_home(tmp_path_factory)
     with mock.patch.dict(os.environ, {"DLM_HOME": str(home)}):
         model = ensure_default_model()
-    proc = ServerProcess(
+    with ready_server(
         [
             "--model-path",
             str(model),
@@ -40,12 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "64",
         ],
         home,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 def complete(server: ServerProcess, **fields: object) -> httpx.Response:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import session_home
-from tests.serving import ROOT, ServerProcess, wait_until
+from tests.serving import ROOT, ServerProcess, ready_server, wait_until
 
 KEY = "sk-harden-1234"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -33,16 +33,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
+    with ready_server(
         ["--api-key", KEY, "--max-tokens", "16", "--max-steps", "16", "--max-model-len", "512", "--public-metrics"],
         session_home(tmp_path_factory),
         env={"DLM_READ_TIMEOUT": str(READ_TIMEOUT)},
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 def post(server: ServerProcess, path: str, raw: bytes) -> httpx.Response:

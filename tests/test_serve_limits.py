@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import session_home
-from tests.serving import ServerProcess, fixed_output_checkpoint, wait_until
+from tests.serving import ServerProcess, fixed_output_checkpoint, ready_server, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -37,7 +37,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = fixed_output_checkpoint(tmp_path_factory.mktemp("tool_model") / "tool-model")
-    proc = ServerProcess(
+    with ready_server(
         [
             str(model),
             "--max-num-seqs",
@@ -55,12 +55,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "float32",
         ],
         session_home(tmp_path_factory),
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 @pytest.fixture(scope="module")

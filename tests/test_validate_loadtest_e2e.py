@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import session_home
-from tests.serving import ServerProcess
+from tests.serving import ServerProcess, ready_server
+from tests.test_loadtest import OUTPUTS
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -26,14 +27,10 @@ KEY = "e2e-key"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
+    with ready_server(
         ["--api-key", KEY, "--max-num-seqs", "1", "--max-model-len", "512"], session_home(tmp_path_factory)
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
 def dlm(*args: str) -> subprocess.CompletedProcess:
@@ -100,18 +97,7 @@ def test_loadtest_sweep_against_dlm_serve(server: ServerProcess, tmp_path: Path)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
-    expected = {
-        "locust_stats.csv",
-        "locust_stats_history.csv",
-        "locust_failures.csv",
-        "locust_exceptions.csv",
-        "locust_report.html",
-        "summary.json",
-        "requests.jsonl",
-        "latency.png",
-        "throughput.png",
-    }
-    assert expected <= {p.name for p in out.iterdir()}
+    assert OUTPUTS <= {p.name for p in out.iterdir()}
     # One decoding slot: a second user can only queue, so the knee is reached by 2 users.
     assert summary["knee"]["users"] in (1, 2), summary["knee"]
     for key in ("requests", "output_tokens"):
