@@ -89,6 +89,17 @@ def test_engine_reproduces_joint_threshold(llm: LLM, name: str, cache: str) -> N
     assert seq.finish_reason == ("stop" if "_stop" in name else "length")
 
 
+def test_batched_equals_the_reference(llm: LLM) -> None:
+    """Two requests in one batched forward (different prompt lengths, so different block
+    grids and edit phases at each step) each keep their reference ids and forwards."""
+    metas = [_vector("speed_p20"), _vector("speed_p40")]
+    assert _fields(metas[0]) == _fields(metas[1])
+    seqs = llm.engine.generate([m["prompt_ids"] for m in metas], GenerationParams(**_fields(metas[0])))
+    for seq, meta in zip(seqs, metas):
+        assert seq.generated_ids == meta["generated_ids_raw"]
+        assert seq.nfe == _engine_nfe(meta)
+
+
 def test_presets_are_the_model_cards_modes(llm: LLM) -> None:
     """`edit_mode` fills threshold and edit threshold (quality: 0.7/0.5, speed: 0.5/0), and the
     Python API returns the reference's ids and forwards with the preset alone."""
