@@ -221,6 +221,11 @@ class GenerationParams:
         None, "Largest step count a default may take (a server's limit).", low=1, cli=None, http=None
     )
 
+    @property
+    def edits(self) -> bool:
+        """The request asks for draft-and-edit decoding (engine/decoding/draft_edit.py)."""
+        return self.edit_threshold is not None or self.edit_mode is not None
+
     def validate(
         self,
         prompt_length: int,
@@ -319,7 +324,7 @@ class GenerationParams:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
-        if self.edit_threshold is not None or self.edit_mode is not None:
+        if self.edits:
             # Draft-and-edit: the preset fills what is not given; a block takes at most
             # block + max_post_edit_steps + 1 steps (engine/decoding/draft_edit.py).
             preset_threshold, preset_edit = EDIT_PRESETS[self.edit_mode or DEFAULT_EDIT_PRESET]
@@ -413,7 +418,7 @@ def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) 
     ]
     if not given:
         return
-    if asked.edit_threshold is None and asked.edit_mode is None:
+    if not asked.edits:
         raise UsageError(
             "max_post_edit_steps goes with edit_threshold or edit_mode (draft-and-edit decoding)",
             field="max_post_edit_steps",

@@ -171,9 +171,10 @@ def test_serve_reproduces_over_http(model_dir: Path, tmp_path_factory: pytest.Te
     from tests.conftest import session_home
     from tests.serving import ServerProcess
 
-    server = ServerProcess(
-        [str(model_dir), "--dtype", "float32", "--device", "cpu", "--no-warmup"], session_home(tmp_path_factory)
-    )
+    # A server default of refinement steps does not apply to draft-and-edit requests (they
+    # bound their own steps); a request's own `steps` is refused.
+    args = [str(model_dir), "--dtype", "float32", "--device", "cpu", "--no-warmup", "--refinement-steps", "8"]
+    server = ServerProcess(args, session_home(tmp_path_factory))
     try:
         server.wait_ready()
         for name, extra in (("speed_p40", {"edit_mode": "speed"}), ("thr0.9_edit0.3_post3_p33", None)):
@@ -190,6 +191,10 @@ def test_serve_reproduces_over_http(model_dir: Path, tmp_path_factory: pytest.Te
             server.url + "/v1/completions", json={"prompt": [5, 6, 7], "edit_mode": "quality", "temperature": 0.5}
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+        refused = server.http.post(
+            server.url + "/v1/completions", json={"prompt": [5, 6], "edit_mode": "speed", "steps": 8}
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "steps"
     finally:
         assert server.terminate() == 0, "\n".join(server.lines)
 
