@@ -37,6 +37,11 @@ RANKING_ALGS = ("maskgit_plus", "topk_margin", "entropy")  # commit the top-n by
 DREAM_DEFAULT_ALG = "entropy"  # deterministic at temperature 0; DiffuCoder's recommendation
 DEFAULT_THRESHOLD = 0.9  # Fast-dLLM's default for `confidence_threshold`
 SEED_LIMIT = 2**63  # torch.Generator's seeds are below this
+# LLaDA2.1's draft-and-edit presets (model card): (threshold, edit_threshold). Speed mode drafts
+# boldly and lets edits repair; quality mode drafts conservatively.
+EDIT_PRESETS = {"speed": (0.5, 0.0), "quality": (0.7, 0.5)}
+DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode's
+DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,26 @@ class GenerationParams:
     mode: str = _param(
         "diffusion", "diffusion|ar (ar: one token per forward, block-causal models).", choices=MODES, http="decode_mode"
     )
+    # Draft-and-edit (LLaDA2.1; engine/decoding/draft_edit.py):
+    edit_threshold: float | None = _param(
+        None,
+        "Draft-and-edit (LLaDA2.x): also replace a committed token of the current block when the model's top "
+        "token differs with probability > E (0: any change); turns editing on (default: off).",
+        low=0,
+        high=1,
+    )
+    edit_mode: str | None = _param(
+        None,
+        "Draft-and-edit preset (LLaDA2.x), turns editing on: speed (threshold 0.5, edit threshold 0) or quality "
+        "(threshold 0.7, edit threshold 0.5); an explicit --threshold or --edit-threshold overrides it.",
+        choices=tuple(EDIT_PRESETS),
+    )
+    max_post_edit_steps: int | None = _param(
+        None,
+        f"Draft-and-edit: steps that may still edit a block once its masks are filled "
+        f"(default {DEFAULT_MAX_POST_EDIT_STEPS}).",
+        low=0,
+    )
     early_stop: bool = _param(
         True,
         "Stop once a finished block holds EOS (the rest is filled with EOS).",
@@ -196,6 +221,11 @@ class GenerationParams:
         None, "Largest step count a default may take (a server's limit).", low=1, cli=None, http=None
     )
 
+    @property
+    def edits(self) -> bool:
+        """The request asks for draft-and-edit decoding (engine/decoding/draft_edit.py)."""
+        return self.edit_threshold is not None or self.edit_mode is not None
+
     def validate(
         self,
         prompt_length: int,
@@ -221,6 +251,7 @@ class GenerationParams:
         if self.threshold is not None and self.factor is not None:
             raise UsageError("threshold and factor are alternative commit rules: give one", field="factor")
         p = self._resolved(family, prompt_length, forwards or Forwards())
+        _validate_edits(self, p, family)  # first: the presets fill a threshold other rules would judge
         if p.cache not in family.caches and p.cache != "none":
             choices = ", ".join(family.caches)
             raise UsageError(
@@ -292,8 +323,19 @@ class GenerationParams:
             if alg == "confidence_threshold" and threshold is None:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
-        values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        if self.edits:
+            # Draft-and-edit: the preset fills what is not given; a block takes at most
+            # block + max_post_edit_steps + 1 steps (engine/decoding/draft_edit.py).
+            preset_threshold, preset_edit = EDIT_PRESETS[self.edit_mode or DEFAULT_EDIT_PRESET]
+            threshold = preset_threshold if threshold is None else threshold
+            post = DEFAULT_MAX_POST_EDIT_STEPS if self.max_post_edit_steps is None else self.max_post_edit_steps
+            values.update(
+                edit_threshold=preset_edit if self.edit_threshold is None else self.edit_threshold,
+                max_post_edit_steps=post,
+            )
+            per_block = block + post + 1 + forwards.per_block
+        values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
 
 
@@ -366,6 +408,37 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
             f"steps per block must be at least 2, got {p.steps_per_block}",
             field="steps",
         )
+
+
+def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) -> None:
+    """Draft-and-edit decoding: only for families trained to edit, greedy, in diffusion mode,
+    with its own step bound instead of `steps`."""
+    given = [
+        name for name in ("edit_mode", "edit_threshold", "max_post_edit_steps") if getattr(asked, name) is not None
+    ]
+    if not given:
+        return
+    if not asked.edits:
+        raise UsageError(
+            "max_post_edit_steps goes with edit_threshold or edit_mode (draft-and-edit decoding)",
+            field="max_post_edit_steps",
+        )
+    if family.block_rules is None or not family.block_rules.token_edits:
+        editing = ", ".join(f.name for f in FAMILIES if f.block_rules is not None and f.block_rules.token_edits)
+        raise UsageError(
+            f"{given[0]} (draft-and-edit decoding) applies to {editing} models, not {family.name}", field=given[0]
+        )
+    if p.mode != "diffusion":
+        raise UsageError(f"{given[0]} (draft-and-edit decoding) needs mode diffusion, not {p.mode!r}", field="mode")
+    if p.temperature > 0:
+        raise UsageError("draft-and-edit decoding is greedy: temperature must be 0", field="temperature")
+    for name in ("steps", "refinement_steps"):
+        if getattr(asked, name) is not None:
+            raise UsageError(
+                f"draft-and-edit decoding runs a block until no token changes (at most block_length + "
+                f"max_post_edit_steps + 1 steps): {name} does not apply",
+                field=name,
+            )
 
 
 def _validate_block_causal(p: ResolvedParams) -> None:

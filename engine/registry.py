@@ -32,6 +32,10 @@ class BlockRules:
     threshold_rule: str  # "dinfer" or "dynamic": what --threshold means for the family
     sub_blocks: int = 1  # a block is denoised in this many consecutive sub-blocks
     logit_shift: int = 0  # 1: output row i predicts token i+1; filled from `Family.logits_shift`
+    # LLaDA2.1's draft-and-edit rule (engine/decoding/draft_edit.py) may be asked for: a
+    # request may also replace committed tokens of the current block. Opt-in per request,
+    # since a LLaDA2.1 config.json reads exactly like a LLaDA2.0 one.
+    token_edits: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ FAMILIES: tuple[Family, ...] = (
         o_bias=Flag(("use_bias",)),
         qk_norm=Flag(("use_qk_norm",), True),
         moe="bailing",
-        block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dinfer"),
+        block_rules=BlockRules(aligned_grid=True, causal_context=False, threshold_rule="dinfer", token_edits=True),
         block_length=32,  # LLaDA2.0/2.1's trained block size (not in config.json)
         label="llada2",
     ),

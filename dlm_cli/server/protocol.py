@@ -81,6 +81,10 @@ class DiffusionFields(_Body):
     cfg_scale: float | None = _param("cfg_scale")
     cache: StrictStr | None = _param("cache")
     decode_mode: StrictStr | None = _param("decode_mode")
+    # Draft-and-edit (LLaDA2.x).
+    edit_threshold: float | None = _param("edit_threshold")
+    edit_mode: StrictStr | None = _param("edit_mode")
+    max_post_edit_steps: int | None = _param("max_post_edit_steps")
     # Dream family (diffusion_generate).
     alg: StrictStr | None = _param("alg")
     alg_temp: float | None = _param("alg_temp")

@@ -301,8 +301,14 @@ class Service:
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
-        if body.steps is None and body.refinement_steps is None and cfg.refinement_steps is not None:
-            given["refinement_steps"] = cfg.refinement_steps
+        asked = GenerationParams(**given)
+        if (
+            body.steps is None
+            and body.refinement_steps is None
+            and cfg.refinement_steps is not None
+            and not asked.edits
+        ):
+            given["refinement_steps"] = cfg.refinement_steps  # draft-and-edit bounds its own steps
         if body.block_length is None and cfg.block_length is not None:
             given["block_length"] = cfg.block_length
         given.update(gen_length=gen, max_steps=cfg.max_steps)

@@ -4,7 +4,8 @@ Each sequence contributes one row (`BlockSequence.plan()`): the positions it fee
 of them enter its KV cache and which it decides. Rows are padded on the right (PAD group),
 hidden states leave the last layer only at the decided rows, and the LM head runs there
 through `kernels.dispatch.token_stats` (argmax, its probability), never over the vocabulary
-for the whole block. The family's commit rule then picks the positions to commit: like
+for the whole block. The family's commit rule then picks the positions to commit (with
+draft-and-edit decoding, the fills and edits of the block's generated positions): like
 ModelRunner, `step` commits (the `Runner` contract, engine/runtime/interface.py).
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.decoding.block_diffusion import choose, resolve_block_params
+from engine.decoding.draft_edit import draft_edit_step
 from engine.decoding.step import confidence
 from engine.layers.linear import lm_head_shard, local_kv_heads
 from engine.params import Forwards, GenerationParams, ResolvedParams
@@ -108,6 +110,9 @@ class BlockRunner:
                 shard=self.vocab_shard,
             )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
+            if p.edit_threshold is not None:
+                self._revise(seq, work, conf, tokens)
+                continue
             last = seq.step_in_unit >= len(seq.schedule) - 1  # the unit's share of `steps` is spent
             chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id, last)
             if chosen.numel() == 0:
@@ -119,3 +124,19 @@ class BlockRunner:
                     f"{work.decide.tolist()}; the block would never finish"
                 )
             seq.commit(work.decide[chosen], tokens[chosen])
+
+    @staticmethod
+    def _revise(seq: BlockSequence, work: Work, conf: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Draft-and-edit: fill and edit the block's generated positions (all decided)."""
+        p = seq.params
+        assert p.threshold is not None and p.edit_threshold is not None and p.max_post_edit_steps is not None
+        step = draft_edit_step(
+            seq.canvas[work.decide],
+            tokens,
+            conf,
+            mask_id=seq.mask_id,
+            threshold=p.threshold,
+            edit_threshold=p.edit_threshold,
+            edits_left=p.max_post_edit_steps - seq.mask_free_steps,
+        )
+        seq.revise(work.decide[step.changed], tokens[step.changed], step.finished, step.mask_free)

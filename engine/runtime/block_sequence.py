@@ -47,6 +47,10 @@ class BlockSequence(RequestState):
     rules: BlockRules = field(kw_only=True)
     cache: SequenceKVCache | None = None
     cached: int = 0
+    # Draft-and-edit (engine/decoding/draft_edit.py): steps spent on the current block, and
+    # how many of them found it without MASK (the edit budget spent).
+    block_steps: int = 0
+    mask_free_steps: int = 0
 
     def __post_init__(self) -> None:
         p, b, gen = len(self.prompt_ids), self.block_length, self.params.gen_length
@@ -75,6 +79,7 @@ class BlockSequence(RequestState):
         self.block_start, self.block_end = start, start + self.block_length
         self.pending = self.canvas[start : self.block_end] == self.mask_id
         self.pending[: max(0, self.prompt_length - start)] = False  # the prompt's tail is given
+        self.block_steps = self.mask_free_steps = 0
         self.unit_start = -1
         self._sync_unit()
 
@@ -125,6 +130,9 @@ class BlockSequence(RequestState):
             # The block's first token is predicted by the last context row (the commit forward).
             decide = torch.tensor([s])
             return Work(base, s, write, self._groups(base, s), decide - shift, decide)
+        if self.params.edit_threshold is not None:  # every generated position may be edited
+            decide = torch.arange(max(s, self.prompt_length), self.block_end)
+            return Work(base, self.block_end, write, self._groups(base, self.block_end), decide, decide)
         lo, hi = self._unit_bounds()
         decide = self.pending[lo:hi].nonzero()[:, 0] + s + lo
         return Work(base, self.block_end, write, self._groups(base, self.block_end), decide - shift, decide)
@@ -150,6 +158,24 @@ class BlockSequence(RequestState):
         if bool(self.pending.any()):
             self._sync_unit()
             return
+        self._end_block()
+
+    def revise(self, positions: torch.Tensor, tokens: torch.Tensor, finished: bool, mask_free: bool) -> None:
+        """A draft-and-edit step: write its fills and edits; end the block when the rule
+        finishes it or it has spent the reference's step bound (block + post-edit steps + 1)."""
+        self.canvas[positions] = tokens
+        tail = max(0, self.prompt_length - self.block_start)
+        self.pending = self.canvas[self.block_start : self.block_end] == self.mask_id
+        self.pending[:tail] = False
+        self.block_steps += 1
+        self.mask_free_steps += mask_free
+        post = self.params.max_post_edit_steps
+        assert post is not None  # resolved whenever editing is on
+        if finished or self.block_steps >= self.block_length + post + 1:
+            self._end_block()
+
+    def _end_block(self) -> None:
+        """The current block is final: finish on EOS or at the grid's end, else start the next."""
         self.decoded_end = self.block_end
         generated = self.canvas[self.prompt_length : self.block_end]
         if self.eos_id is not None and bool((generated == self.eos_id).any()):
