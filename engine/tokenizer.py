@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,12 @@ def load_tokenizer(model_dir: Path) -> Any:
     # transformers warns that dLLM model types are unknown to it; the tokenizer is fine.
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        with warnings.catch_warnings():
+            # It parses config.json only to pick the tokenizer class, and warns about the
+            # config fields of model types it does not know (Dream's `rope_scaling: null`):
+            # nothing the tokenizer uses, and nothing the user can act on.
+            warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
+            return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UsageError(f"could not load the tokenizer in {model_dir}: {exc}") from exc
 

@@ -14,6 +14,7 @@ from engine.resolve import resolve_model
 from engine.tiny_models import BUILDERS, ensure_tiny_model, tiny_model_dir
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")  # no deprecation noise from the tokenizer load
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_each_tiny_model_is_its_family_and_decodes_text(family: str) -> None:
     directory = resolve_model(f"tiny:{family}")
