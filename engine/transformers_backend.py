@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_config_json
 from engine.errors import DlmError, Unsupported, UsageError
 from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.registry import UNREGISTERED
@@ -53,22 +53,37 @@ GENERATE_SERVING_COSTS = (
 )
 
 
+def _check_loadable(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse, from config.json, a checkpoint transformers cannot load: a model type it does not
+    know, unless the checkpoint ships its own code (`auto_map`) and the user trusts it."""
+    import transformers
+
+    raw = read_config_json(model_dir)
+    model_type = raw.get("model_type")
+    if model_type in transformers.CONFIG_MAPPING:
+        return
+    if "AutoConfig" not in (raw.get("auto_map") or {}):
+        raise UsageError(
+            f"transformers {transformers.__version__} does not know model type {model_type!r}, and "
+            f"{model_dir} ships no code of its own (no auto_map in config.json)"
+        )
+    if not trust_remote_code:
+        raise UsageError(
+            f"{model_dir} needs its own remote code to load; pass --trust-remote-code only if you trust that code"
+        )
+
+
 def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> Any:
     """The checkpoint as transformers loads it, trying the head classes a dLLM may use."""
     import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    _check_loadable(model_dir, trust_remote_code)
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc) and not trust_remote_code:
-            raise UsageError(
-                f"{model_dir} needs its own remote code to load; pass --trust-remote-code only if you trust that code"
-            ) from exc
-        raise UsageError(f"transformers cannot read {model_dir}: {exc}") from exc
-    except OSError as exc:
-        raise UsageError(f"transformers cannot read {model_dir}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # transformers' own words, first line (the rest is advice on upgrading)
+        raise UsageError(f"transformers cannot read {model_dir}: {str(exc).splitlines()[0]}") from exc
     errors = []
     for auto in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -169,14 +170,19 @@ class RemoteConfig(BertConfig):
 """
 
 
-def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> None:
-    directory = tmp_path / "remote"
+def _variant(source: Path, directory: Path, **config: Any) -> Path:
+    """A copy of checkpoint `source` at `directory` with `config` changed in its config.json."""
     directory.mkdir()
-    for item in masked_lm.iterdir():
+    for item in source.iterdir():
         (directory / item.name).write_bytes(item.read_bytes())
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="remote_dllm", auto_map={"AutoConfig": "configuration_remote.RemoteConfig"})
-    (directory / "config.json").write_text(json.dumps(config))
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, **config}))
+    return directory
+
+
+def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> None:
+    remote = {"AutoConfig": "configuration_remote.RemoteConfig"}
+    directory = _variant(masked_lm, tmp_path / "remote", model_type="remote_dllm", auto_map=remote)
     (directory / "configuration_remote.py").write_text(REMOTE_CONFIG)
     with pytest.raises(UsageError, match="--trust-remote-code"):
         LLM(directory, dtype="float32", device="cpu", backend="transformers")
@@ -187,3 +193,15 @@ def test_remote_code_needs_explicit_trust(masked_lm: Path, tmp_path: Path) -> No
     assert result.exit_code == 2 and "--trust-remote-code" in result.stderr
     with pytest.raises(UsageError, match="only applies"):
         LLM(masked_lm, device="cpu", trust_remote_code=True)
+
+
+def test_unknown_model_type_without_code_is_one_line(masked_lm: Path, tmp_path: Path) -> None:
+    """A model type transformers does not know and no code of its own: one clear line, not
+    transformers' paragraph of upgrade advice."""
+    directory = _variant(masked_lm, tmp_path / "unknown", model_type="no_such_dllm")
+    result = CliRunner().invoke(
+        app, ["generate", str(directory), "--prompt-ids", "1,2", "--backend", "transformers", "--device", "cpu"]
+    )
+    assert result.exit_code == 2
+    assert "does not know model type 'no_such_dllm'" in result.stderr and "no auto_map" in result.stderr
+    assert "pip install" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
