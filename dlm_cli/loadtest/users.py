@@ -87,23 +87,17 @@ def user_class(
                 exception=failure,
                 context={},
             )
-            if record.ok and record.ttft is not None:
-                fire(
-                    request_type="TTFT",
-                    name=path,
-                    response_time=record.ttft * 1000,
-                    response_length=0,
-                    exception=None,
-                    context={},
-                )
-            if record.ok and record.tpot is not None:
-                fire(
-                    request_type="TPOT",
-                    name=path,
-                    response_time=record.tpot * 1000,
-                    response_length=0,
-                    exception=None,
-                    context={},
-                )
+            # Time to first token and per output token as locust entries of their own, so its
+            # stats and report show their percentiles beside the whole request's.
+            for request_type, seconds in (("TTFT", record.ttft), ("TPOT", record.tpot)):
+                if record.ok and seconds is not None:
+                    fire(
+                        request_type=request_type,
+                        name=path,
+                        response_time=seconds * 1000,
+                        response_length=0,
+                        exception=None,
+                        context={},
+                    )
 
     return CompletionUser
