@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # Environment the whole suite needs, set once before any test module is imported:
@@ -12,6 +13,18 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs
+    (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def reference_dir() -> Path | None:

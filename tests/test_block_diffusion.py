@@ -28,13 +28,7 @@ FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]
 PROMPT = list(range(5, 27))  # 22 tokens: not a multiple of the block, so grids differ
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,12 @@ def serve(
         None, "--block-length", help="Block length when a request gives none [the family's]."
     ),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Prompt + generation limit [the model's]."),
+    prefix_cache_mib: float | None = typer.Option(
+        None,
+        "--prefix-cache-mib",
+        help="MiB of prompt K/V reused across requests sharing a prefix (block-causal families; "
+        "exact, LRU); 0 turns it off [1024].",
+    ),
     request_timeout: float | None = typer.Option(
         None, "--request-timeout", help="Seconds before a request is stopped [300]."
     ),

@@ -90,6 +90,11 @@ class ServeConfig(BaseModel):
         None, ge=1, description="block length when a request gives none; default: the family's"
     )
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
+    prefix_cache_mib: float = Field(
+        1024.0,
+        ge=0,
+        description="MiB of prompt K/V shared across requests (block-causal families; LRU); 0: off",
+    )
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
     ready_wait: float = Field(

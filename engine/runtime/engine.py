@@ -21,6 +21,7 @@ from engine.params import GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
 from engine.runtime.interface import Engine, Runner
+from engine.runtime.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.runtime.request import RequestState
 from engine.runtime.runner import ModelRunner
 
@@ -155,6 +156,19 @@ class LLMEngine(Engine):
         """Bytes of K/V cache (and recurrent state) the running requests hold on this
         process: what grows with concurrency and context besides the weights."""
         return sum(seq.cache_bytes for seq in list(self._running))  # a snapshot: scrapes run beside steps
+
+    def enable_prefix_cache(self, budget_bytes: int) -> bool:
+        """Block-causal families only: their context K/V is exact across requests; the
+        bidirectional runner's prompt K/V depends on the answer (engine/runtime/prefix_cache.py)."""
+        if budget_bytes <= 0 or not isinstance(self.runner, BlockRunner):
+            return False
+        self.runner.prefix_cache = PrefixCache(budget_bytes)
+        return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        runner = self.runner
+        cache = runner.prefix_cache if isinstance(runner, BlockRunner) else None
+        return PrefixCacheStats() if cache is None else cache.stats()
 
     def abort(self, seq: RequestState, reason: str = "abort") -> None:
         seq.finish(reason)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.config import ModelConfig
 from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.request import RequestState
 
 if TYPE_CHECKING:
@@ -118,6 +119,16 @@ class Engine(Protocol):
     def cache_bytes(self) -> int:
         """Bytes of cache the running requests hold on this process."""
         ...
+
+    def enable_prefix_cache(self, budget_bytes: int) -> bool:
+        """Share prompt K/V across requests within `budget_bytes` (engine/runtime/prefix_cache.py)
+        where the family makes the reuse exact; returns whether the cache is on. Engines that
+        cannot reuse exactly (bidirectional families, tensor parallelism) keep it off."""
+        return False
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters (all zero while it is off)."""
+        return PrefixCacheStats()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` as soon as the engine can run nothing more (a rank died).
