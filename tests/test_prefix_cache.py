@@ -161,3 +161,29 @@ def test_the_serve_setting_sets_the_budget_and_zero_turns_it_off() -> None:
     assert load_config(None, {"prefix_cache_mib": 2.5}).prefix_cache_mib == 2.5
     with pytest.raises(UsageError, match="prefix_cache_mib"):
         load_config(None, {"prefix_cache_mib": -1})
+
+
+@pytest.mark.slow
+def test_a_server_reuses_prefixes_and_answers_the_same(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`dlm serve tiny:sdar`: a prompt answered again after a request sharing its prefix (so
+    from cached pages) gets the answer it got cold; /metrics counts the hits and the budget."""
+    import httpx
+
+    from tests.conftest import session_home
+    from tests.serving import ready_server
+
+    system = "You are a careful assistant. Answer briefly and cite the rules you used. " * 6
+    with ready_server(["tiny:sdar", "--prefix-cache-mib", "64"], session_home(tmp_path_factory)) as server:
+
+        def ask(prompt: str) -> str:
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            return str(reply.json()["choices"][0]["text"])
+
+        cold = ask(system + "Question two?")
+        ask(system + "Question one?")
+        assert ask(system + "Question two?") == cold
+        m = server.metrics()
+    assert m["dlm_prefix_cache_hits_total"] > 0 and m["dlm_prefix_cache_bytes"] > 0
+    assert m["dlm_prefix_cache_budget_bytes"] == 64 * 2**20
