@@ -90,6 +90,10 @@ class ServeConfig(BaseModel):
         None, ge=1, description="block length when a request gives none; default: the family's"
     )
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
+    step_graphs: str = Field(
+        "auto",
+        description="static-shape step forwards: auto (CUDA graphs on CUDA only), on (also static on a CPU), off",
+    )
     prefix_cache_mib: float = Field(
         1024.0,
         ge=0,
@@ -110,6 +114,15 @@ class ServeConfig(BaseModel):
     warmup: bool = True
     log_prompts: bool = False
     log_level: str = "info"
+
+    @field_validator("step_graphs")
+    @classmethod
+    def _graphs(cls, value: str) -> str:
+        from engine.runtime.step_graphs import CHOICES
+
+        if value not in CHOICES:
+            raise ValueError(f"must be one of {', '.join(CHOICES)}")
+        return value
 
     @field_validator("log_level")
     @classmethod

@@ -168,6 +168,11 @@ class Service:
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs)
+        log.info(
+            "step graphs: %s",
+            {"cuda": "CUDA graphs", "static": "static shapes, no graphs (CPU)"}.get(graphs or "", "off"),
+        )
         budget = int(cfg.prefix_cache_mib * 2**20)
         if llm.engine.enable_prefix_cache(budget):
             log.info("prefix cache: up to %.0f MiB of prompt K/V shared across requests", cfg.prefix_cache_mib)

@@ -126,6 +126,11 @@ class Engine(Protocol):
         cannot reuse exactly (bidirectional families, tensor parallelism) keep it off."""
         return False
 
+    def enable_step_graphs(self, choice: str, max_batch: int) -> str | None:
+        """`--step-graphs` auto|on|off (engine/runtime/step_graphs.py) for batches of up to
+        `max_batch` requests; returns the mode in use ("cuda", "static") or None (eager)."""
+        return None
+
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's counters (all zero while it is off)."""
         return PrefixCacheStats()
