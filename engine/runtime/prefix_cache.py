@@ -14,7 +14,8 @@ Pages are whole visibility units (a multiple of the block length, or any length 
 context), so a page holds K/V that no later token can change. Nodes of different visibility
 (block lengths) live under different roots: `--mode ar` (causal) never reads a block-mode page.
 
-Memory is bounded: each page's K/V is a copy owned by the cache, and the least recently used
+Memory is bounded: each page's K/V is a copy owned by the cache (made when the request that
+computed it publishes it), and the least recently used
 page is evicted when the bytes held would exceed the budget. A node is touched after its
 children, so the least recently used node is always a leaf and eviction never orphans a page.
 
@@ -126,16 +127,17 @@ class PrefixCache:
         return Reuse(len(found) * page, k, v, last=parent)
 
     def publish(self, parent: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> int | None:
-        """Add one page (`tokens`, K/V [layers, heads, page, head_dim]) under node `parent`;
-        returns the page's node id to publish the next page under, or None when the parent
-        was evicted meanwhile (the rest of that prefix is not published)."""
+        """Add one page (`tokens`, K/V [layers, heads, page, head_dim], fresh tensors the cache
+        keeps as they are) under node `parent`; returns the page's node id to publish the next
+        page under, or None when the parent was evicted meanwhile (the rest of that prefix is
+        not published)."""
         with self._lock:
             if parent > 0 and parent not in self._by_id:
                 return None
             key = (parent, tuple(tokens))
             node = self._pages.get(key)
             if node is None:
-                node = _Page(next(self._ids), key, self._by_id.get(parent), k.clone(), v.clone())
+                node = _Page(next(self._ids), key, self._by_id.get(parent), k, v)
                 if node.nbytes > self.budget:
                     return None
                 self._pages[key] = node
