@@ -185,5 +185,7 @@ def test_a_server_reuses_prefixes_and_answers_the_same(tmp_path_factory: pytest.
         ask(system + "Question one?")
         assert ask(system + "Question two?") == cold
         m = server.metrics()
+        health = httpx.get(server.url + "/health").json()
+    assert health["prefix_cache_bytes"] == 64 * 2**20 and health["step_graphs"] == "off"  # CPU, block-causal
     assert m["dlm_prefix_cache_hits_total"] > 0 and m["dlm_prefix_cache_bytes"] > 0
     assert m["dlm_prefix_cache_budget_bytes"] == 64 * 2**20

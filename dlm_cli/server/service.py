@@ -168,16 +168,15 @@ class Service:
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
-        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs)
-        log.info(
-            "step graphs: %s",
-            {"cuda": "CUDA graphs", "static": "static shapes, no graphs (CPU)"}.get(graphs or "", "off"),
-        )
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
+        log.info("step graphs: %s", graphs)
         budget = int(cfg.prefix_cache_mib * 2**20)
-        if llm.engine.enable_prefix_cache(budget):
+        reuse = llm.engine.enable_prefix_cache(budget)
+        if reuse:
             log.info("prefix cache: up to %.0f MiB of prompt K/V shared across requests", cfg.prefix_cache_mib)
         elif budget:
             log.info("prefix cache: off (exact reuse needs a block-causal family on one process)")
+        self.runtime.update(step_graphs=graphs, prefix_cache_bytes=budget if reuse else 0)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
         ranks = llm.engine.tensor_parallel_size
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
