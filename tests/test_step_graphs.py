@@ -17,7 +17,7 @@ from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.runtime.runner import ModelRunner
-from engine.runtime.step_graphs import WIDTH_GRANULE, ShapeBuckets, graph_mode
+from engine.runtime.step_graphs import MAX_GRAPH_TOKENS, WIDTH_GRANULE, ShapeBuckets, graph_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,6 +32,9 @@ def test_buckets_round_up_to_static_shapes() -> None:
     assert buckets.shape(9, 64, 16) is None  # more rows than the largest batch bucket
     assert buckets.shape(2, 513, 16) is None  # wider than the model's positions
     assert buckets.shape(2, 64, 33) is None  # more decided rows than a block
+    wide = ShapeBuckets(max_batch=64, max_width=8192, min_picks=16, max_picks=32)
+    assert wide.shape(8, MAX_GRAPH_TOKENS // 8, 16) is not None
+    assert wide.shape(8, MAX_GRAPH_TOKENS // 8 + 1, 16) is None  # matmul-bound: eager
 
 
 def test_mode_is_explicit_and_cuda_only_under_auto() -> None:

@@ -20,7 +20,7 @@ that synchronises, e.g. a torch twin under `DLM_KERNELS=torch`) is logged once a
 runs eagerly from then on. Mode "static" runs the same bucketing, padding and buffers on any
 device and calls the forward directly: that is how the CPU exercises this path (tests,
 `benchmarks/gpu_check.py --dry-run`). Batches with an approximate K/V cache, and shapes beyond
-the largest bucket, run eagerly (the caller's path).
+the largest bucket or `MAX_GRAPH_TOKENS`, run eagerly (the caller's path).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from engine.runtime.batch import ForwardBatch
 log = logging.getLogger("dlm.engine")
 
 WIDTH_GRANULE = 64  # canvas widths are padded to a multiple of this
+# Fed tokens (rows x width) of the largest graphed forward. Beyond it a forward is bound by
+# its matmuls, launches are a negligible share, and padding would cost more than a graph
+# saves; it also bounds the number of graphs a varied traffic can capture.
+MAX_GRAPH_TOKENS = 4096
 GraphMode = Literal["cuda", "static"]
 CHOICES = ("auto", "on", "off")
 
@@ -72,6 +76,8 @@ class ShapeBuckets:
         w = -(-width // WIDTH_GRANULE) * WIDTH_GRANULE
         s = max(self.min_picks, _pow2(picks))
         if b > _pow2(self.max_batch) or w > self.max_width or s > _pow2(max(self.max_picks, self.min_picks)):
+            return None
+        if b * w > MAX_GRAPH_TOKENS:
             return None
         return b, w, s
 
