@@ -9,6 +9,7 @@ there); prepared so one short session on an accelerator gives the figures for
 docs/benchmarks.md.
 
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
+    python benchmarks/gpu_check.py --step-only           # CUDA: the step section only
     python benchmarks/gpu_check.py --dry-run             # CPU, tiny shapes: the step section only
 
 `--dry-run` runs the step section on the CPU with a tiny model: the same engine, bucketing,
@@ -281,10 +282,16 @@ def step_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[tuple[str
     return rows, checks
 
 
+def report(checks: list[tuple[str, bool, str]]) -> None:
+    for name, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name:40s} {detail}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=Path("gpu_benchmarks.json"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the step section only")
+    ap.add_argument("--step-only", action="store_true", help="on CUDA, only the step section (no kernel checks)")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens [128; dry run 24]")
     ap.add_argument("--gen", type=int, default=None, help="generated tokens [128; dry run 16]")
@@ -299,25 +306,23 @@ def main() -> None:
     args.gen = args.gen or (16 if dry else 128)
     args.block = min(args.block, args.gen)
     args.steps = args.steps or (4 if dry else 20)
-    if dry:
-        _, checks = step_benchmark(args)
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("gpu_check needs a CUDA device (--dry-run runs its step section on the CPU)")
+    if not dry and not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA device (--dry-run runs its step section on the CPU)")
+    checks: list[tuple[str, bool, str]] = []
+    code = 0
+    if not dry and not args.step_only:
         checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
-    for name, ok, detail in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {name:32s} {detail}")
-    code = 0 if all(ok for _, ok, _ in checks) else 1
-    if not dry:
+        report(checks)
         bench = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],
             check=False,
         )
-        rows, step_checks = step_benchmark(args)
-        for name, ok, detail in step_checks:
-            print(f"{'PASS' if ok else 'FAIL'}  {name:32s} {detail}")
+        code = bench.returncode
+    rows, step_checks = step_benchmark(args)
+    report(step_checks)
+    if not dry:
         args.json.with_name(args.json.stem + "_step.json").write_text(json.dumps(rows, indent=2))
-        code = code or bench.returncode or int(not all(ok for _, ok, _ in step_checks))
+    code = code or int(not all(ok for _, ok, _ in checks + step_checks))
     sys.exit(code)
 
 
