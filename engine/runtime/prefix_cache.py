@@ -15,9 +15,9 @@ context), so a page holds K/V that no later token can change. Nodes of different
 (block lengths) live under different roots: `--mode ar` (causal) never reads a block-mode page.
 
 Memory is bounded: each page's K/V is a copy owned by the cache (made when the request that
-computed it publishes it), and the least recently used
-page is evicted when the bytes held would exceed the budget. A node is touched after its
-children, so the least recently used node is always a leaf and eviction never orphans a page.
+computed it publishes it), and the least recently used page is evicted when the bytes held
+would exceed the budget. A node is touched after its children, so the least recently used
+node is always a leaf and eviction never orphans a page.
 
 Bidirectional families (LLaDA, Dream) get no prefix cache: every prompt position attends to
 the answer's positions, whose tokens change at every step, so no prompt K/V is exact beyond a
