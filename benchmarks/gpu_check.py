@@ -1,15 +1,26 @@
 """On a CUDA machine: compile every Triton kernel for real, check it against its torch twin
 at serving shapes, check the engine's ids through Triton equal the twins' for every family
 (and, with two or more GPUs, tensor parallel over NCCL equals one GPU), check the memory
-ceiling, then time the kernels (benchmarks/kernels.py). Not run in CI (there is no GPU there); prepared so one
-short session on an accelerator gives the figures for docs/benchmarks.md.
+ceiling, time the kernels (benchmarks/kernels.py), then time the denoising step of an
+8B-shaped random LLaDA (d 4096, 32 layers, 12288 MLP, 126464 vocabulary) eagerly and through
+the step graphs (CUDA graphs, engine/runtime/step_graphs.py): forwards/s and tokens/s per batch
+size against the memory-bandwidth and compute rooflines. Not run in CI (there is no GPU
+there); prepared so one short session on an accelerator gives the figures for
+docs/benchmarks.md.
 
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
+    python benchmarks/gpu_check.py --step-only           # CUDA: the step section only
+    python benchmarks/gpu_check.py --dry-run             # CPU, tiny shapes: the step section only
+
+`--dry-run` runs the step section on the CPU with a tiny model: the same engine, bucketing,
+padding and static buffers as the CUDA-graph path ("static" mode: a CPU has no graphs), its
+ids checked against the eager forward, and the same table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -138,20 +149,181 @@ def memory_cap_check() -> tuple[str, bool, str]:
     return ("memory cap refuses 50% under a 25% cap", refused, "")
 
 
+# Peak HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s) from the vendors'
+# data sheets, by device name; other devices: pass --bandwidth / --flops.
+PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12), "L40S": (0.864e12, 362e12)}
+SHAPES = {
+    "8b": {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288},
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128},
+}
+VOCAB = {"8b": 126464, "tiny": 300}
+
+
+def random_engine(shape: str, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
+    """The native engine over a random LLaDA of `shape`, made on the device (no checkpoint)."""
+    from engine.checkpoint_writer import llada_config
+    from engine.config import load_config
+    from engine.runtime.engine import LLMEngine, LoadedModel, build_on_meta
+
+    vocab = VOCAB[shape]
+    directory = Path(tempfile.mkdtemp(prefix="dlm-gpu-check-"))
+    config = llada_config(vocab, vocab - 1, vocab - 2, max_sequence_length=4096, **SHAPES[shape])
+    (directory / "config.json").write_text(json.dumps(config))
+    model_config = load_config(directory)
+    model = build_on_meta(model_config).to(dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # norm weights
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    return LLMEngine(LoadedModel(model_config, model.eval(), dtype, device))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Measured device memory bandwidth (bytes read + written per second) of one large copy."""
+    import time
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(engine, prompts: list[list[int]], params, steps: int, device: torch.device) -> tuple[float, int, list]:  # noqa: ANN001
+    """Seconds for `steps` denoising steps of `prompts` decoded together (after two warm-up
+    steps, which capture the graphs), tokens committed in them, and the sequences."""
+    import time
+
+    seqs = [engine.add_request(p, params) for p in prompts]
+    for _ in range(2):
+        engine.step()
+    sync(device)
+    before = sum(len(s.answer()) - s.masks_left for s in seqs)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    seconds = time.perf_counter() - start
+    committed = sum(len(s.answer()) - s.masks_left for s in seqs) - before
+    while any(not s.finished for s in seqs):
+        engine.step()
+    return seconds, committed, seqs
+
+
+def step_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[tuple[str, bool, str]]]:
+    """forwards/s and tokens/s of the denoising step, eager and through the step graphs, per
+    batch size, against the rooflines; checks: graph ids == eager ids, every shape captured."""
+    from engine.params import GenerationParams
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    shape = "tiny" if args.dry_run else "8b"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    engines = {mode: random_engine(shape, dtype, device) for mode in ("off", "on")}
+    used = engines["on"].enable_step_graphs("on", max(args.batches))
+    weights = sum(p.numel() * p.element_size() for p in engines["off"].loaded.model.parameters())
+    params_count = sum(p.numel() for p in engines["off"].loaded.model.parameters())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak_bw, peak_flops = next((v for k, v in PEAKS.items() if k in name), (None, None))
+    bandwidth = args.bandwidth or peak_bw or copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    flops = args.flops or peak_flops
+    params = GenerationParams(gen_length=args.gen, block_length=args.block, steps=args.gen)  # one token per step
+    canvas = args.prompt + args.gen
+    rows, checks = [], []
+    for batch in args.batches:
+        prompts = [[(17 * i + 7 * r) % (VOCAB[shape] - 8) + 1 for i in range(args.prompt)] for r in range(batch)]
+        fed = batch * canvas
+        bound = weights / bandwidth  # every forward reads every weight at least once
+        if flops:
+            bound = max(bound, 2 * params_count * fed / flops)  # matmul FLOPs of the fed tokens
+        result: dict = {"batch": batch, "canvas": canvas, "device": name, "dtype": str(dtype).split(".")[-1]}
+        ids = {}
+        for mode, engine in engines.items():
+            seconds, committed, seqs = time_steps(engine, prompts, params, args.steps, device)
+            ids[mode] = [s.output_ids for s in seqs]
+            result[f"forwards_per_s_{mode}"] = args.steps / seconds
+            result[f"tokens_per_s_{mode}"] = committed / seconds
+        result["roofline_forwards_per_s"] = 1 / bound
+        result["graphs_speedup"] = result["forwards_per_s_on"] / result["forwards_per_s_off"]
+        result["share_of_roofline_on"] = result["forwards_per_s_on"] * bound
+        rows.append(result)
+        checks.append((f"step graphs ids == eager, batch {batch}", ids["on"] == ids["off"], f"mode {used}"))
+    runner = engines["on"].runner
+    graphs = getattr(runner, "graphs", None)
+    if used == "cuda" and graphs is not None:
+        eager = [shape for shape, slot in graphs.slots.items() if slot.graph is None]
+        checks.append(("every step shape captured (no host sync)", not eager, f"eager: {eager}"))
+    print(
+        f"step: {shape} random LLaDA, {weights / 2**30:.2f} GiB of weights, {name}, bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s{'' if flops is None else f', {flops / 1e12:.0f} TFLOP/s'}, step graphs: {used}"
+    )
+    print(
+        f"{'batch':>5} {'fwd/s eager':>12} {'fwd/s graphs':>13} {'tok/s graphs':>13} "
+        f"{'roofline fwd/s':>15} {'share':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['forwards_per_s_off']:>12.1f} {r['forwards_per_s_on']:>13.1f} "
+            f"{r['tokens_per_s_on']:>13.1f} {r['roofline_forwards_per_s']:>15.1f} {r['share_of_roofline_on']:>6.2f}"
+        )
+    return rows, checks
+
+
+def report(checks: list[tuple[str, bool, str]]) -> None:
+    for name, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name:40s} {detail}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=Path("gpu_benchmarks.json"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the step section only")
+    ap.add_argument("--step-only", action="store_true", help="on CUDA, only the step section (no kernel checks)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens [128; dry run 24]")
+    ap.add_argument("--gen", type=int, default=None, help="generated tokens [128; dry run 16]")
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per batch [20; dry run 4]")
+    ap.add_argument("--bandwidth", type=float, help="memory bandwidth in bytes/s [the data sheet's, else measured]")
+    ap.add_argument("--flops", type=float, help="dense FLOP/s of the dtype [the data sheet's; none on CPU]")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA device")
-    checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
-    for name, ok, detail in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {name:32s} {detail}")
-    bench = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],
-        check=False,
-    )
-    sys.exit(0 if all(ok for _, ok, _ in checks) and bench.returncode == 0 else 1)
+    dry = args.dry_run
+    args.batches = args.batches or ([1, 2] if dry else [1, 4, 8])
+    args.prompt = args.prompt or (24 if dry else 128)
+    args.gen = args.gen or (16 if dry else 128)
+    args.block = min(args.block, args.gen)
+    args.steps = args.steps or (4 if dry else 20)
+    if not dry and not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA device (--dry-run runs its step section on the CPU)")
+    checks: list[tuple[str, bool, str]] = []
+    code = 0
+    if not dry and not args.step_only:
+        checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
+        report(checks)
+        bench = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],
+            check=False,
+        )
+        code = bench.returncode
+    rows, step_checks = step_benchmark(args)
+    report(step_checks)
+    if not dry:
+        args.json.with_name(args.json.stem + "_step.json").write_text(json.dumps(rows, indent=2))
+    code = code or int(not all(ok for _, ok, _ in checks + step_checks))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

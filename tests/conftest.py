@@ -15,6 +15,18 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs
+    (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def reference_dir() -> Path | None:
     """`DLM_REFERENCE_DIR` (default ../shared/reference). Absent: skip, except under CI."""
     path = Path(os.environ.get("DLM_REFERENCE_DIR", ROOT.parent / "shared" / "reference"))
@@ -31,18 +43,6 @@ def reference() -> Path:
     path = reference_dir()
     assert path is not None
     return path
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
-    tiny models are overhead-bound, and spinning OpenMP threads contend on shared CPUs."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def session_home(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -71,6 +71,18 @@ def serve(
         None, "--block-length", help="Block length when a request gives none [the family's]."
     ),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Prompt + generation limit [the model's]."),
+    step_graphs: str | None = typer.Option(
+        None,
+        "--step-graphs",
+        help="auto, on, off: denoising forwards at static shapes, replayed as CUDA graphs on CUDA "
+        "(bidirectional families; auto: CUDA only) [auto].",
+    ),
+    prefix_cache_mib: float | None = typer.Option(
+        None,
+        "--prefix-cache-mib",
+        help="MiB of prompt K/V reused across requests sharing a prefix (block-causal families; "
+        "exact, LRU); 0 turns it off [1024].",
+    ),
     request_timeout: float | None = typer.Option(
         None, "--request-timeout", help="Seconds before a request is stopped [300]."
     ),

@@ -90,6 +90,17 @@ class ServeConfig(BaseModel):
         None, ge=1, description="block length when a request gives none; default: the family's"
     )
     max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
+    # Off until the CUDA-graph path has run on a GPU (benchmarks/gpu_check.py checks its ids
+    # against eager ones): a wrong replay would not be caught by any CPU test.
+    step_graphs: str = Field(
+        "off",
+        description="static-shape step forwards: auto (CUDA graphs on CUDA only), on (also static on a CPU), off",
+    )
+    prefix_cache_mib: float = Field(
+        1024.0,
+        ge=0,
+        description="MiB of prompt K/V shared across requests (block-causal families; LRU); 0: off",
+    )
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
     ready_wait: float = Field(
@@ -105,6 +116,15 @@ class ServeConfig(BaseModel):
     warmup: bool = True
     log_prompts: bool = False
     log_level: str = "info"
+
+    @field_validator("step_graphs")
+    @classmethod
+    def _graphs(cls, value: str) -> str:
+        from engine.runtime.step_graphs import CHOICES
+
+        if value not in CHOICES:
+            raise ValueError(f"must be one of {', '.join(CHOICES)}")
+        return value
 
     @field_validator("log_level")
     @classmethod

@@ -8,9 +8,13 @@ own registry (several apps may live in one test process). Counters get prometheu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.runtime.prefix_cache import PrefixCacheStats
 
 LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -129,6 +133,10 @@ class ServerMetrics:
         self.batch_token_usage.set_function(token_usage)
         self.cache_bytes.set_function(cache_bytes)
 
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        """Export the engine's prefix-cache counters, read at scrape time."""
+        self.registry.register(PrefixCacheCollector(stats))
+
     def watch_gpu(self, allocated: Callable[[], float]) -> None:
         """Export the serving GPU's allocated bytes (only where there is one: no series on CPU)."""
         gauge = Gauge(
@@ -149,3 +157,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector(Collector):
+    """The cross-request prefix cache (engine/runtime/prefix_cache.py), from the engine's own
+    counters: prompt tokens looked up and found (as vLLM's prefix_cache_queries/hits), the
+    hit rate since start, evictions, and the bytes held against the budget. The counters
+    restart with a new model version (a hot swap), as they would with a new process."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("dlm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.queries)
+        yield CounterMetricFamily(
+            "dlm_prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache.", s.hits
+        )
+        yield CounterMetricFamily("dlm_prefix_cache_evictions", "Prefix-cache pages evicted (LRU).", s.evictions)
+        yield GaugeMetricFamily(
+            "dlm_prefix_cache_hit_rate", "Prefix-cache hits over queries, in tokens, since start.", s.hit_rate
+        )
+        yield GaugeMetricFamily("dlm_prefix_cache_bytes", "K/V bytes the prefix cache holds.", s.bytes)
+        yield GaugeMetricFamily("dlm_prefix_cache_budget_bytes", "The prefix cache's byte budget (0: off).", s.budget)

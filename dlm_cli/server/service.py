@@ -31,6 +31,7 @@ from dlm_cli.server.ratelimit import RateLimiter
 from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
 from engine.params import PARAMS, GenerationParams, ResolvedParams, http_name
 from engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
+from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.scheduler import QueueFull, SchedulerLimits
 
 if TYPE_CHECKING:
@@ -106,6 +107,9 @@ class Service:
             lambda: sum(m.engine.batch_tokens for m in self.loaded()) / self.config.max_num_batched_tokens,
             lambda: sum(m.engine.cache_bytes for m in self.loaded()),
         )
+        self.metrics.watch_prefix_cache(
+            lambda: sum((m.engine.prefix_cache_stats for m in self.loaded()), PrefixCacheStats())
+        )
         self.metrics.serving(self.model_name, self.served.version, self.config.deployment)
         self.ready = True
         log.info(
@@ -164,6 +168,15 @@ class Service:
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
+        log.info("step graphs: %s", graphs)
+        budget = int(cfg.prefix_cache_mib * 2**20)
+        reuse = llm.engine.enable_prefix_cache(budget)
+        if reuse:
+            log.info("prefix cache: up to %.0f MiB of prompt K/V shared across requests", cfg.prefix_cache_mib)
+        elif budget:
+            log.info("prefix cache: off (exact reuse needs a block-causal family on one process)")
+        self.runtime.update(step_graphs=graphs, prefix_cache_bytes=budget if reuse else 0)
         engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
         ranks = llm.engine.tensor_parallel_size
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle

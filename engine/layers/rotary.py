@@ -18,10 +18,15 @@ class Rotary:
         # Built on the CPU explicitly: models are constructed under `torch.device("meta")`.
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
         self.inv_freq = 1.0 / (theta**exponent)
+        # One copy per device, made on first use: a copy from host memory in every forward
+        # would synchronise with the host, and a CUDA graph cannot capture it.
+        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [..., rotary_dim] for integer `positions` of any shape."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float32)[..., None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos(), angles.sin()

@@ -30,6 +30,7 @@ from typing import Protocol
 from engine.errors import DlmError, EngineFailed
 from engine.params import GenerationParams
 from engine.runtime.interface import Engine
+from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.request import RequestState
 from engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
 
@@ -175,6 +176,10 @@ class AsyncEngine:
     def cache_bytes(self) -> int:
         with self._cv:
             return self.engine.cache_bytes()
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.engine.prefix_cache_stats()  # the cache locks its own counters
 
     @property
     def batch_tokens(self) -> int:

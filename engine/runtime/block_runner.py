@@ -25,6 +25,7 @@ from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime.block_batch import PAD_GROUP, BlockBatch
 from engine.runtime.block_sequence import PREFILL_CHUNK, BlockSequence, Work
 from engine.runtime.kv_cache import SequenceKVCache
+from engine.runtime.prefix_cache import PrefixCache
 from engine.runtime.request import RequestState, narrow
 from engine.runtime.runner import MIN_ROWS
 from kernels import dispatch
@@ -40,6 +41,7 @@ class BlockRunner:
         self.rules, self.block_length = rules, block_length
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
         self.fixed_block: int | None = None
+        self.prefix_cache: PrefixCache | None = None  # prompt K/V shared across requests (exact)
         # openPangu's commit forward of a block also decides the next block's first token.
         self.forwards: Forwards | None = Forwards(
             rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
@@ -55,7 +57,10 @@ class BlockRunner:
         if params.cache == "block":
             heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
             cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
-        return BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, rules=self.rules, cache=cache)
+        seq = BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, rules=self.rules, cache=cache)
+        if cache is not None and self.prefix_cache is not None:
+            seq.reuse(self.prefix_cache)
+        return seq
 
     def _batch(self, seqs: list[BlockSequence], works: list[Work]) -> BlockBatch:
         # At least MIN_ROWS fed and selected rows, so a GEMM rounds the same solo as batched.
@@ -99,6 +104,8 @@ class BlockRunner:
         weight = self.model.lm_head_weight
         for r, (seq, work) in enumerate(zip(seqs, works)):
             seq.committed(work)
+            if self.prefix_cache is not None:
+                seq.publish(self.prefix_cache)
             if len(work.decide) == 0:
                 continue
             p = seq.params

@@ -13,6 +13,10 @@ undecided positions), and with the exact cache [0, cached) already have their K/
   writing K/V; for shifted-logit families (openPangu) the commit forward is the one that
   decodes the next block's first token, as the model was trained;
 - without a cache (`--cache none`) every forward recomputes the whole prefix.
+
+With a cross-request `PrefixCache` (engine/runtime/prefix_cache.py) the sequence starts with
+the K/V of the longest cached run of its prompt's pages (`reuse`) and feeds only the rest;
+every whole page it caches is published for later requests (`publish`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from engine.decoding.block_diffusion import BlockRules
 from engine.decoding.schedule import linear_schedule
 from engine.runtime.kv_cache import SequenceKVCache
+from engine.runtime.prefix_cache import PrefixCache
 from engine.runtime.request import RequestState
 
 PREFILL_CHUNK = 2048  # context tokens fed per forward: bounds attention memory on long prompts
@@ -51,6 +56,8 @@ class BlockSequence(RequestState):
     # how many of them found it without MASK (the edit budget spent).
     block_steps: int = 0
     mask_free_steps: int = 0
+    published: int = 0  # positions [0, published) are in the prefix cache (or never will be)
+    publish_under: int | None = None  # prefix-cache node the next page goes under (None: stop)
 
     def __post_init__(self) -> None:
         p, b, gen = len(self.prompt_ids), self.block_length, self.params.gen_length
@@ -106,6 +113,38 @@ class BlockSequence(RequestState):
     @property
     def scheduled(self) -> int:
         return self.schedule[self.step_in_unit] if self.step_in_unit < len(self.schedule) else 1
+
+    # -- the cross-request prefix cache ----------------------------------------------------
+    @property
+    def visibility_unit(self) -> int:
+        """Positions whose context K/V depend on the same tokens (1: causal context)."""
+        return 1 if self.rules.causal_context else self.block_length
+
+    def reuse(self, prefix: PrefixCache) -> None:
+        """Start from the cached K/V of the longest cached run of the prompt's pages. The
+        block's first forward must still feed a row: with shifted logits the last context
+        position predicts the block's first token, so it is never taken from the cache."""
+        assert self.cache is not None and self.cached == 0
+        limit = self.block_start - (1 if self.rules.logit_shift else 0)
+        found = prefix.lookup(self.prompt_ids, self.visibility_unit, max(0, limit))
+        for layer, (k, v) in enumerate(zip(found.k, found.v)):
+            self.cache.store(layer, k, v)
+        self.cache.advance(found.length)
+        self.cached = self.published = found.length
+        self.publish_under = found.last
+
+    def publish(self, prefix: PrefixCache) -> None:
+        """Offer every whole page of cached context not yet published (its tokens are final)."""
+        if self.cache is None or self.publish_under is None:
+            return
+        page = prefix.page_size(self.visibility_unit)
+        while self.publish_under is not None and self.published + page <= self.cached:
+            lo, hi = self.published, self.published + page
+            layers = [self.cache.layer(i) for i in range(self.cache.num_layers)]
+            k = torch.stack([kv[0][:, lo:hi] for kv in layers if kv is not None])
+            v = torch.stack([kv[1][:, lo:hi] for kv in layers if kv is not None])
+            self.publish_under = prefix.publish(self.publish_under, self.canvas[lo:hi].tolist(), k, v)
+            self.published = hi
 
     # -- planning ------------------------------------------------------------------------
     def _groups(self, start: int, end: int) -> torch.Tensor:

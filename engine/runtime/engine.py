@@ -21,8 +21,10 @@ from engine.params import GenerationParams, ResolvedParams
 from engine.registry import family_for, family_named
 from engine.runtime.block_runner import BlockRunner
 from engine.runtime.interface import Engine, Runner
+from engine.runtime.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.runtime.request import RequestState
-from engine.runtime.runner import ModelRunner
+from engine.runtime.runner import MIN_ROWS, ModelRunner
+from engine.runtime.step_graphs import ShapeBuckets, StepGraphs, graph_mode
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -155,6 +157,33 @@ class LLMEngine(Engine):
         """Bytes of K/V cache (and recurrent state) the running requests hold on this
         process: what grows with concurrency and context besides the weights."""
         return sum(seq.cache_bytes for seq in list(self._running))  # a snapshot: scrapes run beside steps
+
+    def enable_prefix_cache(self, budget_bytes: int) -> bool:
+        """Block-causal families only: their context K/V is exact across requests; the
+        bidirectional runner's prompt K/V depends on the answer (engine/runtime/prefix_cache.py)."""
+        if budget_bytes <= 0 or not isinstance(self.runner, BlockRunner):
+            return False
+        self.runner.prefix_cache = PrefixCache(budget_bytes)
+        return True
+
+    def enable_step_graphs(self, choice: str, max_batch: int) -> str | None:
+        """Bidirectional native families: static-shape forwards (engine/runtime/step_graphs.py),
+        CUDA graphs on CUDA. The block runner's rows read per-request caches of growing
+        length, which a graph cannot hold yet; the transformers backend runs foreign code."""
+        mode = graph_mode(choice, self.loaded.device)
+        runner = self.runner
+        if mode is None or self.path is not None or type(runner) is not ModelRunner:
+            return None
+        cfg = self.config
+        block = cfg.block_length or cfg.max_position_embeddings
+        buckets = ShapeBuckets(2 * max_batch, cfg.max_position_embeddings, MIN_ROWS, block)  # CFG: 2 rows each
+        runner.graphs = StepGraphs(runner.model, buckets, self.loaded.device, mode, cfg.mask_token_id)
+        return mode
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        runner = self.runner
+        cache = runner.prefix_cache if isinstance(runner, BlockRunner) else None
+        return PrefixCacheStats() if cache is None else cache.stats()
 
     def abort(self, seq: RequestState, reason: str = "abort") -> None:
         seq.finish(reason)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.config import ModelConfig
 from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.request import RequestState
 
 if TYPE_CHECKING:
@@ -118,6 +119,21 @@ class Engine(Protocol):
     def cache_bytes(self) -> int:
         """Bytes of cache the running requests hold on this process."""
         ...
+
+    def enable_prefix_cache(self, budget_bytes: int) -> bool:
+        """Share prompt K/V across requests within `budget_bytes` (engine/runtime/prefix_cache.py)
+        where the family makes the reuse exact; returns whether the cache is on. Engines that
+        cannot reuse exactly (bidirectional families, tensor parallelism) keep it off."""
+        return False
+
+    def enable_step_graphs(self, choice: str, max_batch: int) -> str | None:
+        """`--step-graphs` auto|on|off (engine/runtime/step_graphs.py) for batches of up to
+        `max_batch` requests; returns the mode in use ("cuda", "static") or None (eager)."""
+        return None
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters (all zero while it is off)."""
+        return PrefixCacheStats()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` as soon as the engine can run nothing more (a rank died).

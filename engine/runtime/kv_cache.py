@@ -37,6 +37,10 @@ class SequenceKVCache:
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._k)
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values [H, length, D] of layer i, or None while the cache is empty."""
         k, v = self._k[i], self._v[i]

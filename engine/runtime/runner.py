@@ -29,6 +29,7 @@ from engine.runtime import cache
 from engine.runtime.batch import ForwardBatch
 from engine.runtime.request import RequestState, narrow
 from engine.runtime.sequence import Sequence
+from engine.runtime.step_graphs import StepGraphs
 from kernels.token_stats import TokenStats, VocabShard
 
 MIN_ROWS = 16
@@ -58,6 +59,7 @@ class ModelRunner:
         self.config, self.device, self.sampler = config, device, sampler
         self.shift = config.logits_shift  # the family record's (0 for the transformers adapter)
         self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
+        self.graphs: StepGraphs | None = None  # static-shape forwards (CUDA graphs), when enabled
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """No family default to add: GenerationParams resolves its own."""
@@ -72,7 +74,17 @@ class ModelRunner:
         for seq, (positions, stats) in zip(mine, self.forward(mine)):
             seq.commit(*decide(seq, positions, stats))
 
-    def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
+    def _run(self, rows: list[_Row], pad_id: int) -> torch.Tensor:
+        """Hidden states at the selected rows: through the step graphs when they hold the
+        batch's shape and no row reads an approximate cache, else one eager forward."""
+        if self.graphs is not None and all(r.kv is None for r in rows):
+            hidden = self.graphs.forward(*self._host(rows, pad_id))
+            if hidden is not None:
+                return hidden
+        return self.model(self._batch(rows, pad_id))
+
+    def _host(self, rows: list[_Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+        """ids and positions [B, width], real lengths, select [B, picks], on the host."""
         lengths = [len(r.ids) for r in rows]
         width = max(max(lengths), MIN_ROWS)
         picks = max(max(len(r.select) for r in rows), MIN_ROWS)
@@ -83,7 +95,11 @@ class ModelRunner:
             input_ids[i, : len(row.ids)] = row.ids
             positions[i, : len(row.ids)] = torch.arange(row.first, row.first + len(row.ids))
             select[i, : len(row.select)] = row.select
-        kv = cache.BatchKV([r.kv for r in rows], lengths, width)
+        return input_ids, positions, lengths, select
+
+    def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
+        input_ids, positions, lengths, select = self._host(rows, pad_id)
+        kv = cache.BatchKV([r.kv for r in rows], lengths, input_ids.shape[1])
         return ForwardBatch(input_ids.to(self.device), positions.to(self.device), None, select.to(self.device), kv)
 
     @torch.inference_mode()
@@ -100,7 +116,7 @@ class ModelRunner:
             rows.append(_Row(seq.canvas[first:end], first, select, kv))
             if seq.params.cfg_scale > 0:
                 rows.append(_Row(seq.unconditional_canvas(), 0, select, None))
-        hidden = self.model(self._batch(rows, pad_id=seqs[0].mask_id))
+        hidden = self._run(rows, pad_id=seqs[0].mask_id)
         weight = self.model.lm_head_weight
         out = []
         r = 0
