@@ -38,11 +38,9 @@ PARAM_FIELDS: dict[str, str] = {http_name(n): n for n in PARAMS if http_name(n) 
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 # Not honoured by dlm: accepted only with these values (asking for nothing), else `unsupported`.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -90,9 +88,10 @@ class DiffusionFields(_Body):
     temperature: float | None = _param("temperature")
     seed: int | None = _param("seed")
     max_tokens: int | None = _param("max_tokens")
+    n: int | None = _param("n")
 
 
-class _Generation(DiffusionFields):
+class GenerationRequest(DiffusionFields):
     model: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)  # the Responses API's name for max_tokens
     stream: StrictBool = False
@@ -107,12 +106,11 @@ class _Generation(DiffusionFields):
     parallel_tool_calls: StrictBool | None = None
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
+    top_logprobs: int | None = None  # chat's count of alternatives (on completions: `logprobs`)
     # NEUTRAL
-    n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    top_logprobs: int | None = None
     best_of: int | None = None
     modalities: list[StrictStr] | None = None
     audio: dict[str, Any] | None = None
@@ -130,7 +128,7 @@ class _Generation(DiffusionFields):
         return value
 
     @model_validator(mode="after")
-    def _output_tokens(self) -> _Generation:
+    def _output_tokens(self) -> GenerationRequest:
         """`max_output_tokens` is read as `max_tokens`."""
         if self.max_output_tokens is not None:
             self.max_tokens = self.max_output_tokens
@@ -145,26 +143,32 @@ class _Generation(DiffusionFields):
         """(param, reason) for a field dlm cannot honour, else None."""
         for name, neutral in NEUTRAL.items():
             if getattr(self, name) not in neutral:
-                if name == "n":
-                    return name, "n must be 1: send one request per choice (requests are batched on the server)"
                 return name, f"{name} is not supported by diffusion decoding"
         return None
 
+    def top_logprobs_count(self) -> int | None:
+        """GenerationParams.logprobs: alternatives per token, None when not asked."""
+        raise NotImplementedError
 
-class CompletionRequest(_Generation):
+
+class CompletionRequest(GenerationRequest):
     prompt: StrictStr | list[int] | list[StrictStr] | list[list[int]]
     echo: StrictBool = False
-    logprobs: int | None = None
-    suffix: StrictStr | None = None
+    logprobs: int | None = None  # alternatives per token (range: GenerationParams.logprobs)
+    suffix: StrictStr | list[StrictInt] | None = None  # infilling: the text after the answer
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs is a chat field; on /v1/completions logprobs gives the count"
+        if self.echo and self.logprobs is not None:
+            return (
+                "echo",
+                "echo with logprobs would need the prompt's log-probabilities, which diffusion decoding lacks",
+            )
         return super().unsupported()
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class DetokenizeRequest(_Body):
@@ -210,7 +214,7 @@ class ToolDef(_Body):
     function: FunctionDef
 
 
-class ChatRequest(_Generation):
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
@@ -221,8 +225,11 @@ class ChatRequest(_Generation):
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.tool_choice, dict):
             return "tool_choice", "forcing a specific tool is not supported; use auto or none"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "structured output (json_object, json_schema) is not supported"
         return super().unsupported()
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -107,6 +107,7 @@ class BlockRunner:
                 generator=seq.generator,
                 shard=self.vocab_shard,
             )
+            seq.note_logprobs(work.decide, hidden[r, : len(work.rows)], weight, stats.token, self.vocab_shard)
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             last = seq.step_in_unit >= len(seq.schedule) - 1  # the unit's share of `steps` is spent
             chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id, last)
