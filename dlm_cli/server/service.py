@@ -414,7 +414,7 @@ def _refused(exc: UsageError, job: Job) -> APIError:
     field = exc.field
     if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
         param: str | None = "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
-    elif field in PARAMS:
+    elif field in PARAMS and http_name(field) is not None:
         param = http_name(field)
     else:
         param = _prompt_param(job) if field == "prompt" else field
