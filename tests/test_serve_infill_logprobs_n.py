@@ -175,3 +175,16 @@ def test_block_causal_family_refuses_suffix_and_lists_without_it() -> None:
         assert (error["param"], error["code"]) == ("suffix", "unsupported")
         body = sdar.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "logprobs": 1}).json()
         assert len(body["choices"][0]["logprobs"]["token_logprobs"]) > 0
+
+
+def test_validate_checks_every_advertised_capability(llada: httpx.Client) -> None:
+    from dlm_cli.checks.capabilities import CAPABILITY_CHECKS
+    from dlm_cli.checks.contract import completion, models
+    from dlm_cli.checks.runner import PASSED, Check, Context, ValidateOptions, run_checks
+    from dlm_cli.client.api import ApiClient
+
+    api = ApiClient("http://dlm")
+    api.http = llada  # the in-process server
+    checks = [Check("models", models), Check("completion", completion, ("models",)), *CAPABILITY_CHECKS]
+    results = run_checks(Context(api, ValidateOptions(max_tokens=16)), checks)
+    assert {r.name: r.status for r in results} == {c.name: PASSED for c in checks}, [r.detail for r in results]
