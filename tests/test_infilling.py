@@ -28,24 +28,6 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 SUFFIX = [11, 250, 31, 64]
 
 
-def _llm(name: str) -> LLM:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    assert ref is not None
-    return LLM(ref / "models" / name, dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def llada() -> LLM:
-    return _llm("llada_tiny_v2")
-
-
-@pytest.fixture(scope="module")
-def dream() -> LLM:
-    return _llm("dream_tiny_v2")
-
-
 LLADA_SETTINGS = [
     dict(gen_length=16, steps=16, block_length=8),
     dict(gen_length=16, steps=8, block_length=16, threshold=0.3),
@@ -53,13 +35,13 @@ LLADA_SETTINGS = [
 
 
 @pytest.mark.parametrize("setting", LLADA_SETTINGS, ids=["schedule", "threshold"])
-def test_llada_middle_equals_the_reference_loop_over_the_full_canvas(llada: LLM, setting: dict) -> None:
-    out = llada.generate(PROMPT, suffix=SUFFIX, early_stop=False, **setting)[0]
-    model = llada.engine.loaded.model
+def test_llada_middle_equals_the_reference_loop_over_the_full_canvas(reference_llada: LLM, setting: dict) -> None:
+    out = reference_llada.generate(PROMPT, suffix=SUFFIX, early_stop=False, **setting)[0]
+    model = reference_llada.engine.loaded.model
     x, nfe = reference_generate(
         model,
         torch.tensor([PROMPT]),
-        mask_id=llada.config.mask_token_id,
+        mask_id=reference_llada.config.mask_token_id,
         suffix=torch.tensor([SUFFIX]),
         **setting,
     )
@@ -67,18 +49,18 @@ def test_llada_middle_equals_the_reference_loop_over_the_full_canvas(llada: LLM,
     assert out.output_ids == x[0, p : p + n].tolist()
     assert x[0, p + n :].tolist() == SUFFIX
     assert out.nfe == nfe
-    plain = llada.generate(PROMPT, early_stop=False, **setting)[0]
+    plain = reference_llada.generate(PROMPT, early_stop=False, **setting)[0]
     assert plain.output_ids != out.output_ids, "the suffix changed nothing: the test could not fail"
 
 
 @pytest.mark.parametrize("alg", ["entropy", "maskgit_plus"])
-def test_dream_middle_equals_the_reference_loop_over_the_full_canvas(dream: LLM, alg: str) -> None:
+def test_dream_middle_equals_the_reference_loop_over_the_full_canvas(reference_dream: LLM, alg: str) -> None:
     setting = dict(gen_length=16, steps=16, block_length=16)
-    out = dream.generate(PROMPT, suffix=SUFFIX, alg=alg, early_stop=False, **setting)[0]
+    out = reference_dream.generate(PROMPT, suffix=SUFFIX, alg=alg, early_stop=False, **setting)[0]
     x, nfe = reference_dream_generate(
-        dream.engine.loaded.model,
+        reference_dream.engine.loaded.model,
         torch.tensor([PROMPT]),
-        mask_id=dream.config.mask_token_id,
+        mask_id=reference_dream.config.mask_token_id,
         alg=alg,
         suffix=torch.tensor([SUFFIX]),
         **setting,
@@ -86,14 +68,14 @@ def test_dream_middle_equals_the_reference_loop_over_the_full_canvas(dream: LLM,
     p = len(PROMPT)
     assert out.output_ids == x[0, p : p + 16].tolist()
     assert out.nfe == nfe
-    plain = dream.generate(PROMPT, alg=alg, early_stop=False, **setting)[0]
+    plain = reference_dream.generate(PROMPT, alg=alg, early_stop=False, **setting)[0]
     assert plain.output_ids != out.output_ids, "the suffix changed nothing: the test could not fail"
 
 
-def test_suffix_survives_an_early_stop(llada: LLM) -> None:
+def test_suffix_survives_an_early_stop(reference_llada: LLM) -> None:
     """EOS early stop fills the rest of the answer with EOS, never the suffix."""
     params = GenerationParams(gen_length=16, block_length=8, suffix=tuple(SUFFIX))
-    seq = llada.engine.make_sequence(PROMPT, params)
+    seq = reference_llada.engine.make_sequence(PROMPT, params)
     eos = 7
     seq.eos_id = eos
     start, end = seq.block_bounds()
@@ -111,26 +93,26 @@ def test_block_causal_families_refuse_a_suffix_naming_it() -> None:
     GenerationParams(gen_length=32, suffix=(1, 2)).validate(4, 4096, family_named("dream"))
 
 
-def test_the_suffix_counts_in_the_length_and_the_vocabulary(llada: LLM) -> None:
-    limit = llada.config.max_position_embeddings
+def test_the_suffix_counts_in_the_length_and_the_vocabulary(reference_llada: LLM) -> None:
+    limit = reference_llada.config.max_position_embeddings
     with pytest.raises(UsageError) as refused:
-        llada.engine.validate(GenerationParams(gen_length=8, suffix=(1,) * limit), 4)
+        reference_llada.engine.validate(GenerationParams(gen_length=8, suffix=(1,) * limit), 4)
     assert refused.value.field == "prompt" and "suffix" in str(refused.value)
     with pytest.raises(UsageError) as bad:
-        llada.engine.make_sequence(PROMPT, GenerationParams(gen_length=8, suffix=(10**9,)))
+        reference_llada.engine.make_sequence(PROMPT, GenerationParams(gen_length=8, suffix=(10**9,)))
     assert bad.value.field == "suffix"
 
 
 @pytest.mark.slow  # starts the CLI
-def test_cli_suffix_ids_give_the_engine_middle(llada: LLM) -> None:
-    out = llada.generate(PROMPT, suffix=SUFFIX, gen_length=16, steps=16, block_length=8, early_stop=False)[0]
+def test_cli_suffix_ids_give_the_engine_middle(reference_llada: LLM) -> None:
+    out = reference_llada.generate(PROMPT, suffix=SUFFIX, gen_length=16, steps=16, block_length=8, early_stop=False)[0]
     run = subprocess.run(
         [
             sys.executable,
             "-m",
             "dlm_cli",
             "generate",
-            str(llada.model_dir),
+            str(reference_llada.model_dir),
             "--prompt-ids",
             ",".join(map(str, PROMPT)),
             "--suffix-ids",

@@ -26,24 +26,6 @@ SUFFIX = [11, 250, 31, 64]
 TOP = 3
 
 
-def _llm(name: str) -> LLM:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    assert ref is not None
-    return LLM(ref / "models" / name, dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def llada() -> LLM:
-    return _llm("llada_tiny_v2")
-
-
-@pytest.fixture(scope="module")
-def dream() -> LLM:
-    return _llm("dream_tiny_v2")
-
-
 def check_shape(tokens: list[TokenLogprob], top: int, mask_id: int) -> None:
     """Sorted alternatives, probabilities at most 1, the committed token's value consistent."""
     for t in tokens:
@@ -76,35 +58,37 @@ def compare_with_oracle(tokens: list[TokenLogprob], record: dict[int, torch.Tens
     [dict(gen_length=16, steps=16, block_length=8), dict(gen_length=16, steps=8, block_length=16, threshold=0.3)],
     ids=["schedule", "threshold"],
 )
-def test_llada_logprobs_are_the_committing_steps(llada: LLM, setting: dict) -> None:
-    out = llada.generate(PROMPT, logprobs=TOP, early_stop=False, **setting)[0]
+def test_llada_logprobs_are_the_committing_steps(reference_llada: LLM, setting: dict) -> None:
+    out = reference_llada.generate(PROMPT, logprobs=TOP, early_stop=False, **setting)[0]
     record: dict[int, torch.Tensor] = {}
     reference_generate(
-        llada.engine.loaded.model,
+        reference_llada.engine.loaded.model,
         torch.tensor([PROMPT]),
-        mask_id=llada.config.mask_token_id,
+        mask_id=reference_llada.config.mask_token_id,
         record=record,
         **setting,
     )
     assert out.logprobs is not None and len(out.logprobs) == len(out.completion_ids)
     assert [t.token for t in out.logprobs] == out.completion_ids
-    compare_with_oracle(out.logprobs, record, len(PROMPT), llada.config.mask_token_id)
-    check_shape(out.logprobs, TOP, llada.config.mask_token_id)
+    compare_with_oracle(out.logprobs, record, len(PROMPT), reference_llada.config.mask_token_id)
+    check_shape(out.logprobs, TOP, reference_llada.config.mask_token_id)
     for t in out.logprobs:  # greedy: the committed token is the step's most likely (MASK aside)
         assert t.top[0][0] == t.token
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
-def test_dream_logprobs_with_a_suffix_are_the_committing_steps(dream: LLM, cache: str) -> None:
+def test_dream_logprobs_with_a_suffix_are_the_committing_steps(reference_dream: LLM, cache: str) -> None:
     """Dream reads position p from row p-1; with a cache the block's first token is committed
     by the refresh forward."""
     setting = dict(gen_length=16, steps=16, block_length=8)
-    out = dream.generate(PROMPT, suffix=SUFFIX, alg="entropy", cache=cache, logprobs=TOP, early_stop=False, **setting)
+    out = reference_dream.generate(
+        PROMPT, suffix=SUFFIX, alg="entropy", cache=cache, logprobs=TOP, early_stop=False, **setting
+    )
     record: dict[int, torch.Tensor] = {}
     reference_dream_generate(
-        dream.engine.loaded.model,
+        reference_dream.engine.loaded.model,
         torch.tensor([PROMPT]),
-        mask_id=dream.config.mask_token_id,
+        mask_id=reference_dream.config.mask_token_id,
         alg="entropy",
         cache=cache,
         suffix=torch.tensor([SUFFIX]),
@@ -113,18 +97,18 @@ def test_dream_logprobs_with_a_suffix_are_the_committing_steps(dream: LLM, cache
     )
     tokens = out[0].logprobs
     assert tokens is not None
-    compare_with_oracle(tokens, record, len(PROMPT), dream.config.mask_token_id)
-    check_shape(tokens, TOP, dream.config.mask_token_id)
+    compare_with_oracle(tokens, record, len(PROMPT), reference_dream.config.mask_token_id)
+    check_shape(tokens, TOP, reference_dream.config.mask_token_id)
 
 
-def test_sampled_logprobs_keep_their_shape(llada: LLM) -> None:
-    outs = llada.generate(PROMPT, logprobs=5, gen_length=16, temperature=1.0, seed=4, n=2, early_stop=False)
+def test_sampled_logprobs_keep_their_shape(reference_llada: LLM) -> None:
+    outs = reference_llada.generate(PROMPT, logprobs=5, gen_length=16, temperature=1.0, seed=4, n=2, early_stop=False)
     for out in outs:
         assert out.logprobs is not None
-        check_shape(out.logprobs, 5, llada.config.mask_token_id)
-    zero = llada.generate(PROMPT, logprobs=0, gen_length=8)[0].logprobs
+        check_shape(out.logprobs, 5, reference_llada.config.mask_token_id)
+    zero = reference_llada.generate(PROMPT, logprobs=0, gen_length=8)[0].logprobs
     assert zero is not None and all(t.top == () for t in zero)
-    assert llada.generate(PROMPT, gen_length=8)[0].logprobs is None
+    assert reference_llada.generate(PROMPT, gen_length=8)[0].logprobs is None
 
 
 def test_logprobs_are_bounded() -> None:
@@ -137,11 +121,11 @@ def test_logprobs_are_bounded() -> None:
 
 
 @pytest.mark.slow  # starts the CLI
-def test_cli_logprobs_json(llada: LLM) -> None:
-    expected = llada.generate(PROMPT, logprobs=2, gen_length=8, block_length=8)[0].logprobs
+def test_cli_logprobs_json(reference_llada: LLM) -> None:
+    expected = reference_llada.generate(PROMPT, logprobs=2, gen_length=8, block_length=8)[0].logprobs
     assert expected is not None
     run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "generate", str(llada.model_dir), "--prompt-ids"]
+        [sys.executable, "-m", "dlm_cli", "generate", str(reference_llada.model_dir), "--prompt-ids"]
         + [",".join(map(str, PROMPT)), "--gen-length", "8", "--block-length", "8", "--logprobs", "2"]
         + ["--dtype", "float32", "--device", "cpu", "--json"],
         capture_output=True,

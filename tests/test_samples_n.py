@@ -18,29 +18,20 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 SAMPLING = dict(gen_length=16, block_length=8, temperature=1.0, early_stop=False)
 
 
-@pytest.fixture(scope="module")
-def llada() -> LLM:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    assert ref is not None
-    return LLM(ref / "models" / "llada_tiny_v2", dtype="float32", device="cpu")
-
-
-def test_n_samples_equal_separate_requests_with_their_seeds(llada: LLM) -> None:
-    outs = llada.generate([PROMPT, PROMPT[:4]], n=3, seed=7, logprobs=1, **SAMPLING)
+def test_n_samples_equal_separate_requests_with_their_seeds(reference_llada: LLM) -> None:
+    outs = reference_llada.generate([PROMPT, PROMPT[:4]], n=3, seed=7, logprobs=1, **SAMPLING)
     assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
     assert [o.prompt_ids for o in outs] == [PROMPT] * 3 + [PROMPT[:4]] * 3
     for o in outs:
-        alone = llada.generate(o.prompt_ids, seed=7 + o.index, logprobs=1, **SAMPLING)[0]
+        alone = reference_llada.generate(o.prompt_ids, seed=7 + o.index, logprobs=1, **SAMPLING)[0]
         assert o.output_ids == alone.output_ids
         assert o.logprobs == alone.logprobs
     assert len({tuple(o.output_ids) for o in outs[:3]}) == 3, "distinct seeds gave equal samples"
 
 
-def test_greedy_n_gives_equal_samples(llada: LLM) -> None:
+def test_greedy_n_gives_equal_samples(reference_llada: LLM) -> None:
     """Allowed, as vLLM allows it: deterministic decoding has one answer, n times."""
-    outs = llada.generate(PROMPT, n=2, gen_length=8)
+    outs = reference_llada.generate(PROMPT, n=2, gen_length=8)
     assert outs[0].output_ids == outs[1].output_ids
 
 
@@ -56,10 +47,10 @@ def test_n_is_bounded_and_seeds_stay_in_range() -> None:
 
 
 @pytest.mark.slow  # starts the CLI
-def test_cli_n_samples(llada: LLM) -> None:
-    expected = llada.generate(PROMPT, n=2, seed=3, **SAMPLING)
+def test_cli_n_samples(reference_llada: LLM) -> None:
+    expected = reference_llada.generate(PROMPT, n=2, seed=3, **SAMPLING)
     run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "generate", str(llada.model_dir), "--prompt-ids"]
+        [sys.executable, "-m", "dlm_cli", "generate", str(reference_llada.model_dir), "--prompt-ids"]
         + [",".join(map(str, PROMPT)), "--gen-length", "16", "--block-length", "8", "--temperature", "1"]
         + ["--no-early-stop", "--n", "2", "--seed", "3", "--dtype", "float32", "--device", "cpu", "--json"],
         capture_output=True,
