@@ -317,6 +317,8 @@ class Service:
             resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
+        if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
+            raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             raise _steps_exceeded(
                 f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
