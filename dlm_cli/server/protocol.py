@@ -5,7 +5,11 @@ OpenAI API answers. Fields fall in four groups:
 - decoding parameters: one per `GenerationParams` field offered over HTTP (`PARAM_FIELDS`),
   typed here, described, defaulted and range-checked by their declaration in engine/params.py
   (absent = that default); fields only some families take are refused by its validation;
-- OpenAI fields dlm acts on (model, max_tokens, stream, stop, ...);
+- OpenAI fields dlm acts on (model, max_tokens, stream, stop, ...), among them the request
+  layer's spellings of GenerationParams fields no single body field names: `suffix` (text or
+  ids, encoded by the route), `logprobs` (completions: the count) and `logprobs` +
+  `top_logprobs` (chat), read by `top_logprobs_count()`; a family that cannot honour one is
+  refused by the one validation (engine/capabilities.py);
 - fields OpenAI SDKs and frameworks send that change nothing here (`IGNORED`): accepted;
 - fields dlm cannot honour (`NEUTRAL`): accepted only with a value that asks for nothing,
   else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
