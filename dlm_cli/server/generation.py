@@ -118,9 +118,6 @@ class Responder:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.job.created, "model": self.service.model_name}
 
-    def token_text(self, token: int) -> str:
-        return self.served.token_text(token)
-
     def logprobs(self, choice: Choice, out: RequestOutput, text: str, stopped: bool) -> dict[str, Any] | None:
         """The log-probabilities of the tokens of `out` not yet sent for `choice` (all of its
         completion tokens, or those within `text` when a stop string cut it)."""
@@ -134,8 +131,8 @@ class Responder:
         offset = len(self.served.decode(ids[: choice.sent_tokens]))
         choice.sent_tokens = max(choice.sent_tokens, end)
         if self.chat:
-            return chat_logprobs(tokens, self.token_text)
-        return completion_logprobs(tokens, self.token_text, offset)
+            return chat_logprobs(tokens, self.served.token_text)
+        return completion_logprobs(tokens, self.served.token_text, offset)
 
     # ---- one JSON body -----------------------------------------------------------------
 
