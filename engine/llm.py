@@ -1,4 +1,5 @@
-"""LLM: the Python API. `LLM(model).generate(prompts, **params)` returns one output per prompt."""
+"""LLM: the Python API. `LLM(model).generate(prompts, **params)` returns one output per prompt
+(`n` per prompt with `n=`, prompt by prompt)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.decoding.logprobs import TokenLogprob
 from engine.device import resolve_device
 from engine.dtype import checkpoint_dtype, choose_dtype
 from engine.errors import UsageError
@@ -35,6 +37,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" (EOS generated) or "length"
     query_lengths: list[int]  # tokens fed to each forward
     cache: str = "none"  # approximate K/V cache used: its cost shows in nfe and query_lengths
+    index: int = 0  # which of the prompt's `n` samples (seed + index)
+    # with `logprobs=`: per completion token, its log-probability at the step that committed it
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,12 +127,16 @@ class LLM:
         on_step: Callable[[list[RequestState]], None] | None = None,
         **overrides: Any,
     ) -> list[GenerationOutput]:
-        """Decode one prompt or a list of prompts (text or token ids) together."""
+        """Decode one prompt or a list of prompts (text or token ids) together. `suffix`
+        (text or ids) is infilled after the answer; `n` samples per prompt come back prompt
+        by prompt (`GenerationOutput.index`)."""
         batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
         else:
             batch = prompts  # type: ignore[assignment]  # a list of prompts
+        if isinstance(overrides.get("suffix"), str):  # infilling text: its ids, as a completion's prompt
+            overrides["suffix"] = tuple(self.encode(overrides["suffix"]))
         if params is None or overrides:  # resolved parameters pass through unchanged
             given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
             params = GenerationParams(**{**given, **overrides})
@@ -149,6 +158,8 @@ class LLM:
                 finish_reason=s.finish_reason or "length",
                 query_lengths=s.query_lengths,
                 cache=s.params.cache,
+                index=i % params.n,
+                logprobs=s.token_logprobs(s.completion_ids),
             )
-            for s in seqs
+            for i, s in enumerate(seqs)
         ]

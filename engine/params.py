@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from engine.capabilities import require
 from engine.errors import UsageError
 from engine.registry import FAMILIES, Family
+
+P = TypeVar("P", bound="GenerationParams")
 
 REMASKING = ("low_confidence", "random")
 CACHES = ("auto", "none", "prefix", "dual", "block")
@@ -42,6 +45,8 @@ SEED_LIMIT = 2**63  # torch.Generator's seeds are below this
 EDIT_PRESETS = {"speed": (0.5, 0.0), "quality": (0.7, 0.5)}
 DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode's
 DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_logprobs
+MAX_N = 64  # samples per prompt
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,25 @@ class GenerationParams:
         cli="--early-stop/--no-early-stop",
         http=None,
     )
+    n: int = _param(
+        1,
+        "Samples per prompt, decoded together; sample i uses seed + i (with a seed), so each equals a request "
+        "with that seed. Greedy decoding gives n equal samples.",
+        low=1,
+        high=MAX_N,
+        cli="--n",
+    )
+    logprobs: int | None = _param(
+        None,
+        "Report each generated token's log-probability at the denoising step that committed it (not an "
+        "autoregressive next-token probability), with this many most likely alternatives (0: none).",
+        low=0,
+        high=MAX_TOP_LOGPROBS,
+        http=None,  # the OpenAI endpoints spell it differently (completions vs chat): the request layer maps it
+    )
+    # Infilling: token ids the answer is decoded in front of (the canvas is prompt, answer, suffix).
+    # Text reaches it through the request layer (`suffix` on /v1/completions, `dlm generate --suffix`).
+    suffix: tuple[int, ...] = _param((), "Token ids after the answer (infilling).", cli=None, http=None)
     # Dream family (diffusion_generate):
     alg: str | None = _param(
         None,
@@ -278,15 +302,29 @@ class GenerationParams:
         _validate_sampler(p, family)
         if p.mode != "diffusion" and not family.block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
+        if p.suffix:
+            require(family, "suffix")
+        if p.seed is not None and p.seed + p.n > SEED_LIMIT:
+            raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
         if prompt_length < 1:
             raise UsageError("the prompt is empty", field="prompt")
-        if prompt_length + p.gen_length > max_length:
+        if prompt_length + p.gen_length + len(p.suffix) > max_length:
+            suffix = f" + suffix ({len(p.suffix)})" if p.suffix else ""
             raise UsageError(
-                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}) exceeds "
+                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}){suffix} exceeds "
                 f"the model's maximum length of {max_length} tokens",
                 field="prompt",
             )
         return p
+
+    def samples(self: P) -> list[P]:
+        """The `n` samples this request asks for, each a request of its own (n = 1): sample i
+        has seed `seed + i`, so it equals a separate request with that seed (unseeded: each
+        draws its own noise)."""
+        if self.n == 1:
+            return [self]
+        seeds = [None if self.seed is None else self.seed + i for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
 
     def _resolved(self, family: Family, prompt_length: int, forwards: Forwards) -> ResolvedParams:
         """Fill the defaults that depend on other fields and on the family; check the block
@@ -323,6 +361,7 @@ class GenerationParams:
             if alg == "confidence_threshold" and threshold is None:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
+        values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
         if self.edits:
             # Draft-and-edit: the preset fills what is not given; a block takes at most

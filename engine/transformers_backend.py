@@ -200,7 +200,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
 # dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
 DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
-DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode")
+DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs")
 _DEFAULTS = GenerationParams()
 
 
@@ -313,6 +313,11 @@ class GenerateMethodEngine(LLMEngine):
     max_num_seqs = 1
     warmup_params = GenerationParams(gen_length=8)
     runner: GenerateMethodRunner
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """Only what needs nothing of the method: `n` is n calls with their seeds."""
+        return tuple(c for c in super().capabilities if c not in DLM_FIELDS)
 
     def make_runner(self) -> GenerateMethodRunner:
         return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)

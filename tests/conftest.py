@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Environment the whole suite needs, set once before any test module is imported:
 # Triton kernels run on CPU through the interpreter (set before any kernel is defined).
@@ -78,3 +79,24 @@ def tiny_dream(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = dream_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
     save_checkpoint(directory, config, random_dream_tensors(config, seed=0))
     return directory
+
+
+def _reference_llm(name: str) -> Any:
+    """An `engine.LLM` over reference checkpoint `name`, in float32 on the CPU (for oracles)."""
+    from engine.llm import LLM
+
+    ref = reference_dir()
+    assert ref is not None
+    return LLM(ref / "models" / name, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference_llada() -> Any:
+    """The tiny reference LLaDA checkpoint, loaded (float32, CPU)."""
+    return _reference_llm("llada_tiny_v2")
+
+
+@pytest.fixture(scope="module")
+def reference_dream() -> Any:
+    """The tiny reference Dream checkpoint, loaded (float32, CPU)."""
+    return _reference_llm("dream_tiny_v2")

@@ -210,3 +210,65 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
         timeout=60,
     )
     return cert, key
+
+
+class _LoopTransport(httpx.BaseTransport):
+    """A synchronous httpx transport into an ASGI app whose event loop runs on another thread
+    (so sync clients, the OpenAI SDK's included, reach an in-process server)."""
+
+    def __init__(self, app: Any, loop: Any) -> None:
+        self.inner, self.loop = httpx.ASGITransport(app=app), loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        import asyncio
+
+        async def send() -> tuple[int, httpx.Headers, bytes]:
+            forwarded = httpx.Request(request.method, request.url, headers=request.headers, content=request.read())
+            response = await self.inner.handle_async_request(forwarded)
+            return response.status_code, response.headers, await response.aread()
+
+        status, headers, content = asyncio.run_coroutine_threadsafe(send(), self.loop).result()
+        return httpx.Response(status, headers=headers, content=content)
+
+
+@contextmanager
+def in_process_server(**settings: Any) -> Iterator[httpx.Client]:
+    """The server's app (`ServeConfig(**settings)`) in this process, loaded and ready, no
+    socket: an httpx client to it (base URL http://dlm). Loading failures fail the block."""
+    import asyncio
+
+    from dlm_cli.server.app import create_app
+    from dlm_cli.server.config import ServeConfig
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    app = create_app(ServeConfig(**settings))
+    lifespan = app.router.lifespan_context(app)
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    async def loaded() -> None:
+        await app.state.loading
+
+    run(lifespan.__aenter__())
+    try:
+        run(loaded())
+        assert app.state.service.load_error is None, app.state.service.load_error
+        with httpx.Client(transport=_LoopTransport(app, loop), base_url="http://dlm", timeout=300) as client:
+            yield client
+    finally:
+        run(lifespan.__aexit__(None, None, None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream, up to `[DONE]`."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: ") :]))
+    return events

@@ -18,13 +18,15 @@ from engine.registry import family_named
 
 # `dlm generate` options that are not decoding parameters (model loading, prompt, output).
 GENERATE_OTHER = {
-    "model", "prompt", "prompt_ids", "chat", "dtype", "device", "backend", "trust_remote_code", "json_out",
+    "model", "prompt", "prompt_ids", "chat", "suffix_text", "suffix_ids",
+    "dtype", "device", "backend", "trust_remote_code", "json_out",
     "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "moe_parallel",
 }  # fmt: skip
 # Request fields of the OpenAI API that are not decoding parameters.
 OPENAI_OTHER = {
     "model", "max_output_tokens", "stream", "stream_options", "stop", "return_token_ids", "prompt", "echo",
-    "logprobs", "suffix", "messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
+    "logprobs", "top_logprobs", "suffix",
+    "messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
 }  # fmt: skip
 
 

@@ -260,9 +260,9 @@ LONG_PROMPT = list(range(10, 600))
         (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "invalid_value"),
         (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "invalid_value"),
         (dict(body={"prompt": "x", "decode_mode": "ar"}), 400, "invalid_request_error", "decode_mode", "invalid_value"),
-        (dict(body={"prompt": "x", "n": 2}), 400, "invalid_request_error", "n", "unsupported"),
+        (dict(body={"prompt": "x", "n": 65}), 400, "invalid_request_error", "n", "invalid_value"),
         (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", None),
-        (dict(body={"prompt": [99999]}), 400, "invalid_request_error", None, "invalid_value"),
+        (dict(body={"prompt": [99999]}), 400, "invalid_request_error", "prompt", "invalid_value"),
         (dict(body={"prompt": "x"}, headers={}), 401, "authentication_error", None, "invalid_api_key"),
         (
             dict(body={"prompt": "x"}, headers={"Authorization": "Bearer sk-wrong"}),

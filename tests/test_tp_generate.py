@@ -59,3 +59,21 @@ def test_driver_mirrors_admission_and_aborts(checkpoints: dict[str, Path]) -> No
     single = _scheduled(LLM(checkpoints["sdar"], dtype="float32", device="cpu").engine, prompts, params)
     with LLM(checkpoints["sdar"], dtype="float32", device="cpu", parallel=ParallelConfig(2)) as llm:
         assert _scheduled(llm.engine, prompts, params) == single
+
+
+def test_two_ranks_infill_sample_and_report_logprobs_as_one_process(checkpoints: dict[str, Path]) -> None:
+    """suffix, n seeded samples and logprobs (the LM head's vocabulary shards gathered on
+    every rank for the committing step's log-softmax) give the single process's answers."""
+    extra = dict(suffix=(3, 4, 5), n=2, seed=9, temperature=1.0, logprobs=2)
+
+    def run(parallel: ParallelConfig | None) -> list:
+        with LLM(checkpoints["llada"], dtype="float32", device="cpu", parallel=parallel) as llm:
+            return llm.generate(PROMPT, **PARAMS["llada"], **extra)
+
+    single, split = run(None), run(ParallelConfig(tensor_parallel_size=2))
+    assert [o.output_ids for o in split] == [o.output_ids for o in single]
+    for a, b in zip(split, single):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert [t.token for t in a.logprobs] == [t.token for t in b.logprobs]
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-5)
+        assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]

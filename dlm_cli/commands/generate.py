@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import typer
 
 from dlm_cli import parallel as tp
@@ -9,20 +11,20 @@ from dlm_cli import params as dp
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
     from engine.errors import UsageError
 
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise UsageError("--prompt-ids is empty")
+        raise UsageError(f"{flag} is empty")
     return ids
 
 
 def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
-    """Decode with a progress bar of committed tokens on stderr."""
+    """Decode (the `n` samples) with a progress bar of committed tokens on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -34,13 +36,33 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task("denoising", total=params.gen_length, nfe=0)
+        task = progress.add_task("denoising", total=params.gen_length * params.n, nfe=0)
 
         def on_step(seqs) -> None:  # noqa: ANN001
-            seq = seqs[0]
-            progress.update(task, completed=params.gen_length - seq.masks_left, nfe=seq.nfe)
+            left = sum(seq.masks_left for seq in seqs)
+            progress.update(task, completed=params.gen_length * params.n - left, nfe=max(s.nfe for s in seqs))
 
-        return llm.generate(prompt_tokens, params, on_step=on_step)[0]
+        return llm.generate(prompt_tokens, params, on_step=on_step)
+
+
+def _logprobs(out) -> list[dict] | None:  # noqa: ANN001
+    """--json's log-probabilities: per completion token, at the step that committed it."""
+    if out.logprobs is None:
+        return None
+    return [{"token": t.token, "logprob": t.logprob, "top": [list(pair) for pair in t.top]} for t in out.logprobs]
+
+
+def _sample(out) -> dict:  # noqa: ANN001
+    """What differs between the `--n` samples of one prompt."""
+    return {
+        "index": out.index,
+        "output_ids": out.output_ids,
+        "completion_ids": out.completion_ids,
+        "text": out.text,
+        "nfe": out.nfe,
+        "finish_reason": out.finish_reason,
+        "logprobs": _logprobs(out),
+    }
 
 
 def generate(
@@ -53,6 +75,13 @@ def generate(
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
+    suffix_text: str | None = typer.Option(
+        None,
+        "--suffix",
+        help="Infilling: text after the answer, which is decoded between the prompt and it "
+        "(bidirectional families: LLaDA, Dream).",
+    ),
+    suffix_ids: str | None = typer.Option(None, "--suffix-ids", help="The suffix as comma-separated token ids."),
     gen_length: int = dp.option("gen_length"),
     steps: int | None = dp.option("steps"),
     refinement_steps: int | None = dp.option("refinement_steps"),
@@ -72,6 +101,8 @@ def generate(
     edit_mode: str | None = dp.option("edit_mode"),
     max_post_edit_steps: int | None = dp.option("max_post_edit_steps"),
     early_stop: bool = dp.option("early_stop"),
+    n: int = dp.option("n"),
+    logprobs: int | None = dp.option("logprobs"),
     mode: str = dp.option("mode"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -96,13 +127,18 @@ def generate(
         if (prompt is None) == (prompt_ids is None):
             raise UsageError("give exactly one of --prompt or --prompt-ids")
         ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        if suffix_text is not None and suffix_ids is not None:
+            raise UsageError("give --suffix or --suffix-ids, not both")
         from dlm_cli.store.resolve import resolve_model
 
         checkpoint = resolve_model(model)  # fails fast; also resolves store names
         model = str(checkpoint)
         params = dp.decoding_params(ctx.params)
-        if backend == "native":  # a text prompt has at least one token
-            dp.check_before_loading(checkpoint, params, len(ids) if ids is not None else 1)
+        if suffix_ids is not None:  # text is encoded once the tokenizer is loaded
+            params = replace(params, suffix=tuple(_parse_ids(suffix_ids, "--suffix-ids")))
+        if backend == "native":  # a text prompt (or suffix) has at least one token
+            early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
+            dp.check_before_loading(checkpoint, early, len(ids) if ids is not None else 1)
 
         from engine.llm import LLM
 
@@ -129,8 +165,11 @@ def generate(
             # Validate before decoding so a bad flag fails fast, not after tokenizer work.
             source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
             prompt_tokens = llm.encode(source, chat=chat)
+            if suffix_text:
+                params = replace(params, suffix=tuple(llm.encode(suffix_text)))
             resolved = llm.engine.validate(params, len(prompt_tokens))
-            out = _generate_with_progress(llm, prompt_tokens, resolved)
+            outs = _generate_with_progress(llm, prompt_tokens, resolved)
+            out = outs[0]
             if json_out:
                 emit_json(
                     {
@@ -151,13 +190,15 @@ def generate(
                         "device": str(llm.device),
                         "backend": {"name": backend, "path": path},
                         "tensor_parallel_size": llm.engine.tensor_parallel_size,
+                        "logprobs": _logprobs(out),
+                        **({"samples": [_sample(o) for o in outs]} if len(outs) > 1 else {}),
                     }
                 )
                 return
-            if out.text is not None:
-                typer.echo(out.text)
-            else:
-                typer.echo(",".join(map(str, out.output_ids)))
+            for o in outs:
+                if len(outs) > 1:
+                    err_console.print(f"[dim]sample {o.index}[/]")
+                typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
             err_console.print(
                 f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
                 f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "

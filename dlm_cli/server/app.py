@@ -115,6 +115,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         served = service.served
         if served is not None and served.ref is not None:  # a deployment: which release serves
             card.update(root=served.ref, version=served.version)
+        if served is not None:  # the request features the loaded family honours (engine/capabilities.py)
+            card["capabilities"] = list(served.engine.engine.capabilities)
         return JSONResponse({"object": "list", "data": [card]})
 
     async def generate(request: Request, job: Job, model: type[CompletionRequest | ChatRequest]) -> Response:
@@ -133,13 +135,14 @@ def create_app(config: ServeConfig) -> FastAPI:
             prepared = await preparer.prepare(service, raw, model)
             body = prepared.body
             job.prompt_ids, job.prompt_text, job.tools = prepared.prompt_ids, prepared.prompt_text, prepared.tools
+            job.suffix_ids, job.echo = prepared.suffix_ids, prepared.echo
             _options(job, body)
             params = service.params(job, body, prepared.max_tokens)
-            stream = service.submit(job, params)
+            streams = service.submit(job, params)
         except APIError as exc:
             service.reject(job, exc)
             raise
-        responder = Responder(service, job, stream)
+        responder = Responder(service, job, streams)
         return responder.streaming() if body.stream else await responder.respond(request)
 
     @app.post("/v1/completions")

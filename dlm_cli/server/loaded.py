@@ -34,6 +34,10 @@ class LoadedModel:
 
         return "" if self.tokenizer is None else decode(self.tokenizer, ids, self.eos_id)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens spelt out); its id where there is no tokenizer."""
+        return str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
+
     def completion_ids(self, prefix: list[int]) -> list[int]:
         """Generated ids that count as the completion: up to and including the first EOS."""
         return completion(prefix, self.eos_id)

@@ -47,6 +47,8 @@ class Prepared:
     prompt_text: str | None
     max_tokens: int | None
     tools: bool = False
+    suffix_ids: tuple[int, ...] = ()  # infilling: what follows the answer
+    echo: str | None = None  # a completion's `echo`: the prompt's text, answered before the completion
 
 
 class Preparer:
@@ -139,15 +141,23 @@ def _completion(served: LoadedModel, body: CompletionRequest) -> Prepared:
                 "one prompt per request: send several requests (they are batched on the server)", param="prompt"
             )
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        _fit(served, len(prompt), "prompt", "characters", CHARS_PER_TOKEN)
-        if served.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        from engine.tokenizer import encode
+    suffix = tuple(_text_ids(served, body.suffix, "suffix")) if body.suffix else ()
+    ids = _text_ids(served, prompt, "prompt")
+    text = prompt if isinstance(prompt, str) else None
+    echo = (served.decode(ids) if text is None else text) if body.echo else None
+    return Prepared(body, ids, text, body.max_tokens, suffix_ids=suffix, echo=echo)
 
-        ids = encode(served.tokenizer, prompt)
-        return Prepared(body, ids, prompt, body.max_tokens)
-    return Prepared(body, list(prompt), None, body.max_tokens)
+
+def _text_ids(served: LoadedModel, text: str | list[int], param: str) -> list[int]:
+    """A completion's text field as token ids (ids pass as they are), after the size check."""
+    if not isinstance(text, str):
+        return list(text)
+    _fit(served, len(text), param, "characters", CHARS_PER_TOKEN)
+    if served.tokenizer is None:
+        raise bad_request(f"this model has no tokenizer: send the {param} as token ids", param=param)
+    from engine.tokenizer import encode
+
+    return encode(served.tokenizer, text)
 
 
 def _chat(served: LoadedModel, body: ChatRequest) -> Prepared:

@@ -5,7 +5,11 @@ OpenAI API answers. Fields fall in four groups:
 - decoding parameters: one per `GenerationParams` field offered over HTTP (`PARAM_FIELDS`),
   typed here, described, defaulted and range-checked by their declaration in engine/params.py
   (absent = that default); fields only some families take are refused by its validation;
-- OpenAI fields dlm acts on (model, max_tokens, stream, stop, ...);
+- OpenAI fields dlm acts on (model, max_tokens, stream, stop, ...), among them the request
+  layer's spellings of GenerationParams fields no single body field names: `suffix` (text or
+  ids, encoded by the route), `logprobs` (completions: the count) and `logprobs` +
+  `top_logprobs` (chat), read by `top_logprobs_count()`; a family that cannot honour one is
+  refused by the one validation (engine/capabilities.py);
 - fields OpenAI SDKs and frameworks send that change nothing here (`IGNORED`): accepted;
 - fields dlm cannot honour (`NEUTRAL`): accepted only with a value that asks for nothing,
   else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
@@ -38,11 +42,9 @@ PARAM_FIELDS: dict[str, str] = {http_name(n): n for n in PARAMS if http_name(n) 
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 # Not honoured by dlm: accepted only with these values (asking for nothing), else `unsupported`.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -94,9 +96,10 @@ class DiffusionFields(_Body):
     temperature: float | None = _param("temperature")
     seed: int | None = _param("seed")
     max_tokens: int | None = _param("max_tokens")
+    n: int | None = _param("n")
 
 
-class _Generation(DiffusionFields):
+class GenerationRequest(DiffusionFields):
     model: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)  # the Responses API's name for max_tokens
     stream: StrictBool = False
@@ -111,12 +114,11 @@ class _Generation(DiffusionFields):
     parallel_tool_calls: StrictBool | None = None
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
+    top_logprobs: int | None = None  # chat's count of alternatives (on completions: `logprobs`)
     # NEUTRAL
-    n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    top_logprobs: int | None = None
     best_of: int | None = None
     modalities: list[StrictStr] | None = None
     audio: dict[str, Any] | None = None
@@ -134,7 +136,7 @@ class _Generation(DiffusionFields):
         return value
 
     @model_validator(mode="after")
-    def _output_tokens(self) -> _Generation:
+    def _output_tokens(self) -> GenerationRequest:
         """`max_output_tokens` is read as `max_tokens`."""
         if self.max_output_tokens is not None:
             self.max_tokens = self.max_output_tokens
@@ -149,26 +151,32 @@ class _Generation(DiffusionFields):
         """(param, reason) for a field dlm cannot honour, else None."""
         for name, neutral in NEUTRAL.items():
             if getattr(self, name) not in neutral:
-                if name == "n":
-                    return name, "n must be 1: send one request per choice (requests are batched on the server)"
                 return name, f"{name} is not supported by diffusion decoding"
         return None
 
+    def top_logprobs_count(self) -> int | None:
+        """GenerationParams.logprobs: alternatives per token, None when not asked."""
+        raise NotImplementedError
 
-class CompletionRequest(_Generation):
+
+class CompletionRequest(GenerationRequest):
     prompt: StrictStr | list[int] | list[StrictStr] | list[list[int]]
     echo: StrictBool = False
-    logprobs: int | None = None
-    suffix: StrictStr | None = None
+    logprobs: int | None = None  # alternatives per token (range: GenerationParams.logprobs)
+    suffix: StrictStr | list[StrictInt] | None = None  # infilling: the text after the answer
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs is a chat field; on /v1/completions logprobs gives the count"
+        if self.echo and self.logprobs is not None:
+            return (
+                "echo",
+                "echo with logprobs would need the prompt's log-probabilities, which diffusion decoding lacks",
+            )
         return super().unsupported()
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class DetokenizeRequest(_Body):
@@ -214,7 +222,7 @@ class ToolDef(_Body):
     function: FunctionDef
 
 
-class ChatRequest(_Generation):
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
@@ -225,8 +233,11 @@ class ChatRequest(_Generation):
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.tool_choice, dict):
             return "tool_choice", "forcing a specific tool is not supported; use auto or none"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "structured output (json_object, json_schema) is not supported"
         return super().unsupported()
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -26,7 +26,7 @@ from dlm_cli.server.config import ServeConfig
 from dlm_cli.server.errors import APIError, bad_request
 from dlm_cli.server.loaded import LoadedModel
 from dlm_cli.server.metrics import ServerMetrics
-from dlm_cli.server.protocol import PARAM_FIELDS, DiffusionFields
+from dlm_cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm_cli.server.ratelimit import RateLimiter
 from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
 from engine.params import PARAMS, GenerationParams, ResolvedParams, http_name
@@ -52,15 +52,17 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] = field(default_factory=list)
+    suffix_ids: tuple[int, ...] = ()  # infilling: the ids after the answer
     params: ResolvedParams | None = None
     stops: list[str] = field(default_factory=list)
     tools: bool = False
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    echo: str | None = None  # completions with `echo`: the prompt's text, sent before the answer
     status: int = 200
     finish_reason: str | None = None
-    completion_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)  # every choice's, one after another
     steps: int = 0
     prompt_text: str | None = None
     output_text: str | None = None
@@ -285,7 +287,7 @@ class Service:
                 code="model_not_found",
             )
 
-    def params(self, job: Job, body: DiffusionFields, max_tokens: int | None) -> ResolvedParams:
+    def params(self, job: Job, body: GenerationRequest, max_tokens: int | None) -> ResolvedParams:
         """The request's decoding parameters, resolved and validated once for the served model
         and checked against the server's limits. Each body field maps onto its GenerationParams
         field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
@@ -297,9 +299,10 @@ class Service:
                 param="max_tokens",
                 code="max_tokens_exceeded",
             )
-        if len(job.prompt_ids) + gen > self.max_model_len:
+        if len(job.prompt_ids) + gen + len(job.suffix_ids) > self.max_model_len:
+            suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
             raise bad_request(
-                f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}) exceeds the "
+                f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}){suffix} exceeds the "
                 f"maximum context of {self.max_model_len} tokens",
                 param=_prompt_param(job),
                 code="context_length_exceeded",
@@ -324,12 +327,17 @@ class Service:
             given["refinement_steps"] = cfg.refinement_steps  # draft-and-edit bounds its own steps
         if body.block_length is None and cfg.block_length is not None:
             given["block_length"] = cfg.block_length
-        given.update(gen_length=gen, max_steps=cfg.max_steps)
+        given.update(gen_length=gen, max_steps=cfg.max_steps, suffix=job.suffix_ids)
+        top = body.top_logprobs_count()
+        if top is not None:
+            given["logprobs"] = top
         assert self.engine is not None
         try:  # the family's defaults and rules, as `dlm generate` applies them
             resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
+        if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
+            raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             raise _steps_exceeded(
                 f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
@@ -337,34 +345,35 @@ class Service:
             )
         return resolved
 
-    def submit(self, job: Job, params: ResolvedParams) -> RequestStream:
-        """Charge the token rate, then queue the request on the served model (429 at once when
-        the queue is full); the request stays on that model to its end."""
-        wait = self.limiter.check(job.key, "tokens", params.gen_length)
+    def submit(self, job: Job, params: ResolvedParams) -> list[RequestStream]:
+        """Charge the token rate, then queue the request's `n` samples on the served model
+        (429 at once when the queue cannot take them all); they stay on that model to their
+        end. One stream per choice, choice i seeded `seed + i` (`GenerationParams.samples`)."""
+        wait = self.limiter.check(job.key, "tokens", params.gen_length * params.n)
         if wait:
             raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
         job.params = params
         assert self.served is not None
         job.served = self.served
         engine = self.served.engine
+        streams: list[RequestStream] = []
         try:
-            stream = engine.submit(
-                job.id,
-                job.prompt_ids,
-                params,
-                timeout=self.config.request_timeout,
-                updates=job.stream or bool(job.stops),
-            )
-        except QueueFull as exc:
-            raise _queue_full(engine, exc) from None
-        except Draining as exc:
-            raise APIError(503, str(exc), type="unavailable", code="draining") from None
-        except EngineFailed as exc:
-            raise _engine_failed(str(exc)) from None
-        except UsageError as exc:
-            raise _refused(exc, job) from None
+            for i, sample in enumerate(params.samples()):
+                streams.append(
+                    engine.submit(
+                        job.id if params.n == 1 else f"{job.id}-{i}",
+                        job.prompt_ids,
+                        sample,
+                        timeout=self.config.request_timeout,
+                        updates=job.stream or bool(job.stops),
+                    )
+                )
+        except (QueueFull, Draining, EngineFailed, UsageError) as exc:
+            for stream in streams:  # all the choices or none
+                engine.abort(stream, "abort")
+            raise _submit_refused(engine, exc, job) from None
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        return stream
+        return streams
 
     # ---- accounting --------------------------------------------------------------------
 
@@ -373,13 +382,15 @@ class Service:
         self.metrics.rejections.labels(error.code or error.type).inc()
         self.record(job)
 
-    def finish(self, job: Job, stream: RequestStream, finish_reason: str, status: int) -> None:
-        """Metrics and the log line of a request the engine ran."""
-        job.finish_reason, job.status, job.steps = finish_reason, status, stream.seq.nfe
+    def finish(self, job: Job, streams: list[RequestStream], finish_reason: str, status: int) -> None:
+        """Metrics and the log line of a request the engine ran (its choices' streams)."""
+        job.finish_reason, job.status = finish_reason, status
+        job.steps = sum(stream.seq.nfe for stream in streams)
         m = self.metrics
-        req = stream.request
-        if req.admitted is not None:
-            m.queue_time.observe(req.admitted - req.arrival)
+        for stream in streams:
+            req = stream.request
+            if req.admitted is not None:
+                m.queue_time.observe(req.admitted - req.arrival)
         m.steps.observe(job.steps)
         if finish_reason == "timeout":
             m.timeouts.inc()
@@ -422,8 +433,24 @@ def _refused(exc: UsageError, job: Job) -> APIError:
     """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
     GenerationParams field or `prompt`), in the API's name for it."""
     field = exc.field
-    param = http_name(field) if field in PARAMS else (_prompt_param(job) if field == "prompt" else field)
+    if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
+        param: str | None = "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
+    elif field in PARAMS and http_name(field) is not None:
+        param = http_name(field)
+    else:
+        param = _prompt_param(job) if field == "prompt" else field
     return bad_request(str(exc), param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
+
+
+def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:
+    if isinstance(exc, QueueFull):
+        return _queue_full(engine, exc)
+    if isinstance(exc, Draining):
+        return APIError(503, str(exc), type="unavailable", code="draining")
+    if isinstance(exc, EngineFailed):
+        return _engine_failed(str(exc))
+    assert isinstance(exc, UsageError)
+    return _refused(exc, job)
 
 
 def _steps_exceeded(message: str) -> APIError:

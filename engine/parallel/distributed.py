@@ -444,6 +444,10 @@ class DistributedEngine(Engine):
     def tensor_parallel_size(self) -> int:
         return self.group.place.world
 
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        return self.engine.capabilities
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         return self.engine.validate(params, prompt_length)
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.decoding.logprobs import TokenLogprob
 from engine.errors import DlmError, EngineFailed
 from engine.params import GenerationParams
 from engine.runtime.interface import Engine
@@ -55,6 +56,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop, length, timeout, abort, shutdown, error
     output_ids: list[int] | None = None  # the whole generated canvas, on the final output
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # of `prefix_ids`, when the request asks for them
 
     @property
     def finished(self) -> bool:
@@ -261,6 +263,7 @@ class AsyncEngine:
                 finish_reason=seq.finish_reason or "abort",
                 output_ids=seq.output_ids,
                 error=error,
+                logprobs=seq.token_logprobs(seq.committed_prefix),
             )
         )
 
@@ -323,6 +326,6 @@ class AsyncEngine:
                 prefix = seq.committed_prefix
                 if stream.wants_updates and not seq.finished and len(prefix) > stream.last_prefix:
                     stream.last_prefix = len(prefix)
-                    stream.post(RequestOutput(request.request_id, prefix, seq.nfe))
+                    stream.post(RequestOutput(request.request_id, prefix, seq.nfe, logprobs=seq.token_logprobs(prefix)))
             for request in self.scheduler.reap():
                 self._finish(request)

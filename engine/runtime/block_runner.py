@@ -116,6 +116,7 @@ class BlockRunner:
                 generator=seq.generator,
                 shard=self.vocab_shard,
             )
+            seq.note_logprobs(work.decide, hidden[r, : len(work.rows)], weight, stats.token, self.vocab_shard)
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             if p.edit_threshold is not None:
                 self._revise(seq, work, conf, tokens)

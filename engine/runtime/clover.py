@@ -93,7 +93,9 @@ class CloverRunner:
         positions = seq.masked_positions()
         # The family's statistics (MASK never proposed): a preview that kept predicting MASK
         # would commit nothing and never fill the block.
-        stats = token_stats(seq, hidden[0, (positions - start).to(device)], self.model.lm_head_weight, self.vocab_shard)
+        rows = hidden[0, (positions - start).to(device)]
+        stats = token_stats(seq, rows, self.model.lm_head_weight, self.vocab_shard)
+        seq.note_logprobs(positions, rows, self.model.lm_head_weight, stats.token, self.vocab_shard)
         seq.nfe += 1
         seq.query_lengths.append(end - start)
         seq.commit(*decide(seq, positions, stats))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.capabilities import supported
 from engine.config import ModelConfig, load_config
 from engine.errors import UsageError
 from engine.layers.linear import lm_head_shard
@@ -121,6 +122,10 @@ class LLMEngine(Engine):
     def running(self) -> list[RequestState]:
         return self._running
 
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        return supported(self.family)
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """Resolve the family's defaults and validate: what every entry point should call.
         Parameters already resolved (this call at the boundary) pass as they are."""
@@ -140,6 +145,7 @@ class LLMEngine(Engine):
         scheduler (engine/runtime/scheduler.py) decides when it joins `running`."""
         resolved = self.validate(params, len(prompt_ids))
         self.check_prompt(prompt_ids)
+        self.check_prompt(list(resolved.suffix), "suffix")
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
@@ -148,10 +154,12 @@ class LLMEngine(Engine):
     def add(self, seq: RequestState) -> None:
         self._running.append(seq)
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_prompt(self, prompt_ids: list[int], field: str = "prompt") -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
         if bad:
-            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})")
+            raise UsageError(
+                f"{field} token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})", field=field
+            )
 
     def cache_bytes(self) -> int:
         """Bytes of K/V cache (and recurrent state) the running requests hold on this

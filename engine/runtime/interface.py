@@ -74,6 +74,12 @@ class Engine(Protocol):
         """A bound of the engine's own on the sequences decoded together (None: the caller's)."""
         ...
 
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """The request features this engine honours (engine/capabilities.py), what a server's
+        `/v1/models` lists."""
+        ...
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The family's defaults resolved and every rule checked (`UsageError`, `Unsupported`)
         once; parameters already resolved pass as they are."""
@@ -108,8 +114,9 @@ class Engine(Protocol):
         on_step: Callable[[list[RequestState]], None] | None = None,
     ) -> list[RequestState]:
         """Add `prompts` and step until each has ended (others in the running set take part
-        in the same steps)."""
-        seqs = [self.add_request(p, params) for p in prompts]
+        in the same steps). Returns `params.n` sequences per prompt, prompt by prompt, sample
+        i seeded `seed + i` (`GenerationParams.samples`)."""
+        seqs = [self.add_request(p, sample) for p in prompts for sample in params.samples()]
         while any(not s.finished for s in seqs):
             self.step()
             if on_step is not None:

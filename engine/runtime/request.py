@@ -18,7 +18,9 @@ from typing import TypeVar
 
 import torch
 
+from engine.decoding.logprobs import LogprobRecord, TokenLogprob
 from engine.params import ResolvedParams
+from kernels.token_stats import VocabShard
 
 _ids = itertools.count()
 S = TypeVar("S", bound="RequestState")
@@ -36,6 +38,7 @@ class RequestState:
     finish_reason: str | None = None  # stop, length, or the caller's reason (abort, timeout, ...)
     generator: torch.Generator | None = None  # set by the engine on its device when seeded
     canvas: torch.Tensor = field(init=False, repr=False)
+    logprob_record: LogprobRecord | None = field(default=None, init=False, repr=False)  # when asked for
 
     @property
     def prompt_length(self) -> int:
@@ -59,9 +62,41 @@ class RequestState:
             self.finish_reason = reason
         self.release()
 
+    @property
+    def answer_end(self) -> int:
+        """The canvas position after the answer (where an infilling suffix starts)."""
+        return self.prompt_length + self.params.gen_length
+
     def answer(self) -> torch.Tensor:
-        """The canvas positions of the answer (a block-causal grid may extend past them)."""
-        return self.canvas[self.prompt_length : self.prompt_length + self.params.gen_length]
+        """The canvas positions of the answer (a block-causal grid may extend past them,
+        an infilling suffix follows them)."""
+        return self.canvas[self.prompt_length : self.answer_end]
+
+    def note_logprobs(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        tokens: torch.Tensor,
+        shard: VocabShard | None = None,
+    ) -> None:
+        """A runner decided canvas `positions` from `hidden` rows, proposing `tokens`: keep
+        their log-probabilities when the request asks for them (engine/decoding/logprobs.py)."""
+        top = self.params.logprobs
+        if top is None:
+            return
+        if self.logprob_record is None:
+            self.logprob_record = LogprobRecord(self.params.gen_length, top)
+        self.logprob_record.note(positions - self.prompt_length, hidden, weight, tokens, self.mask_id, shard)
+
+    def token_logprobs(self, ids: list[int]) -> list[TokenLogprob] | None:
+        """Log-probabilities of the first len(ids) answer tokens (committed: `ids`), or None
+        when the request did not ask for them."""
+        if self.params.logprobs is None:
+            return None
+        if self.logprob_record is None:  # nothing decided yet
+            self.logprob_record = LogprobRecord(self.params.gen_length, self.params.logprobs)
+        return self.logprob_record.tokens(ids)
 
     @property
     def masks_left(self) -> int:

@@ -133,6 +133,7 @@ class ModelRunner:
             else:
                 r += 1
             stats = token_stats(seq, h, weight, self.vocab_shard)
+            seq.note_logprobs(positions.to(stats.token.device), h, weight, stats.token, self.vocab_shard)
             seq.nfe += 1
             seq.query_lengths.append(fed)
             out.append((positions, stats))

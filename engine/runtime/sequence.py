@@ -1,6 +1,7 @@
 """Sequence: one request's denoising state.
 
-The canvas is the prompt followed by `gen_length` MASK tokens. Decoding walks the blocks
+The canvas is the prompt followed by `gen_length` MASK tokens, then the infilling suffix if
+any (bidirectional attention sees it from every step; it is never decided). Decoding walks the blocks
 left to right (semi-autoregressive); inside a block each step commits some masked
 positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
 holding EOS ends the request: the rest of the canvas is filled with EOS (what the model would
@@ -29,7 +30,7 @@ class Sequence(RequestState):
 
     def __post_init__(self) -> None:
         gen = self.params.gen_length
-        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * gen, dtype=torch.long)
+        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * gen + list(self.params.suffix), dtype=torch.long)
         self._start_block()
 
     @property
@@ -88,9 +89,9 @@ class Sequence(RequestState):
                 self.params.early_stop
                 and self.eos_id is not None
                 and self._holds_eos(start, end)
-                and end < len(self.canvas)
+                and end < self.answer_end
             ):
-                self.canvas[end:] = self.eos_id
+                self.canvas[end : self.answer_end] = self.eos_id
                 self._finish()
             elif self.block + 1 < self.params.num_blocks:
                 self.block += 1
@@ -102,4 +103,4 @@ class Sequence(RequestState):
         return self.eos_id is not None and bool((self.canvas[start:end] == self.eos_id).any())
 
     def _finish(self) -> None:
-        self.finish("stop" if self._holds_eos(self.prompt_length, len(self.canvas)) else "length")
+        self.finish("stop" if self._holds_eos(self.prompt_length, self.answer_end) else "length")

@@ -7,6 +7,10 @@ all of them, exactly as the authors' `generate()`, `generate_with_prefix_cache()
 do. They are never used to serve: they are the oracles the engine is tested against (for
 settings the shipped vectors do not cover) and the baselines `benchmarks/` times the engine
 against. Caches go through engine.runtime.cache with one row, the same K/V the engine keeps.
+
+`suffix`: infilling, the canvas is [prompt, MASK x gen_length, suffix] and the suffix is never
+decided. `record`: filled with, per committed canvas position, the float64 log-softmax of the
+logits row of the step that committed it (what the engine's logprobs must equal).
 """
 
 from __future__ import annotations
@@ -58,13 +62,18 @@ def reference_generate(
     threshold: float | None = None,
     factor: float | None = None,
     cache: str = "none",
+    suffix: torch.Tensor | None = None,
+    record: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Greedy (temperature 0, low-confidence remasking) decoding; returns (x, nfe)."""
     b, p = prompt.shape
     assert cache == "none" or (b == 1 and cfg_scale == 0), "cached reference loops are batch-1, no CFG"
     kv = KVCache()
-    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long, device=prompt.device)
+    tail = 0 if suffix is None else suffix.shape[1]
+    x = torch.full((b, p + gen_length + tail), mask_id, dtype=torch.long, device=prompt.device)
     x[:, :p] = prompt
+    if suffix is not None:
+        x[:, p + gen_length :] = suffix
     prompt_index = x != mask_id
     num_blocks = gen_length // block_length
     per_block = steps // num_blocks
@@ -105,6 +114,9 @@ def reference_generate(
                         else order[torch.cat([torch.tensor([True]), conf[j][order[1:]] >= threshold])]
                     )
                 x[j, chosen + first] = x0[j, chosen]
+                if record is not None:
+                    for c in chosen.tolist():
+                        record[c + first] = torch.log_softmax(logits[j, c].to(torch.float64), dim=-1)
             i += 1
     return x, nfe
 
@@ -136,12 +148,15 @@ def reference_dream_generate(
     eps: float = 1e-3,
     cache: str = "none",
     generator: torch.Generator | None = None,
+    suffix: torch.Tensor | None = None,
+    record: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Dream's diffusion_generate at temperature 0 (one block when block_length ==
     gen_length), and with a cache Fast-dLLM's block sampler, whose refresh forward commits
     the block's first token. Batch 1. Returns (x, nfe)."""
     p = prompt.shape[1]
-    x = torch.cat([prompt, torch.full((1, gen_length), mask_id, dtype=torch.long)], dim=1)
+    tail = [] if suffix is None else [suffix]
+    x = torch.cat([prompt, torch.full((1, gen_length), mask_id, dtype=torch.long), *tail], dim=1)
     per_block = steps // (gen_length // block_length)
     kv, nfe = KVCache(), 0
     for start in range(p, p + gen_length, block_length):
@@ -154,6 +169,8 @@ def reference_dream_generate(
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # row i predicts token i+1
             if cache != "none" and i == 0:
                 x[:, start] = _sample_tokens(logits[0], alg)[1][start]
+                if record is not None:
+                    record[start] = torch.log_softmax(logits[0, start].to(torch.float64), dim=-1)
                 i += 1
                 continue
             mask_index = x[:, first:last] == mask_id
@@ -181,5 +198,8 @@ def reference_dream_generate(
             proposal = torch.full_like(fed, mask_id)
             proposal[mask_index] = x0
             fed[0, chosen] = proposal[0, chosen]
+            if record is not None:
+                for c in chosen.tolist():
+                    record[c + first] = torch.log_softmax(logits[0, c].to(torch.float64), dim=-1)
             i += 1
     return x, nfe
