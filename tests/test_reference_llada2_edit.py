@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
@@ -22,32 +20,23 @@ from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.registry import family_named
+from tests.reference_vectors import reference_llm
 
 DATA = Path(__file__).parent / "data" / "llada2_edit"
 NAMES = sorted(p.stem for p in DATA.glob("*.json"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from tests.conftest import reference_dir
-
-    ref = reference_dir()
-    assert ref is not None
-    return ref / "models" / "llada2_tiny"
+def llm() -> LLM:
+    return reference_llm("llada2_tiny")
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> LLM:
-    return LLM(model_dir, dtype="float32", device="cpu")
+def model_dir(llm: LLM) -> Path:
+    return llm.model_dir
 
 
 def _vector(name: str) -> dict[str, Any]:
@@ -98,6 +87,22 @@ def test_batched_equals_the_reference(llm: LLM) -> None:
     for seq, meta in zip(seqs, metas):
         assert seq.generated_ids == meta["generated_ids_raw"]
         assert seq.nfe == _engine_nfe(meta)
+
+
+def test_logprobs_are_from_the_step_that_last_wrote_each_token(llm: LLM) -> None:
+    """An edit rewrites committed tokens, and a step may propose a token it does not write: each
+    token's logprob is its own, from the step that wrote it last (consistent with that step's
+    top alternatives), and asking for logprobs changes no id."""
+    for name in NAMES:
+        meta = _vector(name)
+        plain = llm.generate(meta["prompt_ids"], **_fields(meta))[0]
+        out = llm.generate(meta["prompt_ids"], logprobs=20, **_fields(meta))[0]
+        assert out.output_ids == plain.output_ids and out.logprobs is not None
+        for lp in out.logprobs:
+            top = dict(lp.top)
+            assert lp.logprob <= lp.top[0][1] + 1e-6, (name, lp)
+            if lp.token in top:
+                assert abs(top[lp.token] - lp.logprob) <= 1e-6, (name, lp)
 
 
 def test_presets_are_the_model_cards_modes(llm: LLM) -> None:

@@ -116,11 +116,16 @@ class BlockRunner:
                 generator=seq.generator,
                 shard=self.vocab_shard,
             )
-            seq.note_logprobs(work.decide, hidden[r, : len(work.rows)], weight, stats.token, self.vocab_shard)
+            rows = hidden[r, : len(work.rows)]
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             if p.edit_threshold is not None:
-                self._revise(seq, work, conf, tokens)
+                # Edits rewrite committed tokens: a position's logprob is from the step that
+                # last wrote it, so only the positions this step writes are noted.
+                changed = self._revise(seq, work, conf, tokens)
+                on = changed.to(rows.device)
+                seq.note_logprobs(work.decide[changed], rows[on], weight, stats.token[on], self.vocab_shard)
                 continue
+            seq.note_logprobs(work.decide, rows, weight, stats.token, self.vocab_shard)
             last = seq.step_in_unit >= len(seq.schedule) - 1  # the unit's share of `steps` is spent
             chosen = choose(p, self.rules, conf, tokens, seq.scheduled, seq.mask_id, last)
             if chosen.numel() == 0:
@@ -134,8 +139,9 @@ class BlockRunner:
             seq.commit(work.decide[chosen], tokens[chosen])
 
     @staticmethod
-    def _revise(seq: BlockSequence, work: Work, conf: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Draft-and-edit: fill and edit the block's generated positions (all decided)."""
+    def _revise(seq: BlockSequence, work: Work, conf: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-and-edit: fill and edit the block's generated positions (all decided); returns
+        the indices (into the decided positions) it wrote."""
         p = seq.params
         assert p.threshold is not None and p.edit_threshold is not None and p.max_post_edit_steps is not None
         step = draft_edit_step(
@@ -148,3 +154,4 @@ class BlockRunner:
             edits_left=p.max_post_edit_steps - seq.mask_free_steps,
         )
         seq.revise(work.decide[step.changed], tokens[step.changed], step.finished, step.mask_free)
+        return step.changed
