@@ -10,10 +10,14 @@ model family, applies the ranges and the family's rules, and returns a `Resolved
 which the engine, its scheduler and the tensor-parallel ranks accept as it is. Every
 refusal is a `UsageError` naming its field (`error.field`).
 
-Step semantics: `steps` is an upper bound on the denoising steps of every commit rule. It
-is split evenly over the blocks; the schedule rule spends exactly a block's share, while
-the threshold and factor rules (and Dream's `confidence_threshold`) may finish a block
-sooner, and the last step of a block's share commits whatever is left in it.
+Step semantics: `steps` is an upper bound on the denoising steps of every commit rule but
+one. It is split evenly over the blocks; the schedule rule spends exactly a block's share,
+while the threshold and factor rules (and Dream's `confidence_threshold` with a cache) may
+finish a block sooner, and the last step of a block's share commits whatever is left in it.
+The exception is Dream's `confidence_threshold` without a cache, which follows Fast-dLLM's
+whole-sequence rule: a block's share of `steps` is its schedule, and steps are added after
+it until every position clears the threshold (engine/decoding/dream.py), so its bound is
+one forward per position.
 `refinement_steps` gives the same budget per block instead of in all. Some families spend
 forwards besides the denoising steps (`Forwards`, declared by their engine);
 `ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
@@ -124,7 +128,8 @@ class GenerationParams:
         None,
         "Upper bound on denoising steps in all, split evenly over the blocks: every rule (schedule, threshold, "
         "factor) finishes a block within its share, the share's last step committing what is left "
-        "(default: gen_length, one token per step).",
+        "(default: gen_length, one token per step). Dream's confidence_threshold without a cache is "
+        "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
         low=1,
     )
     refinement_steps: int | None = _param(
@@ -294,6 +299,10 @@ class GenerationParams:
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        if alg == "confidence_threshold" and cache == "none":
+            # Fast-dLLM's whole-sequence rule adds steps until every position clears the
+            # threshold, committing at least one per forward: a block's length bounds it.
+            per_block = max(per_block, block)
         return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
 
 

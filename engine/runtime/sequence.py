@@ -59,6 +59,13 @@ class Sequence(RequestState):
         start, end = self.block_bounds()
         return (self.canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
 
+    def quota(self) -> int:
+        """Positions this step may commit under the block's linear schedule, counting the slots
+        earlier steps left uncommitted: the masks left minus what the schedule still grants
+        later steps (every mask left from the last scheduled step on). Fast-dLLM's
+        whole-sequence Dream `confidence_threshold` carries those slots over this way."""
+        return len(self.masked_positions()) - sum(self.schedule[self.step_in_block + 1 :])
+
     def unconditional_canvas(self) -> torch.Tensor:
         """The canvas with the prompt masked out, for classifier-free guidance."""
         un = self.canvas.clone()
