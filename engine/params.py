@@ -165,6 +165,13 @@ class GenerationParams:
     mode: str = _param(
         "diffusion", "diffusion|ar (ar: one token per forward, block-causal models).", choices=MODES, http="decode_mode"
     )
+    stop_token_ids: tuple[int, ...] | None = _param(
+        None,
+        "Token ids that end the answer besides EOS, as EOS does: the answer ends at the first one committed "
+        "(finish_reason stop) and decoding stops after the block holding it (a list; on the command line, "
+        "repeat the flag).",
+        cli="--stop-token-ids",
+    )
     early_stop: bool = _param(
         True,
         "Stop once a finished block holds EOS (the rest is filled with EOS).",
@@ -209,6 +216,7 @@ class GenerationParams:
         *,
         fixed_block: int | None = None,
         forwards: Forwards | None = None,
+        vocab: int | None = None,
     ) -> ResolvedParams:
         """Return the resolved parameters or raise UsageError naming the bad field.
 
@@ -217,10 +225,12 @@ class GenerationParams:
         take the exact `block` cache and `ar` mode, and no classifier-free guidance or factor
         rule. `fixed_block`: the model decodes blocks of exactly this size and nothing else
         (Clover), so no other block length and no guidance. `forwards`: how the model spends
-        forwards on blocks (default: one per denoising step)."""
+        forwards on blocks (default: one per denoising step). `vocab`: the model emits token ids
+        below it (stop ids outside are refused)."""
         family = family or FAMILIES[0]
         for name, spec in PARAMS.items():
             spec.check(name, getattr(self, name))
+        _validate_stop_token_ids(self.stop_token_ids, vocab)
         if self.steps is not None and self.refinement_steps is not None:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
@@ -298,6 +308,8 @@ class GenerationParams:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
+        if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
+            values["stop_token_ids"] = tuple(self.stop_token_ids)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
         if alg == "confidence_threshold" and cache == "none":
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
@@ -375,6 +387,23 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
             f"steps per block must be at least 2, got {p.steps_per_block}",
             field="steps",
         )
+
+
+def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
+    """A list of token ids the model can emit (any number, none counts as none)."""
+    if ids is None:
+        return
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise UsageError(f"stop_token_ids must be a list of token ids, got {ids!r}", field="stop_token_ids")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise UsageError(f"stop_token_ids must be token ids (integers), got {token!r}", field="stop_token_ids")
+        if token < 0 or (vocab is not None and token >= vocab):
+            bound = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+            raise UsageError(
+                f"stop_token_ids: {token} is outside the vocabulary ({bound})",
+                field="stop_token_ids",
+            )
 
 
 def _validate_block_causal(p: ResolvedParams) -> None:

@@ -68,6 +68,7 @@ def generate(
     alg_temp: float | None = dp.option("alg_temp"),
     top_p: float | None = dp.option("top_p"),
     top_k: int | None = dp.option("top_k"),
+    stop_token_ids: list[int] | None = dp.option("stop_token_ids"),
     early_stop: bool = dp.option("early_stop"),
     mode: str = dp.option("mode"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),

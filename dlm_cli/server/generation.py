@@ -60,7 +60,7 @@ class Responder:
 
     def text(self, out: RequestOutput) -> tuple[str, bool]:
         """Decoded prefix cut at the first stop string, and whether a stop string was hit."""
-        text = self.served.decode(out.prefix_ids)
+        text = self.served.decode(out.prefix_ids, self.stream.seq.stop_ids)
         cut = find_stop(text, self.job.stops)
         if cut is None:
             return text, False
@@ -72,7 +72,7 @@ class Responder:
         """Account for a finished request; returns the OpenAI finish reason."""
         reason = "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
         job = self.job
-        job.completion_ids = self.served.completion_ids(out.prefix_ids)
+        job.completion_ids = self.served.completion_ids(out.prefix_ids, self.stream.seq.stop_ids)
         job.output_text = text
         self.service.finish(job, self.stream, reason, 200)
         return reason

@@ -151,8 +151,7 @@ class BlockSequence(RequestState):
             self._sync_unit()
             return
         self.decoded_end = self.block_end
-        generated = self.canvas[self.prompt_length : self.block_end]
-        if self.eos_id is not None and bool((generated == self.eos_id).any()):
+        if self.holds_stop(self.prompt_length, self.block_end):  # SDAR's stopping_criteria_idx
             self.finish("stop")
         elif self.block_end >= self.grid_end:
             self.finish("length")
