@@ -11,14 +11,17 @@ block 1 or 2 (its first occurrence) and ask to stop on it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from tests.oracles.block_reference_loop import reference_block_generate
+from tests.serving import ServerProcess
 
 PROMPT = list(range(5, 21))  # 16 tokens: on the block grid of 8
 BLOCK = 8
@@ -109,3 +112,86 @@ def test_text_ends_before_the_stop_token() -> None:
 
     assert decode(Tokens(), [4, 5, 6, 5], {5}) == "4"
     assert decode(Tokens(), [4, 6], {5}) == "4 6"
+
+
+def _generate_cli(model: Path, *extra: str) -> tuple[int, str, str]:
+    from tests.weights_helpers import cli
+
+    ids = ",".join(map(str, PROMPT))
+    common = ("--gen-length", "32", "--steps", "32", "--block-length", str(BLOCK), "--dtype", "float32")
+    return cli("generate", str(model), "--prompt-ids", ids, *common, "--device", "cpu", "--json", *extra)
+
+
+def test_dlm_generate_stop_token_ids(engines: dict[str, LLM], tiny_llada: Path) -> None:
+    import json
+
+    from tests.test_cli_bad_inputs import _assert_one_error
+
+    llm = engines["llada"]
+    full = llm.generate(PROMPT, gen_length=32, steps=32, block_length=BLOCK, early_stop=False)[0]
+    j, stop = first_new_token(full.output_ids, llm.config.eos_token_id)
+    code, stdout, stderr = _generate_cli(tiny_llada, "--stop-token-ids", str(stop), "--stop-token-ids", "3")
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["finish_reason"] == "stop" and out["completion_ids"] == full.output_ids[: j + 1]
+    assert out["params"]["stop_token_ids"] == [stop, 3]
+
+    code, stdout, stderr = _generate_cli(tiny_llada, "--stop-token-ids", str(llm.config.logits_size))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "stop_token_ids" in stderr and "outside the vocabulary" in stderr
+
+
+@pytest.fixture(scope="module", params=["llada", "sdar"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded default model (LLaDA, bidirectional) and tiny:sdar (block-causal, with the
+    default model's tokenizer and chat template)."""
+    from tests.conftest import session_home
+    from tests.serving import ready_server
+
+    args = ["--max-tokens", "64"]
+    if request.param == "sdar":
+        args.insert(0, "tiny:sdar")
+    with ready_server(args, session_home(tmp_path_factory)) as proc:
+        yield proc
+
+
+def _post(server: ServerProcess, route: str, **fields: object) -> httpx.Response:
+    body = {"max_tokens": 32, "temperature": 0, "return_token_ids": True, **fields}
+    return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("route", "prompt"),
+    [("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})],
+    ids=["completions", "chat"],
+)
+def test_http_request_ends_at_the_first_stop_id(server: ServerProcess, route: str, prompt: dict) -> None:
+    base = _post(server, route, **prompt)
+    assert base.status_code == 200, base.text
+    ids = base.json()["choices"][0]["token_ids"]
+    usable = [j for j, t in enumerate(ids) if t not in ids[:j] and j < len(ids) - 1]
+    assert usable, ids
+    j = usable[-1]  # the latest token that first appears there, not the last (maybe EOS)
+    stopped = _post(server, route, stop_token_ids=[ids[j]], **prompt)
+    assert stopped.status_code == 200, stopped.text
+    choice, base_choice = stopped.json()["choices"][0], base.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == ids[: j + 1]
+    assert stopped.json()["usage"]["completion_tokens"] == j + 1
+    text = choice["text"] if route == "completions" else choice["message"]["content"]
+    base_text = base_choice["text"] if route == "completions" else base_choice["message"]["content"]
+    assert base_text.startswith(text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [[10**6], [-3], ["7"], 7])
+def test_http_refuses_bad_stop_token_ids_naming_the_field(server: ServerProcess, bad: object) -> None:
+    for route, prompt in (
+        ("completions", {"prompt": PROMPT}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        response = _post(server, route, stop_token_ids=bad, **prompt)
+        assert response.status_code == 400, response.text
+        # A wrongly typed entry is named with its index (stop_token_ids.0), as every body field is.
+        assert response.json()["error"]["param"].split(".")[0] == "stop_token_ids", response.text
