@@ -195,3 +195,30 @@ def test_http_refuses_bad_stop_token_ids_naming_the_field(server: ServerProcess,
         assert response.status_code == 400, response.text
         # A wrongly typed entry is named with its index (stop_token_ids.0), as every body field is.
         assert response.json()["error"]["param"].split(".")[0] == "stop_token_ids", response.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["dream", "sdar"])
+def test_tensor_parallel_ranks_stop_where_one_process_does(tmp_path: Path, family: str) -> None:
+    """Two ranks (gloo) decode the single-process ids and forwards with a stop id, and for
+    Dream with Fast-dLLM's whole-sequence confidence_threshold (added steps included)."""
+    from engine.parallel.distributed import ParallelConfig
+    from tests.tp_checkpoints import write_family
+
+    model = write_family(tmp_path, family)
+    kwargs: dict = dict(gen_length=32, block_length=BLOCK)
+    if family == "dream":
+        kwargs.update(block_length=16, steps=8, alg="confidence_threshold", threshold=0.3, cache="none")
+    single = LLM(model, dtype="float32", device="cpu")
+    full = single.generate(PROMPT, **kwargs)[0]
+    j, stop = first_new_token(full.output_ids, single.config.eos_token_id)
+    want = single.generate(PROMPT, stop_token_ids=[stop], **kwargs)[0]
+    assert want.finish_reason == "stop" and want.completion_ids == full.output_ids[: j + 1]
+    with LLM(model, dtype="float32", device="cpu", parallel=ParallelConfig(tensor_parallel_size=2)) as llm:
+        got = llm.generate(PROMPT, stop_token_ids=[stop], **kwargs)[0]
+    assert (got.output_ids, got.completion_ids, got.nfe, got.finish_reason) == (
+        want.output_ids,
+        want.completion_ids,
+        want.nfe,
+        want.finish_reason,
+    )
