@@ -41,11 +41,14 @@ def check_before_loading(model_dir: Path, params: GenerationParams, prompt_lengt
     from engine.registry import family_named
 
     config = load_config(model_dir)
-    params.validate(prompt_length, config.max_position_embeddings, family_named(config.family))
+    params.validate(
+        prompt_length, config.max_position_embeddings, family_named(config.family), vocab=config.logits_size
+    )
 
 
 def decoding_params(given: dict[str, Any]) -> GenerationParams:
     """GenerationParams from a command's parsed parameters (the ones named after its fields)."""
     from engine.params import GenerationParams
 
-    return GenerationParams(**{name: value for name, value in given.items() if name in PARAMS})
+    # click records a repeatable option given no times as (), where the field's default is None.
+    return GenerationParams(**{name: None if value == () else value for name, value in given.items() if name in PARAMS})

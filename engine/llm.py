@@ -145,13 +145,12 @@ class LLM:
         seqs = self.engine.generate(ids, params, on_step=on_step)
         seconds = time.perf_counter() - start
         decodable = has_tokenizer(self.model_dir)
-        eos = self.config.eos_token_id
         return [
             GenerationOutput(
                 prompt_ids=s.prompt_ids,
                 output_ids=s.output_ids,
                 completion_ids=s.completion_ids,
-                text=decode(self.tokenizer, s.output_ids, eos) if decodable else None,
+                text=decode(self.tokenizer, s.output_ids, s.stop_ids) if decodable else None,
                 nfe=s.nfe,
                 seconds=seconds,
                 tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,

@@ -10,10 +10,14 @@ model family, applies the ranges and the family's rules, and returns a `Resolved
 which the engine, its scheduler and the tensor-parallel ranks accept as it is. Every
 refusal is a `UsageError` naming its field (`error.field`).
 
-Step semantics: `steps` is an upper bound on the denoising steps of every commit rule. It
-is split evenly over the blocks; the schedule rule spends exactly a block's share, while
-the threshold and factor rules (and Dream's `confidence_threshold`) may finish a block
-sooner, and the last step of a block's share commits whatever is left in it.
+Step semantics: `steps` is an upper bound on the denoising steps of every commit rule but
+one. It is split evenly over the blocks; the schedule rule spends exactly a block's share,
+while the threshold and factor rules (and Dream's `confidence_threshold` with a cache) may
+finish a block sooner, and the last step of a block's share commits whatever is left in it.
+The exception is Dream's `confidence_threshold` without a cache, which follows Fast-dLLM's
+whole-sequence rule: a block's share of `steps` is its schedule, and steps are added after
+it until every position clears the threshold (engine/decoding/dream.py), so its bound is
+one forward per position.
 `refinement_steps` gives the same budget per block instead of in all. Some families spend
 forwards besides the denoising steps (`Forwards`, declared by their engine);
 `ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
@@ -134,7 +138,8 @@ class GenerationParams:
         None,
         "Upper bound on denoising steps in all, split evenly over the blocks: every rule (schedule, threshold, "
         "factor) finishes a block within its share, the share's last step committing what is left "
-        "(default: gen_length, one token per step).",
+        "(default: gen_length, one token per step). Dream's confidence_threshold without a cache is "
+        "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
         low=1,
     )
     refinement_steps: int | None = _param(
@@ -189,6 +194,13 @@ class GenerationParams:
         f"Draft-and-edit: steps that may still edit a block once its masks are filled "
         f"(default {DEFAULT_MAX_POST_EDIT_STEPS}).",
         low=0,
+    )
+    stop_token_ids: tuple[int, ...] | None = _param(
+        None,
+        "Token ids that end the answer besides EOS, as EOS does: the answer ends at the first one committed "
+        "(finish_reason stop) and decoding stops after the block holding it (a list; on the command line, "
+        "repeat the flag).",
+        cli="--stop-token-ids",
     )
     early_stop: bool = _param(
         True,
@@ -258,6 +270,7 @@ class GenerationParams:
         *,
         fixed_block: int | None = None,
         forwards: Forwards | None = None,
+        vocab: int | None = None,
     ) -> ResolvedParams:
         """Return the resolved parameters or raise UsageError naming the bad field.
 
@@ -266,10 +279,12 @@ class GenerationParams:
         take the exact `block` cache and `ar` mode, and no classifier-free guidance or factor
         rule. `fixed_block`: the model decodes blocks of exactly this size and nothing else
         (Clover), so no other block length and no guidance. `forwards`: how the model spends
-        forwards on blocks (default: one per denoising step)."""
+        forwards on blocks (default: one per denoising step). `vocab`: the model emits token ids
+        below it (stop ids outside are refused)."""
         family = family or FAMILIES[0]
         for name, spec in PARAMS.items():
             spec.check(name, getattr(self, name))
+        _validate_stop_token_ids(self.stop_token_ids, vocab)
         if self.steps is not None and self.refinement_steps is not None:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
@@ -362,7 +377,13 @@ class GenerationParams:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
+        if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
+            values["stop_token_ids"] = tuple(self.stop_token_ids)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        if alg == "confidence_threshold" and cache == "none":
+            # Fast-dLLM's whole-sequence rule adds steps until every position clears the
+            # threshold, committing at least one per forward: a block's length bounds it.
+            per_block = max(per_block, block)
         if self.edits:
             # Draft-and-edit: the preset fills what is not given; a block takes at most
             # block + max_post_edit_steps + 1 steps (engine/decoding/draft_edit.py).
@@ -477,6 +498,23 @@ def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) 
                 f"draft-and-edit decoding runs a block until no token changes (at most block_length + "
                 f"max_post_edit_steps + 1 steps): {name} does not apply",
                 field=name,
+            )
+
+
+def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
+    """A list of token ids the model can emit (any number, none counts as none)."""
+    if ids is None:
+        return
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise UsageError(f"stop_token_ids must be a list of token ids, got {ids!r}", field="stop_token_ids")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise UsageError(f"stop_token_ids must be token ids (integers), got {token!r}", field="stop_token_ids")
+        if token < 0 or (vocab is not None and token >= vocab):
+            bound = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+            raise UsageError(
+                f"stop_token_ids: {token} is outside the vocabulary ({bound})",
+                field="stop_token_ids",
             )
 
 

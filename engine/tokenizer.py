@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,10 @@ def encode_chat(
     return list(ids)
 
 
-def decode(tokenizer: Any, ids: list[int], eos_id: int | None) -> str:
-    """Text of the generated ids up to (not including) the first EOS."""
-    if eos_id is not None and eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def decode(tokenizer: Any, ids: list[int], stops: Collection[int]) -> str:
+    """Text of the generated ids up to (not including) the first stop id (EOS, the
+    request's stop_token_ids), as the text of a `stop` string excludes it."""
+    from engine.runtime.request import first_stop
+
+    end = first_stop(ids, stops)
+    return tokenizer.decode(ids if end is None else ids[:end], skip_special_tokens=True)

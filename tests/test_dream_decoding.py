@@ -26,9 +26,10 @@ def dream(tiny_dream: Path) -> LLM:
         dict(gen_length=32, steps=32, block_length=16, alg="topk_margin", cache="dual"),
         dict(gen_length=32, steps=16, block_length=16, alg="entropy", cache="prefix"),
         dict(gen_length=32, steps=32, block_length=8, alg="confidence_threshold", threshold=0.3),
+        dict(gen_length=32, steps=8, block_length=16, alg="confidence_threshold", threshold=0.3),  # adds steps
         dict(gen_length=24, steps=12, block_length=24, alg="origin", seed=3),
     ],
-    ids=["maskgit-blocks", "margin-dual", "entropy-prefix", "threshold-nocache", "origin-seeded"],
+    ids=["maskgit-blocks", "margin-dual", "entropy-prefix", "threshold-nocache", "threshold-carry", "origin-seeded"],
 )
 def test_dream_engine_matches_reference_loop(dream: LLM, kwargs: dict) -> None:
     seed = kwargs.get("seed")

@@ -85,7 +85,7 @@ class Responder:
 
     def text(self, choice: Choice, out: RequestOutput) -> tuple[str, bool]:
         """Decoded prefix cut at the first stop string, and whether a stop string was hit."""
-        text = self.served.decode(out.prefix_ids)
+        text = self.served.decode(out.prefix_ids, choice.stream.seq.stop_ids)
         cut = find_stop(text, self.job.stops)
         if cut is None:
             return text, False
@@ -95,7 +95,7 @@ class Responder:
 
     def close(self, choice: Choice, out: RequestOutput, text: str, stopped: bool, calls: list[Any]) -> str:
         """A finished choice's completion ids; returns its OpenAI finish reason."""
-        choice.completion_ids = self.served.completion_ids(out.prefix_ids)
+        choice.completion_ids = self.served.completion_ids(out.prefix_ids, choice.stream.seq.stop_ids)
         return "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
 
     def account(self, texts: list[str], reasons: list[str]) -> None:
@@ -123,12 +123,13 @@ class Responder:
         completion tokens, or those within `text` when a stop string cut it)."""
         if out.logprobs is None:
             return None
-        ids = self.served.completion_ids(out.prefix_ids)
+        stops = choice.stream.seq.stop_ids
+        ids = self.served.completion_ids(out.prefix_ids, stops)
         end = len(ids)
         if stopped:  # the tokens whose text the cut kept
-            end = next((k for k in range(len(ids) + 1) if len(self.served.decode(ids[:k])) >= len(text)), end)
+            end = next((k for k in range(len(ids) + 1) if len(self.served.decode(ids[:k], stops)) >= len(text)), end)
         tokens = out.logprobs[choice.sent_tokens : end]
-        offset = len(self.served.decode(ids[: choice.sent_tokens]))
+        offset = len(self.served.decode(ids[: choice.sent_tokens], stops))
         choice.sent_tokens = max(choice.sent_tokens, end)
         if self.chat:
             return chat_logprobs(tokens, self.served.token_text)

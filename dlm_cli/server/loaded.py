@@ -8,6 +8,7 @@ output with that model's tokenizer, whatever the server serves by the time it en
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ from engine.runtime.request import completion
 class LoadedModel:
     engine: AsyncEngine
     tokenizer: Any  # None when the checkpoint has no tokenizer (token-id prompts only)
-    eos_id: int | None
     max_model_len: int
     model_dir: Path
     ref: str | None = None  # NAME@VERSION when it came from the store through a deployment
@@ -29,18 +29,19 @@ class LoadedModel:
     def version(self) -> str | None:
         return self.ref.partition("@")[2] if self.ref else None
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], stops: Collection[int]) -> str:
+        """Text of `ids` up to the first of the request's stop ids (`RequestState.stop_ids`)."""
         from engine.tokenizer import decode
 
-        return "" if self.tokenizer is None else decode(self.tokenizer, ids, self.eos_id)
+        return "" if self.tokenizer is None else decode(self.tokenizer, ids, stops)
 
     def token_text(self, token: int) -> str:
         """One token's own text (special tokens spelt out); its id where there is no tokenizer."""
         return str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
 
-    def completion_ids(self, prefix: list[int]) -> list[int]:
-        """Generated ids that count as the completion: up to and including the first EOS."""
-        return completion(prefix, self.eos_id)
+    def completion_ids(self, prefix: list[int], stops: Collection[int]) -> list[int]:
+        """Generated ids that count as the completion: up to and including the first stop id."""
+        return completion(prefix, stops)
 
     def describe(self) -> str:
         return self.ref or str(self.model_dir)

@@ -92,6 +92,8 @@ class DiffusionFields(_Body):
     alg_temp: float | None = _param("alg_temp")
     top_k: int | None = _param("top_k")
     top_p: float | None = _param("top_p")
+    # Stop ids besides EOS (vLLM's name), with each family's own stop rule.
+    stop_token_ids: list[StrictInt] | None = _param("stop_token_ids")
     # Sampling, shared with the OpenAI API.
     temperature: float | None = _param("temperature")
     seed: int | None = _param("seed")

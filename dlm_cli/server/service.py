@@ -188,7 +188,7 @@ class Service:
             log.info("warming up (one request through the engine before /ready)")
             engine.warmup()
         engine.start()
-        return LoadedModel(engine, tokenizer, llm.config.eos_token_id, max_model_len, llm.model_dir, ref)
+        return LoadedModel(engine, tokenizer, max_model_len, llm.model_dir, ref)
 
     def _check_kernels(self, llm: LLM) -> None:
         """Where the dispatch would run Triton (CUDA), self-test every kernel on the model's

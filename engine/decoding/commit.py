@@ -15,12 +15,14 @@ def top_k(conf: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(conf, k=min(k, conf.numel())).indices
 
 
-def above_threshold(conf: torch.Tensor, threshold: float) -> torch.Tensor:
+def above_threshold(conf: torch.Tensor, threshold: float, limit: int | None = None) -> torch.Tensor:
     """Fast-dLLM's parallel rule: the most confident position, plus every other position
-    whose confidence is at least `threshold`."""
-    order = torch.topk(conf, k=conf.numel()).indices
+    whose confidence is at least `threshold`; with `limit`, only among the `limit` most
+    confident (Fast-dLLM's whole-sequence Dream rule: a step's quota)."""
+    k = conf.numel() if limit is None else min(limit, conf.numel())
+    order = torch.topk(conf, k=k).indices
     keep = conf[order] >= threshold
-    keep[0] = True
+    keep[:1] = True
     return order[keep]
 
 

@@ -63,7 +63,7 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
         if params.cache != "none" and step == 0:
             chosen = torch.zeros(1, dtype=torch.long)  # the refresh commits the block's first token
         else:
-            chosen = dream.choose(params, step, stats, seq.generator)
+            chosen = dream.choose(params, step, stats, seq.generator, seq.quota())
     else:
         conf = confidence(params, stats, seq.generator).cpu()
         if step >= params.steps_per_block - 1:

@@ -216,8 +216,7 @@ class BlockSequence(RequestState):
     def _end_block(self) -> None:
         """The current block is final: finish on EOS or at the grid's end, else start the next."""
         self.decoded_end = self.block_end
-        generated = self.canvas[self.prompt_length : self.block_end]
-        if self.eos_id is not None and bool((generated == self.eos_id).any()):
+        if self.holds_stop(self.prompt_length, self.block_end):  # SDAR's stopping_criteria_idx
             self.finish("stop")
         elif self.block_end >= self.grid_end:
             self.finish("length")

@@ -101,8 +101,7 @@ class CloverRunner:
         seq.commit(*decide(seq, positions, stats))
         if seq.block == block and not seq.finished:
             return
-        eos = seq.eos_id
-        if not seq.finished and eos is not None and eos in seq.canvas[start:end].tolist():
+        if not seq.finished and seq.holds_stop(start, end):
             seq.canvas = seq.canvas[:end]  # the answer ended in this block: no further blocks
             seq.finish("stop")
         if not seq.finished:

@@ -138,6 +138,7 @@ class LLMEngine(Engine):
             self.family,
             fixed_block=runner.fixed_block,
             forwards=runner.forwards,
+            vocab=self.config.logits_size,
         )
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:

@@ -4,8 +4,9 @@ A request's canvas holds the prompt, then the answer's `gen_length` positions (M
 committed), possibly followed by grid padding a block-causal family decodes past the answer.
 The progress notions every caller needs are read here, once: the committed prefix (what can
 be streamed: a dLLM commits anywhere in its block, but nothing before the first MASK can
-change), the MASK positions left, the completion (the committed prefix up to its first
-EOS), the forwards spent and the finish reason. The end of a request is decided by the
+change), the MASK positions left, the stop ids (EOS and the request's `stop_token_ids`), the
+completion (the committed prefix up to its first stop id), the forwards spent and the finish
+reason. The end of a request is decided by the
 sequence's own rule, never by a caller: so the same request spends the same forwards through
 `dlm generate`, `engine.LLM` and the HTTP server.
 """
@@ -13,6 +14,7 @@ sequence's own rule, never by a caller: so the same request spends the same forw
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,6 +54,15 @@ class RequestState:
     def cache_bytes(self) -> int:
         """Bytes of cache (K/V, recurrent state) this request holds now."""
         return 0
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end the answer: EOS and the request's `stop_token_ids`."""
+        return stop_ids(self.eos_id, self.params)
+
+    def holds_stop(self, start: int, end: int) -> bool:
+        """Whether canvas[start:end] holds a stop id."""
+        return any(int(t) in self.stop_ids for t in self.canvas[start:end].unique())
 
     def release(self) -> None:
         """Drop what the request holds beyond its canvas (caches): it will run no more."""
@@ -113,9 +124,9 @@ class RequestState:
 
     @property
     def completion_ids(self) -> list[int]:
-        """The committed prefix up to and including its first EOS: the answer as a client
-        receives it (what follows an EOS is filler)."""
-        return completion(self.committed_prefix, self.eos_id)
+        """The committed prefix up to and including its first stop id: the answer as a client
+        receives it (what follows is filler)."""
+        return completion(self.committed_prefix, self.stop_ids)
 
     @property
     def output_ids(self) -> list[int]:
@@ -123,11 +134,20 @@ class RequestState:
         return self.answer().tolist()
 
 
-def completion(prefix: list[int], eos_id: int | None) -> list[int]:
-    """`prefix` up to and including its first `eos_id`."""
-    if eos_id is not None and eos_id in prefix:
-        return prefix[: prefix.index(eos_id) + 1]
-    return prefix
+def stop_ids(eos_id: int | None, params: ResolvedParams) -> frozenset[int]:
+    """EOS (when the model has one) and the request's `stop_token_ids`."""
+    return frozenset(([] if eos_id is None else [eos_id]) + list(params.stop_token_ids or ()))
+
+
+def first_stop(ids: list[int], stops: Collection[int]) -> int | None:
+    """Index of the first stop id in `ids`, or None."""
+    return next((i for i, t in enumerate(ids) if t in stops), None)
+
+
+def completion(prefix: list[int], stops: Collection[int]) -> list[int]:
+    """`prefix` up to and including its first stop id."""
+    end = first_stop(prefix, stops)
+    return prefix if end is None else prefix[: end + 1]
 
 
 def narrow(seq: RequestState, kind: type[S]) -> S:

@@ -4,8 +4,9 @@ The canvas is the prompt followed by `gen_length` MASK tokens, then the infillin
 any (bidirectional attention sees it from every step; it is never decided). Decoding walks the blocks
 left to right (semi-autoregressive); inside a block each step commits some masked
 positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
-holding EOS ends the request: the rest of the canvas is filled with EOS (what the model would
-be forced to emit after it, and what dInfer writes) instead of being denoised for nothing.
+holding a stop id (EOS, or one of the request's `stop_token_ids`) ends the request: the rest
+of the canvas is filled with EOS (what the model would be forced to emit after it, and what
+dInfer writes; with no EOS, the stop id) instead of being denoised for nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.decoding.schedule import linear_schedule
-from engine.runtime.request import RequestState
+from engine.runtime.request import RequestState, first_stop
 
 
 @dataclass(eq=False)
@@ -60,6 +61,13 @@ class Sequence(RequestState):
         start, end = self.block_bounds()
         return (self.canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
 
+    def quota(self) -> int:
+        """Positions this step may commit under the block's linear schedule, counting the slots
+        earlier steps left uncommitted: the masks left minus what the schedule still grants
+        later steps (every mask left from the last scheduled step on). Fast-dLLM's
+        whole-sequence Dream `confidence_threshold` carries those slots over this way."""
+        return len(self.masked_positions()) - sum(self.schedule[self.step_in_block + 1 :])
+
     def unconditional_canvas(self) -> torch.Tensor:
         """The canvas with the prompt masked out, for classifier-free guidance."""
         un = self.canvas.clone()
@@ -85,13 +93,8 @@ class Sequence(RequestState):
         self.step_in_block += 1
         while not self.finished and len(self.masked_positions()) == 0:
             start, end = self.block_bounds()
-            if (
-                self.params.early_stop
-                and self.eos_id is not None
-                and self._holds_eos(start, end)
-                and end < self.answer_end
-            ):
-                self.canvas[end : self.answer_end] = self.eos_id
+            if self.params.early_stop and self.holds_stop(start, end) and end < self.answer_end:
+                self.canvas[end : self.answer_end] = self._filler(start, end)  # never the infilling suffix
                 self._finish()
             elif self.block + 1 < self.params.num_blocks:
                 self.block += 1
@@ -99,8 +102,13 @@ class Sequence(RequestState):
             else:
                 self._finish()
 
-    def _holds_eos(self, start: int, end: int) -> bool:
-        return self.eos_id is not None and bool((self.canvas[start:end] == self.eos_id).any())
+    def _filler(self, start: int, end: int) -> int:
+        """What follows an early stop: EOS, or without one the first stop id in the block."""
+        if self.eos_id is not None:
+            return self.eos_id
+        index = first_stop(self.canvas[start:end].tolist(), self.stop_ids)
+        assert index is not None
+        return int(self.canvas[start + index])
 
     def _finish(self) -> None:
-        self.finish("stop" if self._holds_eos(self.prompt_length, self.answer_end) else "length")
+        self.finish("stop" if self.holds_stop(self.prompt_length, self.answer_end) else "length")

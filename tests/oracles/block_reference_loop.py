@@ -9,6 +9,8 @@ The engine's cached, batched, LM-head-at-decided-rows path must give the same id
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from engine.decoding.block_diffusion import BlockRules, choose
@@ -39,8 +41,12 @@ def reference_block_generate(
     *,
     mask_id: int,
     eos_id: int | None,
+    stop_ids: Collection[int] = (),
 ) -> tuple[list[int], int]:
-    """Greedy block diffusion; `params` resolved. Returns (generated ids, forwards)."""
+    """Greedy block diffusion; `params` resolved. Decoding stops after a block that leaves a
+    stop id (`eos_id` or one of `stop_ids`) in the generation, as SDAR's
+    `stopping_criteria_idx`. Returns (generated ids, forwards)."""
+    stops = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     rules: BlockRules = model.config.block_rules
     b, gen, p = params.block_length, params.gen_length, len(prompt)
     assert b is not None and params.steps is not None
@@ -75,7 +81,7 @@ def reference_block_generate(
                 chosen = choose(params, rules, conf, tokens, k, mask_id)
                 x[masked[chosen]] = tokens[chosen]
                 j += 1
-        if eos_id is not None and bool((x[p:e] == eos_id).any()):
+        if any(stop in x[p:e] for stop in stops):
             return x[p:e].tolist(), nfe
     return x[p:end].tolist(), nfe
 

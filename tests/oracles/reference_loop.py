@@ -152,8 +152,9 @@ def reference_dream_generate(
     record: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Dream's diffusion_generate at temperature 0 (one block when block_length ==
-    gen_length), and with a cache Fast-dLLM's block sampler, whose refresh forward commits
-    the block's first token. Batch 1. Returns (x, nfe)."""
+    gen_length; `confidence_threshold` is Fast-dLLM's whole-sequence rule there), and with a
+    cache Fast-dLLM's block sampler, whose refresh forward commits the block's first token.
+    Batch 1. Returns (x, nfe)."""
     p = prompt.shape[1]
     tail = [] if suffix is None else [suffix]
     x = torch.cat([prompt, torch.full((1, gen_length), mask_id, dtype=torch.long), *tail], dim=1)
@@ -161,6 +162,10 @@ def reference_dream_generate(
     kv, nfe = KVCache(), 0
     for start in range(p, p + gen_length, block_length):
         end = start + block_length
+        if alg == "confidence_threshold" and cache == "none":
+            assert threshold is not None
+            nfe += _fastdllm_threshold_block(model, x, start, end, per_block, threshold, mask_id)
+            continue
         i = 0
         while (x[:, start:end] == mask_id).any():
             nfe += 1
@@ -203,3 +208,44 @@ def reference_dream_generate(
                     record[c + first] = torch.log_softmax(logits[0, c].to(torch.float64), dim=-1)
             i += 1
     return x, nfe
+
+
+def _fastdllm_threshold_block(
+    model: torch.nn.Module, x: torch.Tensor, start: int, end: int, steps: int, threshold: float, mask_id: int
+) -> int:
+    """Fast-dLLM's whole-sequence `confidence_threshold` (dream/model/generation_utils.py) over
+    the block [start, end) of `x` (one block = the reference): each step takes the top
+    `#mask/steps + left` positions, commits the first and those >= threshold, and carries the
+    rest over (`left`); a position below the threshold at the last step zeroes the per-step
+    count and adds a step. Returns the forwards spent."""
+    masks = int((x[:, start:end] == mask_id).sum())
+    assert masks % steps == 0, "the reference needs the block's masks divisible by its steps"
+    number_transfer_tokens, left_tokens_last_step = masks // steps, 0
+    i = 0
+    while i < steps:
+        logits = full_logits(model, x)
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        mask_index = x == mask_id
+        mask_index[:, end:] = False
+        confidence, x0 = _sample_tokens(logits[mask_index], "maskgit_plus")
+        proposal = torch.full_like(x, mask_id)
+        proposal[mask_index] = x0
+        full_confidence = torch.full(x.shape, -torch.inf, dtype=confidence.dtype)
+        full_confidence[mask_index] = confidence
+        current_transfer_tokens = number_transfer_tokens + left_tokens_last_step
+        left_tokens_last_step = 0
+        selected_confidence, select_index = torch.topk(full_confidence, current_transfer_tokens)
+        transfer_index = torch.zeros_like(x, dtype=torch.bool)
+        transfer_index[0, select_index[0]] = True
+        for k in range(1, current_transfer_tokens):
+            if selected_confidence[0, k] < threshold:
+                if i < steps - 1:
+                    left_tokens_last_step += 1
+                else:
+                    number_transfer_tokens = 0
+                    steps += 1
+                    left_tokens_last_step += 1
+                transfer_index[0, select_index[0, k]] = False
+        x[transfer_index] = proposal[transfer_index]
+        i += 1
+    return i
