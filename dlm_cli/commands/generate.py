@@ -98,12 +98,14 @@ def generate(
         checkpoint = resolve_model(model)  # fails fast; also resolves store names
         model = str(checkpoint)
         params = dp.decoding_params(ctx.params)
-        if backend == "native":  # a text prompt has at least one token
-            dp.check_before_loading(checkpoint, params, len(ids) if ids is not None else 1)
+        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
+        if backend == "native":  # a text prompt's length is known once tokenised
+            dp.check_before_loading(
+                checkpoint, params, len(ids) if ids is not None else None, parallel.tensor_parallel_size
+            )
 
         from engine.llm import LLM
 
-        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
         if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
             return
         with err_console.status("loading model"):

@@ -29,7 +29,7 @@ from dlm_cli.server.metrics import ServerMetrics
 from dlm_cli.server.protocol import PARAM_FIELDS, DiffusionFields
 from dlm_cli.server.ratelimit import RateLimiter
 from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
-from engine.params import PARAMS, GenerationParams, ResolvedParams, http_name
+from engine.params import PARAMS, ResolvedParams, http_name
 from engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
 from engine.runtime.scheduler import QueueFull, SchedulerLimits
 
@@ -277,7 +277,7 @@ class Service:
         and checked against the server's limits. Each body field maps onto its GenerationParams
         field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
         cfg = self.config
-        gen = max_tokens if max_tokens is not None else (cfg.default_max_tokens or cfg.max_tokens)
+        gen = max_tokens if max_tokens is not None else cfg.default_gen_length
         if gen > cfg.max_tokens:
             raise bad_request(
                 f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
@@ -301,14 +301,10 @@ class Service:
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
-        if body.steps is None and body.refinement_steps is None and cfg.refinement_steps is not None:
-            given["refinement_steps"] = cfg.refinement_steps
-        if body.block_length is None and cfg.block_length is not None:
-            given["block_length"] = cfg.block_length
-        given.update(gen_length=gen, max_steps=cfg.max_steps)
+        given["gen_length"] = gen
         assert self.engine is not None
         try:  # the family's defaults and rules, as `dlm generate` applies them
-            resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
+            resolved = self.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
