@@ -2,8 +2,8 @@
 
 Each option's flag, help text and default come from its `GenerationParams` field; the
 command names its parameters after the fields, so `decoding_params(ctx.params)` collects
-them without restating the mapping. Ranges and family rules are checked by
-`GenerationParams.validate()`, once, like every other entry point.
+them without restating the mapping. Ranges and family rules are checked by the one
+validation (engine/family_rules.py), like every other entry point.
 """
 
 from __future__ import annotations
@@ -32,18 +32,32 @@ def option(name: str) -> Any:
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
 
 
-def check_before_loading(model_dir: Path, params: GenerationParams, prompt_length: int) -> None:
-    """Refuse what the checkpoint's family refuses from config.json alone, before seconds of
-    loading: flag combinations, ranges, the length. The engine's validation after loading
-    is the one whose result decodes (it also knows the prompt's tokens and the runner's
-    forwards); this one only fails early, with the same messages."""
+def check_before_loading(
+    model_dir: Path, params: GenerationParams, prompt_length: int | None, tensor_parallel_size: int = 1
+) -> None:
+    """Refuse from config.json alone, before any rank spawns or weight loads, what the
+    checkpoint would refuse after: a split its heads do not allow, flag combinations, ranges,
+    the length. It is the engine's own validation (engine/family_rules.py); the engine runs
+    it again once the prompt's tokens are known, and that result decodes.
+
+    A text prompt's length (None) is known only once tokenised, so only what every length
+    refuses is refused: the shortest prompt (one token) bounds the length check, and a
+    prompt of one whole block the blocks decoded on an absolute grid; what both refuse,
+    every length refuses."""
     from engine.config import load_config
-    from engine.registry import family_named
+    from engine.errors import UsageError
+    from engine.family_rules import validate, with_defaults
+    from engine.parallel.divisibility import check_tensor_parallel
 
     config = load_config(model_dir)
-    params.validate(
-        prompt_length, config.max_position_embeddings, family_named(config.family), vocab=config.logits_size
-    )
+    check_tensor_parallel(config, tensor_parallel_size)
+    if prompt_length is not None:
+        validate(params, prompt_length, config)
+        return
+    try:
+        validate(params, 1, config)
+    except UsageError:
+        validate(params, with_defaults(params, config).block_length or 1, config)
 
 
 def decoding_params(given: dict[str, Any]) -> GenerationParams:

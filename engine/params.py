@@ -19,7 +19,8 @@ whole-sequence rule: a block's share of `steps` is its schedule, and steps are a
 it until every position clears the threshold (engine/decoding/dream.py), so its bound is
 one forward per position.
 `refinement_steps` gives the same budget per block instead of in all. Some families spend
-forwards besides the denoising steps (`Forwards`, declared by their engine);
+forwards besides the denoising steps (`Forwards`, derived from the family's record and
+config by engine/family_rules.py, which calls `validate()` for every entry point);
 `ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
 """
 
@@ -104,8 +105,8 @@ def _param(default: Any, help: str, **spec: Any) -> Any:
 @dataclass(frozen=True)
 class Forwards:
     """How a model spends forwards on its blocks beyond one per denoising step: what turns
-    `steps` into a bound on the forwards a request spends. Declared by the engine that
-    decodes the family."""
+    `steps` into a bound on the forwards a request spends. Derived from the family's
+    record and config (engine/family_rules.py)."""
 
     aligned_grid: bool = False  # blocks at multiples of block_length (LLaDA2, SDAR): one more may straddle the prompt
     sub_blocks: int = 1  # a block is denoised in this many sub-blocks, at least a forward each (openPangu)

@@ -84,6 +84,8 @@ class Family:
     block_rules: BlockRules | None = None
     block_length: int | None = None  # the trained block size, where config.json does not say
     block_length_field: str | None = None  # the config.json field that says it
+    fixed_block: bool = False  # decodes blocks of its `block_length` only, without guidance (Clover)
+    commit_pass: bool = False  # a block costs one forward beyond its steps: a pass that advances the cache (Clover)
     # What `dlm estimate` needs beyond the config: how attention sees the context (decides
     # which caches are exact), the name it reports, spellings it also plans (architectures
     # the engine does not load), and notes on weights it does not count.
@@ -235,6 +237,8 @@ FAMILIES: tuple[Family, ...] = (
         # mask_token_id: nobody has read Clover's config.json yet, so refuse to guess (docs/clover.md).
         block_length=32,  # Clover's training block size (model card)
         block_length_field="block_size",
+        fixed_block=True,
+        commit_pass=True,
         plan_notes=(
             HYBRID_NOTE,
             "Clover's extra GDN parameters (right-convolution taps, about conv_dim x "

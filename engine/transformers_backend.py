@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.config import ModelConfig, read_config_json
 from engine.errors import DlmError, Unsupported, UsageError
-from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.registry import UNREGISTERED
 from engine.runtime.batch import ForwardBatch, gather_rows
 from engine.runtime.engine import LLMEngine, LoadedModel
@@ -211,9 +211,6 @@ class GenerateMethodRunner:
     A field the method cannot honour is refused (`Unsupported`), never silently dropped:
     a client asking for `steps=2` must not believe it got them."""
 
-    fixed_block: int | None = None
-    forwards: Forwards | None = None  # the method spends what it spends (counted, not bounded)
-
     def __init__(self, hf_model: Any, config: ModelConfig, device: torch.device) -> None:
         self.hf, self.config, self.device = hf_model, config, device
         self.method_name = "diffusion_generate" if hasattr(hf_model, "diffusion_generate") else "generate"
@@ -325,7 +322,10 @@ class GenerateMethodEngine(LLMEngine):
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
         Fields the method does not take come back as None: no dlm step count or block applies
-        (the server's step limit, for one, has nothing to bound)."""
+        (the server's step limit, for one, has nothing to bound). The method spends what it
+        spends: its forwards are counted, not bounded."""
+        if not isinstance(params, ResolvedParams):
+            params = self.runner.resolve(params)
         resolved = super().validate(params, prompt_length)
         dropped: dict[str, Any] = {f: None for f in ("steps", "block_length") if f not in self.runner.takes}
         return replace(resolved, **dropped)

@@ -1,12 +1,23 @@
 """Usage errors come before any model loads: `dlm generate` checks its flags against the
-checkpoint's config.json and `dlm serve` its `--max-model-len`, and both refuse at once."""
+checkpoint's config.json and `dlm serve` its `--max-model-len` and decoding defaults, both
+with the engine's own validation (engine/family_rules.py), and both refuse a
+tensor-parallel split the heads do not allow before any rank spawns."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
+from dlm_cli.params import check_before_loading
+from engine.block_checkpoints import family_config
+from engine.checkpoint_writer import clover_config, llada_config
+from engine.errors import UsageError
+from engine.params import GenerationParams
 
 
 @pytest.fixture
@@ -38,3 +49,70 @@ def test_serve_refuses_a_max_model_len_over_the_models_before_loading(no_loading
     result = CliRunner().invoke(app, ["serve", "tiny:sdar", "--max-model-len", "100000"])
     assert result.exit_code == 2, result.output
     assert "max_model_len (100000) exceeds the model's maximum" in result.output
+
+
+def _config_only(directory: Path, config: dict[str, Any]) -> Path:
+    """A checkpoint directory holding config.json and no weights: loading it would fail with
+    another error, so the refusal below can only come from the config."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture
+def clover_dir(tmp_path: Path) -> Path:
+    return _config_only(tmp_path / "clover", clover_config(64, 63, 62))
+
+
+@pytest.fixture
+def three_heads_dir(tmp_path: Path) -> Path:
+    """A LLaDA config whose 3 heads do not split over 2 ranks."""
+    return _config_only(tmp_path / "three-heads", llada_config(64, 63, 62, d_model=48, n_heads=3, n_kv_heads=3))
+
+
+def test_generate_refuses_another_block_length_for_clover_before_loading(no_loading: None, clover_dir: Path) -> None:
+    args = ["generate", str(clover_dir), "--prompt-ids", "1,2,3", "--gen-length", "32", "--block-length", "16"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "clover decodes 32-token blocks" in result.output
+
+
+def test_serve_refuses_a_default_block_length_clover_cannot_decode_before_loading(
+    no_loading: None, clover_dir: Path
+) -> None:
+    result = CliRunner().invoke(app, ["serve", str(clover_dir), "--block-length", "16"])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "clover decodes 32-token blocks" in result.output
+
+
+def test_generate_counts_the_families_forwards_before_loading(no_loading: None) -> None:
+    """SDAR's blocks lie on an absolute grid: 3 prompt tokens + 8 generated span 3 blocks of
+    4, so 2 steps cannot cover them; the family's block length and grid come from config.json."""
+    args = ["generate", "tiny:sdar", "--prompt-ids", "1,2,3", "--gen-length", "8", "--steps", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "steps (2) must be at least one per block decoded (3)" in result.output
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["serve"]])
+def test_an_uneven_tensor_parallel_split_is_refused_before_any_rank_spawns(
+    no_loading: None, three_heads_dir: Path, command: list[str]
+) -> None:
+    result = CliRunner().invoke(app, [command[0], str(three_heads_dir), *command[1:], "-tp", "2"])
+    assert result.exit_code == 2, result.output
+    assert (
+        "error: the model's 3 attention heads and 3 KV heads are not divisible by the tensor-parallel size 2"
+        in result.output
+    )
+
+
+def test_a_text_prompt_is_refused_only_what_every_length_refuses(tmp_path: Path) -> None:
+    """Before tokenising, the length is unknown: 2 steps cover SDAR's 2 blocks of 4 after a
+    4-token prompt, though not the 3 blocks after 3 prompt tokens."""
+    sdar = _config_only(tmp_path / "sdar", family_config("sdar", vocab_size=64, mask_token_id=63, eos_token_id=62))
+    params = GenerationParams(gen_length=8, steps=2)
+    check_before_loading(sdar, params, None)
+    with pytest.raises(UsageError, match=r"at least one per block decoded \(3\)"):
+        check_before_loading(sdar, params, 3)
+    with pytest.raises(UsageError, match="exceeds the model's maximum length"):
+        check_before_loading(sdar, GenerationParams(gen_length=100000), None)

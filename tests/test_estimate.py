@@ -485,7 +485,7 @@ def test_verdicts_smallest_tp_and_max_batch() -> None:
 
 
 def test_tp_must_divide_heads() -> None:
-    with pytest.raises(UsageError, match="--tp 3"):
+    with pytest.raises(UsageError, match="not divisible by the tensor-parallel size 3"):
         _plan(LLADA_8B, tp=3)
 
 

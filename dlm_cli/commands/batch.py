@@ -44,6 +44,10 @@ def batch(
             "ready_wait": 0,
         }
         config = load_config(config_file, flags)
+        if config.backend == "native":  # settings the checkpoint refuses fail before it loads
+            from engine.config import load_config as model_config
+
+            config.check_model(model_config(Path(flags["model"])))
         done = len(answered(output_file) & {r.custom_id for r in requests})
         with Progress(console=err_console, transient=True) as progress:
             task = progress.add_task("batch", total=len(requests), completed=done)

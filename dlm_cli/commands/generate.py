@@ -137,13 +137,15 @@ def generate(
         params = dp.decoding_params(ctx.params)
         if suffix_ids is not None:  # text is encoded once the tokenizer is loaded
             params = replace(params, suffix=tuple(_parse_ids(suffix_ids, "--suffix-ids")))
-        if backend == "native":  # a text prompt (or suffix) has at least one token
+        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
+        if backend == "native":  # a text prompt's length is known once tokenised; a text suffix has a token
             early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
-            dp.check_before_loading(checkpoint, early, len(ids) if ids is not None else 1)
+            dp.check_before_loading(
+                checkpoint, early, len(ids) if ids is not None else None, parallel.tensor_parallel_size
+            )
 
         from engine.llm import LLM
 
-        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
         if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
             return
         with err_console.status("loading model"):

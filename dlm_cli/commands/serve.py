@@ -165,7 +165,7 @@ def serve(
         elif config.backend == "native":  # settings the checkpoint refuses fail before it loads
             from engine.config import load_config as model_config
 
-            config.model_len(model_config(resolve_model(config.model)).max_position_embeddings)
+            config.check_model(model_config(resolve_model(config.model)))
         else:
             resolve_model(config.model)  # a wrong path is a usage error before anything starts
         parallel = config.parallel()

@@ -23,6 +23,7 @@ from dlm_cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm_cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
 from engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from engine.errors import DlmError, UsageError
+from engine.parallel.divisibility import check_tensor_parallel
 from engine.params import CACHES
 from engine.registry import Family, family_for
 
@@ -312,21 +313,8 @@ class Serving:
             raise UsageError(f"--overhead-gb must be >= 0, got {self.overhead_gib}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
-        check_tp(a, self.tp)
+        check_tensor_parallel(a.config, self.tp)
         return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache)
-
-
-def check_tp(a: Architecture, tp: int) -> None:
-    """Raise unless the model's heads divide over `tp` ranks (KV heads may be replicated)."""
-    problems = []
-    if a.config.num_heads % tp:
-        problems.append(f"{a.config.num_heads} attention heads")
-    if a.config.num_kv_heads % tp and tp % a.config.num_kv_heads:
-        problems.append(f"{a.config.num_kv_heads} KV heads")
-    if a.linear is not None and (a.linear.value_heads % tp or a.linear.key_heads % tp):
-        problems.append(f"{a.linear.key_heads}/{a.linear.value_heads} linear-attention heads")
-    if problems:
-        raise UsageError(f"--tp {tp} does not divide the model's {' and '.join(problems)}")
 
 
 def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
@@ -334,7 +322,7 @@ def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
     tp = 1
     while tp <= limit:
         try:
-            check_tp(a, tp)
+            check_tensor_parallel(a.config, tp)
             out.append(tp)
         except UsageError:
             pass

@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from engine.errors import UsageError
 
 if TYPE_CHECKING:
+    from engine.config import ModelConfig
     from engine.parallel.distributed import ParallelConfig
+    from engine.params import GenerationParams
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,6 +148,40 @@ class ServeConfig(BaseModel):
                 f"({self.max_num_batched_tokens}): such a request could never run"
             )
         return self.max_model_len or min(model_max, self.max_num_batched_tokens)
+
+    @property
+    def default_gen_length(self) -> int:
+        """The max_tokens of a request that gives none."""
+        return self.default_max_tokens or self.max_tokens
+
+    def decoding_params(self, given: dict[str, Any]) -> GenerationParams:
+        """A request's decoding fields (`given`, by GenerationParams name) with this server's
+        defaults for what it leaves out: the length, the block length, per-block steps (unless
+        it gives a step count), and --max-steps, which every request gets."""
+        from engine.params import GenerationParams
+
+        defaults: dict[str, Any] = {"gen_length": self.default_gen_length, "block_length": self.block_length}
+        if "steps" not in given and not GenerationParams(**given).edits:  # draft-and-edit bounds its own steps
+            defaults["refinement_steps"] = self.refinement_steps
+        values = {k: v for k, v in defaults.items() if v is not None} | given
+        return GenerationParams(**values, max_steps=self.max_steps)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse, from the checkpoint's config.json before it loads (and before any
+        tensor-parallel rank spawns), settings it cannot serve: the context length, a split its
+        heads do not allow, and decoding defaults its family refuses (e.g. another block length
+        for Clover), which would fail every request that relies on them. A default length
+        over the model's context is left to requests to shorten."""
+        from engine.family_rules import validate
+        from engine.parallel.divisibility import check_tensor_parallel
+
+        self.model_len(model.max_position_embeddings)
+        check_tensor_parallel(model, self.parallel().tensor_parallel_size)
+        try:
+            validate(self.decoding_params({}), 1, model)
+        except UsageError as exc:
+            if exc.field != "prompt":
+                raise
 
     def keys(self) -> list[str]:
         """Every accepted API key: the list plus the key file (one per line, # comments)."""

@@ -144,7 +144,9 @@ def _completion(served: LoadedModel, body: CompletionRequest) -> Prepared:
     suffix = tuple(_text_ids(served, body.suffix, "suffix")) if body.suffix else ()
     ids = _text_ids(served, prompt, "prompt")
     text = prompt if isinstance(prompt, str) else None
-    echo = (served.decode(ids, ()) if text is None else text) if body.echo else None  # the prompt whole: no stop cuts it
+    echo = (
+        (served.decode(ids, ()) if text is None else text) if body.echo else None
+    )  # the prompt whole: no stop cuts it
     return Prepared(body, ids, text, body.max_tokens, suffix_ids=suffix, echo=echo)
 
 

@@ -29,7 +29,7 @@ from dlm_cli.server.metrics import ServerMetrics
 from dlm_cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm_cli.server.ratelimit import RateLimiter
 from engine.errors import DlmError, EngineFailed, Unsupported, UsageError
-from engine.params import PARAMS, GenerationParams, ResolvedParams, http_name
+from engine.params import PARAMS, ResolvedParams, http_name
 from engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
 from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.scheduler import QueueFull, SchedulerLimits
@@ -292,7 +292,7 @@ class Service:
         and checked against the server's limits. Each body field maps onto its GenerationParams
         field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
         cfg = self.config
-        gen = max_tokens if max_tokens is not None else (cfg.default_max_tokens or cfg.max_tokens)
+        gen = max_tokens if max_tokens is not None else cfg.default_gen_length
         if gen > cfg.max_tokens:
             raise bad_request(
                 f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
@@ -317,23 +317,13 @@ class Service:
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
-        asked = GenerationParams(**given)
-        if (
-            body.steps is None
-            and body.refinement_steps is None
-            and cfg.refinement_steps is not None
-            and not asked.edits
-        ):
-            given["refinement_steps"] = cfg.refinement_steps  # draft-and-edit bounds its own steps
-        if body.block_length is None and cfg.block_length is not None:
-            given["block_length"] = cfg.block_length
-        given.update(gen_length=gen, max_steps=cfg.max_steps, suffix=job.suffix_ids)
+        given.update(gen_length=gen, suffix=job.suffix_ids)
         top = body.top_logprobs_count()
         if top is not None:
             given["logprobs"] = top
         assert self.engine is not None
         try:  # the family's defaults and rules, as `dlm generate` applies them
-            resolved = self.engine.engine.validate(GenerationParams(**given), len(job.prompt_ids))
+            resolved = self.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
         if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all

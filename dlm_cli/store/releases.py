@@ -157,9 +157,9 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
         if pending:
             kept.setdefault((pending["model"], pending["version"]), f"being swapped in by deployment {name}")
     for record in admin.server_records(store):
-        for ref in (record.serving, record.swapping):
-            if ref:
-                model, _, version = ref.partition("@")
+        for served in (record.serving, record.swapping):
+            if served:
+                model, _, version = served.partition("@")
                 kept.setdefault((model, version), f"served by the server of deployment {record.deployment}")
     return kept
 

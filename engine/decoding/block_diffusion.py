@@ -26,22 +26,10 @@ commits every position left in it, as the static schedule does by construction.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from engine.params import GenerationParams
 from engine.registry import BlockRules
-
-
-def resolve_block_params(params: GenerationParams, default_block: int) -> GenerationParams:
-    """Family defaults: the trained block size; `--mode ar` is a block of one token decoded
-    in one step (and so one token per forward)."""
-    if params.mode == "ar":
-        return replace(params, block_length=1, steps=params.gen_length, refinement_steps=None, threshold=None)
-    if params.block_length is None:
-        return replace(params, block_length=default_block)
-    return params
 
 
 def static_top_k(conf: torch.Tensor, k: int) -> torch.Tensor:

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.decoding.block_diffusion import choose, resolve_block_params
+from engine.decoding.block_diffusion import choose
 from engine.decoding.draft_edit import draft_edit_step
 from engine.decoding.step import confidence
 from engine.layers.linear import lm_head_shard, local_kv_heads
-from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.params import ResolvedParams
 from engine.runtime.block_batch import PAD_GROUP, BlockBatch
-from engine.runtime.block_sequence import PREFILL_CHUNK, BlockSequence, Work
+from engine.runtime.block_sequence import BlockSequence, Work
 from engine.runtime.kv_cache import SequenceKVCache
 from engine.runtime.prefix_cache import PrefixCache
 from engine.runtime.request import RequestState, narrow
@@ -36,19 +36,11 @@ class BlockRunner:
         self.model: Any = model  # a block-causal family's model: forward(BlockBatch)
         self.config = config
         self.dtype, self.device = dtype, device
-        rules, block_length = config.block_rules, config.block_length
-        assert rules is not None and block_length is not None  # every block-causal family declares both
-        self.rules, self.block_length = rules, block_length
+        rules = config.block_rules
+        assert rules is not None  # every block-causal family declares them
+        self.rules = rules
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
-        self.fixed_block: int | None = None
         self.prefix_cache: PrefixCache | None = None  # prompt K/V shared across requests (exact)
-        # openPangu's commit forward of a block also decides the next block's first token.
-        self.forwards: Forwards | None = Forwards(
-            rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
-        )
-
-    def resolve(self, params: GenerationParams) -> GenerationParams:
-        return resolve_block_params(params, self.block_length)
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> BlockSequence:
         """Decoding stops after a block holding `eos_id`."""

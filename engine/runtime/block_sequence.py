@@ -27,11 +27,10 @@ import torch
 
 from engine.decoding.block_diffusion import BlockRules
 from engine.decoding.schedule import linear_schedule
+from engine.family_rules import PREFILL_CHUNK
 from engine.runtime.kv_cache import SequenceKVCache
 from engine.runtime.prefix_cache import PrefixCache
 from engine.runtime.request import RequestState
-
-PREFILL_CHUNK = 2048  # context tokens fed per forward: bounds attention memory on long prompts
 
 
 @dataclass

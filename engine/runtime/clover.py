@@ -24,7 +24,6 @@ different lengths.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ import torch
 from engine.config import ModelConfig
 from engine.decoding.step import decide, token_stats
 from engine.layers.linear import lm_head_shard
-from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.params import ResolvedParams
 from engine.runtime.engine import LLMEngine
 from engine.runtime.hybrid_cache import HybridCache
 from engine.runtime.interface import Runner
@@ -47,18 +46,7 @@ class CloverRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
         self.model: Any = model  # the hybrid: forward_tokens, new_cache, lm_head_weight
         self.config, self.device = config, device
-        block_size = config.block_length  # the registry: 32, or `block_size` in config.json
-        assert block_size is not None
-        self.block_size = block_size
-        self.fixed_block: int | None = block_size
-        # Beyond its steps, a block's commit pass (the prompt's prefill replaces the last one).
-        self.forwards: Forwards | None = Forwards(per_block=1)
         self.vocab_shard = lm_head_shard(config.logits_size)
-
-    def resolve(self, params: GenerationParams) -> GenerationParams:
-        """Clover's trained block size by default; `fixed_block` makes the one validation refuse
-        any other (and guidance)."""
-        return replace(params, block_length=params.block_length or self.block_size)
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
         return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)

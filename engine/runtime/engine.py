@@ -16,6 +16,7 @@ import torch
 from engine.capabilities import supported
 from engine.config import ModelConfig, load_config
 from engine.errors import UsageError
+from engine.family_rules import validate
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams, ResolvedParams
@@ -128,18 +129,11 @@ class LLMEngine(Engine):
 
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """Resolve the family's defaults and validate: what every entry point should call.
+        The same check as before loading (engine/family_rules.py), from the loaded config.
         Parameters already resolved (this call at the boundary) pass as they are."""
         if isinstance(params, ResolvedParams):
             return params
-        runner = self.runner
-        return runner.resolve(params).validate(
-            prompt_length,
-            self.config.max_position_embeddings,
-            self.family,
-            fixed_block=runner.fixed_block,
-            forwards=runner.forwards,
-            vocab=self.config.logits_size,
-        )
+        return validate(params, prompt_length, self.config)
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         """Validate a request and build its sequence without running it: the serving

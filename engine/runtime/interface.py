@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import ModelConfig
-from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.params import GenerationParams, ResolvedParams
 from engine.runtime.prefix_cache import PrefixCacheStats
 from engine.runtime.request import RequestState
 
@@ -30,15 +30,9 @@ if TYPE_CHECKING:
 
 class Runner(Protocol):
     """Runs one family's forwards. `step` advances each sequence by one forward and commits
-    its decisions (so the engine never knows how a family decides)."""
-
-    # What the one validation (`GenerationParams.validate`) needs from the family's runner:
-    fixed_block: int | None  # the only block length the family decodes (None: any)
-    forwards: Forwards | None  # forwards spent beyond one per step, so `steps` bounds them all
-
-    def resolve(self, params: GenerationParams) -> GenerationParams:
-        """The family's defaults and rules applied (before `GenerationParams.validate`)."""
-        ...
+    its decisions (so the engine never knows how a family decides). What a family's
+    requests may ask is not the runner's to say: engine/family_rules.py derives it from the
+    config, so it is checked before loading too."""
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> RequestState:
         """A sequence for resolved, validated `params`, ending by its rule on the engine's `eos_id`."""

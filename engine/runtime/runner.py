@@ -24,7 +24,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.decoding.step import decide, token_stats
-from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.params import ResolvedParams
 from engine.runtime import cache
 from engine.runtime.batch import ForwardBatch
 from engine.runtime.request import RequestState, narrow
@@ -44,9 +44,6 @@ class _Row:
 
 
 class ModelRunner:
-    fixed_block: int | None = None  # any block length
-    forwards: Forwards | None = None  # one forward per step, nothing more
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -60,10 +57,6 @@ class ModelRunner:
         self.shift = config.logits_shift  # the family record's (0 for the transformers adapter)
         self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
         self.graphs: StepGraphs | None = None  # static-shape forwards (CUDA graphs), when enabled
-
-    def resolve(self, params: GenerationParams) -> GenerationParams:
-        """No family default to add: GenerationParams resolves its own."""
-        return params
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
         return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id, sampler=self.sampler)

@@ -1,0 +1,63 @@
+"""What a checkpoint's family and config say about requests, torch-free: the one validation.
+
+`validate(params, prompt_length, config)` is the check every entry point runs: `dlm
+generate`, `dlm serve` and `dlm batch` from config.json before any weight loads (a bad
+flag fails in milliseconds, not after the load), and `LLMEngine.validate` after loading,
+so the two cannot disagree. The facts it needs beyond `GenerationParams.validate` are
+derived here from the family's record (engine/registry.py) and `ModelConfig`, never
+declared by a runner: the block length a request gets by default, the only block length a
+family decodes, and the forwards a block costs besides its denoising steps (`Forwards`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.config import ModelConfig
+from engine.params import Forwards, GenerationParams, ResolvedParams
+from engine.registry import family_named
+
+# Context tokens the exact block cache feeds per forward when filling it (engine/runtime/
+# block_sequence.py): bounds attention memory on long prompts, and costs forwards.
+PREFILL_CHUNK = 2048
+
+
+def forwards(config: ModelConfig) -> Forwards:
+    """How the model spends forwards on its blocks, so that `steps` bounds them all."""
+    rules = config.block_rules
+    if rules is not None:
+        # openPangu's (shifted logits) commit forward of a block also decides the next block's first token.
+        return Forwards(
+            rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
+        )
+    # Clover's commit pass per block (the prompt's prefill stands in for the last block's).
+    return Forwards(per_block=1 if family_named(config.family).commit_pass else 0)
+
+
+def fixed_block(config: ModelConfig) -> int | None:
+    """The only block length the model decodes (its trained one), or None: any."""
+    return config.block_length if family_named(config.family).fixed_block else None
+
+
+def with_defaults(params: GenerationParams, config: ModelConfig) -> GenerationParams:
+    """The family's defaults: its trained block length when the request gives none; for a
+    block-causal family, `mode ar` is a block of one token decoded in one step (and so one
+    token per forward)."""
+    if config.block_rules is not None and params.mode == "ar":
+        return replace(params, block_length=1, steps=params.gen_length, refinement_steps=None, threshold=None)
+    if params.block_length is None and config.block_length is not None:
+        return replace(params, block_length=config.block_length)
+    return params
+
+
+def validate(params: GenerationParams, prompt_length: int, config: ModelConfig) -> ResolvedParams:
+    """`params` resolved for a prompt of `prompt_length` tokens on the checkpoint `config`
+    describes, or `UsageError` naming the field at fault."""
+    return with_defaults(params, config).validate(
+        prompt_length,
+        config.max_position_embeddings,
+        family_named(config.family),
+        fixed_block=fixed_block(config),
+        forwards=forwards(config),
+        vocab=config.logits_size,
+    )
