@@ -148,7 +148,7 @@ def test_cli_generate_reproduces(model_dir: Path) -> None:
 def test_refusals_name_their_field(llm: LLM, fields: dict[str, Any], field: str) -> None:
     engine = llm.engine
     with pytest.raises(UsageError) as error:
-        engine.validate(engine.runner.resolve(GenerationParams(gen_length=32, **fields)), 5)
+        engine.validate(GenerationParams(gen_length=32, **fields), 5)  # the family defaults apply inside
     assert error.value.field == field
 
 
