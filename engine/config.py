@@ -68,6 +68,25 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class CanvasSpec:
+    """DiffusionGemma's encoder/decoder facts beyond a plain layer stack: the full-attention
+    layers' own head shape and RoPE (proportional: only `rope_fraction` of the rotary
+    frequencies turn, the rest stay 0), the sliding-window layers' window, the logit
+    soft-cap, and the canvas the decoder refines."""
+
+    canvas_length: int
+    sliding_window: int
+    global_head_dim: int
+    global_kv_heads: int
+    global_rope_theta: float
+    global_rope_fraction: float
+    logit_softcap: float
+    expert_ffn: int
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     model_type: str
@@ -100,6 +119,7 @@ class ModelConfig:
     logits_shift: int = 0  # row i of the logits predicts token i + logits_shift
     block_rules: BlockRules | None = None  # block-causal families' decoding rules
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (never run)
+    canvas: CanvasSpec | None = None  # DiffusionGemma's encoder/decoder facts
 
     @property
     def rotary_dim(self) -> int:
@@ -311,10 +331,58 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
     )
 
 
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """DiffusionGemma: the text fields nested under `text_config`; sliding-window layers use
+    `head_dim`/`num_key_value_heads` and default RoPE, full-attention layers their own
+    `global_head_dim`/`num_global_key_value_heads` (written per layer in `per_layer_config`)
+    and proportional RoPE; every layer has a dense MLP beside its mixture of experts."""
+    text = dict(require(raw, "text_config"))
+    layers = int(require(text, "num_hidden_layers"))
+    types = tuple(text.get("layer_types") or ())[:layers]
+    if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
+    rope = text.get("rope_parameters") or {}
+    full_rope, sliding_rope = rope.get(FULL_ATTENTION) or {}, rope.get(SLIDING_ATTENTION) or {}
+    per_layer = text.get("per_layer_config") or {}
+    global_layer: dict[str, Any] = next(
+        (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
+    )
+    head_dim = int(require(text, "head_dim"))
+    kv_heads = int(require(text, "num_key_value_heads"))
+    canvas = CanvasSpec(
+        canvas_length=int(raw.get("canvas_length") or 256),
+        sliding_window=int(require(text, "sliding_window")),
+        global_head_dim=int(global_layer.get("head_dim") or text.get("global_head_dim") or head_dim),
+        global_kv_heads=int(
+            global_layer.get("num_key_value_heads") or text.get("num_global_key_value_heads") or kv_heads
+        ),
+        global_rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+        global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
+        logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
+        expert_ffn=int(require(text, "moe_intermediate_size")),
+        num_experts=int(require(text, "num_experts")),
+        top_k=int(require(text, "top_k_experts")),
+    )
+    flat = {**text, "model_type": raw.get("model_type"), "rope_theta": sliding_rope.get("rope_theta", 10_000.0)}
+    return _qwen(
+        flat,
+        family,
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=True,
+        layer_types=types,
+        block_length=canvas.canvas_length,
+        canvas=canvas,
+    )
+
+
 LAYOUTS: dict[str, Callable[[dict[str, Any], Family], ModelConfig]] = {
     "llada": _llada,
     "qwen": _qwen,
     "hybrid": _hybrid,
+    "diffusion_gemma": _diffusion_gemma,
 }
 
 

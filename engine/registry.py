@@ -88,6 +88,7 @@ class Family:
     planned_model_types: tuple[str, ...] = ()
     planned_architectures: tuple[str, ...] = ()
     plan_notes: tuple[str, ...] = ()
+    planned: bool = True  # False: `dlm estimate` does not model this family's memory yet, and says so
 
     def engine_class(self) -> Any:
         if not self.engine:
@@ -131,6 +132,14 @@ def _refuse_dream(raw: dict[str, Any]) -> None:
         raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
     if raw.get("use_sliding_window"):
         raise UsageError("Dream checkpoints with sliding-window attention are not supported")
+
+
+def _refuse_diffusion_gemma(raw: dict[str, Any]) -> None:
+    text = raw.get("text_config") or {}
+    if text.get("use_bidirectional_attention") == "all":
+        raise UsageError("DiffusionGemma checkpoints with a bidirectional encoder are not supported (only causal)")
+    if text.get("attention_bias"):
+        raise UsageError("DiffusionGemma checkpoints with attention biases are not supported")
 
 
 HYBRID_NOTE = (
@@ -208,6 +217,22 @@ FAMILIES: tuple[Family, ...] = (
         block_rules=BlockRules(aligned_grid=False, causal_context=True, threshold_rule="dynamic", sub_blocks=4),
         block_length=32,
         planned_model_types=("pangu_embedded",),
+    ),
+    Family(
+        name="diffusion_gemma",
+        model_types=("diffusion_gemma",),
+        architectures=("DiffusionGemmaForBlockDiffusion",),
+        module="engine.models.diffusion_gemma",
+        description="DiffusionGemma: causal encoder (prompt KV cache) + canvas decoder, entropy-bound sampler",
+        sampler="entropy_bound",
+        engine="engine.runtime.canvas.CanvasEngine",
+        layout="diffusion_gemma",
+        mask_token_id=-1,  # no MASK token: a canvas starts as uniform random tokens
+        check=_refuse_diffusion_gemma,
+        qk_norm=ALWAYS,
+        # Its memory (experts beside the dense MLP, per-type head shapes, the encoder cache,
+        # canvases and self-conditioning logits) is not modelled yet: refused, not misreported.
+        planned=False,
     ),
     hybrid_family(
         name="qwen3_5_moe",

@@ -83,6 +83,8 @@ def architecture_from_config(raw: dict[str, Any]) -> Architecture:
     plan sizes what the engine builds. The MASK id matters only for decoding: a config
     without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
     family = family_for(raw, planning=True)
+    if not family.planned:
+        raise UsageError(f"dlm estimate does not model {family.name} checkpoints yet (their decoding is supported)")
     return Architecture(parse_config({"mask_token_id": -1, **raw}, family), family)
 
 

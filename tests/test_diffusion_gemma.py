@@ -1,0 +1,235 @@
+"""DiffusionGemma against transformers' reference implementation, run live on a tiny random
+checkpoint that transformers' own classes saved (engine/diffusion_gemma_checkpoint.py).
+
+All numerics in float32: first-forward logits within 1e-4 of their standard deviation, and
+`generate` (canvas init, self-conditioning, entropy-bound sampler, stability/confidence
+stop, renoising, prompt KV cache) giving the same ids and decoder forward count as
+`DiffusionGemmaForBlockDiffusion.generate` after `torch.manual_seed(seed)`, through
+`engine.LLM` and `dlm generate --seed`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dlm_cli.main import app
+from engine.config import load_config
+from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from engine.errors import UsageError
+from engine.llm import LLM
+from engine.params import GenerationParams
+from engine.registry import family_named
+
+FREQUENT = 46  # a token the tiny model emits often: as EOS it ends some requests early
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "eos", eos_token_id=FREQUENT)
+
+
+@pytest.fixture(scope="module")
+def transformers_model(checkpoint: Path) -> Any:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path, one_thread: Any) -> LLM:
+    return LLM(checkpoint, dtype="float32", device="cpu")
+
+
+# (prompt, canvas length, entropy bound, confidence threshold, steps per canvas, gen_length, seed)
+CASES = [
+    ([5, 6, 7, 8, 9], 8, 0.5, 1.0, 12, 24, 0),
+    ([3] * 11, 4, 2.0, 0.5, 10, 16, 1),
+    (list(range(10, 30)), 8, 5.0, 2.0, 6, 32, 3),  # longer than the sliding window
+    ([7, 9], 16, 0.1, 0.005, 5, 16, 4),  # transformers' defaults for the sampler
+]
+
+
+def reference_generate(model: Any, prompt: list[int], case: tuple, eos: int) -> tuple[list[int], int]:
+    """Ids (PAD after EOS) and decoder forwards of transformers' generate for `case`."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    _, canvas, bound, confidence, steps, gen, seed = case
+    model.config.canvas_length = canvas  # transformers reads the canvas length from the config
+    torch.manual_seed(seed)
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=gen,
+        max_denoising_steps=steps,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=bound),
+        confidence_threshold=confidence,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
+    valid = sum(t != 0 for t in ids)  # tokens_per_forward = valid tokens / decoder forwards
+    return ids, round(valid / float(out.tokens_per_forward[0]))
+
+
+def params(case: tuple) -> GenerationParams:
+    _, canvas, bound, confidence, steps, gen, seed = case
+    return GenerationParams(
+        gen_length=gen,
+        block_length=canvas,
+        refinement_steps=steps,
+        entropy_bound=bound,
+        confidence_threshold=confidence,
+        seed=seed,
+    )
+
+
+def test_config_reads_the_encoder_decoder_shapes(checkpoint: Path) -> None:
+    config = load_config(checkpoint)
+    assert config.family == "diffusion_gemma"
+    assert config.canvas is not None
+    assert (config.head_dim, config.canvas.global_head_dim, config.canvas.global_kv_heads) == (8, 16, 1)
+    assert config.layer_types == ("sliding_attention", "full_attention", "full_attention")
+    assert config.block_length == 8 and config.canvas.sliding_window == 8
+
+
+def test_logits_match_transformers(llm: LLM, transformers_model: Any) -> None:
+    """Float32: the first denoising forward (after a prompt longer than the sliding window)
+    and one with self-conditioning logits, within 1e-4 of the logits' standard deviation."""
+    model: Any = llm.engine.loaded.model
+    transformers_model.config.canvas_length = 8
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 96, (1, 13), generator=gen)
+    canvas = torch.randint(0, 96, (1, 8), generator=gen)
+    previous = torch.randn(1, 8, 96, generator=gen)
+    with torch.no_grad():
+        first = transformers_model(input_ids=prompt, decoder_input_ids=canvas)
+        conditioned = transformers_model(cache=first.cache, decoder_input_ids=canvas, self_conditioning_logits=previous)
+    cache = model.new_cache()
+    model.encode(prompt[0], cache)
+    for expected, ours in (
+        (first.logits, model.denoise(canvas, [cache], [None])),
+        (conditioned.logits, model.denoise(canvas, [cache], [previous])),
+    ):
+        assert float((expected - ours).abs().max()) <= 1e-4 * float(expected.std())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_generate_matches_transformers(llm: LLM, transformers_model: Any, case: tuple) -> None:
+    ids, forwards = reference_generate(transformers_model, case[0], case, eos=1)
+    out = llm.generate(case[0], params(case))[0]
+    assert out.output_ids == ids
+    assert out.nfe == forwards
+
+
+def test_batched_canvases_match_each_alone(llm: LLM) -> None:
+    """Requests decoded together (different prompt lengths, so padded caches) give what each
+    gives alone: continuous batching of canvases changes no token."""
+    case = CASES[0]
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 30)), [4]]
+    together = llm.generate(prompts, params(case))
+    for prompt, out in zip(prompts, together):
+        alone = llm.generate(prompt, params(case))[0]
+        assert (out.output_ids, out.nfe) == (alone.output_ids, alone.nfe)
+
+
+def test_eos_ends_the_request_as_the_reference_does(eos_checkpoint: Path, one_thread: Any) -> None:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    eos_model = DiffusionGemmaForBlockDiffusion.from_pretrained(eos_checkpoint, dtype=torch.float32).eval()
+    llm = LLM(eos_checkpoint, dtype="float32", device="cpu")
+    stopped = 0
+    for case in CASES[:3]:
+        ids, forwards = reference_generate(eos_model, case[0], case, eos=FREQUENT)
+        out = llm.generate(case[0], params(case))[0]
+        assert (out.output_ids, out.nfe) == (ids, forwards)
+        stopped += out.finish_reason == "stop"
+        if out.finish_reason == "stop":
+            assert out.completion_ids[-1] == FREQUENT
+    assert stopped  # the fixture's EOS is frequent enough that some request ends on it
+
+
+def test_cli_generate_seed_matches_transformers(checkpoint: Path, transformers_model: Any, one_thread: Any) -> None:
+    case = CASES[1]
+    ids, forwards = reference_generate(transformers_model, case[0], case, eos=1)
+    _, canvas, bound, confidence, steps, gen, seed = case
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(checkpoint),
+            "--prompt-ids",
+            ",".join(map(str, case[0])),
+            "--gen-length",
+            str(gen),
+            "--block-length",
+            str(canvas),
+            "--refinement-steps",
+            str(steps),
+            "--entropy-bound",
+            str(bound),
+            "--confidence-threshold",
+            str(confidence),
+            "--seed",
+            str(seed),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert (out["output_ids"], out["nfe"]) == (ids, forwards)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("threshold", 0.9), ("temperature", 0.5), ("remasking", "random"), ("cfg_scale", 1.0), ("alg", "entropy")],
+)
+def test_masked_diffusion_fields_are_refused(field: str, value: Any) -> None:
+    family = family_named("diffusion_gemma")
+    with pytest.raises(UsageError, match=field) as error:
+        GenerationParams(gen_length=8, block_length=8, steps=8, **{field: value}).validate(5, 100, family)
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("field", ["entropy_bound", "stability_threshold", "min_temperature"])
+def test_entropy_bound_fields_are_refused_elsewhere(field: str) -> None:
+    with pytest.raises(UsageError, match="DiffusionGemma") as error:
+        GenerationParams(gen_length=8, **{field: 1}).validate(5, 100)  # LLaDA
+    assert error.value.field == field
+
+
+def test_temperatures_must_fall() -> None:
+    family = family_named("diffusion_gemma")
+    with pytest.raises(UsageError) as error:
+        GenerationParams(gen_length=8, block_length=8, steps=8, min_temperature=0.8, max_temperature=0.4).validate(
+            5, 100, family
+        )
+    assert error.value.field == "max_temperature"
+
+
+def test_estimate_refuses_rather_than_misreports(checkpoint: Path) -> None:
+    from dlm_cli.estimate.plan import architecture_from_config
+
+    with pytest.raises(UsageError, match="does not model diffusion_gemma"):
+        architecture_from_config(json.loads((checkpoint / "config.json").read_text()))
