@@ -4,7 +4,8 @@ A request is a sequence of canvases (`block_length` tokens each, the family's
 `canvas_length` by default). For each canvas the encoder first appends what is new (the
 prompt, then the previous canvas's output) to the request's prompt KV cache, and the canvas
 is drawn uniformly at random; then every engine step is one decoder forward for all the
-running canvases together (each against its own cache, padded and masked), followed by each
+running canvases of one length together (each against its own cache, padded and masked;
+requests asking for other canvas lengths get a forward per length), followed by each
 canvas's own entropy-bound step (engine/decoding/entropy_bound.py). A finished canvas
 appends its argmax to the answer; one holding EOS ends the request (what follows EOS
 becomes PAD, as the reference writes it), as does the last canvas of `gen_length`.
@@ -119,10 +120,12 @@ class CanvasRunner:
                 self.model.encode(seq.pending.to(self.device), seq.cache)
                 seq.pending = None
                 seq.start_canvas(vocab, self.device)
-        canvases = torch.cat([s.current for s in mine if s.current is not None])
-        logits = self.model.denoise(canvases, [s.cache for s in mine], [s.self_conditioning for s in mine])
-        for row, seq in enumerate(mine):
-            seq.advance(logits[row : row + 1], vocab, self.dtype)
+        for length in dict.fromkeys(s.params.block_length for s in mine):
+            group = [s for s in mine if s.params.block_length == length]
+            canvases = torch.cat([s.current for s in group if s.current is not None])
+            logits = self.model.denoise(canvases, [s.cache for s in group], [s.self_conditioning for s in group])
+            for row, seq in enumerate(group):
+                seq.advance(logits[row : row + 1], vocab, self.dtype)
 
 
 class CanvasEngine(LLMEngine):
