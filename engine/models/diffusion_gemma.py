@@ -28,8 +28,18 @@ from torch import nn
 
 from engine.config import FULL_ATTENTION, CanvasSpec, ModelConfig
 from engine.layers.attention import merge_heads, split_heads
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    kv_head_range,
+    split,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary
+from engine.loader import Index, Shard
+from engine.parallel import state as parallel_state
 
 
 def unscaled_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,11 +83,13 @@ class PromptCache:
 
 
 class GatedGeluMLP(nn.Module):
+    """gate/up split by intermediate features over tensor-parallel ranks, down summed over them."""
+
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, [ffn])
+        self.up_proj = ColumnParallelLinear(hidden, [ffn])
+        self.down_proj = RowParallelLinear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
@@ -102,12 +114,20 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked experts: `gate_up_proj` [E, 2I, d] (gate rows, then up rows), `down_proj` [E, d, I]."""
+    """Stacked experts: `gate_up_proj` [E, 2I, d] (gate rows, then up rows), `down_proj` [E, d, I].
+    Over tensor-parallel ranks each holds a slice of every expert's intermediate features
+    (every rank routes every token alike); the partial outputs are summed over the ranks."""
 
     def __init__(self, experts: int, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn))
+        i0, i1 = split(ffn, "the expert intermediate size")
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * (i1 - i0), hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, i1 - i0))
+        if parallel_state.current().size > 1:
+            gate_up: list[Index] = [(slice(None), slice(i0, i1)), (slice(None), slice(ffn + i0, ffn + i1))]
+            down: list[Index] = [(slice(None), slice(None), slice(i0, i1))]
+            self.gate_up_proj.shard = Shard(lambda i, shape: gate_up, cat_dim=1)  # type: ignore[attr-defined]
+            self.down_proj.shard = Shard(lambda i, shape: down)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -116,20 +136,23 @@ class Experts(nn.Module):
             gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(gelu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return parallel_state.all_reduce(out)
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: CanvasSpec, full: bool) -> None:
         super().__init__()
         d, heads = config.hidden_size, config.num_heads
-        self.head_dim = spec.global_head_dim if full else config.head_dim
-        self.kv_heads = spec.global_kv_heads if full else config.num_kv_heads
-        self.heads, self.eps = heads, config.rms_norm_eps
-        self.q_proj = nn.Linear(d, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = None if full else nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+        dim = self.head_dim = spec.global_head_dim if full else config.head_dim
+        kv_heads = spec.global_kv_heads if full else config.num_kv_heads
+        # This rank's query heads and the KV heads they read (replicated when fewer than ranks).
+        q0, q1 = split(heads, "query heads")
+        k0, k1 = kv_head_range(heads, kv_heads)
+        self.heads, self.kv_heads, self.eps = q1 - q0, k1 - k0, config.rms_norm_eps
+        self.q_proj = ColumnParallelLinear(d, [heads * dim], ranges=[(q0 * dim, q1 * dim)])
+        self.k_proj = ColumnParallelLinear(d, [kv_heads * dim], ranges=[(k0 * dim, k1 * dim)])
+        self.v_proj = None if full else ColumnParallelLinear(d, [kv_heads * dim], ranges=[(k0 * dim, k1 * dim)])
+        self.o_proj = RowParallelLinear(heads * dim, d)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -195,7 +218,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, spec: CanvasSpec) -> None:
         super().__init__()
         d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.logits_size, d)
+        self.embed_tokens = VocabParallelEmbedding(config.logits_size, d)
         self.layers = nn.ModuleList(Layer(config, spec, i) for i in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
@@ -205,9 +228,9 @@ class SelfConditioning(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.pre_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size])
+        self.up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size])
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.eps = config.rms_norm_eps
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
@@ -274,8 +297,8 @@ class Model(nn.Module):
         return self.model.decoder.embed_tokens.weight
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight
-        return F.embedding(ids, weight) * torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype)
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=self.lm_head_weight.dtype)
+        return self.model.decoder.embed_tokens(ids) * scale
 
     def _layers(self) -> list[Layer]:
         return [cast(Layer, layer) for layer in self.model.decoder.layers]
@@ -327,10 +350,13 @@ class Model(nn.Module):
         soft = torch.zeros_like(h)
         rows = [r for r, logits in enumerate(self_conditioning) if logits is not None]
         if rows:
-            weight = self.lm_head_weight
+            # The expected embedding under the previous step's distribution: each rank's
+            # vocabulary rows weighted by their probabilities, summed over the ranks.
+            embedding = self.model.decoder.embed_tokens
             given = torch.cat([self_conditioning[r] for r in rows])  # type: ignore[misc]
-            probs = given.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-            soft[rows] = (probs @ weight) * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+            probs = given.softmax(dim=-1, dtype=torch.float32).to(embedding.weight.dtype)
+            local = probs[..., embedding.vocab_start : embedding.vocab_stop] @ embedding.weight
+            soft[rows] = parallel_state.all_reduce(local) * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         h = decoder.self_conditioning(h, soft)
         for i, layer in enumerate(self._layers()):
             rotary, cos_sin = rot[layer.full]
@@ -341,7 +367,8 @@ class Model(nn.Module):
             h = layer.feed_forward(h, layer.layer_scalar)
         normed = decoder.norm(h)
         assert isinstance(normed, torch.Tensor)
-        logits = F.linear(normed, self.lm_head_weight).float()
+        local = F.linear(normed, self.lm_head_weight).float()
+        logits = gather_logits(local.view(-1, local.shape[-1]), self.config.logits_size).view(batch, length, -1)
         cap = self.spec.logit_softcap
         return torch.tanh(logits / cap) * cap
 
