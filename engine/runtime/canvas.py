@@ -48,6 +48,11 @@ class CanvasSequence(RequestState):
     def cache_bytes(self) -> int:
         return 0 if self.cache is None else int(self.cache.nbytes)
 
+    @property
+    def masks_left(self) -> int:
+        """Answer positions no finished canvas holds yet (there is no MASK token)."""
+        return max(0, self.params.gen_length - (len(self.canvas) - self.prompt_length))
+
     def release(self) -> None:
         self.cache = self.current = self.self_conditioning = self.pending = None
 
