@@ -83,12 +83,11 @@ class Family:
     # What `dlm estimate` needs beyond the config: how attention sees the context (decides
     # which caches are exact), the name it reports, spellings it also plans (architectures
     # the engine does not load), and notes on weights it does not count.
-    attention: str = "bidirectional"  # or "block-causal": an exact KV cache exists
+    attention: str = "bidirectional"  # or "block-causal" (an exact KV cache), "encoder-decoder"
     label: str = ""  # the name `dlm estimate` reports (default: `name`)
     planned_model_types: tuple[str, ...] = ()
     planned_architectures: tuple[str, ...] = ()
     plan_notes: tuple[str, ...] = ()
-    planned: bool = True  # False: `dlm estimate` does not model this family's memory yet, and says so
 
     def engine_class(self) -> Any:
         if not self.engine:
@@ -230,9 +229,8 @@ FAMILIES: tuple[Family, ...] = (
         mask_token_id=-1,  # no MASK token: a canvas starts as uniform random tokens
         check=_refuse_diffusion_gemma,
         qk_norm=ALWAYS,
-        # Its memory (experts beside the dense MLP, per-type head shapes, the encoder cache,
-        # canvases and self-conditioning logits) is not modelled yet: refused, not misreported.
-        planned=False,
+        attention="encoder-decoder",
+        plan_notes=("vision-tower weights are not counted: dlm decodes text prompts only",),
     ),
     hybrid_family(
         name="qwen3_5_moe",

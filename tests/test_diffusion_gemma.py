@@ -11,6 +11,7 @@ stop, renoising, prompt KV cache) giving the same ids and decoder forward count 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +188,28 @@ def test_temperatures_must_fall() -> None:
     assert error.value.field == "max_temperature"
 
 
-def test_estimate_refuses_rather_than_misreports(checkpoint: Path) -> None:
-    from dlm_cli.estimate.plan import architecture_from_config
+def test_estimate_counts_the_text_tensors_and_plans_the_canvas(checkpoint: Path) -> None:
+    """The plan's parameters are the checkpoint's text tensors (the vision tower is not
+    loaded); its memory holds the encoder cache and the self-conditioning logits."""
+    from safetensors import safe_open
 
-    with pytest.raises(UsageError, match="does not model diffusion_gemma"):
-        architecture_from_config(json.loads((checkpoint / "config.json").read_text()))
+    from dlm_cli.estimate.plan import (
+        Serving,
+        architecture_from_config,
+        count_parameters,
+        parameter_components,
+        plan_memory,
+    )
+
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        text = sum(
+            math.prod(handle.get_slice(name).get_shape())
+            for name in handle.keys()
+            if ".vision_tower." not in name and ".embed_vision." not in name
+        )
+    arch = architecture_from_config(json.loads((checkpoint / "config.json").read_text()))
+    assert count_parameters(parameter_components(arch)).total == text
+    plan = plan_memory(arch, parameter_components(arch), Serving(batch=2, context=64, gen_length=16, block_length=8))
+    rows = {row.name: row.bytes for row in plan.rows}
+    assert rows["self-conditioning logits"] == 2 * 8 * 96 * 2  # batch x canvas x vocabulary, bf16
+    assert rows["KV cache"] > 0
