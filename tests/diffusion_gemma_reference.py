@@ -50,3 +50,35 @@ def params(case: tuple) -> GenerationParams:
         confidence_threshold=confidence,
         seed=seed,
     )
+
+
+def cli_args(case: tuple) -> list[str]:
+    """`dlm generate` options (after the model) for `case`, float32 on the CPU, JSON out."""
+    prompt, canvas, bound, confidence, steps, gen, seed = case
+    options = {
+        "--prompt-ids": ",".join(map(str, prompt)),
+        "--gen-length": gen,
+        "--block-length": canvas,
+        "--refinement-steps": steps,
+        "--entropy-bound": bound,
+        "--confidence-threshold": confidence,
+        "--seed": seed,
+        "--dtype": "float32",
+        "--device": "cpu",
+    }
+    return [*(str(item) for pair in options.items() for item in pair), "--json"]
+
+
+def http_body(case: tuple) -> dict[str, Any]:
+    """A /v1/completions body for `case`, asking for the token ids."""
+    prompt, canvas, bound, confidence, steps, gen, seed = case
+    return {
+        "prompt": prompt,
+        "max_tokens": gen,
+        "block_length": canvas,
+        "refinement_steps": steps,
+        "entropy_bound": bound,
+        "confidence_threshold": confidence,
+        "seed": seed,
+        "return_token_ids": True,
+    }

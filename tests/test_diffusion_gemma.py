@@ -26,7 +26,7 @@ from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.registry import family_named
-from tests.diffusion_gemma_reference import CASES, params, reference_generate
+from tests.diffusion_gemma_reference import CASES, cli_args, params, reference_generate
 
 FREQUENT = 46  # a token the tiny model emits often: as EOS it ends some requests early
 
@@ -129,33 +129,7 @@ def test_eos_ends_the_request_as_the_reference_does(eos_checkpoint: Path, one_th
 def test_cli_generate_seed_matches_transformers(checkpoint: Path, transformers_model: Any, one_thread: Any) -> None:
     case = CASES[1]
     ids, forwards = reference_generate(transformers_model, case[0], case, eos=1)
-    _, canvas, bound, confidence, steps, gen, seed = case
-    result = CliRunner().invoke(
-        app,
-        [
-            "generate",
-            str(checkpoint),
-            "--prompt-ids",
-            ",".join(map(str, case[0])),
-            "--gen-length",
-            str(gen),
-            "--block-length",
-            str(canvas),
-            "--refinement-steps",
-            str(steps),
-            "--entropy-bound",
-            str(bound),
-            "--confidence-threshold",
-            str(confidence),
-            "--seed",
-            str(seed),
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            "--json",
-        ],
-    )
+    result = CliRunner().invoke(app, ["generate", str(checkpoint), *cli_args(case)])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert (out["output_ids"], out["nfe"]) == (ids, forwards)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import torch
 from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from engine.runtime.request import completion
 from tests.conftest import session_home
-from tests.diffusion_gemma_reference import CASES, reference_generate
+from tests.diffusion_gemma_reference import CASES, http_body, reference_generate
 from tests.serving import ServerProcess, ready_server
 
 pytestmark = pytest.mark.slow  # starts a server process
@@ -34,27 +33,15 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield proc
 
 
-def body(case: tuple) -> dict[str, Any]:
-    prompt, canvas, bound, confidence, steps, gen, seed = case
-    return {
-        "prompt": prompt,
-        "max_tokens": gen,
-        "block_length": canvas,
-        "refinement_steps": steps,
-        "entropy_bound": bound,
-        "confidence_threshold": confidence,
-        "seed": seed,
-        "return_token_ids": True,
-    }
-
-
 def test_concurrent_requests_get_the_reference_ids(server: ServerProcess, checkpoint: Path) -> None:
     from transformers import DiffusionGemmaForBlockDiffusion
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32).eval()
     expected = [reference_generate(model, case[0], case, eos=1) for case in CASES]
     with ThreadPoolExecutor(len(CASES)) as pool:
-        replies = list(pool.map(lambda c: httpx.post(server.url + "/v1/completions", json=body(c), timeout=300), CASES))
+        replies = list(
+            pool.map(lambda c: httpx.post(server.url + "/v1/completions", json=http_body(c), timeout=300), CASES)
+        )
     for reply, (ids, forwards) in zip(replies, expected):
         assert reply.status_code == 200, reply.text
         choice = reply.json()["choices"][0]
@@ -63,6 +50,6 @@ def test_concurrent_requests_get_the_reference_ids(server: ServerProcess, checkp
 
 
 def test_masked_diffusion_field_is_a_400_naming_it(server: ServerProcess) -> None:
-    reply = httpx.post(server.url + "/v1/completions", json={**body(CASES[0]), "threshold": 0.9}, timeout=60)
+    reply = httpx.post(server.url + "/v1/completions", json={**http_body(CASES[0]), "threshold": 0.9}, timeout=60)
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "threshold"
