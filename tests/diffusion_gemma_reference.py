@@ -82,3 +82,11 @@ def http_body(case: tuple) -> dict[str, Any]:
         "seed": seed,
         "return_token_ids": True,
     }
+
+
+def logits_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the logits checks: a prompt [13] longer than the tiny model's sliding window, a
+    canvas [1, 8] and previous-step logits [1, 8, 96] to self-condition on."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 96, (13,), generator=gen)
+    return prompt, torch.randint(0, 96, (1, 8), generator=gen), torch.randn(1, 8, 96, generator=gen)

@@ -26,7 +26,7 @@ from engine.errors import UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.registry import family_named
-from tests.diffusion_gemma_reference import CASES, cli_args, params, reference_generate
+from tests.diffusion_gemma_reference import CASES, cli_args, logits_inputs, params, reference_generate
 
 FREQUENT = 46  # a token the tiny model emits often: as EOS it ends some requests early
 
@@ -75,15 +75,12 @@ def test_logits_match_transformers(llm: LLM, transformers_model: Any) -> None:
     and one with self-conditioning logits, within 1e-4 of the logits' standard deviation."""
     model: Any = llm.engine.loaded.model
     transformers_model.config.canvas_length = 8
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, 96, (1, 13), generator=gen)
-    canvas = torch.randint(0, 96, (1, 8), generator=gen)
-    previous = torch.randn(1, 8, 96, generator=gen)
+    prompt, canvas, previous = logits_inputs()
     with torch.no_grad():
-        first = transformers_model(input_ids=prompt, decoder_input_ids=canvas)
+        first = transformers_model(input_ids=prompt[None], decoder_input_ids=canvas)
         conditioned = transformers_model(cache=first.cache, decoder_input_ids=canvas, self_conditioning_logits=previous)
     cache = model.new_cache()
-    model.encode(prompt[0], cache)
+    model.encode(prompt, cache)
     for expected, ours in (
         (first.logits, model.denoise(canvas, [cache], [None])),
         (conditioned.logits, model.denoise(canvas, [cache], [previous])),
