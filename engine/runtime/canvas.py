@@ -18,22 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import ModelConfig
 from engine.decoding import entropy_bound
-from engine.params import Forwards, GenerationParams
+from engine.params import Forwards, GenerationParams, ResolvedParams
 from engine.runtime.engine import LLMEngine
 from engine.runtime.interface import Runner
 from engine.runtime.request import RequestState, narrow
+
+if TYPE_CHECKING:
+    from engine.models.diffusion_gemma import PromptCache
 
 
 @dataclass(eq=False)
 class CanvasSequence(RequestState):
     pad_id: int | None = None
-    cache: Any = None  # the model's PromptCache
+    cache: PromptCache | None = None  # the encoder's keys and values, read by every decoder step
     pending: torch.Tensor | None = None  # tokens the encoder has not read yet
     current: torch.Tensor | None = None  # the canvas being denoised [1, L]
     self_conditioning: torch.Tensor | None = None  # the previous step's tempered logits
@@ -110,7 +113,7 @@ class CanvasRunner:
     def resolve(self, params: GenerationParams) -> GenerationParams:
         return entropy_bound.resolve(params, self.canvas_length)
 
-    def new_sequence(self, prompt_ids: list[int], params: Any, eos_id: int | None) -> CanvasSequence:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> CanvasSequence:
         return CanvasSequence(
             list(prompt_ids), params, self.config.mask_token_id, eos_id, pad_id=self.config.pad_token_id
         )
