@@ -71,7 +71,7 @@ class LinearAttentionSpec:
 class CanvasSpec:
     """DiffusionGemma's encoder/decoder facts beyond a plain layer stack: the full-attention
     layers' own head shape and RoPE (proportional: only `rope_fraction` of the rotary
-    frequencies turn, the rest stay 0), the sliding-window layers' window, the logit
+    frequencies turn, divided by `rope_factor`, the rest stay 0), the sliding-window layers' window, the logit
     soft-cap, and the canvas the decoder refines."""
 
     canvas_length: int
@@ -80,6 +80,7 @@ class CanvasSpec:
     global_kv_heads: int
     global_rope_theta: float
     global_rope_fraction: float
+    global_rope_factor: float  # the turning frequencies are divided by it
     logit_softcap: float
     expert_ffn: int
     num_experts: int
@@ -346,6 +347,14 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
         raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
     rope = text.get("rope_parameters") or {}
     full_rope, sliding_rope = rope.get(FULL_ATTENTION) or {}, rope.get(SLIDING_ATTENTION) or {}
+    for kind, params, expected in (
+        (FULL_ATTENTION, full_rope, "proportional"),
+        (SLIDING_ATTENTION, sliding_rope, "default"),
+    ):
+        if params.get("rope_type", expected) != expected:
+            raise UsageError(
+                f"DiffusionGemma {kind} rope_type {params['rope_type']!r} is not supported (only {expected!r})"
+            )
     per_layer = text.get("per_layer_config") or {}
     global_layer: dict[str, Any] = next(
         (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
@@ -361,6 +370,7 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
         ),
         global_rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
         global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
+        global_rope_factor=float(full_rope.get("factor", 1.0)),
         logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
         expert_ffn=int(require(text, "moe_intermediate_size")),
         num_experts=int(require(text, "num_experts")),

@@ -88,6 +88,35 @@ def test_logits_match_transformers(llm: LLM, transformers_model: Any) -> None:
         assert float((expected - ours).abs().max()) <= 1e-4 * float(expected.std())
 
 
+def test_rope_factor_and_a_longer_window_match_transformers(tmp_path: Path, one_thread: Any) -> None:
+    """Proportional RoPE with a `factor` (the turning frequencies divided by it) and another
+    sliding window: first-forward logits still within 1e-4 of their std (float32)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    rope = {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 5e4, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    directory = save_tiny_diffusion_gemma(tmp_path / "rope", rope_parameters=rope, sliding_window=5)
+    reference = DiffusionGemmaForBlockDiffusion.from_pretrained(directory, dtype=torch.float32).eval()
+    model: Any = LLM(directory, dtype="float32", device="cpu").engine.loaded.model
+    prompt, canvas, _ = logits_inputs()
+    with torch.no_grad():
+        want = reference(input_ids=prompt[None], decoder_input_ids=canvas).logits
+    cache = model.new_cache()
+    model.encode(prompt, cache)
+    assert float((want - model.denoise(canvas, [cache], [None])).abs().max()) <= 1e-4 * float(want.std())
+
+
+def test_unknown_rope_type_is_refused(checkpoint: Path) -> None:
+    from engine.config import config_from_dict
+
+    raw = json.loads((checkpoint / "config.json").read_text())
+    raw["text_config"]["rope_parameters"]["sliding_attention"]["rope_type"] = "yarn"
+    with pytest.raises(UsageError, match="rope_type 'yarn'"):
+        config_from_dict(raw)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_generate_matches_transformers(llm: LLM, transformers_model: Any, case: tuple) -> None:
     ids, forwards = reference_generate(transformers_model, case[0], case, eos=1)

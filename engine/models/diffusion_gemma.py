@@ -267,12 +267,14 @@ class Body(nn.Module):
         self.encoder = Encoder(config.num_layers)
 
 
-def proportional_rotary(head_dim: int, theta: float, fraction: float) -> Rotary:
+def proportional_rotary(head_dim: int, theta: float, fraction: float, factor: float) -> Rotary:
     """Rotate-half RoPE over the whole head in which only the first `fraction` of the
-    frequencies turn (exponents over `head_dim`); the rest are 0 (those dims pass unrotated)."""
+    frequencies turn (exponents over `head_dim`, divided by `factor`); the rest are 0 (those
+    dims pass unrotated)."""
     rotary = Rotary(head_dim, theta)
     turning = int(fraction * head_dim // 2)
     rotary.inv_freq[turning:] = 0.0
+    rotary.inv_freq /= factor
     return rotary
 
 
@@ -287,7 +289,9 @@ class Model(nn.Module):
         self.config, self.spec = config, spec
         self.model = Body(config, spec)
         self.sliding = Rotary(config.head_dim, config.rope_theta)
-        self.full = proportional_rotary(spec.global_head_dim, spec.global_rope_theta, spec.global_rope_fraction)
+        self.full = proportional_rotary(
+            spec.global_head_dim, spec.global_rope_theta, spec.global_rope_fraction, spec.global_rope_factor
+        )
 
     def new_cache(self) -> PromptCache:
         return PromptCache()
