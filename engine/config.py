@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +71,9 @@ class LinearAttentionSpec:
 class CanvasSpec:
     """DiffusionGemma's encoder/decoder facts beyond a plain layer stack: the full-attention
     layers' own head shape and RoPE (proportional: only `rope_fraction` of the rotary
-    frequencies turn, divided by `rope_factor`, the rest stay 0), the sliding-window layers' window, the logit
-    soft-cap, and the canvas the decoder refines."""
+    frequencies turn, divided by `rope_factor`, the rest stay 0), the sliding-window layers'
+    window, the logit soft-cap, the canvas the decoder refines, and the checkpoint's sampler
+    defaults (generation_config.json)."""
 
     canvas_length: int
     sliding_window: int
@@ -85,6 +86,7 @@ class CanvasSpec:
     expert_ffn: int
     num_experts: int
     top_k: int
+    sampler_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,24 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
 
 
 SLIDING_ATTENTION = "sliding_attention"
+# generation_config.json field -> the request field it gives DiffusionGemma's default for.
+SAMPLER_FIELDS = {
+    "max_denoising_steps": "refinement_steps",
+    "t_min": "min_temperature",
+    "t_max": "max_temperature",
+    "stability_threshold": "stability_threshold",
+    "confidence_threshold": "confidence_threshold",
+}
+
+
+def _sampler_defaults(generation: dict[str, Any]) -> dict[str, float]:
+    """The checkpoint's own sampler settings (what transformers' `generate` uses when a call
+    gives none), as request fields."""
+    found = {name: generation[key] for key, name in SAMPLER_FIELDS.items() if generation.get(key) is not None}
+    sampler = generation.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        found["entropy_bound"] = sampler["entropy_bound"]
+    return found
 
 
 def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
@@ -363,6 +383,7 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
     kv_heads = int(require(text, "num_key_value_heads"))
     canvas = CanvasSpec(
         canvas_length=int(raw.get("canvas_length") or 256),
+        sampler_defaults=_sampler_defaults(raw.get(GENERATION_CONFIG) or {}),
         sliding_window=int(require(text, "sliding_window")),
         global_head_dim=int(global_layer.get("head_dim") or text.get("global_head_dim") or head_dim),
         global_kv_heads=int(
@@ -433,16 +454,22 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+GENERATION_CONFIG = "dlm_generation_config"  # where load_config puts generation_config.json for the readers
+
+
 def load_config(path: Path) -> ModelConfig:
     raw = read_config_json(path)
     generation = Path(path) / "generation_config.json"
-    if "mask_token_id" not in raw and generation.is_file():
-        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json.
+    generation_config = None
+    if generation.is_file():
         try:
             generation_config = json.loads(generation.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
             generation_config = None
-        mask = generation_config.get("mask_token_id") if isinstance(generation_config, dict) else None
-        if mask is not None:
-            raw = {**raw, "mask_token_id": mask}
+    if isinstance(generation_config, dict):
+        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json;
+        # DiffusionGemma keeps its sampler's defaults there.
+        raw = {**raw, GENERATION_CONFIG: generation_config}
+        if "mask_token_id" not in raw and generation_config.get("mask_token_id") is not None:
+            raw["mask_token_id"] = generation_config["mask_token_id"]
     return config_from_dict(raw)

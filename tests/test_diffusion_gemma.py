@@ -125,6 +125,36 @@ def test_generate_matches_transformers(llm: LLM, transformers_model: Any, case: 
     assert out.nfe == forwards
 
 
+def test_checkpoint_generation_config_gives_the_defaults(tmp_path: Path, one_thread: Any) -> None:
+    """A request that sets no sampler field decodes with the checkpoint's
+    generation_config.json settings, as transformers' `generate` does with none given."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
+
+    directory = save_tiny_diffusion_gemma(tmp_path / "tiny")
+    DiffusionGemmaGenerationConfig(
+        max_denoising_steps=7,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=3.0),
+        t_min=0.3,
+        t_max=0.9,
+        stability_threshold=2,
+        confidence_threshold=1.5,
+    ).save_pretrained(directory)
+    reference = DiffusionGemmaForBlockDiffusion.from_pretrained(directory, dtype=torch.float32).eval()
+    llm = LLM(directory, dtype="float32", device="cpu")
+    prompt = [5, 6, 7, 8, 9]
+    torch.manual_seed(2)
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=16, eos_token_id=1, pad_token_id=0)
+    ours = llm.generate(prompt, gen_length=16, seed=2)[0]
+    ids = out.sequences[0, len(prompt) :].tolist()
+    assert ours.output_ids == ids
+    assert ours.nfe == round(sum(t != 0 for t in ids) / float(out.tokens_per_forward[0]))
+    assert ours.nfe <= 2 * 7  # two canvases of the config's canvas length, at most 7 steps each
+
+
 def test_batched_canvases_match_each_alone(llm: LLM) -> None:
     """Requests decoded together (different prompt lengths, so padded caches) give what each
     gives alone: continuous batching of canvases changes no token."""

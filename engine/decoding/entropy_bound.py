@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributions import Categorical
 
+from engine.config import CanvasSpec
 from engine.params import GenerationParams, ResolvedParams
 
 # transformers' defaults for DiffusionGemma's generate (DiffusionGemmaGenerationConfig).
@@ -29,17 +30,19 @@ DEFAULTS = dict(
 DEFAULT_STEPS_PER_CANVAS = 48
 
 
-def resolve(params: GenerationParams, canvas_length: int) -> GenerationParams:
-    """The sampler's defaults for fields not given; the canvas length as `block_length`; the
-    per-canvas steps (`refinement_steps`, default 48) as `steps` in all, since a canvas may
-    take more steps than it has tokens (renoised tokens are drawn again). A server's
-    `max_steps` lowers the default per-canvas steps to fit, as it does for other families."""
-    filled: dict[str, float | None] = {name: value for name, value in DEFAULTS.items() if getattr(params, name) is None}
-    block = params.block_length or canvas_length
+def resolve(params: GenerationParams, canvas: CanvasSpec) -> GenerationParams:
+    """The sampler's defaults for fields not given (the checkpoint's generation_config.json,
+    else transformers'); the canvas length as `block_length`; the per-canvas steps
+    (`refinement_steps`) as `steps` in all, since a canvas may take more steps than it has
+    tokens (renoised tokens are drawn again). A server's `max_steps` lowers the default
+    per-canvas steps to fit, as it does for other families."""
+    defaults = {**DEFAULTS, "refinement_steps": DEFAULT_STEPS_PER_CANVAS, **canvas.sampler_defaults}
+    filled: dict[str, float | None] = {name: defaults[name] for name in DEFAULTS if getattr(params, name) is None}
+    block = params.block_length or canvas.canvas_length
     steps = params.steps
     if steps is None:
         canvases = max(1, params.gen_length // block)
-        per_canvas = params.refinement_steps or DEFAULT_STEPS_PER_CANVAS
+        per_canvas = int(params.refinement_steps or defaults["refinement_steps"])
         if params.refinement_steps is None and params.max_steps is not None:
             per_canvas = max(1, min(per_canvas, params.max_steps // canvases))  # a server's limit lowers the default
         steps = per_canvas * canvases

@@ -108,10 +108,10 @@ class CanvasRunner:
         self.model: Any = model  # engine.models.diffusion_gemma.Model
         self.config, self.dtype, self.device = config, dtype, device
         assert config.canvas is not None
-        self.canvas_length = config.canvas.canvas_length
+        self.canvas = config.canvas
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
-        return entropy_bound.resolve(params, self.canvas_length)
+        return entropy_bound.resolve(params, self.canvas)
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> CanvasSequence:
         return CanvasSequence(
