@@ -34,6 +34,12 @@ def _always(family: Family) -> bool:
     return True
 
 
+def _commits_tokens(family: Family) -> bool:
+    """A token, once committed, stays: its committing step's distribution is its logprob.
+    DiffusionGemma's canvas is resampled and renoised whole each step, with no such step."""
+    return family.sampler != "entropy_bound"
+
+
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "suffix",
@@ -45,7 +51,9 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "logprobs",
         "log-probabilities of generated tokens at the denoising step that committed them (and the top alternatives)",
-        _always,
+        _commits_tokens,
+        "its sampler resamples and renoises the whole canvas every step, so no step commits a token "
+        "whose probability could be reported",
     ),
     Capability("n", "several seeded samples per prompt (seeds seed, seed+1, ...)", _always),
 )

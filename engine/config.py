@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,28 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class CanvasSpec:
+    """DiffusionGemma's encoder/decoder facts beyond a plain layer stack: the full-attention
+    layers' own head shape and RoPE (proportional: only `rope_fraction` of the rotary
+    frequencies turn, divided by `rope_factor`, the rest stay 0), the sliding-window layers'
+    window, the logit soft-cap, the canvas the decoder refines, and the checkpoint's sampler
+    defaults (generation_config.json)."""
+
+    canvas_length: int
+    sliding_window: int
+    global_head_dim: int
+    global_kv_heads: int
+    global_rope_theta: float
+    global_rope_fraction: float
+    global_rope_factor: float  # the turning frequencies are divided by it
+    logit_softcap: float
+    expert_ffn: int
+    num_experts: int
+    top_k: int
+    sampler_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     model_type: str
@@ -100,6 +122,7 @@ class ModelConfig:
     logits_shift: int = 0  # row i of the logits predicts token i + logits_shift
     block_rules: BlockRules | None = None  # block-causal families' decoding rules
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (never run)
+    canvas: CanvasSpec | None = None  # DiffusionGemma's encoder/decoder facts
 
     @property
     def rotary_dim(self) -> int:
@@ -311,10 +334,86 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
     )
 
 
+SLIDING_ATTENTION = "sliding_attention"
+# generation_config.json field -> the request field it gives DiffusionGemma's default for.
+SAMPLER_FIELDS = {
+    "max_denoising_steps": "refinement_steps",
+    "t_min": "min_temperature",
+    "t_max": "max_temperature",
+    "stability_threshold": "stability_threshold",
+    "confidence_threshold": "confidence_threshold",
+}
+
+
+def _sampler_defaults(generation: dict[str, Any]) -> dict[str, float]:
+    """The checkpoint's own sampler settings (what transformers' `generate` uses when a call
+    gives none), as request fields."""
+    found = {name: generation[key] for key, name in SAMPLER_FIELDS.items() if generation.get(key) is not None}
+    sampler = generation.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        found["entropy_bound"] = sampler["entropy_bound"]
+    return found
+
+
+def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """DiffusionGemma: the text fields nested under `text_config`; sliding-window layers use
+    `head_dim`/`num_key_value_heads` and default RoPE, full-attention layers their own
+    `global_head_dim`/`num_global_key_value_heads` (written per layer in `per_layer_config`)
+    and proportional RoPE; every layer has a dense MLP beside its mixture of experts."""
+    text = dict(require(raw, "text_config"))
+    layers = int(require(text, "num_hidden_layers"))
+    types = tuple(text.get("layer_types") or ())[:layers]
+    if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
+    rope = text.get("rope_parameters") or {}
+    full_rope, sliding_rope = rope.get(FULL_ATTENTION) or {}, rope.get(SLIDING_ATTENTION) or {}
+    for kind, params, expected in (
+        (FULL_ATTENTION, full_rope, "proportional"),
+        (SLIDING_ATTENTION, sliding_rope, "default"),
+    ):
+        if params.get("rope_type", expected) != expected:
+            raise UsageError(
+                f"DiffusionGemma {kind} rope_type {params['rope_type']!r} is not supported (only {expected!r})"
+            )
+    per_layer = text.get("per_layer_config") or {}
+    global_layer: dict[str, Any] = next(
+        (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
+    )
+    head_dim = int(require(text, "head_dim"))
+    kv_heads = int(require(text, "num_key_value_heads"))
+    canvas = CanvasSpec(
+        canvas_length=int(raw.get("canvas_length") or 256),
+        sampler_defaults=_sampler_defaults(raw.get(GENERATION_CONFIG) or {}),
+        sliding_window=int(require(text, "sliding_window")),
+        global_head_dim=int(global_layer.get("head_dim") or text.get("global_head_dim") or head_dim),
+        global_kv_heads=int(
+            global_layer.get("num_key_value_heads") or text.get("num_global_key_value_heads") or kv_heads
+        ),
+        global_rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+        global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
+        global_rope_factor=float(full_rope.get("factor", 1.0)),
+        logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
+        expert_ffn=int(require(text, "moe_intermediate_size")),
+        num_experts=int(require(text, "num_experts")),
+        top_k=int(require(text, "top_k_experts")),
+    )
+    flat = {**text, "model_type": raw.get("model_type"), "rope_theta": sliding_rope.get("rope_theta", 10_000.0)}
+    return _qwen(
+        flat,
+        family,
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=True,
+        layer_types=types,
+        block_length=canvas.canvas_length,
+        canvas=canvas,
+    )
+
+
 LAYOUTS: dict[str, Callable[[dict[str, Any], Family], ModelConfig]] = {
     "llada": _llada,
     "qwen": _qwen,
     "hybrid": _hybrid,
+    "diffusion_gemma": _diffusion_gemma,
 }
 
 
@@ -355,16 +454,22 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+GENERATION_CONFIG = "dlm_generation_config"  # where load_config puts generation_config.json for the readers
+
+
 def load_config(path: Path) -> ModelConfig:
     raw = read_config_json(path)
     generation = Path(path) / "generation_config.json"
-    if "mask_token_id" not in raw and generation.is_file():
-        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json.
+    generation_config = None
+    if generation.is_file():
         try:
             generation_config = json.loads(generation.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
             generation_config = None
-        mask = generation_config.get("mask_token_id") if isinstance(generation_config, dict) else None
-        if mask is not None:
-            raw = {**raw, "mask_token_id": mask}
+    if isinstance(generation_config, dict):
+        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json;
+        # DiffusionGemma keeps its sampler's defaults there.
+        raw = {**raw, GENERATION_CONFIG: generation_config}
+        if "mask_token_id" not in raw and generation_config.get("mask_token_id") is not None:
+            raw["mask_token_id"] = generation_config["mask_token_id"]
     return config_from_dict(raw)

@@ -41,6 +41,7 @@ CACHES = ("auto", "none", "prefix", "dual", "block")
 MODES = ("diffusion", "ar")
 # Dream's diffusion_generate algorithms, plus Fast-dLLM's threshold rule.
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+DREAM_ONLY = ("alg", "alg_temp", "top_p", "top_k")
 RANKING_ALGS = ("maskgit_plus", "topk_margin", "entropy")  # commit the top-n by a confidence
 DREAM_DEFAULT_ALG = "entropy"  # deterministic at temperature 0; DiffuCoder's recommendation
 DEFAULT_THRESHOLD = 0.9  # Fast-dLLM's default for `confidence_threshold`
@@ -252,6 +253,32 @@ class GenerationParams:
         cli=None,
         http=None,
     )
+    # DiffusionGemma (entropy-bound sampler; the canvas length is `block_length`, the
+    # denoising steps per canvas `refinement_steps`):
+    entropy_bound: float | None = _param(
+        None,
+        "DiffusionGemma: a step accepts the lowest-entropy tokens while their summed entropy, "
+        "less the largest, stays within this bound (default 0.1).",
+        low=0,
+        low_open=True,
+    )
+    min_temperature: float | None = _param(
+        None, "DiffusionGemma: temperature at the last denoising step of a canvas (default 0.4).", low=0, low_open=True
+    )
+    max_temperature: float | None = _param(
+        None, "DiffusionGemma: temperature at the first denoising step, falling linearly (default 0.8).", low=0
+    )
+    stability_threshold: int | None = _param(
+        None,
+        "DiffusionGemma: a canvas may stop once its argmax has not changed for this many steps (default 1).",
+        low=0,
+    )
+    confidence_threshold: float | None = _param(
+        None,
+        "DiffusionGemma: ... and the mean entropy of its tokens is below this (default 0.005).",
+        low=0,
+        low_open=True,
+    )
     # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
     # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.
     max_steps: int | None = _param(
@@ -320,6 +347,8 @@ class GenerationParams:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
         if p.suffix:
             require(family, "suffix")
+        if p.logprobs is not None:
+            require(family, "logprobs")
         if p.seed is not None and p.seed + p.n > SEED_LIMIT:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
         if prompt_length < 1:
@@ -441,11 +470,27 @@ def http_name(name: str) -> str | None:
     return http if http != "" else name
 
 
+ENTROPY_BOUND_FIELDS = (
+    "entropy_bound",
+    "min_temperature",
+    "max_temperature",
+    "stability_threshold",
+    "confidence_threshold",
+)
+# What the entropy-bound sampler (DiffusionGemma) does not take: its own fields replace them.
+NOT_ENTROPY_BOUND = ("remasking", "temperature", "cfg_scale", "threshold", "factor", "early_stop")
+
+
 def _validate_sampler(p: ResolvedParams, family: Family) -> None:
     """Fields that belong to one decoding family only, and Dream's own constraints."""
-    dream_only = {"alg": p.alg, "alg_temp": p.alg_temp, "top_p": p.top_p, "top_k": p.top_k}
+    if family.sampler == "entropy_bound":
+        _validate_entropy_bound(p, family)
+        return
+    given = [name for name in ENTROPY_BOUND_FIELDS if getattr(p, name) is not None]
+    if given:
+        raise UsageError(f"{given[0]} applies to DiffusionGemma models, not {family.name}", field=given[0])
     if family.sampler != "dream":
-        given = [name for name, value in dream_only.items() if value is not None]
+        given = [name for name in DREAM_ONLY if getattr(p, name) is not None]
         if given:
             raise UsageError(f"{given[0]} applies to Dream-family models, not {family.name}", field=given[0])
         return
@@ -517,6 +562,20 @@ def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
                 f"stop_token_ids: {token} is outside the vocabulary ({bound})",
                 field="stop_token_ids",
             )
+
+
+def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
+    """DiffusionGemma: its own sampler fields, none of the masked-diffusion ones."""
+    given = [n for n in (*NOT_ENTROPY_BOUND, *DREAM_ONLY) if getattr(p, n) != DEFAULTS[n]]
+    if given:
+        raise UsageError(
+            f"{given[0]} does not apply to {family.name} models (entropy-bound sampler: "
+            f"use {', '.join(ENTROPY_BOUND_FIELDS)})",
+            field=given[0],
+        )
+    low, high = p.min_temperature, p.max_temperature
+    if low is not None and high is not None and high <= low:
+        raise UsageError(f"max_temperature ({high}) must exceed min_temperature ({low})", field="max_temperature")
 
 
 def _validate_block_causal(p: ResolvedParams) -> None:

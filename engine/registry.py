@@ -89,7 +89,7 @@ class Family:
     # What `dlm estimate` needs beyond the config: how attention sees the context (decides
     # which caches are exact), the name it reports, spellings it also plans (architectures
     # the engine does not load), and notes on weights it does not count.
-    attention: str = "bidirectional"  # or "block-causal": an exact KV cache exists
+    attention: str = "bidirectional"  # or "block-causal" (an exact KV cache), "encoder-decoder"
     label: str = ""  # the name `dlm estimate` reports (default: `name`)
     planned_model_types: tuple[str, ...] = ()
     planned_architectures: tuple[str, ...] = ()
@@ -137,6 +137,14 @@ def _refuse_dream(raw: dict[str, Any]) -> None:
         raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
     if raw.get("use_sliding_window"):
         raise UsageError("Dream checkpoints with sliding-window attention are not supported")
+
+
+def _refuse_diffusion_gemma(raw: dict[str, Any]) -> None:
+    text = raw.get("text_config") or {}
+    if text.get("use_bidirectional_attention") == "all":
+        raise UsageError("DiffusionGemma checkpoints with a bidirectional encoder are not supported (only causal)")
+    if text.get("attention_bias"):
+        raise UsageError("DiffusionGemma checkpoints with attention biases are not supported")
 
 
 HYBRID_NOTE = (
@@ -214,6 +222,21 @@ FAMILIES: tuple[Family, ...] = (
         block_rules=BlockRules(aligned_grid=False, causal_context=True, threshold_rule="dynamic", sub_blocks=4),
         block_length=32,
         planned_model_types=("pangu_embedded",),
+    ),
+    Family(
+        name="diffusion_gemma",
+        model_types=("diffusion_gemma",),
+        architectures=("DiffusionGemmaForBlockDiffusion",),
+        module="engine.models.diffusion_gemma",
+        description="DiffusionGemma: causal encoder (prompt KV cache) + canvas decoder, entropy-bound sampler",
+        sampler="entropy_bound",
+        engine="engine.runtime.canvas.CanvasEngine",
+        layout="diffusion_gemma",
+        mask_token_id=-1,  # no MASK token: a canvas starts as uniform random tokens
+        check=_refuse_diffusion_gemma,
+        qk_norm=ALWAYS,
+        attention="encoder-decoder",
+        plan_notes=("vision-tower weights are not counted: dlm decodes text prompts only",),
     ),
     hybrid_family(
         name="qwen3_5_moe",

@@ -71,6 +71,12 @@ def _clover(vocab: int, mask: int, eos: int) -> tuple[dict[str, Any], Any]:
     return config, random_qwen3_5_moe_tensors(config, SEED)
 
 
+def _diffusion_gemma(vocab: int, mask: int, eos: int) -> tuple[dict[str, Any], Any]:
+    from engine.diffusion_gemma_checkpoint import tiny_diffusion_gemma
+
+    return tiny_diffusion_gemma(vocab, eos, pad_token_id=eos)  # no MASK: a canvas starts random
+
+
 # family name (as `dlm` reports it) -> builder of (config.json, tensors)
 BUILDERS: dict[str, Callable[[int, int, int], tuple[dict[str, Any], Any]]] = {
     "llada": _llada,
@@ -80,6 +86,7 @@ BUILDERS: dict[str, Callable[[int, int, int], tuple[dict[str, Any], Any]]] = {
     "sdar_moe": _block("sdar_moe"),
     "pangu": _block("pangu"),
     "clover": _clover,
+    "diffusion_gemma": _diffusion_gemma,
 }
 
 

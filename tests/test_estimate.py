@@ -28,6 +28,7 @@ from dlm_cli.estimate.plan import (
     smallest_tp,
 )
 from engine import checkpoint_writer as cw
+from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from engine.errors import DlmError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -329,6 +330,9 @@ MEASURE: dict[str, Callable[[Path], Path]] = {
         d, "sdar", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
     ),
     "pangu": lambda d: tiny_checkpoint(d, "pangu", intermediate_size=256),
+    "diffusion_gemma": lambda d: save_tiny_diffusion_gemma(
+        d / "dg", vocab_size=512, intermediate_size=256, canvas_length=32, eos_token_id=510, pad_token_id=511
+    ),
 }
 
 

@@ -105,6 +105,11 @@ def generate(
     n: int = dp.option("n"),
     logprobs: int | None = dp.option("logprobs"),
     mode: str = dp.option("mode"),
+    entropy_bound: float | None = dp.option("entropy_bound"),
+    min_temperature: float | None = dp.option("min_temperature"),
+    max_temperature: float | None = dp.option("max_temperature"),
+    stability_threshold: int | None = dp.option("stability_threshold"),
+    confidence_threshold: float | None = dp.option("confidence_threshold"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option(

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dlm_cli.estimate import canvas as canvas_terms
 from dlm_cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm_cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
 from engine.config import LinearAttentionSpec, ModelConfig, parse_config
@@ -44,7 +45,8 @@ class Architecture:
 
     @property
     def attention(self) -> str:
-        """`bidirectional` (approximate caches only) or `block-causal` (an exact KV cache)."""
+        """`bidirectional` (approximate caches only), `block-causal` (an exact KV cache) or
+        `encoder-decoder` (DiffusionGemma: the model's own prompt cache)."""
         return self.family.attention
 
     @property
@@ -102,6 +104,8 @@ class Component:
 
 def parameter_components(a: Architecture) -> list[Component]:
     """Per-component counts from config fields alone (equal to the checkpoint's tensors)."""
+    if a.config.canvas is not None:
+        return canvas_terms.components(a)
     d, hd, n_full = a.config.hidden_size, a.config.head_dim, a.full_attention_layers
     q = a.config.num_heads * hd
     q_out = 2 * q if a.config.q_gate else q
@@ -281,6 +285,8 @@ class Serving:
             raise UsageError(f"--cache must be one of {', '.join(CACHES)}, got {cache!r}")
         if cache == "auto":
             cache = "block" if a.attention == "block-causal" else "none"
+        if cache != "none" and a.attention == "encoder-decoder":
+            raise UsageError(f"{a.name} keeps its prompt KV cache itself: use --cache none (or auto)")
         if cache == "block" and a.attention != "block-causal":
             raise UsageError(
                 f"{a.name} attends bidirectionally: it has no exact block KV cache (use --cache none, prefix or dual)"
@@ -421,6 +427,9 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
             f"context {s.context} exceeds the model's max_position_embeddings ({a.config.max_position_embeddings})"
         )
 
+    if a.config.canvas is not None:
+        return _canvas_plan(a, s, rows, notes)
+
     # Cache: what each sequence keeps between forwards.
     kv_heads_rank = max(1, a.config.num_kv_heads // tp)
     per_token_kv = a.kv_bytes_per_token(kv_bytes, tp)
@@ -519,6 +528,23 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
         )
     )
     peak_transient = max(forward + routing, logits)
+    return _finish(rows, notes, s, peak_transient, per_token_kv, state)
+
+
+def _canvas_plan(a: Architecture, s: Serving, rows: list[Row], notes: list[str]) -> MemoryPlan:
+    """DiffusionGemma: its encoder cache, self-conditioning logits and canvas step (canvas.py)."""
+    act, kv_bytes = _act_bytes(s), KV_BYTES[s.kv_dtype]
+    rows += canvas_terms.cache_rows(a, s, kv_bytes, act)
+    peak, text = canvas_terms.transient(a, s, act)
+    rows.append(Row("forward activations", peak, text))
+    return _finish(rows, notes, s, peak, canvas_terms.kv_bytes_per_token(a, s, kv_bytes), 0)
+
+
+def _finish(
+    rows: list[Row], notes: list[str], s: Serving, peak_transient: int, per_token_kv: int, state: int
+) -> MemoryPlan:
+    """Overhead and fragmentation rows, and the total."""
+    tp = s.tp
     overhead = s.overhead_gib if s.overhead_gib is not None else (1.0 + (0.5 if tp > 1 else 0.0))
     rows.append(
         Row(
@@ -528,7 +554,8 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
             f"{overhead:g} GiB assumed (--overhead-gb)",
         )
     )
-    cache_bytes = sum(r.bytes for r in rows if r.name in ("KV cache", "linear-attention state"))
+    cached = ("KV cache", "linear-attention state", "self-conditioning logits")
+    cache_bytes = sum(r.bytes for r in rows if r.name in cached)
     frag = round(s.fragmentation * (cache_bytes + peak_transient))
     rows.append(
         Row(

@@ -94,6 +94,12 @@ class DiffusionFields(_Body):
     top_p: float | None = _param("top_p")
     # Stop ids besides EOS (vLLM's name), with each family's own stop rule.
     stop_token_ids: list[StrictInt] | None = _param("stop_token_ids")
+    # DiffusionGemma (entropy-bound sampler).
+    entropy_bound: float | None = _param("entropy_bound")
+    min_temperature: float | None = _param("min_temperature")
+    max_temperature: float | None = _param("max_temperature")
+    stability_threshold: int | None = _param("stability_threshold")
+    confidence_threshold: float | None = _param("confidence_threshold")
     # Sampling, shared with the OpenAI API.
     temperature: float | None = _param("temperature")
     seed: int | None = _param("seed")
