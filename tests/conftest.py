@@ -25,6 +25,18 @@ def reference_dir() -> Path | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> object:
+    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs
+    (`pytestmark = pytest.mark.usefixtures("one_thread")` in a module that wants it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def reference() -> Path:
     path = reference_dir()

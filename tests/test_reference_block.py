@@ -25,13 +25,7 @@ LLADA2 = [
 SDAR = ["sdar_dynamic_thr0.9_p20", "sdar_static_p20"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
