@@ -5,10 +5,12 @@ authors' own code on dlm's tiny random checkpoint.
 
 REFERENCE_DIR holds the hub's remote code of Efficient-Large-Model/Fast_dLLM_v2_7B
 (`modeling.py`, `configuration.py`: the model and its `generate`, the decoding loop the model
-card and NVlabs/Fast-dLLM's `v2/run_chatbot.py` call). It needs the transformers version the
-checkpoint was saved with (4.53; its remote code does not import under 5.x): run this with
-such a transformers first on PYTHONPATH, and dlm's worktree after it. CPU, float32,
-temperature 0; nothing is stubbed: the script only counts the model's forwards.
+card and NVlabs/Fast-dLLM's `v2/run_chatbot.py` call), e.g. a checkout of the hub repository
+or of its GitHub mirror (tests/data/fast_dllm_v2/README.md names the one used). It needs the
+transformers version the checkpoint was saved with (4.53, with tokenizers < 0.22,
+huggingface_hub < 1.0 and einops; its remote code does not import under 5.x): run this with
+those first on PYTHONPATH and dlm's worktree after them. CPU, float32, temperature 0;
+nothing is stubbed: the script only records the inputs of the model's forwards.
 
 The tiny checkpoint is `engine.block_checkpoints.write_tiny(dir, "fast_dllm_v2", seed=0)`;
 the vectors record the sha256 of its weights so a change of the writer shows up as such.
