@@ -1,10 +1,10 @@
 """Tiny random-weight checkpoints of the block-causal families, in their real formats.
 
 `tiny:FAMILY` (engine/tiny_models.py), tests and benchmarks need LLaDA2 / SDAR (dense and
-MoE) / openPangu checkpoints with the real config fields and tensor names, and nothing may be
-downloaded. Weights are random but
-shaped so decisions are informative (as the reference fixtures are): norms near 1, sharper
-q/k, a larger LM head so confidences spread, a nonzero expert bias.
+MoE) / openPangu / Fast-dLLM v2 checkpoints with the real config fields and tensor names, and
+nothing may be downloaded. Weights are random but shaped so decisions are informative (as the
+reference fixtures are): norms near 1, sharper q/k, a larger LM head so confidences spread, a
+nonzero expert bias. Which biases and norms a layer has is read from the family's record.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint_writer import RandomWeights, save_checkpoint
+from engine.registry import family_for
 
 SHAPE = {
     "hidden_size": 64,
@@ -61,11 +62,13 @@ def llada2_config(**overrides: Any) -> dict[str, Any]:
 
 
 def qwen_style_config(family: str, **overrides: Any) -> dict[str, Any]:
-    """`sdar`, `sdar_moe` or `pangu` (model_type PanguEmbedded)."""
+    """`sdar`, `sdar_moe`, `pangu` (model_type PanguEmbedded) or `fast_dllm_v2`
+    (Fast_dLLM_Qwen)."""
     names = {
         "sdar": ("sdar", "SDARForCausalLM"),
         "sdar_moe": ("sdar_moe", "SDARMoeForCausalLM"),
         "pangu": ("PanguEmbedded", "PanguEmbeddedForCausalLM"),
+        "fast_dllm_v2": ("Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM"),
     }
     model_type, arch = names[family]
     config: dict[str, Any] = {
@@ -95,12 +98,37 @@ def qwen_style_config(family: str, **overrides: Any) -> dict[str, Any]:
         config.update(bias=True, rope_theta=16000000.0)
         del config["mask_token_id"]  # the real config omits it: the family default is 45830
         config["vocab_size"] = 45840  # so that MASK 45830 is a real row
+    if family == "fast_dllm_v2":
+        # The hub's Qwen2.5-derived config: `bd_size` for the block, q/k/v biases implied (no
+        # attention_bias field), remote code named in auto_map. The real file has no
+        # mask_token_id (151665 is an argument of the reference's generate); the tiny one
+        # must carry it, since its vocabulary is small.
+        del config["block_size"], config["attention_bias"]
+        layers = config["num_hidden_layers"]
+        config.update(
+            bd_size=8,
+            hidden_act="silu",
+            bos_token_id=config["eos_token_id"],
+            pad_token_id=config["eos_token_id"],
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            layer_types=["full_attention"] * layers,
+            max_window_layers=layers,
+            use_sliding_window=False,
+            sliding_window=None,
+            use_cache=True,
+            auto_map={
+                "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                "AutoModel": "modeling.Fast_dLLM_QwenModel",
+                "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
+            },
+        )
     config.update(overrides)
     return config
 
 
 def family_config(family: str, **overrides: Any) -> dict[str, Any]:
-    """config.json of a tiny `family` checkpoint (llada2_moe, sdar, sdar_moe, pangu)."""
+    """config.json of a tiny `family` checkpoint (llada2_moe, sdar, sdar_moe, pangu, fast_dllm_v2)."""
     return llada2_config(**overrides) if family == "llada2_moe" else qwen_style_config(family, **overrides)
 
 
@@ -113,7 +141,8 @@ def random_block_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     embed = "model.word_embeddings.weight" if llada2 else "model.embed_tokens.weight"
     t = {embed: r.normal(v, d), "model.norm.weight": r.norm(d), "lm_head.weight": r.linear(v, d, 8.0)}
-    bias = bool(config.get("bias", config.get("attention_bias", False)))
+    family = family_for(config)  # its record says which biases and norms the layers have
+    qkv_bias, o_bias, qk_norm = (flag.read(config) for flag in (family.qkv_bias, family.o_bias, family.qk_norm))
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = r.norm(d)
@@ -126,9 +155,9 @@ def random_block_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
         else:
             for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", d)):
                 t[f"{p}self_attn.{name}.weight"] = r.linear(rows, q if name == "o_proj" else d, 2.0)
-                if bias:
+                if o_bias if name == "o_proj" else qkv_bias:
                     t[f"{p}self_attn.{name}.bias"] = r.bias(rows)
-            if "PanguEmbedded" != config["model_type"]:
+            if qk_norm:
                 t[p + "self_attn.q_norm.weight"] = r.norm(hd, 2.0)
                 t[p + "self_attn.k_norm.weight"] = r.norm(hd, 2.0)
         experts = config.get("num_experts") or 0
@@ -148,7 +177,7 @@ def random_block_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.T
 
 
 def write_tiny(directory: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny checkpoint of `family` (llada2_moe, sdar, sdar_moe, pangu) to `directory`."""
+    """Write a tiny checkpoint of `family` (llada2_moe, sdar, sdar_moe, pangu, fast_dllm_v2) to `directory`."""
     config = family_config(family, **overrides)
     save_checkpoint(Path(directory), config, random_block_tensors(config, seed))
     return Path(directory)

@@ -36,6 +36,9 @@ class BlockRules:
     # request may also replace committed tokens of the current block. Opt-in per request,
     # since a LLaDA2.1 config.json reads exactly like a LLaDA2.0 one.
     token_edits: bool = False
+    # Stop as soon as the first EOS has no undecided position before it (Fast-dLLM v2's
+    # `generate`), rather than after the block that holds it is finished.
+    stop_mid_block: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,22 @@ FAMILIES: tuple[Family, ...] = (
         qk_norm=ALWAYS,
         attention="encoder-decoder",
         plan_notes=("vision-tower weights are not counted: dlm decodes text prompts only",),
+    ),
+    block_family(
+        name="fast_dllm_v2",
+        model_types=("Fast_dLLM_Qwen",),
+        architectures=("Fast_dLLM_QwenForCausalLM",),
+        module="engine.models.sdar",  # the SDAR network with Qwen2's options
+        description="Fast-dLLM v2: block diffusion adapted from Qwen2.5, shifted logits, sub-blocks",
+        mask_token_id=151665,  # `|<MASK>|`, an argument of the reference's generate, not in config.json
+        qkv_bias=ALWAYS,  # Qwen2: q/k/v biases, none on o_proj
+        o_bias=Flag(),
+        logits_shift=1,
+        block_rules=BlockRules(
+            aligned_grid=True, causal_context=False, threshold_rule="dynamic", sub_blocks=4, stop_mid_block=True
+        ),
+        block_length=32,
+        block_length_field="bd_size",
     ),
     hybrid_family(
         name="qwen3_5_moe",

@@ -85,6 +85,7 @@ BUILDERS: dict[str, Callable[[int, int, int], tuple[dict[str, Any], Any]]] = {
     "sdar": _block("sdar"),
     "sdar_moe": _block("sdar_moe"),
     "pangu": _block("pangu"),
+    "fast_dllm_v2": _block("fast_dllm_v2"),
     "clover": _clover,
     "diffusion_gemma": _diffusion_gemma,
 }

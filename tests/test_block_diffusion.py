@@ -26,7 +26,7 @@ from tests.oracles.block_reference_loop import masked_logits, reference_ar_gener
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu"]
+FAMILIES = ["llada2_moe", "sdar", "sdar_moe", "pangu", "fast_dllm_v2"]
 PROMPT = list(range(5, 27))  # 22 tokens: not a multiple of the block, so grids differ
 
 
@@ -67,7 +67,8 @@ def test_ar_mode_is_greedy_causal_decoding(tiny: dict[str, LLM], family: str) ->
     )
     assert seq.output_ids == want
     assert seq.nfe == len(want)  # one token per forward
-    assert seq.query_lengths[1:] == [2 if family != "pangu" else 1] * (len(want) - 1)
+    shifted = llm.engine.config.logits_shift  # the last row predicts: feed only the new token
+    assert seq.query_lengths[1:] == [1 if shifted else 2] * (len(want) - 1)
 
 
 def test_pangu_ar_and_diffusion_agree_at_one_token_per_step(tiny: dict[str, LLM]) -> None:

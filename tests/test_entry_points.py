@@ -32,6 +32,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "sdar": dict(gen_length=16),
     "sdar_moe": dict(gen_length=16, threshold=0.6, cache="none"),
     "pangu": dict(gen_length=32),
+    "fast_dllm_v2": dict(gen_length=32, threshold=0.7),
     "clover": dict(gen_length=32, threshold=0.3),
 }
 EOS_AT = 2  # answer position whose greedy token becomes the EOS id: inside the first block

@@ -57,7 +57,13 @@ TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]
     "qwen3_5_hybrid": (TINY_QWEN3_5, cw.random_qwen3_5_moe_tensors, 2),
 }
 # Block-causal families: the engine's own tiny writers (engine/block_checkpoints.py).
-BLOCK_FAMILIES = {"llada2": "llada2_moe", "sdar": "sdar", "sdar_moe": "sdar_moe", "pangu": "pangu"}
+BLOCK_FAMILIES = {
+    "llada2": "llada2_moe",
+    "sdar": "sdar",
+    "sdar_moe": "sdar_moe",
+    "pangu": "pangu",
+    "fast_dllm_v2": "fast_dllm_v2",
+}
 
 
 def tiny_checkpoint(root: Path, name: str, **overrides: Any) -> Path:
@@ -138,6 +144,14 @@ DREAM_7B = {
     "vocab_size": 152064,
     "tie_word_embeddings": False,
     "max_position_embeddings": 131072,
+}
+FAST_DLLM_V2_7B = {  # Efficient-Large-Model/Fast_dLLM_v2_7B config.json: Qwen2.5-7B's shape, as Dream's
+    **DREAM_7B,
+    "architectures": ["Fast_dLLM_QwenForCausalLM"],
+    "model_type": "Fast_dLLM_Qwen",
+    "bd_size": 32,
+    "max_position_embeddings": 32768,
+    "eos_token_id": 151645,
 }
 SDAR_8B = {  # Qwen3-8B shape
     "model_type": "sdar",
@@ -233,6 +247,7 @@ PUBLISHED = [
     ("LLaDA-8B total", LLADA_8B, "total", 8.0e9, "LLaDA paper / model card: 8B"),
     ("Dream-7B total", DREAM_7B, "total", 7.61e9, "Qwen2.5-7B card (Dream's base): 7.61B"),
     ("Dream-7B non-embedding", DREAM_7B, "non_embedding", 6.53e9, "Qwen2.5-7B card: 6.53B non-embedding"),
+    ("Fast-dLLM-v2-7B total", FAST_DLLM_V2_7B, "total", 7.61e9, "Qwen2.5-7B card (its base): 7.61B"),
     ("SDAR-8B total", SDAR_8B, "total", 8.2e9, "Qwen3-8B card (SDAR's base): 8.2B"),
     ("SDAR-8B non-embedding", SDAR_8B, "non_embedding", 6.95e9, "Qwen3-8B card: 6.95B non-embedding"),
     ("SDAR-30B-A3B total", SDAR_30B_A3B, "total", 30.5e9, "Qwen3-30B-A3B card: 30.5B"),
@@ -332,6 +347,9 @@ MEASURE: dict[str, Callable[[Path], Path]] = {
     "pangu": lambda d: tiny_checkpoint(d, "pangu", intermediate_size=256),
     "diffusion_gemma": lambda d: save_tiny_diffusion_gemma(
         d / "dg", vocab_size=512, intermediate_size=256, canvas_length=32, eos_token_id=510, pad_token_id=511
+    ),
+    "fast_dllm_v2": lambda d: tiny_checkpoint(
+        d, "fast_dllm_v2", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
     ),
 }
 

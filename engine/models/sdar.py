@@ -1,5 +1,5 @@
-"""SDAR (model_type `sdar` / `sdar_moe`) and openPangu (`PanguEmbedded`): Qwen3/Llama-style
-block-diffusion transformers.
+"""SDAR (model_type `sdar` / `sdar_moe`), openPangu (`PanguEmbedded`) and Fast-dLLM v2
+(`Fast_dLLM_Qwen`): Qwen3/Qwen2/Llama-style block-diffusion transformers.
 
 Parameters mirror the Qwen3 checkpoint layout (`model.embed_tokens`, `model.layers.N.
 self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.*`, `model.norm`, `lm_head`),
@@ -18,6 +18,11 @@ of the next one), blocks of 32 start right after the prompt and are denoised in 
 sub-blocks of 8. Its MASK is 45830 (an argument of the reference, not in config.json).
 Because the context is causal and logits are shifted, the checkpoint is also a plain
 causal LM: `--mode ar` (blocks of one token) is ordinary greedy AR decoding.
+
+Fast-dLLM v2 (Qwen2.5 fine-tuned for block diffusion) is the same network with Qwen2's
+attention: biases on q/k/v, none on o_proj, no q/k norm. Its `BlockRules` put blocks of
+`bd_size` on the absolute grid with a block-causal context, shift logits like openPangu,
+denoise in 4 sub-blocks and stop mid-block at a decided EOS (docs/block-diffusion.md).
 """
 
 from __future__ import annotations

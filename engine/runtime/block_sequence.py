@@ -1,4 +1,5 @@
-"""BlockSequence: one request's state in a block-causal family (LLaDA2, SDAR, openPangu).
+"""BlockSequence: one request's state in a block-causal family (LLaDA2, SDAR, openPangu,
+Fast-dLLM v2).
 
 The canvas holds the prompt and the block grid up to its end; positions [0, ctx_end) are
 final context, [block_start, block_end) is the block being denoised (`pending` marks its
@@ -10,8 +11,9 @@ undecided positions), and with the exact cache [0, cached) already have their K/
   at most PREFILL_CHUNK tokens when it is long, then each finished block);
 - the commit of a finished block shares its forward with the first denoising step of the
   next block (block-causal visibility makes that exact), so no forward is spent only on
-  writing K/V; for shifted-logit families (openPangu) the commit forward is the one that
-  decodes the next block's first token, as the model was trained;
+  writing K/V; for shifted-logit families (openPangu, Fast-dLLM v2) the commit forward is
+  the one that decodes the next block's first token, as the model was trained (a block whose
+  first position holds the prompt's tail needs no such forward);
 - without a cache (`--cache none`) every forward recomputes the whole prefix.
 
 With a cross-request `PrefixCache` (engine/runtime/prefix_cache.py) the sequence starts with
@@ -30,7 +32,7 @@ from engine.decoding.schedule import linear_schedule
 from engine.family_rules import PREFILL_CHUNK
 from engine.runtime.kv_cache import SequenceKVCache
 from engine.runtime.prefix_cache import PrefixCache
-from engine.runtime.request import RequestState
+from engine.runtime.request import RequestState, first_stop
 
 
 @dataclass
@@ -193,6 +195,8 @@ class BlockSequence(RequestState):
         self.pending[positions - self.block_start] = False
         if not first_token:
             self.step_in_unit += 1
+        if self.rules.stop_mid_block and self._stop_decided():
+            return
         if bool(self.pending.any()):
             self._sync_unit()
             return
@@ -221,6 +225,21 @@ class BlockSequence(RequestState):
             self.finish("length")
         else:
             self._start_block(self.block_end)
+
+    def _stop_decided(self) -> bool:
+        """Finish if the block's first stop id (EOS or a request's `stop_token_ids`) is decided
+        with no undecided position before it: what follows it can no longer matter (Fast-dLLM
+        v2 stops there, mid-block)."""
+        start = max(self.prompt_length, self.block_start)
+        stop = first_stop(self.canvas[start : self.block_end].tolist(), self.stop_ids)
+        if stop is None:
+            return False
+        end = start + stop
+        if bool(self.pending[: end - self.block_start].any()):
+            return False
+        self.decoded_end = end + 1
+        self.finish("stop")
+        return True
 
     @property
     def generated_ids(self) -> list[int]:

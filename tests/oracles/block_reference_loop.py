@@ -3,7 +3,8 @@
 No cache and no planning: every forward recomputes the whole prefix under the family's
 mask, builds full [length, vocab] logits and a float64 softmax, and follows the published
 loops step by step (SDAR `block_diffusion_generate`, dInfer's block decoder without cache,
-openPangu's Fast-dLLM-v2-style loop with a causal context, shifted logits and sub-blocks).
+openPangu's Fast-dLLM-v2-style loop with a causal context, shifted logits and sub-blocks;
+Fast-dLLM v2's own, on the absolute grid with a block-causal context, stopping mid-block).
 The engine's cached, batched, LM-head-at-decided-rows path must give the same ids.
 """
 
@@ -31,6 +32,18 @@ def _groups(length: int, block_start: int, block_length: int, causal_context: bo
     pos = torch.arange(length)
     context = pos if causal_context else pos // block_length * block_length
     return torch.where(pos < block_start, context, torch.full_like(pos, block_start))
+
+
+def _stopped(x: torch.Tensor, start: int, end: int, rules: BlockRules, mask_id: int, stops: set[int]) -> int:
+    """Fast-dLLM v2's stop (`stop_mid_block`): the end of the output (after the first stop id
+    in x[start:end]) once no MASK precedes it; else 0."""
+    if not rules.stop_mid_block or not stops:
+        return 0
+    hits = torch.isin(x[start:end], torch.tensor(sorted(stops))).nonzero()
+    if len(hits) == 0:
+        return 0
+    eos = start + int(hits[0, 0])
+    return 0 if bool((x[start:eos] == mask_id).any()) else eos + 1
 
 
 @torch.inference_mode()
@@ -61,10 +74,12 @@ def reference_block_generate(
     nfe = 0
     for s in range(first, end, b):
         e = s + b
-        if rules.logit_shift:  # the block's first token comes from the causal context
-            logits = masked_logits(model, x[:s], torch.arange(s))
+        if rules.logit_shift and x[s] == mask_id:  # the block's first token: from the context
+            logits = masked_logits(model, x[:s], _groups(s, s, b, rules.causal_context))
             nfe += 1
             x[s] = logits[s - 1].argmax()
+            if _stopped(x, max(p, s), e, rules, mask_id, stops):
+                return x[p : s + 1].tolist(), nfe
         for lo in range(s, e, unit):
             hi = min(lo + unit, e)
             schedule = linear_schedule(unit, steps_per_unit)
@@ -81,6 +96,9 @@ def reference_block_generate(
                 chosen = choose(params, rules, conf, tokens, k, mask_id)
                 x[masked[chosen]] = tokens[chosen]
                 j += 1
+                stop = _stopped(x, max(p, s), e, rules, mask_id, stops)
+                if stop:
+                    return x[p:stop].tolist(), nfe
         if any(stop in x[p:e] for stop in stops):
             return x[p:e].tolist(), nfe
     return x[p:end].tolist(), nfe
