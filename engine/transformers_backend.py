@@ -185,7 +185,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
 # dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
 DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
-DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode")
+DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "drafts")
 _DEFAULTS = GenerationParams()
 
 

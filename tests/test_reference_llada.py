@@ -7,7 +7,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from engine.llm import LLM
+from engine.llm import LLM, GenerationOutput
 from tests.oracles.reference_loop import full_logits
 
 VECTORS = [
@@ -46,8 +46,8 @@ def _vector(llm: LLM, name: str) -> tuple[dict, dict]:
     return json.loads((ref / f"{name}.json").read_text()), load_file(str(ref / f"{name}.safetensors"))
 
 
-@pytest.mark.parametrize("name", VECTORS)
-def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
+def generate_vector(llm: LLM, name: str, **overrides: object) -> tuple[dict, GenerationOutput]:
+    """Decode vector `name`'s prompt with its settings (and `overrides`): (its JSON, our output)."""
     meta, _ = _vector(llm, name)
     out = llm.generate(
         meta["prompt_ids"],
@@ -59,7 +59,14 @@ def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
         threshold=meta["extra_kwargs"].get("threshold"),
         cache=cache_of(meta["reference"]),
         early_stop=False,
+        **overrides,
     )[0]
+    return meta, out
+
+
+@pytest.mark.parametrize("name", VECTORS)
+def test_generated_ids_and_forward_count(llm: LLM, name: str) -> None:
+    meta, out = generate_vector(llm, name)
     assert out.output_ids == meta["generated_ids"]
     assert out.nfe == meta["nfe"]
     assert out.query_lengths == meta["query_lengths_per_call"]
