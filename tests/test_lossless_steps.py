@@ -21,7 +21,11 @@ def llm() -> LLM:
     return LLM(reference_dir() / "models" / "llada_tiny_v2", dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("name", [pytest.param(v, marks=pytest.mark.slow) if "gen128" in v else v for v in VECTORS])
+# One vector per rule family in the quick loop (schedule, threshold + prefix cache, dual cache); all in the full suite.
+QUICK = ("llada_generate_gen64", "fastdllm_llada_prefix_cache_thr0.9_gen64", "fastdllm_llada_dual_cache_gen64")
+
+
+@pytest.mark.parametrize("name", [v if v in QUICK else pytest.param(v, marks=pytest.mark.slow) for v in VECTORS])
 def test_drafted_steps_give_the_reference_ids_in_fewer_forwards(llm: LLM, name: str) -> None:
     meta, out = generate_vector(llm, name, drafts=WIDTH)
     assert out.output_ids == meta["generated_ids"]
@@ -51,3 +55,12 @@ def test_drafts_outside_the_deterministic_llada_rules_are_refused_naming_the_fie
     with pytest.raises(UsageError) as err:
         GenerationParams(gen_length=32, drafts=2, **fields).validate(8, 4096, family_named(family))
     assert err.value.field == "drafts"
+
+
+def test_draft_rows_count_against_the_forward_token_budget(llm: LLM) -> None:
+    """The scheduler's per-forward token bound counts every candidate row a request feeds."""
+    from engine.runtime.scheduler import forward_tokens
+
+    seq = llm.engine.add_request([5, 9, 13], GenerationParams(gen_length=32, drafts=3))
+    assert forward_tokens(seq) == 4 * len(seq.canvas)
+    llm.engine.abort(seq)  # leave the shared engine idle for the next test
