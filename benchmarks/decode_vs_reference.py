@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,8 +38,8 @@ import torch  # noqa: E402
 
 from benchmarks.dtype_auto import write_llada_shaped  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.runtime.batch import ForwardBatch  # noqa: E402
 from kernels import dispatch  # noqa: E402
+from kernels.token_stats import TokenStats  # noqa: E402
 from tests.oracles.reference_loop import reference_generate  # noqa: E402
 
 SETTINGS = {"llada": {"cache": "none", "threshold": None}, "dual": {"cache": "dual", "threshold": 0.9}}
@@ -85,23 +86,38 @@ def timed(runs: dict[str, Run], repeats: int) -> dict[str, tuple[float, list[int
     return {name: (statistics.median(seconds[name]), *results[name]) for name in runs}
 
 
-def step_parts(llm: LLM, length: int, select: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of the two big operations of a no-cache step: the transformer forward
-    over `length` tokens (hidden states out at `select` rows), and the LM-head statistics on
-    those rows."""
+def step_shares(llm: LLM, prompt: list[int], kwargs: dict) -> tuple[float, float, float]:
+    """One plain dlm run timed from inside, so every part is measured under the same load:
+    (seconds in all, in the transformer forwards, in the LM-head statistics)."""
     model = llm.engine.loaded.model
-    rows = torch.arange(length)[None]
-    batch = ForwardBatch(torch.zeros_like(rows), rows, None, rows[:, :select], None)
-    times: dict[str, list[float]] = {"forward": [], "head": []}
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            hidden = model(batch)[0, :select]
-            middle = time.perf_counter()
-            dispatch.token_stats(hidden, model.lm_head_weight, exclude_token=llm.config.mask_token_id)
-            times["forward"].append(middle - start)
-            times["head"].append(time.perf_counter() - middle)
-    return statistics.median(times["forward"][1:]), statistics.median(times["head"][1:])
+    spent = {"forward": 0.0, "head": 0.0}
+    began = [0.0]
+
+    def before(*_: object) -> None:
+        began[0] = time.perf_counter()
+
+    def after(*_: object) -> None:
+        spent["forward"] += time.perf_counter() - began[0]
+
+    original = dispatch.token_stats
+
+    def head(*args: Any, **kw: Any) -> TokenStats:
+        start = time.perf_counter()
+        out = original(*args, **kw)
+        spent["head"] += time.perf_counter() - start
+        return out
+
+    hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    dispatch.token_stats = head  # type: ignore[assignment]
+    try:
+        start = time.perf_counter()
+        llm.generate(prompt, early_stop=False, **kwargs)
+        total = time.perf_counter() - start
+    finally:
+        for hook in hooks:
+            hook.remove()
+        dispatch.token_stats = original  # type: ignore[assignment]
+    return total, spent["forward"], spent["head"]
 
 
 def main() -> None:
@@ -154,15 +170,13 @@ def main() -> None:
                         f"{gen / ls:.1f} | {ts / ds:.2f}x / {ts / ls:.2f}x |",
                         flush=True,
                     )
-                    if setting == "llada":
-                        fwd, head = step_parts(llm, args.prompt_length + gen, args.block_length, 3)
-                        step = ds / dn
-                        bounds.append(
-                            f"{model} {label}: plain step {step * 1e3:.0f} ms = transformer forward "
-                            f"{fwd * 1e3:.0f} ms ({100 * fwd / step:.0f}%) + LM-head statistics {head * 1e3:.0f} ms "
-                            f"({100 * head / step:.0f}%) + the rest ({100 * (1 - (fwd + head) / step):.0f}%)"
-                        )
-    print("what bounds a dlm step (no cache):")
+                    total, fwd, head = step_shares(llm, prompt, kwargs)
+                    bounds.append(
+                        f"{model} {label} {setting}: transformer forwards {100 * fwd / total:.0f}%, LM-head "
+                        f"statistics {100 * head / total:.0f}%, the rest {100 * (1 - (fwd + head) / total):.0f}% "
+                        f"of a plain run ({total:.2f} s)"
+                    )
+    print("what bounds a plain dlm run (timed inside one run):")
     for line in bounds:
         print("  " + line)
     if failed:
