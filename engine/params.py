@@ -229,6 +229,14 @@ class GenerationParams:
     # Infilling: token ids the answer is decoded in front of (the canvas is prompt, answer, suffix).
     # Text reaches it through the request layer (`suffix` on /v1/completions, `dlm generate --suffix`).
     suffix: tuple[int, ...] = _param((), "Token ids after the answer (infilling).", cli=None, http=None)
+    drafts: int = _param(
+        0,
+        "Lossless multi-token steps: candidate canvases of the following step verified in each forward "
+        "(0: off; LLaDA family, greedy low-confidence rules, no guidance). The ids are those of the plain "
+        "rule; forwards drop while each costs up to 1+N canvases of compute.",
+        low=0,
+        high=64,
+    )
     # Dream family (diffusion_generate):
     alg: str | None = _param(
         None,
@@ -343,6 +351,8 @@ class GenerationParams:
                 "classifier-free guidance is not available with a cache; use --cache none", field="cfg_scale"
             )
         _validate_sampler(p, family)
+        if p.drafts:
+            _validate_drafts(p, family, fixed_block)
         if p.mode != "diffusion" and not family.block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
         if p.suffix:
@@ -576,6 +586,18 @@ def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
     low, high = p.min_temperature, p.max_temperature
     if low is not None and high is not None and high <= low:
         raise UsageError(f"max_temperature ({high}) must exceed min_temperature ({low})", field="max_temperature")
+
+
+def _validate_drafts(p: ResolvedParams, family: Family, fixed_block: int | None) -> None:
+    """Drafted steps are verified against LLaDA's deterministic rules only (engine/decoding/drafts.py)."""
+    if family.sampler != "llada" or family.block_causal or fixed_block is not None:
+        raise UsageError(f"drafts (lossless multi-token steps) are not available for {family.name}", field="drafts")
+    if p.temperature > 0 or p.remasking != "low_confidence" or p.cfg_scale > 0:
+        raise UsageError(
+            "drafts (lossless multi-token steps) need the deterministic rules: temperature 0, "
+            "low_confidence remasking, no classifier-free guidance",
+            field="drafts",
+        )
 
 
 def _validate_block_causal(p: ResolvedParams) -> None:

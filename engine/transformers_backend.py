@@ -200,7 +200,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
 # dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
 DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
-DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs", "stop_token_ids")
+DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs", "stop_token_ids", "drafts")
 _DEFAULTS = GenerationParams()
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.llm import LLM
+from engine.llm import LLM, GenerationOutput
 from tests.conftest import reference_dir
 
 
@@ -36,11 +36,11 @@ def cache_of(reference: str) -> str:
     return "prefix" if "prefix_cache" in reference else "dual" if "dual_cache" in reference else "none"
 
 
-def assert_reproduces(llm: LLM, meta: dict[str, Any], **params: Any) -> None:
-    """The engine decodes a LLaDA/Dream vector's prompt (temperature and cache variant as the
-    vector says, no early stop) to the reference's ids, with its forwards and the length fed
-    to each; `params` are the family's decoding settings from the vector."""
-    out = llm.generate(
+def decode_vector(llm: LLM, meta: dict[str, Any], **params: Any) -> GenerationOutput:
+    """The engine's decoding of a LLaDA/Dream vector's prompt (temperature and cache variant as
+    the vector says, no early stop); `params` are the family's decoding settings from the vector
+    (and any extra field under test)."""
+    return llm.generate(
         meta["prompt_ids"],
         gen_length=meta["gen_length"],
         steps=meta["steps"],
@@ -49,6 +49,12 @@ def assert_reproduces(llm: LLM, meta: dict[str, Any], **params: Any) -> None:
         early_stop=False,
         **params,
     )[0]
+
+
+def assert_reproduces(llm: LLM, meta: dict[str, Any], **params: Any) -> None:
+    """The engine decodes the vector to the reference's ids, with its forwards and the length
+    fed to each."""
+    out = decode_vector(llm, meta, **params)
     assert out.output_ids == meta["generated_ids"]
     assert out.nfe == meta["nfe"]
     assert out.query_lengths == meta["query_lengths_per_call"]

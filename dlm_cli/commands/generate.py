@@ -90,6 +90,7 @@ def generate(
     threshold: float | None = dp.option("threshold"),
     factor: float | None = dp.option("factor"),
     cfg_scale: float = dp.option("cfg_scale"),
+    drafts: int = dp.option("drafts"),
     temperature: float = dp.option("temperature"),
     seed: int | None = dp.option("seed"),
     cache: str = dp.option("cache"),

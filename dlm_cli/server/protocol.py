@@ -81,6 +81,7 @@ class DiffusionFields(_Body):
     threshold: float | None = _param("threshold")
     factor: float | None = _param("factor")
     cfg_scale: float | None = _param("cfg_scale")
+    drafts: int | None = _param("drafts")
     cache: StrictStr | None = _param("cache")
     decode_mode: StrictStr | None = _param("decode_mode")
     # Draft-and-edit (LLaDA2.x).

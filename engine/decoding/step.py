@@ -65,17 +65,21 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
         else:
             chosen = dream.choose(params, step, stats, seq.generator, seq.quota())
     else:
-        conf = confidence(params, stats, seq.generator).cpu()
-        if step >= params.steps_per_block - 1:
-            chosen = torch.arange(conf.numel())  # the block's share of the steps is spent: commit the rest
-        elif params.threshold is not None:
-            chosen = above_threshold(conf, params.threshold)
-        elif params.factor is not None:
-            chosen = factor_rule(conf, params.factor)
-        else:
-            chosen = top_k(conf, seq.schedule[step])
+        chosen = llada_rule(params, step, seq.schedule, confidence(params, stats, seq.generator).cpu())
     require_progress(seq, positions, chosen)
     return positions[chosen], stats.token.cpu()[chosen]
+
+
+def llada_rule(params: ResolvedParams, step: int, schedule: list[int], conf: torch.Tensor) -> torch.Tensor:
+    """Indices into `conf` that LLaDA's rules commit at step `step` of a block (the schedule,
+    threshold or factor rule; the last step of the block's share commits the rest)."""
+    if step >= params.steps_per_block - 1:
+        return torch.arange(conf.numel())
+    if params.threshold is not None:
+        return above_threshold(conf, params.threshold)
+    if params.factor is not None:
+        return factor_rule(conf, params.factor)
+    return top_k(conf, schedule[step])
 
 
 def require_progress(seq: Sequence, positions: torch.Tensor, chosen: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.decoding.drafts import candidates
 from engine.decoding.step import decide, token_stats
 from engine.params import ResolvedParams
 from engine.runtime import cache
@@ -43,6 +44,30 @@ class _Row:
     kv: cache.RowKV | None
 
 
+@dataclass
+class _Forwarded:
+    """One sequence's rows of a batched forward: its canvas (row 0) and its draft candidates
+    (row i: `drafts[i - 1]`), each with its decided positions and their last hidden states.
+    The LM head runs on a row only when a step is decided from it."""
+
+    positions: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+    drafts: list[torch.Tensor]
+    weight: torch.Tensor
+    shard: VocabShard | None
+
+    def stats(self, seq: Sequence, row: int) -> TokenStats:
+        """The statistics a step is decided from (noting their logprobs when asked for)."""
+        stats = token_stats(seq, self.hidden[row], self.weight, self.shard)
+        positions = self.positions[row].to(stats.token.device)
+        seq.note_logprobs(positions, self.hidden[row], self.weight, stats.token, self.shard)
+        return stats
+
+    def row_of(self, canvas: torch.Tensor) -> int | None:
+        """The row that fed exactly `canvas` (a verified candidate), if any."""
+        return next((i + 1 for i, guess in enumerate(self.drafts) if torch.equal(guess, canvas)), None)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -61,11 +86,37 @@ class ModelRunner:
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
         return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id, sampler=self.sampler)
 
+    @torch.inference_mode()
     def step(self, seqs: Seq[RequestState]) -> None:
-        """One forward for all `seqs`, then each one's commit."""
+        """One forward for all `seqs`, then each one's commit; with drafts (`params.drafts`),
+        also every following step whose canvas the forward held among its candidates
+        (engine/decoding/drafts.py), then the candidates for the next forward."""
         mine = [narrow(s, Sequence) for s in seqs]
-        for seq, (positions, stats) in zip(mine, self.forward(mine)):
-            seq.commit(*decide(seq, positions, stats))
+        for seq, out in zip(mine, self._forward(mine)):
+            row = 0
+            while True:
+                positions = out.positions[row]
+                chosen_positions, tokens = decide(seq, positions, out.stats(seq, row))
+                block = seq.block
+                seq.commit(chosen_positions, tokens)
+                following = out.row_of(seq.canvas)
+                if seq.finished or seq.block != block or following is None:
+                    break
+                row = following
+            seq.drafts = []
+            if seq.params.drafts and not seq.finished and seq.block == block:
+                left = ~torch.isin(positions, chosen_positions)
+                seq.drafts = candidates(
+                    seq.params,
+                    seq.step_in_block,
+                    seq.schedule,
+                    seq.canvas,
+                    positions[left],
+                    out.hidden[row][left],
+                    self.model.lm_head_weight,
+                    seq.mask_id,
+                    self.vocab_shard,
+                )
 
     def _run(self, rows: list[_Row], pad_id: int) -> torch.Tensor:
         """Hidden states at the selected rows: through the step graphs when they hold the
@@ -98,36 +149,44 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TokenStats]]:
         """One forward for all `seqs`; returns (decided positions, stats) per sequence, committing nothing."""
+        return [(out.positions[0], out.stats(seq, 0)) for seq, out in zip(seqs, self._forward(seqs))]
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[Sequence]) -> list[_Forwarded]:
+        """One forward for all `seqs`: each one's canvas, then its draft candidates (same span,
+        same cache: candidates exist only between a block's steps, never for a refresh)."""
         rows: list[_Row] = []
-        decided = []
+        decided: list[list[torch.Tensor]] = []
         for seq in seqs:
             positions = seq.positions_to_decide()
             first, end, kv = cache.plan(seq)
             select = positions - self.shift - first
             assert bool((select >= 0).all()), "a decided position's logits row is not fed"
-            decided.append(positions)
+            decided.append([positions])
             rows.append(_Row(seq.canvas[first:end], first, select, kv))
             if seq.params.cfg_scale > 0:
                 rows.append(_Row(seq.unconditional_canvas(), 0, select, None))
+            for guess in seq.drafts:
+                guessed = seq.masked_positions(guess)
+                decided[-1].append(guessed)
+                rows.append(_Row(guess[first:end], first, guessed - self.shift - first, kv))
         hidden = self._run(rows, pad_id=seqs[0].mask_id)
-        weight = self.model.lm_head_weight
         out = []
         r = 0
-        for seq, positions in zip(seqs, decided):
-            n = len(positions)
-            h = hidden[r, :n]
+        for seq, picked in zip(seqs, decided):
+            h = [hidden[r, : len(picked[0])]]
             fed = len(rows[r].ids)
             if seq.params.cfg_scale > 0:
                 # The LM head is linear, so guiding hidden states equals guiding logits:
                 # un + (s+1)(cond - un) = W((s+1) h_cond - s h_un).
                 s = seq.params.cfg_scale
-                h = (s + 1) * h - s * hidden[r + 1, :n]
-                r += 2
-            else:
+                h[0] = (s + 1) * h[0] - s * hidden[r + 1, : len(picked[0])]
                 r += 1
-            stats = token_stats(seq, h, weight, self.vocab_shard)
-            seq.note_logprobs(positions.to(stats.token.device), h, weight, stats.token, self.vocab_shard)
+            r += 1
+            for guessed in picked[1:]:
+                h.append(hidden[r, : len(guessed)])
+                r += 1
             seq.nfe += 1
-            seq.query_lengths.append(fed)
-            out.append((positions, stats))
+            seq.query_lengths.append(fed * len(picked))  # every row of this request's was fed
+            out.append(_Forwarded(picked, h, seq.drafts, self.model.lm_head_weight, self.vocab_shard))
         return out

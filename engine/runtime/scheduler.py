@@ -29,7 +29,7 @@ class QueueFull(DlmError):
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int = 8  # sequences in one forward
-    max_num_batched_tokens: int = 16384  # canvas tokens in one forward (CFG rows count twice)
+    max_num_batched_tokens: int = 16384  # canvas tokens in one forward (CFG and draft rows count too)
     max_queue: int = 64  # requests waiting for a slot
 
     def validate(self) -> SchedulerLimits:
@@ -42,8 +42,9 @@ class SchedulerLimits:
 
 
 def forward_tokens(seq: RequestState) -> int:
-    """Tokens this sequence feeds to each forward (the whole canvas; twice with CFG)."""
-    return len(seq.canvas) * (2 if seq.params.cfg_scale > 0 else 1)
+    """Tokens this sequence feeds to each forward, at most: the whole canvas, twice with CFG,
+    once more per draft candidate (`drafts`, engine/decoding/drafts.py)."""
+    return len(seq.canvas) * (2 if seq.params.cfg_scale > 0 else 1 + seq.params.drafts)
 
 
 @dataclass(eq=False)

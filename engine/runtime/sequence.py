@@ -28,6 +28,8 @@ class Sequence(RequestState):
     sampler: str = "llada"  # decoding rules of the model family: "llada" or "dream"
     # engine.runtime.cache.KVCache while an approximate cache is in use (Clover: its HybridCache)
     kv_cache: Any = None
+    # Candidate canvases after the next step, verified by the next forward (engine/decoding/drafts.py)
+    drafts: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         gen = self.params.gen_length
@@ -56,10 +58,12 @@ class Sequence(RequestState):
             return self.block_bounds()[0] + torch.zeros(1, dtype=torch.long)
         return self.masked_positions()
 
-    def masked_positions(self) -> torch.Tensor:
-        """Absolute positions of the MASK tokens in the current block."""
+    def masked_positions(self, canvas: torch.Tensor | None = None) -> torch.Tensor:
+        """Absolute positions of the MASK tokens in the current block (of `canvas`, default
+        the sequence's own)."""
         start, end = self.block_bounds()
-        return (self.canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
+        canvas = self.canvas if canvas is None else canvas
+        return (canvas[start:end] == self.mask_id).nonzero()[:, 0] + start
 
     def quota(self) -> int:
         """Positions this step may commit under the block's linear schedule, counting the slots
