@@ -63,3 +63,15 @@ def test_draft_rows_count_against_the_forward_token_budget(llm: LLM) -> None:
     seq = llm.engine.add_request([5, 9, 13], GenerationParams(gen_length=32, drafts=3))
     assert forward_tokens(seq) == 4 * len(seq.canvas)
     llm.engine.abort(seq)  # leave the shared engine idle for the next test
+
+
+def test_drafted_steps_report_the_plain_rules_logprobs(llm: LLM) -> None:
+    """A verified candidate row is the plain rule's canvas, so each token's committing-step
+    logprob (and its alternatives) is the plain run's too."""
+    _, plain = generate_vector(llm, "llada_generate_gen64", logprobs=3)
+    _, drafted = generate_vector(llm, "llada_generate_gen64", logprobs=3, drafts=WIDTH)
+    assert drafted.output_ids == plain.output_ids and drafted.nfe < plain.nfe
+    assert plain.logprobs is not None and drafted.logprobs is not None
+    for ours, theirs in zip(drafted.logprobs, plain.logprobs, strict=True):
+        assert ours.token == theirs.token and abs(ours.logprob - theirs.logprob) <= 1e-5
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
