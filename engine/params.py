@@ -25,8 +25,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UsageError
+from engine.errors import Unsupported, UsageError
 from engine.registry import FAMILIES, Family
+from engine.structured import compile_response_format
 
 REMASKING = ("low_confidence", "random")
 CACHES = ("auto", "none", "prefix", "dual", "block")
@@ -190,6 +191,13 @@ class GenerationParams:
         cli=None,
         http=None,
     )
+    response_format: str | None = _param(
+        None,
+        "Answer as JSON: an OpenAI response_format object as JSON text, "
+        '\'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\'. '
+        "The schema's skeleton is laid on the canvas and only its values are decoded (bidirectional families; "
+        "docs/structured-output.md).",
+    )
     # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
     # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.
     max_steps: int | None = _param(
@@ -245,6 +253,8 @@ class GenerationParams:
                 "classifier-free guidance is not available with a cache; use --cache none", field="cfg_scale"
             )
         _validate_sampler(p, family)
+        if p.response_format is not None:
+            _validate_structured(p, family, fixed_block)
         if p.mode != "diffusion" and not family.block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
         if prompt_length < 1:
@@ -294,6 +304,10 @@ class GenerationParams:
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        if compile_response_format(self.response_format) is not None:
+            # Value slots are written left to right, at least one token per step: a block
+            # may take one forward per position when its share of the steps is smaller.
+            per_block = max(per_block, block)
         return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
 
 
@@ -365,6 +379,28 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
             "with a cache, Dream's first step of each block only commits the block's first token: "
             f"steps per block must be at least 2, got {p.steps_per_block}",
             field="steps",
+        )
+
+
+def _validate_structured(p: ResolvedParams, family: Family, fixed_block: int | None) -> None:
+    """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
+    family decodes a canvas whose later positions are already committed: bidirectional
+    attention, no fixed block, and not Dream's cached first-token rule."""
+    from engine.structured import FIELD
+
+    if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
+        return
+    if family.block_causal or fixed_block is not None:
+        raise Unsupported(
+            f"response_format needs a bidirectional model: {family.name} decodes blocks causally, "
+            "so a skeleton laid ahead of the current block cannot be attended",
+            field=FIELD,
+        )
+    if family.sampler == "dream" and p.cache != "none":
+        raise Unsupported(
+            "response_format with Dream's cached decoding is not supported (its first step of each block "
+            "commits the block's first position, which may be a fixed skeleton token); use cache none",
+            field="cache",
         )
 
 

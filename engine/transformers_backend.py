@@ -185,7 +185,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
 # dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
 DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
-DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode")
+DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "response_format")
 _DEFAULTS = GenerationParams()
 
 
@@ -333,7 +333,7 @@ def load_transformers_engine(
     except (DlmError, TypeError, ValueError, RuntimeError):  # its forward does not take our inputs
         usable = False
     if usable:
-        return ForwardEngine(LoadedModel(config, adapter, dtype, device))
+        return ForwardEngine(LoadedModel(config, adapter, dtype, device, Path(model_dir)))
     if not callable(getattr(hf_model, "diffusion_generate", None)) and not callable(
         getattr(hf_model, "generate", None)
     ):

@@ -2,7 +2,9 @@
 
 Streaming sends the committed left-to-right prefix: a dLLM commits tokens anywhere in its
 block, but text before the first MASK can no longer change, so each step that extends it
-becomes one delta, and every OpenAI client can read the stream. When the client leaves
+becomes one delta, and every OpenAI client can read the stream. A client that opts in
+(`stream_options.include_canvas`) also gets one canvas event per denoising step, beside
+the same deltas. When the client leaves
 (connection closed), the request is cancelled and leaves the batch before the next step.
 """
 
@@ -153,6 +155,18 @@ class Responder:
             body["object"] = "chat.completion.chunk"
         return _sse(body)
 
+    def _canvas(self, out: RequestOutput) -> str:
+        """A canvas event (opt-in: stream_options.include_canvas): every answer position
+        after this step, committed, provisional (the step's proposal, not yet committed) or
+        masked, each with its token's text. Documented in docs/serve.md."""
+        assert out.canvas is not None
+        tokens = [
+            {"id": token, "text": None if token is None else self.served.decode([token]), "state": state}
+            for token, state in out.canvas
+        ]
+        kind = "chat.completion.canvas" if self.chat else "text_completion.canvas"
+        return _sse({**self._head(), "object": kind, "canvas": {"step": out.nfe, "tokens": tokens}})
+
     async def _events(self) -> AsyncIterator[str]:
         sent = ""
         completed = False
@@ -162,6 +176,8 @@ class Responder:
                 yield self._chunk({"role": "assistant", "content": ""})
             async for out in self.stream.outputs(self.patience):
                 text, stopped = self.text(out)
+                if out.canvas is not None and out.error is None:
+                    yield self._canvas(out)
                 if not out.finished:
                     visible = text.rstrip("\ufffd")  # a partial UTF-8 character waits for its bytes
                     if self.job.tools:

@@ -65,6 +65,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # dlm: also send the canvas (committed, provisional and masked positions) after every
+    # denoising step, as `*.canvas` events (docs/serve.md, "Canvas streaming").
+    include_canvas: StrictBool = False
 
 
 class DiffusionFields(_Body):
@@ -90,6 +93,8 @@ class DiffusionFields(_Body):
     temperature: float | None = _param("temperature")
     seed: int | None = _param("seed")
     max_tokens: int | None = _param("max_tokens")
+    # Structured output: an OpenAI response_format object (GenerationParams takes its JSON text).
+    response_format: dict[str, Any] | None = _param("response_format")
 
 
 class _Generation(DiffusionFields):
@@ -216,13 +221,10 @@ class ChatRequest(_Generation):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.tool_choice, dict):
             return "tool_choice", "forcing a specific tool is not supported; use auto or none"
         if self.logprobs:
             return "logprobs", "logprobs are not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "structured output (json_object, json_schema) is not supported"
         return super().unsupported()

@@ -56,6 +56,7 @@ class Job:
     tools: bool = False
     stream: bool = False
     include_usage: bool = False
+    include_canvas: bool = False  # stream_options.include_canvas: canvas events after every step
     return_token_ids: bool = False
     status: int = 200
     finish_reason: str | None = None
@@ -299,6 +300,9 @@ class Service:
                 param="max_tokens",
             )
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
+        response_format = given.pop("response_format", None)
+        if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
+            given["response_format"] = json.dumps(response_format, ensure_ascii=False)
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
         if body.steps is None and body.refinement_steps is None and cfg.refinement_steps is not None:
@@ -335,6 +339,7 @@ class Service:
                 params,
                 timeout=self.config.request_timeout,
                 updates=job.stream or bool(job.stops),
+                canvas=job.include_canvas,
             )
         except QueueFull as exc:
             raise _queue_full(engine, exc) from None

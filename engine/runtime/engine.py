@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, load_config
-from engine.errors import UsageError
+from engine.decoding.constrain import Vocabulary, layout
+from engine.errors import Unsupported, UsageError
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
 from engine.params import GenerationParams, ResolvedParams
@@ -23,6 +24,8 @@ from engine.runtime.block_runner import BlockRunner
 from engine.runtime.interface import Engine, Runner
 from engine.runtime.request import RequestState
 from engine.runtime.runner import ModelRunner
+from engine.runtime.sequence import Sequence
+from engine.structured import FIELD, compile_response_format
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -47,6 +50,7 @@ class LoadedModel:
     model: torch.nn.Module
     dtype: torch.dtype
     device: torch.device
+    model_dir: Path | None = None  # where its tokenizer is, for response formats
 
 
 def build_on_meta(config: ModelConfig) -> torch.nn.Module:
@@ -72,7 +76,7 @@ def load_model(
     config = load_config(model_dir)
     model = build_on_meta(config)
     load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
-    return LoadedModel(config, model.eval(), dtype, device)
+    return LoadedModel(config, model.eval(), dtype, device, model_dir)
 
 
 def load_engine(
@@ -106,6 +110,7 @@ class LLMEngine(Engine):
         self.family = family_named(loaded.config.family)
         self.runner = self.make_runner()
         self._running: list[RequestState] = []
+        self._vocabulary: Vocabulary | None = None
 
     def make_runner(self) -> Runner:
         """Block-causal families (exact KV cache, AR mode) have their own runner."""
@@ -139,12 +144,41 @@ class LLMEngine(Engine):
         resolved = self.validate(params, len(prompt_ids))
         self.check_prompt(prompt_ids)
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        skeleton = compile_response_format(resolved.response_format)
+        if skeleton is not None:
+            if not isinstance(seq, Sequence):
+                raise Unsupported("response_format is not available on this decoding path", field=FIELD)
+            answer, constraint = layout(
+                skeleton,
+                self.vocabulary(),
+                resolved.gen_length,
+                self.config.mask_token_id,
+                self.config.eos_token_id,
+                len(prompt_ids),
+            )
+            seq.lay(answer, constraint)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
 
     def add(self, seq: RequestState) -> None:
         self._running.append(seq)
+
+    def vocabulary(self) -> Vocabulary:
+        """The token classes response formats are decoded under, built on first use from
+        the checkpoint's tokenizer (every tensor-parallel rank builds the same)."""
+        if self._vocabulary is None:
+            from engine.tokenizer import has_tokenizer, load_tokenizer
+
+            model_dir = self.loaded.model_dir
+            if model_dir is None or not has_tokenizer(model_dir):
+                raise Unsupported(
+                    "response_format needs the checkpoint's tokenizer, which this model lacks", field=FIELD
+                )
+            config = self.config
+            excluded = {config.mask_token_id} | ({config.eos_token_id} if config.eos_token_id is not None else set())
+            self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
+        return self._vocabulary
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from engine.decoding.constrain import Constraint
 from engine.params import ResolvedParams
 
 _ids = itertools.count()
@@ -35,6 +36,10 @@ class RequestState:
     query_lengths: list[int] = field(default_factory=list)  # tokens fed to each forward
     finish_reason: str | None = None  # stop, length, or the caller's reason (abort, timeout, ...)
     generator: torch.Generator | None = None  # set by the engine on its device when seeded
+    # A response format's token masks (engine/decoding/constrain.py), laid on by the engine.
+    constraint: Constraint | None = field(default=None, repr=False)
+    # The latest step's proposals at positions it left MASK: canvas position -> token id.
+    provisional: dict[int, int] = field(default_factory=dict, repr=False)
     canvas: torch.Tensor = field(init=False, repr=False)
 
     @property
@@ -81,6 +86,27 @@ class RequestState:
         """The committed prefix up to and including its first EOS: the answer as a client
         receives it (what follows an EOS is filler)."""
         return completion(self.committed_prefix, self.eos_id)
+
+    def propose(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record a step's proposals (before its commit): what canvas streaming shows as
+        provisional at the positions the step leaves MASK."""
+        self.provisional = dict(zip(positions.tolist(), tokens.cpu().tolist(), strict=True))
+
+    def canvas_view(self) -> list[tuple[int | None, str]]:
+        """Every answer position as (token id, state): "committed", "provisional" (the
+        latest step's proposal for a position still MASK) or "masked" (token None).
+        Cut after the first committed EOS: the rest is filler."""
+        view: list[tuple[int | None, str]] = []
+        for i, token in enumerate(self.output_ids):
+            if token != self.mask_id:
+                view.append((token, "committed"))
+                if token == self.eos_id and all(state == "committed" for _, state in view):
+                    break
+            elif self.prompt_length + i in self.provisional:
+                view.append((self.provisional[self.prompt_length + i], "provisional"))
+            else:
+                view.append((None, "masked"))
+        return view
 
     @property
     def output_ids(self) -> list[int]:

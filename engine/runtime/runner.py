@@ -70,7 +70,9 @@ class ModelRunner:
         """One forward for all `seqs`, then each one's commit."""
         mine = [narrow(s, Sequence) for s in seqs]
         for seq, (positions, stats) in zip(mine, self.forward(mine)):
-            seq.commit(*decide(seq, positions, stats))
+            decided = decide(seq, positions, stats)
+            seq.propose(positions, stats.token)
+            seq.commit(*decided)
 
     def _batch(self, rows: list[_Row], pad_id: int) -> ForwardBatch:
         lengths = [len(r.ids) for r in rows]
@@ -116,7 +118,7 @@ class ModelRunner:
                 r += 2
             else:
                 r += 1
-            stats = token_stats(seq, h, weight, self.vocab_shard)
+            stats = token_stats(seq, h, weight, self.vocab_shard, positions)
             seq.nfe += 1
             seq.query_lengths.append(fed)
             out.append((positions, stats))
