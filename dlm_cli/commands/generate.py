@@ -70,6 +70,7 @@ def generate(
     top_k: int | None = dp.option("top_k"),
     early_stop: bool = dp.option("early_stop"),
     mode: str = dp.option("mode"),
+    response_format: str | None = dp.option("response_format"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option(
