@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.errors import Unsupported, UsageError
 from engine.registry import FAMILIES, Family
-from engine.structured import compile_response_format
+from engine.structured import compile_response_format, supported
 
 REMASKING = ("low_confidence", "random")
 CACHES = ("auto", "none", "prefix", "dual", "block")
@@ -390,7 +390,7 @@ def _validate_structured(p: ResolvedParams, family: Family, fixed_block: int | N
 
     if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
         return
-    if family.block_causal or fixed_block is not None:
+    if not supported(family, fixed_block):
         raise Unsupported(
             f"response_format needs a bidirectional model: {family.name} decodes blocks causally, "
             "so a skeleton laid ahead of the current block cannot be attended",

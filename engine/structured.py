@@ -32,9 +32,12 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import Unsupported, UsageError
+
+if TYPE_CHECKING:
+    from engine.registry import Family
 
 FIELD = "response_format"
 STRING_TOKENS = 12  # content tokens of a string without maxLength
@@ -141,6 +144,13 @@ class Skeleton:
     @property
     def slots(self) -> int:
         return sum(not isinstance(p, Literal) for p in self.pieces)
+
+
+def supported(family: Family, fixed_block: int | None = None) -> bool:
+    """Whether a family can decode a skeleton: the one fact behind both the refusal and a
+    capability listing. Its attention must reach the skeleton laid after the current
+    block (bidirectional), and its blocks must be free in length (not Clover's)."""
+    return not family.block_causal and fixed_block is None
 
 
 def compile_response_format(text: str | None) -> Skeleton | None:
