@@ -122,7 +122,10 @@ class LLM:
         on_step: Callable[[list[RequestState]], None] | None = None,
         **overrides: Any,
     ) -> list[GenerationOutput]:
-        """Decode one prompt or a list of prompts (text or token ids) together."""
+        """Decode one prompt or a list of prompts (text or token ids) together. `on_step`
+        is called after every denoising step with the sequences; `seq.canvas_view()` is the
+        canvas then (committed, provisional and masked positions), as the server streams it
+        to clients that ask (docs/serve.md, "Canvas streaming")."""
         batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids

@@ -21,6 +21,23 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
+    """Decode, printing the canvas after every denoising step as one JSON line on stdout
+    (the shape of the server's canvas events, docs/serve.md)."""
+    import json
+
+    from engine.runtime.request import canvas_json
+    from engine.tokenizer import has_tokenizer
+
+    text = (lambda token: llm.tokenizer.decode([token])) if has_tokenizer(llm.model_dir) else None
+
+    def on_step(seqs) -> None:  # noqa: ANN001
+        seq = seqs[0]
+        typer.echo(json.dumps({"canvas": canvas_json(seq.nfe, seq.canvas_view(), text)}, ensure_ascii=False))
+
+    return llm.generate(prompt_tokens, params, on_step=on_step)[0]
+
+
 def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
     """Decode with a progress bar of committed tokens on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -86,6 +103,12 @@ def generate(
     master_port: int | None = tp.MASTER_PORT,
     moe_parallel: str | None = tp.MOE_PARALLEL,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+    canvas: bool = typer.Option(
+        False,
+        "--canvas",
+        help="Print the canvas after every denoising step (committed, provisional and masked positions) "
+        "as JSON lines on stdout before the result.",
+    ),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
     with cli_errors():
@@ -128,7 +151,8 @@ def generate(
             source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
             prompt_tokens = llm.encode(source, chat=chat)
             resolved = llm.engine.validate(params, len(prompt_tokens))
-            out = _generate_with_progress(llm, prompt_tokens, resolved)
+            decode = _generate_with_canvas if canvas else _generate_with_progress
+            out = decode(llm, prompt_tokens, resolved)
             if json_out:
                 emit_json(
                     {

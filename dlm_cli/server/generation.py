@@ -23,6 +23,7 @@ from dlm_cli.server.errors import CLIENT_CLOSED, APIError
 from dlm_cli.server.service import Job, Service
 from dlm_cli.server.tools import parse_tool_calls, streamable
 from engine.runtime.async_engine import RequestOutput, RequestStream
+from engine.runtime.request import canvas_json
 
 # How the engine's non-success finish reasons reach the client.
 _FAILURES = {
@@ -160,12 +161,9 @@ class Responder:
         after this step, committed, provisional (the step's proposal, not yet committed) or
         masked, each with its token's text. Documented in docs/serve.md."""
         assert out.canvas is not None
-        tokens = [
-            {"id": token, "text": None if token is None else self.served.decode([token]), "state": state}
-            for token, state in out.canvas
-        ]
+        text = None if self.served.tokenizer is None else (lambda token: self.served.decode([token]))
         kind = "chat.completion.canvas" if self.chat else "text_completion.canvas"
-        return _sse({**self._head(), "object": kind, "canvas": {"step": out.nfe, "tokens": tokens}})
+        return _sse({**self._head(), "object": kind, "canvas": canvas_json(out.nfe, out.canvas, text)})
 
     async def _events(self) -> AsyncIterator[str]:
         sent = ""

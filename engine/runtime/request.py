@@ -13,8 +13,9 @@ sequence's own rule, never by a caller: so the same request spends the same forw
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -126,3 +127,14 @@ def narrow(seq: RequestState, kind: type[S]) -> S:
     if not isinstance(seq, kind):
         raise TypeError(f"a {kind.__name__} was expected, got a {type(seq).__name__}")
     return seq
+
+
+def canvas_json(step: int, view: list[tuple[int | None, str]], text: Callable[[int], str] | None) -> dict[str, Any]:
+    """A canvas snapshot (`RequestState.canvas_view()`) as the server's canvas events and
+    `dlm generate --canvas` print it: `{"step", "tokens": [{"id", "text", "state"}]}`
+    (`text` None without a tokenizer, and at masked positions)."""
+    tokens = [
+        {"id": token, "text": None if token is None or text is None else text(token), "state": state}
+        for token, state in view
+    ]
+    return {"step": step, "tokens": tokens}
