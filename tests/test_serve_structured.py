@@ -131,3 +131,19 @@ def test_canvas_streaming_needs_stream(client: TestClient) -> None:
     body = {**CHAT, "stream_options": {"include_canvas": True}}
     refused = client.post("/v1/chat/completions", json=body, headers=AUTH)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
+def test_dlm_validate_checks_both_capabilities(client: TestClient) -> None:
+    """`dlm validate`'s capability checks pass against dlm's own app (the chat check first,
+    as in a run: canvas streaming compares its deltas with that answer)."""
+    from dlm_cli.checks.capabilities import CAPABILITY_CHECKS
+    from dlm_cli.checks.contract import CONTRACT_CHECKS
+    from dlm_cli.checks.runner import PASSED, Context, ValidateOptions, run_checks
+    from dlm_cli.client.api import ApiClient
+
+    api = ApiClient(str(client.base_url), api_key=KEY)
+    api.http = client
+    chat = [c for c in CONTRACT_CHECKS if c.name in ("chat", "chat_stream")]
+    ctx = Context(api, ValidateOptions(max_tokens=32), model="tiny:llada")
+    results = run_checks(ctx, chat + CAPABILITY_CHECKS)
+    assert {r.name: r.status for r in results} == {r.name: PASSED for r in results}, [r.detail for r in results]

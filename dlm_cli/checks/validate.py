@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dlm_cli.checks.abnormal import ABNORMAL_CHECKS
+from dlm_cli.checks.capabilities import CAPABILITY_CHECKS
 from dlm_cli.checks.contract import CONTRACT_CHECKS
 from dlm_cli.checks.quality import QUALITY_CHECKS
 from dlm_cli.checks.runner import Check, CheckResult, Context, ValidateOptions, run_checks
@@ -14,9 +15,11 @@ from engine.errors import UsageError
 
 
 def validation_checks(suite: Suite | None = None, skip: tuple[str, ...] = ()) -> list[Check]:
-    """Contract and output-quality checks, then the user's suite, then abnormal paths (metrics
+    """Contract, diffusion-capability and output-quality checks, then the user's suite, then abnormal paths (metrics
     last, after traffic)."""
-    checks = CONTRACT_CHECKS + QUALITY_CHECKS + (suite_checks(suite) if suite else []) + ABNORMAL_CHECKS
+    checks = (
+        CONTRACT_CHECKS + CAPABILITY_CHECKS + QUALITY_CHECKS + (suite_checks(suite) if suite else []) + ABNORMAL_CHECKS
+    )
     unknown = sorted(set(skip) - {c.name for c in checks})
     if unknown:
         raise UsageError(f"--skip names no check: {', '.join(unknown)}")
