@@ -22,7 +22,7 @@ from engine.structured import EnumSlot, Literal, compile_response_format
 GEN_LENGTH = 256
 BATCH = 10  # requests decoded together per hypothesis example (one batched forward per step)
 # Requests per family: the quick loop, and the slow test's share of the 500 in all.
-QUICK = {"tiny:llada": 1, "tiny:dream": 1, None: 1}
+QUICK = {"tiny:llada": 1, "tiny:dream": 1}  # the default model: in the slow run
 FULL = {"tiny:llada": 20, "tiny:dream": 15, None: 15}  # x BATCH = 500 requests
 assert sum(FULL.values()) * BATCH == 500
 
@@ -61,6 +61,7 @@ SCALARS = st.one_of(
     _bounded("number"),
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
+    st.just({"type": ["integer", "null"], "maximum": 99}),
     st.lists(st.text(max_size=5) | st.integers(-50, 50) | st.booleans(), min_size=1, max_size=4, unique=True).map(
         lambda values: {"enum": values}
     ),
@@ -243,3 +244,27 @@ def test_bad_response_formats_are_usage_errors() -> None:
         with pytest.raises(UsageError) as caught:
             GenerationParams(response_format=bad).validate(4, 1024)
         assert caught.value.field == "response_format"
+
+
+def test_the_vocabulary_keeps_string_content_clean() -> None:
+    """String content never holds a quote, backslash or control character; with a tokenizer
+    that cleans up spaces on decoding, no punctuation it would merge either; a tokenizer
+    without single digit tokens cannot carry a response format."""
+    from engine.decoding.constrain import Vocabulary
+    from engine.tiny_models import tokenizer_assets
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_assets())
+    size = len(tokenizer)
+    vocab = Vocabulary.from_tokenizer(tokenizer, size, set())
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    for i in vocab.content.nonzero()[:, 0].tolist():
+        assert not any(c in '"\\' or ord(c) < 0x20 for c in texts[i]), texts[i]
+    assert all(texts[i].strip(" \t\n\r") == "" for i in vocab.space.nonzero()[:, 0].tolist())
+    assert [texts[t] for t in vocab.digits] == list("0123456789")
+    tokenizer.clean_up_tokenization_spaces = True
+    cleaned = Vocabulary.from_tokenizer(tokenizer, size, set())
+    assert not any(texts[i].startswith((".", ",")) for i in cleaned.content.nonzero()[:, 0].tolist())
+    with pytest.raises(UsageError, match="single tokens") as caught:
+        Vocabulary.from_tokenizer(tokenizer, size, {vocab.digits[7]})
+    assert caught.value.field == "response_format"

@@ -46,6 +46,9 @@ class Vocabulary:
         `excluded` (MASK, EOS, special tokens) are never allowed in a slot."""
         texts = tokenizer.batch_decode([[i] for i in range(min(size, len(tokenizer)))], skip_special_tokens=True)
         special = set(getattr(tokenizer, "all_special_ids", [])) | excluded
+        # A tokenizer that cleans up spaces on decoding (" ." -> ".") would shorten strings
+        # behind minLength's back: such punctuation is kept out of string content.
+        cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         space = torch.zeros(size, dtype=torch.bool)
         content = torch.zeros(size, dtype=torch.bool)
         char = torch.zeros(size, dtype=torch.bool)
@@ -56,7 +59,7 @@ class Vocabulary:
             exact.setdefault(text, i)
             if all(c in JSON_SPACE for c in text):
                 space[i] = True
-            if not any(c in '"\\' or ord(c) < 0x20 for c in text):
+            if not any(c in '"\\' or ord(c) < 0x20 for c in text) and not (cleanup and _cleaned(text)):
                 content[i] = True
                 char[i] = len(text) == 1
         needed = [*"0123456789", "-", ".", '"', " "]
@@ -80,6 +83,13 @@ class Vocabulary:
         out = torch.zeros(self.size, dtype=torch.bool)
         out[list(tokens)] = True
         return out
+
+
+def _cleaned(text: str) -> bool:
+    """Whether decoding's space clean-up could change `text` or its junction with a space."""
+    return text.startswith((".", "?", "!", ",", "'", "n't")) or any(
+        f" {p}" in text for p in (".", "?", "!", ",", "'", "n't")
+    )
 
 
 @dataclass
