@@ -187,6 +187,12 @@ def test_the_skeleton_is_committed_and_only_values_are_decoded() -> None:
     assert out.nfe <= slots < 64
 
 
+def test_keys_and_values_that_spell_special_tokens_stay_text() -> None:
+    schema = {"type": "object", "properties": {"<|endoftext|>": {"enum": ["<|mask|>", "x"]}}}
+    out = _llm("tiny:llada").generate("x", gen_length=64, response_format=_format(schema))[0]
+    jsonschema.validate(json.loads(out.text), schema)
+
+
 def test_json_object_is_a_generic_object() -> None:
     out = _llm("tiny:dream").generate("x", gen_length=128, response_format='{"type": "json_object"}')[0]
     assert isinstance(json.loads(out.text), dict)

@@ -70,7 +70,8 @@ class Vocabulary:
             )
 
         def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            # A key or value that spells a special token ("<|endoftext|>") is text here.
+            return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
         return Vocabulary(
             size, space, content, char, [exact[d] for d in "0123456789"], exact["-"], exact["."], exact['"'], encode
