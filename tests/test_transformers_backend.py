@@ -90,8 +90,15 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     assert out.output_ids == expected.tolist()[: len(out.output_ids)]
     assert out.query_lengths[0] == len(prompt) and out.nfe == len(out.query_lengths) >= 1
     # dLLM fields a plain `generate` cannot honour are refused, not silently dropped.
-    for field in ("steps", "block_length", "threshold", "remasking", "cfg_scale"):
-        value = {"steps": 2, "block_length": 4, "threshold": 0.5, "remasking": "random", "cfg_scale": 1.0}[field]
+    refused = {
+        "steps": 2,
+        "block_length": 4,
+        "threshold": 0.5,
+        "remasking": "random",
+        "cfg_scale": 1.0,
+        "response_format": '{"type": "json_object"}',
+    }
+    for field, value in refused.items():
         with pytest.raises(Unsupported, match=f"^{field} does not apply"):
             llm.generate(prompt, gen_length=8, **{field: value})
     assert llm.engine.validate(GenerationParams(gen_length=8), len(prompt)).steps is None  # no step count applies
