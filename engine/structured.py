@@ -20,8 +20,8 @@ Rules that make a bounded, always-valid skeleton (documented in docs/structured-
 every declared property is written, in declaration order (required or optional); an array
 has `DEFAULT_ITEMS` items, clamped to [minItems, maxItems]; a string has at most
 `STRING_TOKENS` content tokens (at least `minLength`); an integer or number has at most
-`MAX_DIGITS` integer digits and `FRACTION_DIGITS` decimals; a bounded range of at most
-`ENUM_SPAN` integers is an enumeration. `json_object` is a generic object of
+`MAX_DIGITS` integer digits and `FRACTION_DIGITS` decimals; a range with both bounds is
+an enumeration of its integers (at most `ENUM_SPAN` + 1, evenly spread). `json_object` is a generic object of
 `OBJECT_KEYS` string keys with string values. A keyword dlm cannot enforce is refused with a
 `UsageError` naming it (field `response_format`), never ignored.
 """
@@ -45,7 +45,7 @@ MAX_DIGITS = 9  # integer digits of an unbounded number
 FRACTION_DIGITS = 3  # decimals of a `number`
 DEFAULT_ITEMS = 3  # items of an array, clamped to [minItems, maxItems]
 MAX_ITEMS = 64  # minItems above this is refused
-ENUM_SPAN = 64  # integer ranges at most this wide become an enumeration
+ENUM_SPAN = 64  # a range with both bounds is an enumeration of at most this many + 1 integers
 OBJECT_KEYS = 3  # pairs of a json_object
 MAX_DEPTH = 12  # nesting deeper than this is refused
 
@@ -325,9 +325,10 @@ class _Compiler:
         if lo is not None and hi is not None:
             if hi < lo:
                 raise refuse("maximum", "the range is empty for the values dlm writes")
-            if hi - lo <= ENUM_SPAN:
-                self.choice(list(range(lo, hi + 1)))
-                return
+            # A bounded range: its integers, or ENUM_SPAN + 1 of them evenly spread over it.
+            step = max(1, -(-(hi - lo) // ENUM_SPAN))
+            self.choice(sorted({*range(lo, hi + 1, step), hi}))
+            return
         positive = _side(max(lo, 0) if lo is not None else 0, hi, not integer) if hi is None or hi >= 0 else None
         negative = None
         if lo is None or lo <= -1:

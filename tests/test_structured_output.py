@@ -38,7 +38,7 @@ def _bounded(draw: st.DrawFn, kind: str) -> dict[str, Any]:
         key = draw(st.sampled_from(["minimum", "exclusiveMinimum"]))
         schema[key] = low if kind == "integer" else low / 2
     if span is not None:
-        top = (low if low is not None else 0) + span + (2 if "exclusiveMinimum" in schema else 0)
+        top = (low if low is not None else 0) + span + 2  # never empty, exclusive bounds included
         key = draw(st.sampled_from(["maximum", "exclusiveMaximum"]))
         schema[key] = top if kind == "integer" else top / 2 + 1
     return schema
@@ -274,3 +274,48 @@ def test_the_vocabulary_keeps_string_content_clean() -> None:
     with pytest.raises(UsageError, match="single tokens") as caught:
         Vocabulary.from_tokenizer(tokenizer, size, {vocab.digits[7]})
     assert caught.value.field == "response_format"
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(SCHEMAS, st.randoms(use_true_random=False))
+def test_any_choice_within_the_masks_validates(schema: dict[str, Any], rng: Any) -> None:
+    """The masks alone guarantee the answer, whatever a model would prefer: open positions
+    decided in random subsets, each to a random allowed token (no model, the shipped
+    tokenizer), still parse and validate."""
+    import torch
+
+    from engine.decoding.constrain import Vocabulary, layout
+    from engine.tiny_models import special_ids, tokenizer_assets
+
+    tokenizer = _tokenizer(tokenizer_assets())
+    _, mask, eos = special_ids()
+    vocab = _vocabulary(tokenizer_assets())
+    skeleton = compile_response_format(_format(schema))
+    assert skeleton is not None and isinstance(vocab, Vocabulary)
+    prompt = [10, 11, 12]
+    answer, constraint = layout(skeleton, vocab, GEN_LENGTH, mask, eos, len(prompt))
+    canvas = torch.tensor(prompt + answer)
+    while bool((canvas == mask).any()):
+        open_ = constraint.open_positions(canvas, (canvas == mask).nonzero()[:, 0]).tolist()
+        chosen = rng.sample(open_, rng.randint(1, len(open_)))
+        for position, row in zip(chosen, constraint.allowed(canvas, torch.tensor(chosen))):
+            canvas[position] = rng.choice(row.nonzero()[:, 0].tolist())
+    ids = canvas[len(prompt) :].tolist()
+    text = tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@cache
+def _tokenizer(path: Any) -> Any:
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+@cache
+def _vocabulary(path: Any) -> Any:
+    from engine.decoding.constrain import Vocabulary
+    from engine.tiny_models import special_ids
+
+    size, mask, eos = special_ids()
+    return Vocabulary.from_tokenizer(_tokenizer(path), size, {mask, eos})

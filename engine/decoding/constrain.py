@@ -189,9 +189,10 @@ def _number_next(slot: NumberSlot, done: list[int], v: Vocabulary) -> tuple[set[
     if body == [v.digits[0]]:  # a lone zero: no more integer digits
         return ({v.point} if side.fraction else set()), True
     out = set(v.digits) if len(body) < side.max_digits else set()
-    if side.fraction:
+    whole = len(body) >= side.min_digits  # the integer part already keeps the lower bound
+    if side.fraction and whole:
         out.add(v.point)
-    return out, len(body) >= side.min_digits
+    return out, whole
 
 
 def _first_digits(side: NumberSide, v: Vocabulary) -> set[int]:
