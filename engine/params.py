@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.errors import Unsupported, UsageError
 from engine.registry import FAMILIES, Family
-from engine.structured import compile_response_format, supported
+from engine.structured import FIELD, compile_response_format, supported
 
 REMASKING = ("low_confidence", "random")
 CACHES = ("auto", "none", "prefix", "dual", "block")
@@ -386,8 +386,6 @@ def _validate_structured(p: ResolvedParams, family: Family, fixed_block: int | N
     """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
     family decodes a canvas whose later positions are already committed: bidirectional
     attention, no fixed block, and not Dream's cached first-token rule."""
-    from engine.structured import FIELD
-
     if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
         return
     if not supported(family, fixed_block):

@@ -170,6 +170,7 @@ class Service:
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
             llm.engine.on_failure(engine.fail)
             log.info("tensor parallel: %d ranks ready", ranks)
+        _prepare_structured(llm, tokenizer)
         if warmup:
             log.info("warming up (one request through the engine before /ready)")
             engine.warmup()
@@ -398,6 +399,22 @@ class Service:
             line["prompt"] = job.prompt_text
             line["output"] = job.output_text
         request_log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
+    """Classify the vocabulary for response formats now, on the loading thread, rather than
+    on the event loop at the first structured request (seconds for a large vocabulary)."""
+    from engine.runtime.engine import LLMEngine
+    from engine.structured import supported
+
+    engine = llm.engine
+    if not isinstance(engine, LLMEngine) or engine.loaded.model_dir is None or tokenizer is None:
+        return  # tensor parallel: built at the first structured request; the generate path refuses them
+    if supported(engine.family, engine.runner.fixed_block):
+        try:
+            engine.vocabulary()
+        except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
+            log.info("structured output unavailable: %s", exc)
 
 
 def _prompt_param(job: Job) -> str:

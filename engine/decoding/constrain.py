@@ -49,16 +49,13 @@ class Vocabulary:
         # A tokenizer that cleans up spaces on decoding (" ." -> ".") would shorten strings
         # behind minLength's back: such punctuation is kept out of string content.
         cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-        space = torch.zeros(size, dtype=torch.bool)
-        content = torch.zeros(size, dtype=torch.bool)
-        char = torch.zeros(size, dtype=torch.bool)
+        space, content, char = [False] * size, [False] * size, [False] * size
         exact: dict[str, int] = {}
         for i, text in enumerate(texts):
             if i in special or not text or "\ufffd" in text:
                 continue
             exact.setdefault(text, i)
-            if all(c in JSON_SPACE for c in text):
-                space[i] = True
+            space[i] = all(c in JSON_SPACE for c in text)
             if not any(c in '"\\' or ord(c) < 0x20 for c in text) and not (cleanup and _cleaned(text)):
                 content[i] = True
                 char[i] = len(text) == 1
@@ -73,9 +70,9 @@ class Vocabulary:
             # A key or value that spells a special token ("<|endoftext|>") is text here.
             return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
-        return Vocabulary(
-            size, space, content, char, [exact[d] for d in "0123456789"], exact["-"], exact["."], exact['"'], encode
-        )
+        digits = [exact[d] for d in "0123456789"]
+        space_t, content_t, char_t = torch.tensor(space), torch.tensor(content), torch.tensor(char)
+        return Vocabulary(size, space_t, content_t, char_t, digits, exact["-"], exact["."], exact['"'], encode)
 
     def ids(self, tokens: set[int] | torch.Tensor) -> torch.Tensor:
         """A bool vector over the vocabulary: `tokens` as ids, or already a vector."""
