@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import UsageError
+from engine.errors import Unsupported, UsageError
 from engine.structured import FIELD, FRACTION_DIGITS, EnumSlot, Literal, NumberSide, NumberSlot, Skeleton, StringSlot
 
 JSON_SPACE = frozenset(" \t\n\r")
@@ -62,13 +62,25 @@ class Vocabulary:
         needed = [*"0123456789", "-", ".", '"', " "]
         absent = [t for t in needed if t not in exact]
         if absent:
-            raise UsageError(
+            raise Unsupported(
                 f"response_format needs single tokens for {absent!r}, which this tokenizer lacks", field=FIELD
             )
 
         def encode(text: str) -> list[int]:
             # A key or value that spells a special token ("<|endoftext|>") is text here.
             return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+        # The answer's text must be its tokens' texts put end to end (byte-level BPE): a
+        # tokenizer that joins tokens with spaces (WordPiece) would change keys and values.
+        pieces = ['{"key": "', "va", "lue", '", "n": ', "-", "1", "2", ".", "5", " ", "]}"]
+        ids = [t for piece in pieces for t in encode(piece)] + [exact[" "], exact['"'], exact["7"]]
+        expected = "".join(pieces) + ' "7'
+        if tokenizer.decode(ids, skip_special_tokens=True) != expected:
+            raise Unsupported(
+                "response_format needs a tokenizer whose text is its tokens' texts end to end "
+                "(byte-level BPE); this one joins or rewrites them",
+                field=FIELD,
+            )
 
         digits = [exact[d] for d in "0123456789"]
         space_t, content_t, char_t = torch.tensor(space), torch.tensor(content), torch.tensor(char)

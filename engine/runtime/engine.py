@@ -110,7 +110,7 @@ class LLMEngine(Engine):
         self.family = family_named(loaded.config.family)
         self.runner = self.make_runner()
         self._running: list[RequestState] = []
-        self._vocabulary: Vocabulary | None = None
+        self._vocabulary: Vocabulary | Unsupported | None = None
 
     def make_runner(self) -> Runner:
         """Block-causal families (exact KV cache, AR mode) have their own runner."""
@@ -166,7 +166,10 @@ class LLMEngine(Engine):
 
     def vocabulary(self) -> Vocabulary:
         """The token classes response formats are decoded under, built on first use from
-        the checkpoint's tokenizer (every tensor-parallel rank builds the same)."""
+        the checkpoint's tokenizer (every tensor-parallel rank builds the same); a tokenizer
+        that cannot carry them is refused once and remembered."""
+        if isinstance(self._vocabulary, Unsupported):
+            raise self._vocabulary
         if self._vocabulary is None:
             from engine.tokenizer import has_tokenizer, load_tokenizer
 
@@ -177,7 +180,11 @@ class LLMEngine(Engine):
                 )
             config = self.config
             excluded = {config.mask_token_id} | ({config.eos_token_id} if config.eos_token_id is not None else set())
-            self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
+            try:
+                self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
+            except Unsupported as exc:
+                self._vocabulary = exc
+                raise
         return self._vocabulary
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
