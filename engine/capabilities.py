@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.errors import Unsupported
 from engine.registry import Family
+from engine.structured import supported as decodes_skeletons
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,17 @@ CAPABILITIES: tuple[Capability, ...] = (
         "whose probability could be reported",
     ),
     Capability("n", "several seeded samples per prompt (seeds seed, seed+1, ...)", _always),
+    Capability(
+        "response_format",
+        "schema-shaped JSON: the schema's skeleton laid on the canvas, typed value slots decoded",
+        decodes_skeletons,
+        "the model does not attend to a skeleton laid ahead of the position being decoded",
+    ),
+    Capability(
+        "include_canvas",
+        "canvas streaming (stream_options.include_canvas): committed and provisional positions each step",
+        _always,
+    ),
 )
 BY_NAME = {c.name: c for c in CAPABILITIES}
 

@@ -129,7 +129,10 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Decode one prompt or a list of prompts (text or token ids) together. `suffix`
         (text or ids) is infilled after the answer; `n` samples per prompt come back prompt
-        by prompt (`GenerationOutput.index`)."""
+        by prompt (`GenerationOutput.index`). `on_step` is called after every denoising step
+        with the sequences; `seq.canvas_view()` is the canvas then (committed, provisional and
+        masked positions), as the server streams it to clients that ask (docs/serve.md,
+        "Canvas streaming")."""
         batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.capabilities import require
-from engine.errors import UsageError
+from engine.errors import Unsupported, UsageError
 from engine.registry import FAMILIES, Family
+from engine.structured import FIELD, compile_response_format
 
 P = TypeVar("P", bound="GenerationParams")
 
@@ -287,6 +288,13 @@ class GenerationParams:
         low=0,
         low_open=True,
     )
+    response_format: str | None = _param(
+        None,
+        "Answer as JSON: an OpenAI response_format object as JSON text, "
+        '\'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\'. '
+        "The schema's skeleton is laid on the canvas and only its values are decoded (bidirectional families; "
+        "docs/structured-output.md).",
+    )
     # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
     # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.
     max_steps: int | None = _param(
@@ -353,6 +361,8 @@ class GenerationParams:
         _validate_sampler(p, family)
         if p.drafts:
             _validate_drafts(p, family, fixed_block)
+        if p.response_format is not None:
+            _validate_structured(p, family)
         if p.mode != "diffusion" and not family.block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
         if p.suffix:
@@ -423,6 +433,10 @@ class GenerationParams:
         if alg == "confidence_threshold" and cache == "none":
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
             # threshold, committing at least one per forward: a block's length bounds it.
+            per_block = max(per_block, block)
+        if compile_response_format(self.response_format) is not None:
+            # Value slots are written left to right, at least one token per step: a block
+            # may take one forward per position when its share of the steps is smaller.
             per_block = max(per_block, block)
         if self.edits:
             # Draft-and-edit: the preset fills what is not given; a block takes at most
@@ -597,6 +611,25 @@ def _validate_drafts(p: ResolvedParams, family: Family, fixed_block: int | None)
             "drafts (lossless multi-token steps) need the deterministic rules: temperature 0, "
             "low_confidence remasking, no classifier-free guidance",
             field="drafts",
+        )
+
+
+def _validate_structured(p: ResolvedParams, family: Family) -> None:
+    """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
+    family decodes a canvas whose later positions are already committed: bidirectional
+    attention, no fixed block, and not Dream's cached first-token rule."""
+    if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
+        return
+    if p.suffix:
+        raise Unsupported(
+            "response_format and suffix cannot be combined: the skeleton fills the answer", field="suffix"
+        )
+    require(family, FIELD)  # bidirectional families only (engine/capabilities.py)
+    if family.sampler == "dream" and p.cache != "none":
+        raise Unsupported(
+            "response_format with Dream's cached decoding is not supported (its first step of each block "
+            "commits the block's first position, which may be a fixed skeleton token); use cache none",
+            field="cache",
         )
 
 

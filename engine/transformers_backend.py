@@ -200,7 +200,10 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
 # dlm's decoding fields a model's own `diffusion_generate` may take, under these names.
 DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
-DLM_FIELDS = ("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs", "stop_token_ids", "drafts")
+DLM_FIELDS = (
+    *("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs", "stop_token_ids", "drafts"),
+    "response_format",
+)
 _DEFAULTS = GenerationParams()
 
 
@@ -313,8 +316,9 @@ class GenerateMethodEngine(LLMEngine):
 
     @property
     def capabilities(self) -> tuple[str, ...]:
-        """Only what needs nothing of the method: `n` is n calls with their seeds."""
-        return tuple(c for c in super().capabilities if c not in DLM_FIELDS)
+        """Only what needs nothing of the method: `n` is n calls with their seeds (no canvas
+        to stream either: the method returns its answer whole)."""
+        return tuple(c for c in super().capabilities if c not in (*DLM_FIELDS, "include_canvas"))
 
     def make_runner(self) -> GenerateMethodRunner:
         return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)
@@ -353,7 +357,7 @@ def load_transformers_engine(
     except (DlmError, TypeError, ValueError, RuntimeError):  # its forward does not take our inputs
         usable = False
     if usable:
-        return ForwardEngine(LoadedModel(config, adapter, dtype, device))
+        return ForwardEngine(LoadedModel(config, adapter, dtype, device, Path(model_dir)))
     if not callable(getattr(hf_model, "diffusion_generate", None)) and not callable(
         getattr(hf_model, "generate", None)
     ):

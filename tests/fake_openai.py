@@ -85,6 +85,8 @@ def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
         raise Invalid("unknown remasking")
     if body.get("cache", "none") not in ("none", "prefix", "dual", "block"):
         raise Invalid("unknown cache")
+    if body.get("response_format") not in (None, {"type": "text"}):  # as a server without structured output
+        raise Invalid("response_format is not supported", param="response_format", code="unsupported")
     if b.refuses_dllm is not None:
         for name in ("steps", "block_length", "threshold"):
             if body.get(name) is not None:

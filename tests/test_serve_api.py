@@ -303,7 +303,7 @@ def test_completion_error_paths(
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools.0.function"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_tokens"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
             400,
             "response_format",
         ),

@@ -94,6 +94,7 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     given: dict[str, Any] = {"steps": 2, "block_length": 4, "threshold": 0.5, "remasking": "random", "cfg_scale": 1.0}
     given.update(suffix=(1, 2), logprobs=1)  # nor can it infill or report committing-step logprobs
     given["stop_token_ids"] = [3]  # dlm's own stop rules: the method knows only its EOS
+    given["response_format"] = '{"type": "json_object"}'
     assert llm.engine.capabilities == ("n",)
     for field, value in given.items():
         with pytest.raises(Unsupported, match=f"^{field} does not apply"):

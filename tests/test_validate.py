@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from dlm_cli.checks.capabilities import PROBES
 from dlm_cli.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
 from dlm_cli.checks.validate import run_validation
 from dlm_cli.client.metrics import missing_metrics, parse_samples
@@ -38,7 +39,7 @@ def test_conforming_server_passes_every_check() -> None:
     assert failed(results) == set(), {n: r.detail for n, r in results.items() if r.status == FAILED}
     # Without keys on the server there is nothing to check for missing or wrong keys; it
     # advertises no capabilities (tests/test_serve_infill_logprobs_n.py checks dlm's own).
-    capabilities = {"capabilities", "capability_suffix", "capability_logprobs", "capability_n"}
+    capabilities = {"capabilities"} | {f"capability_{name}" for name in PROBES}
     assert {n for n, r in results.items() if r.status == SKIPPED} == {"missing_key", "wrong_key"} | capabilities
     assert "steps=2 -> 2" in results["steps"].detail
     assert "block_length=4 -> 4 steps, 8 -> 2 steps" in results["block_length"].detail
@@ -73,6 +74,7 @@ MISBEHAVIOURS = {
     "no /metrics": (Behaviour(metrics=False), {"metrics"}),
     "ignores dLLM fields": (Behaviour(ignores_dllm=True), {"steps", "threshold", "block_length"}),
     "refuses dLLM fields as invalid": (Behaviour(refuses_dllm="invalid_value"), {"steps", "threshold", "block_length"}),
+    # its refusal of response_format crashes too: a 500, never a skip
     "500 on invalid input": (Behaviour(lax_validation=True), {"invalid_params"}),
     "context too small": (Behaviour(accepted_context=64), {"context_window"}),
     "accepts over-long prompts": (Behaviour(max_model_len=256, accepted_context=100_000), {"overlong_prompt"}),

@@ -23,6 +23,23 @@ def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
+    """Decode, printing the canvas (of the first sample) after every denoising step as one
+    JSON line on stdout (the shape of the server's canvas events, docs/serve.md)."""
+    import json
+
+    from engine.runtime.request import canvas_json
+    from engine.tokenizer import has_tokenizer
+
+    text = (lambda token: llm.tokenizer.decode([token])) if has_tokenizer(llm.model_dir) else None
+
+    def on_step(seqs) -> None:  # noqa: ANN001
+        seq = seqs[0]
+        typer.echo(json.dumps({"canvas": canvas_json(seq.nfe, seq.canvas_view(), text)}, ensure_ascii=False))
+
+    return llm.generate(prompt_tokens, params, on_step=on_step)
+
+
 def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
     """Decode (the `n` samples) with a progress bar of committed tokens on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -111,6 +128,7 @@ def generate(
     max_temperature: float | None = dp.option("max_temperature"),
     stability_threshold: int | None = dp.option("stability_threshold"),
     confidence_threshold: float | None = dp.option("confidence_threshold"),
+    response_format: str | None = dp.option("response_format"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     backend: str = typer.Option(
@@ -126,6 +144,12 @@ def generate(
     master_port: int | None = tp.MASTER_PORT,
     moe_parallel: str | None = tp.MOE_PARALLEL,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+    canvas: bool = typer.Option(
+        False,
+        "--canvas",
+        help="Print the canvas after every denoising step (committed, provisional and masked positions) "
+        "as JSON lines on stdout before the result.",
+    ),
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
     with cli_errors():
@@ -177,7 +201,8 @@ def generate(
             if suffix_text:
                 params = replace(params, suffix=tuple(llm.encode(suffix_text)))
             resolved = llm.engine.validate(params, len(prompt_tokens))
-            outs = _generate_with_progress(llm, prompt_tokens, resolved)
+            decode = _generate_with_canvas if canvas else _generate_with_progress
+            outs = decode(llm, prompt_tokens, resolved)
             out = outs[0]
             if json_out:
                 emit_json(

@@ -21,7 +21,7 @@ from dlm_cli.server import errors, heap
 from dlm_cli.server.admin import AdminEndpoint
 from dlm_cli.server.body import read_body
 from dlm_cli.server.config import ServeConfig
-from dlm_cli.server.errors import APIError
+from dlm_cli.server.errors import APIError, bad_request
 from dlm_cli.server.generation import Responder
 from dlm_cli.server.prepare import Preparer
 from dlm_cli.server.protocol import ChatRequest, CompletionRequest
@@ -160,6 +160,9 @@ def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
     job.stops = body.stop_strings()
     job.stream = body.stream
     job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
+    if job.include_canvas and not body.stream:
+        raise bad_request("stream_options.include_canvas needs stream: true", param="stream_options")
     job.return_token_ids = body.return_token_ids
 
 

@@ -4,7 +4,9 @@ A request with `n` choices runs as n engine streams (seeds seed, seed+1, ...), a
 one body whose choices are indexed 0..n-1, or one event stream whose chunks carry their
 choice's index. Streaming sends the committed left-to-right prefix: a dLLM commits tokens anywhere in its
 block, but text before the first MASK can no longer change, so each step that extends it
-becomes one delta, and every OpenAI client can read the stream. When the client leaves
+becomes one delta, and every OpenAI client can read the stream. A client that opts in
+(`stream_options.include_canvas`) also gets one canvas event per denoising step, beside
+the same deltas. When the client leaves
 (connection closed), the request is cancelled and leaves the batch before the next step.
 """
 
@@ -25,6 +27,7 @@ from dlm_cli.server.logprobs import chat_logprobs, completion_logprobs
 from dlm_cli.server.service import Job, Service
 from dlm_cli.server.tools import parse_tool_calls, streamable
 from engine.runtime.async_engine import RequestOutput, RequestStream
+from engine.runtime.request import canvas_json
 
 # How the engine's non-success finish reasons reach the client.
 _FAILURES = {
@@ -234,6 +237,16 @@ class Responder:
             for task in pumps:
                 task.cancel()
 
+    def _canvas(self, choice: Choice, out: RequestOutput) -> str:
+        """A canvas event (opt-in: stream_options.include_canvas) of one choice: every answer
+        position after this step, committed, provisional (the step's proposal, not yet
+        committed) or masked, each with its token's text. Documented in docs/serve.md."""
+        assert out.canvas is not None
+        text = None if self.served.tokenizer is None else self.served.token_text
+        kind = "chat.completion.canvas" if self.chat else "text_completion.canvas"
+        canvas = {"index": choice.index, **canvas_json(out.nfe, out.canvas, text)}
+        return _sse({**self._head(), "object": kind, "canvas": canvas})
+
     async def _events(self) -> AsyncIterator[str]:
         completed = False
         first_token = False
@@ -247,6 +260,8 @@ class Responder:
                     yield self._chunk(choice, self.job.echo)
             async for choice, out in self._outputs():
                 text, stopped = self.text(choice, out)
+                if out.canvas is not None and out.error is None:
+                    yield self._canvas(choice, out)
                 if not out.finished:
                     visible = text.rstrip("\ufffd")  # a partial UTF-8 character waits for its bytes
                     if self.job.tools:

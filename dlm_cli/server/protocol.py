@@ -67,6 +67,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # dlm: also send the canvas (committed, provisional and masked positions) after every
+    # denoising step, as `*.canvas` events (docs/serve.md, "Canvas streaming").
+    include_canvas: StrictBool = False
 
 
 class DiffusionFields(_Body):
@@ -106,6 +109,8 @@ class DiffusionFields(_Body):
     seed: int | None = _param("seed")
     max_tokens: int | None = _param("max_tokens")
     n: int | None = _param("n")
+    # Structured output: an OpenAI response_format object (GenerationParams takes its JSON text).
+    response_format: dict[str, Any] | None = _param("response_format")
 
 
 class GenerationRequest(DiffusionFields):
@@ -237,15 +242,12 @@ class ChatRequest(GenerationRequest):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.tool_choice, dict):
             return "tool_choice", "forcing a specific tool is not supported; use auto or none"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "structured output (json_object, json_schema) is not supported"
         return super().unsupported()
 
     def top_logprobs_count(self) -> int | None:

@@ -58,6 +58,7 @@ class Job:
     tools: bool = False
     stream: bool = False
     include_usage: bool = False
+    include_canvas: bool = False  # stream_options.include_canvas: canvas events after every step
     return_token_ids: bool = False
     echo: str | None = None  # completions with `echo`: the prompt's text, sent before the answer
     status: int = 200
@@ -184,6 +185,7 @@ class Service:
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
             llm.engine.on_failure(engine.fail)
             log.info("tensor parallel: %d ranks ready", ranks)
+        _prepare_structured(llm, tokenizer)
         if warmup:
             log.info("warming up (one request through the engine before /ready)")
             engine.warmup()
@@ -315,6 +317,9 @@ class Service:
                 param="max_tokens",
             )
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
+        response_format = given.pop("response_format", None)
+        if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
+            given["response_format"] = json.dumps(response_format, ensure_ascii=False)
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
         given.update(gen_length=gen, suffix=job.suffix_ids)
@@ -356,6 +361,7 @@ class Service:
                         sample,
                         timeout=self.config.request_timeout,
                         updates=job.stream or bool(job.stops),
+                        canvas=job.include_canvas,
                     )
                 )
         except (QueueFull, Draining, EngineFailed, UsageError) as exc:
@@ -413,6 +419,22 @@ class Service:
             line["prompt"] = job.prompt_text
             line["output"] = job.output_text
         request_log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
+    """Classify the vocabulary for response formats now, on the loading thread, rather than
+    on the event loop at the first structured request (seconds for a large vocabulary)."""
+    from engine.runtime.engine import LLMEngine
+    from engine.structured import supported
+
+    engine = llm.engine
+    if not isinstance(engine, LLMEngine) or engine.loaded.model_dir is None or tokenizer is None:
+        return  # tensor parallel: built at the first structured request; the generate path refuses them
+    if supported(engine.family):
+        try:
+            engine.vocabulary()
+        except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
+            log.info("structured output unavailable: %s", exc)
 
 
 def _prompt_param(job: Job) -> str:

@@ -20,13 +20,28 @@ from kernels.token_stats import TokenStats, VocabShard
 
 
 def token_stats(
-    seq: Sequence, hidden: torch.Tensor, weight: torch.Tensor, shard: VocabShard | None = None
+    seq: Sequence,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    shard: VocabShard | None = None,
+    positions: torch.Tensor | None = None,
 ) -> TokenStats:
-    """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d]. The MASK
-    token is never proposed: committing it would leave the position masked forever (the
-    references loop or leave MASKs in the output there; real checkpoints never rank it first).
-    `shard`: `weight` is this rank's vocabulary range (tensor parallelism)."""
+    """LM head + the softmax statistics `seq`'s rule needs, for hidden rows [N, d] (the
+    canvas `positions` being decided). The MASK token is never proposed: committing it
+    would leave the position masked forever (the references loop or leave MASKs in the
+    output there; real checkpoints never rank it first). `shard`: `weight` is this rank's
+    vocabulary range (tensor parallelism). With a response format, each row's distribution
+    is restricted to the tokens its slot allows (engine/decoding/constrain.py) and
+    renormalised: the decided rows' logits are materialised, never the whole canvas's."""
     p, mask = seq.params, seq.mask_id
+    if seq.constraint is not None:
+        assert positions is not None, "a constrained sequence's rows need their positions"
+        logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
+        allowed = seq.constraint.allowed(seq.canvas, positions.cpu()).to(logits.device)
+        logits = logits.float().masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
+        return filtered_stats(
+            logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, generator=seq.generator, exclude_token=mask
+        )
     if seq.sampler != "dream":
         return dispatch.token_stats(
             hidden, weight, temperature=p.temperature, generator=seq.generator, exclude_token=mask, shard=shard
@@ -66,6 +81,11 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
             chosen = dream.choose(params, step, stats, seq.generator, seq.quota())
     else:
         chosen = llada_rule(params, step, seq.schedule, confidence(params, stats, seq.generator).cpu())
+    if seq.constraint is not None and chosen.numel() == 0 and positions.numel() > 0:
+        # A response format's slots are written left to right, so a step commits at least
+        # one value token whatever Dream's timestep rule says: the forwards stay bounded by
+        # the slots' tokens (`ResolvedParams.max_forwards`).
+        chosen = top_k(stats.prob.cpu(), 1)
     require_progress(seq, positions, chosen)
     return positions[chosen], stats.token.cpu()[chosen]
 

@@ -57,6 +57,7 @@ class RequestOutput:
     output_ids: list[int] | None = None  # the whole generated canvas, on the final output
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # of `prefix_ids`, when the request asks for them
+    canvas: list[tuple[int | None, str]] | None = None  # RequestState.canvas_view(), when asked for
 
     @property
     def finished(self) -> bool:
@@ -70,6 +71,7 @@ class RequestStream:
     request: ScheduledRequest
     wants_updates: bool
     loop: asyncio.AbstractEventLoop
+    wants_canvas: bool = False  # a snapshot of the canvas after every step
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished_at: float | None = None
     last_prefix: int = -1  # length of the last prefix sent (loop-thread side)
@@ -198,10 +200,12 @@ class AsyncEngine:
         *,
         timeout: float | None,
         updates: bool = False,
+        canvas: bool = False,
     ) -> RequestStream:
         """Validate and queue a request (UsageError on bad input, QueueFull, Draining).
 
-        With `updates`, every step that extends the committed prefix posts a snapshot.
+        With `updates`, every step that extends the committed prefix posts a snapshot; with
+        `canvas`, every step posts one carrying the canvas (`RequestOutput.canvas`).
         """
         if self.failure is not None:
             raise EngineFailed(self.failure)
@@ -211,7 +215,7 @@ class AsyncEngine:
         seq = self.engine.make_sequence(prompt_ids, params)
         now = time.monotonic()
         request = ScheduledRequest(request_id, seq, now, now + timeout if timeout else None)
-        stream = RequestStream(request, updates, asyncio.get_running_loop())
+        stream = RequestStream(request, updates, asyncio.get_running_loop(), wants_canvas=canvas)
         request.context = stream
         with self._cv:
             self.scheduler.add(request)
@@ -264,6 +268,7 @@ class AsyncEngine:
                 output_ids=seq.output_ids,
                 error=error,
                 logprobs=seq.token_logprobs(seq.committed_prefix),
+                canvas=seq.canvas_view() if stream.wants_canvas else None,
             )
         )
 
@@ -324,7 +329,12 @@ class AsyncEngine:
             for request in batch:
                 seq, stream = request.seq, request.context
                 prefix = seq.committed_prefix
-                if stream.wants_updates and not seq.finished and len(prefix) > stream.last_prefix:
+                if seq.finished:
+                    continue
+                if stream.wants_canvas:  # one per step, whether or not the prefix grew
+                    stream.last_prefix = len(prefix)
+                    stream.post(RequestOutput(request.request_id, prefix, seq.nfe, canvas=seq.canvas_view()))
+                elif stream.wants_updates and len(prefix) > stream.last_prefix:
                     stream.last_prefix = len(prefix)
                     stream.post(RequestOutput(request.request_id, prefix, seq.nfe, logprobs=seq.token_logprobs(prefix)))
             for request in self.scheduler.reap():

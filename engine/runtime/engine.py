@@ -15,7 +15,8 @@ import torch
 
 from engine.capabilities import supported
 from engine.config import ModelConfig, load_config
-from engine.errors import UsageError
+from engine.decoding.constrain import Vocabulary, layout
+from engine.errors import Unsupported, UsageError
 from engine.family_rules import validate
 from engine.layers.linear import lm_head_shard
 from engine.loader import load_weights
@@ -26,7 +27,9 @@ from engine.runtime.interface import Engine, Runner
 from engine.runtime.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.runtime.request import RequestState
 from engine.runtime.runner import MIN_ROWS, ModelRunner
+from engine.runtime.sequence import Sequence
 from engine.runtime.step_graphs import ShapeBuckets, StepGraphs, graph_mode
+from engine.structured import FIELD, compile_response_format
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -51,6 +54,7 @@ class LoadedModel:
     model: torch.nn.Module
     dtype: torch.dtype
     device: torch.device
+    model_dir: Path | None = None  # where its tokenizer is, for response formats
 
 
 def build_on_meta(config: ModelConfig) -> torch.nn.Module:
@@ -76,7 +80,7 @@ def load_model(
     config = load_config(model_dir)
     model = build_on_meta(config)
     load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
-    return LoadedModel(config, model.eval(), dtype, device)
+    return LoadedModel(config, model.eval(), dtype, device, model_dir)
 
 
 def load_engine(
@@ -110,6 +114,7 @@ class LLMEngine(Engine):
         self.family = family_named(loaded.config.family)
         self.runner = self.make_runner()
         self._running: list[RequestState] = []
+        self._vocabulary: Vocabulary | Unsupported | None = None
 
     def make_runner(self) -> Runner:
         """Block-causal families (exact KV cache, AR mode) have their own runner."""
@@ -142,12 +147,48 @@ class LLMEngine(Engine):
         self.check_prompt(prompt_ids)
         self.check_prompt(list(resolved.suffix), "suffix")
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        skeleton = compile_response_format(resolved.response_format)
+        if skeleton is not None:
+            if not isinstance(seq, Sequence):
+                raise Unsupported("response_format is not available on this decoding path", field=FIELD)
+            answer, constraint = layout(
+                skeleton,
+                self.vocabulary(),
+                resolved.gen_length,
+                self.config.mask_token_id,
+                self.config.eos_token_id,
+                len(prompt_ids),
+            )
+            seq.lay(answer, constraint)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq
 
     def add(self, seq: RequestState) -> None:
         self._running.append(seq)
+
+    def vocabulary(self) -> Vocabulary:
+        """The token classes response formats are decoded under, built on first use from
+        the checkpoint's tokenizer (every tensor-parallel rank builds the same); a tokenizer
+        that cannot carry them is refused once and remembered."""
+        if isinstance(self._vocabulary, Unsupported):
+            raise self._vocabulary
+        if self._vocabulary is None:
+            from engine.tokenizer import has_tokenizer, load_tokenizer
+
+            model_dir = self.loaded.model_dir
+            if model_dir is None or not has_tokenizer(model_dir):
+                raise Unsupported(
+                    "response_format needs the checkpoint's tokenizer, which this model lacks", field=FIELD
+                )
+            config = self.config
+            excluded = {config.mask_token_id} | ({config.eos_token_id} if config.eos_token_id is not None else set())
+            try:
+                self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
+            except Unsupported as exc:
+                self._vocabulary = exc
+                raise
+        return self._vocabulary
 
     def check_prompt(self, prompt_ids: list[int], field: str = "prompt") -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]

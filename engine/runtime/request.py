@@ -14,12 +14,13 @@ sequence's own rule, never by a caller: so the same request spends the same forw
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from engine.decoding.constrain import Constraint
 from engine.decoding.logprobs import LogprobRecord, TokenLogprob
 from engine.params import ResolvedParams
 from kernels.token_stats import VocabShard
@@ -39,6 +40,10 @@ class RequestState:
     query_lengths: list[int] = field(default_factory=list)  # tokens fed to each forward
     finish_reason: str | None = None  # stop, length, or the caller's reason (abort, timeout, ...)
     generator: torch.Generator | None = None  # set by the engine on its device when seeded
+    # A response format's token masks (engine/decoding/constrain.py), laid on by the engine.
+    constraint: Constraint | None = field(default=None, repr=False)
+    # The latest step's proposals at positions it left MASK: canvas position -> token id.
+    provisional: dict[int, int] = field(default_factory=dict, repr=False)
     canvas: torch.Tensor = field(init=False, repr=False)
     logprob_record: LogprobRecord | None = field(default=None, init=False, repr=False)  # when asked for
 
@@ -128,6 +133,27 @@ class RequestState:
         receives it (what follows is filler)."""
         return completion(self.committed_prefix, self.stop_ids)
 
+    def propose(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record a step's proposals (before its commit): what canvas streaming shows as
+        provisional at the positions the step leaves MASK."""
+        self.provisional = dict(zip(positions.tolist(), tokens.cpu().tolist(), strict=True))
+
+    def canvas_view(self) -> list[tuple[int | None, str]]:
+        """Every answer position as (token id, state): "committed", "provisional" (the
+        latest step's proposal for a position still MASK) or "masked" (token None).
+        Cut after the first committed EOS: the rest is filler."""
+        view: list[tuple[int | None, str]] = []
+        for i, token in enumerate(self.output_ids):
+            if token != self.mask_id:
+                view.append((token, "committed"))
+                if token == self.eos_id and all(state == "committed" for _, state in view):
+                    break
+            elif self.prompt_length + i in self.provisional:
+                view.append((self.provisional[self.prompt_length + i], "provisional"))
+            else:
+                view.append((None, "masked"))
+        return view
+
     @property
     def output_ids(self) -> list[int]:
         """Every answer position (generated ids only; MASK where nothing was committed)."""
@@ -155,3 +181,14 @@ def narrow(seq: RequestState, kind: type[S]) -> S:
     if not isinstance(seq, kind):
         raise TypeError(f"a {kind.__name__} was expected, got a {type(seq).__name__}")
     return seq
+
+
+def canvas_json(step: int, view: list[tuple[int | None, str]], text: Callable[[int], str] | None) -> dict[str, Any]:
+    """A canvas snapshot (`RequestState.canvas_view()`) as the server's canvas events and
+    `dlm generate --canvas` print it: `{"step", "tokens": [{"id", "text", "state"}]}`
+    (`text` None without a tokenizer, and at masked positions)."""
+    tokens = [
+        {"id": token, "text": None if token is None or text is None else text(token), "state": state}
+        for token, state in view
+    ]
+    return {"step": step, "tokens": tokens}

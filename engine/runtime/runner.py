@@ -58,7 +58,7 @@ class _Forwarded:
 
     def stats(self, seq: Sequence, row: int) -> TokenStats:
         """The statistics a step is decided from (noting their logprobs when asked for)."""
-        stats = token_stats(seq, self.hidden[row], self.weight, self.shard)
+        stats = token_stats(seq, self.hidden[row], self.weight, self.shard, self.positions[row])
         positions = self.positions[row].to(stats.token.device)
         seq.note_logprobs(positions, self.hidden[row], self.weight, stats.token, self.shard)
         return stats
@@ -96,7 +96,9 @@ class ModelRunner:
             row = 0
             while True:
                 positions = out.positions[row]
-                chosen_positions, tokens = decide(seq, positions, out.stats(seq, row))
+                stats = out.stats(seq, row)
+                chosen_positions, tokens = decide(seq, positions, stats)
+                seq.propose(positions, stats.token)  # what canvas streaming shows as provisional
                 block = seq.block
                 seq.commit(chosen_positions, tokens)
                 following = out.row_of(seq.canvas)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.decoding.constrain import Constraint
 from engine.decoding.schedule import linear_schedule
 from engine.runtime.request import RequestState, first_stop
 
@@ -56,6 +57,8 @@ class Sequence(RequestState):
         that refreshes the cache."""
         if self.sampler == "dream" and self.params.cache != "none" and self.step_in_block == 0:
             return self.block_bounds()[0] + torch.zeros(1, dtype=torch.long)
+        if self.constraint is not None:  # a response format: each slot is written left to right
+            return self.constraint.open_positions(self.canvas, self.masked_positions())
         return self.masked_positions()
 
     def masked_positions(self, canvas: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,6 +98,19 @@ class Sequence(RequestState):
             )
         self.canvas[positions] = tokens
         self.step_in_block += 1
+        self._advance()
+
+    def lay(self, answer: list[int], constraint: Constraint) -> None:
+        """Put a response format's skeleton on the answer (engine/decoding/constrain.py):
+        its fixed tokens are committed before the first forward, and blocks without a slot
+        are passed over (a skeleton without slots is finished at once)."""
+        self.canvas[self.prompt_length :] = torch.tensor(answer, dtype=torch.long)
+        self.constraint = constraint
+        self._start_block()
+        self._advance()
+
+    def _advance(self) -> None:
+        """Move past full blocks: to the next block, or to the end (EOS early stop)."""
         while not self.finished and len(self.masked_positions()) == 0:
             start, end = self.block_bounds()
             if self.params.early_stop and self.holds_stop(start, end) and end < self.answer_end:

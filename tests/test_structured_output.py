@@ -1,0 +1,321 @@
+"""Structured output (`response_format`): schemas drawn from the supported subset always
+come back as text that parses and validates (in-process engines, random weights: the
+skeleton and the token masks guarantee it, not the model); what dlm cannot enforce is
+refused naming the keyword; families that cannot attend a skeleton ahead of them refuse."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.errors import Unsupported, UsageError
+from engine.params import GenerationParams
+from engine.registry import family_named
+from engine.structured import EnumSlot, Literal, compile_response_format
+
+GEN_LENGTH = 256
+BATCH = 10  # requests decoded together per hypothesis example (one batched forward per step)
+# Requests per family: the quick loop, and the slow test's share of the 500 in all.
+QUICK = {"tiny:llada": 1, "tiny:dream": 1}  # the default model: in the slow run
+FULL = {"tiny:llada": 25, "tiny:dream": 20, None: 5}  # x BATCH = 500 requests (the default model is the slowest)
+assert sum(FULL.values()) * BATCH == 500
+
+NAMES = st.text(alphabet="abcdefgh_ XY\u00e9", min_size=1, max_size=6)
+
+
+@st.composite
+def _bounded(draw: st.DrawFn, kind: str) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": kind}
+    low = draw(st.none() | st.integers(-2000, 2000))
+    span = draw(st.none() | st.integers(0, 5000))
+    if low is not None:
+        key = draw(st.sampled_from(["minimum", "exclusiveMinimum"]))
+        schema[key] = low if kind == "integer" else low / 2
+    if span is not None:
+        top = (low if low is not None else 0) + span + 2  # never empty, exclusive bounds included
+        key = draw(st.sampled_from(["maximum", "exclusiveMaximum"]))
+        schema[key] = top if kind == "integer" else top / 2 + 1
+    return schema
+
+
+@st.composite
+def _string(draw: st.DrawFn) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    low = draw(st.none() | st.integers(0, 6))
+    if low is not None:
+        schema["minLength"] = low
+    if draw(st.booleans()):
+        schema["maxLength"] = (low or 0) + draw(st.integers(0, 8))
+    return schema
+
+
+SCALARS = st.one_of(
+    _string(),
+    _bounded("integer"),
+    _bounded("number"),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.just({"type": ["integer", "null"], "maximum": 99}),
+    st.lists(st.text(max_size=5) | st.integers(-50, 50) | st.booleans(), min_size=1, max_size=4, unique=True).map(
+        lambda values: {"enum": values}
+    ),
+    (st.text(max_size=4) | st.integers()).map(lambda value: {"const": value}),
+)
+
+
+def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    @st.composite
+    def build(draw: st.DrawFn) -> dict[str, Any]:
+        properties = draw(st.dictionaries(NAMES, children, min_size=0, max_size=3))
+        required = draw(st.lists(st.sampled_from(sorted(properties)), unique=True)) if properties else []
+        schema: dict[str, Any] = {"type": "object", "properties": properties, "required": required}
+        if draw(st.booleans()):
+            schema["additionalProperties"] = False
+        return schema
+
+    return build()
+
+
+def _array(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    @st.composite
+    def build(draw: st.DrawFn) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "array", "items": draw(children)}
+        low = draw(st.none() | st.integers(0, 2))
+        if low is not None:
+            schema["minItems"] = low
+        if draw(st.booleans()):
+            schema["maxItems"] = (low or 0) + draw(st.integers(0, 2))
+        return schema
+
+    return build()
+
+
+def _size(schema: dict[str, Any]) -> int:
+    """An upper bound on the skeleton's tokens (a token spans at least one byte)."""
+    skeleton = compile_response_format(_format(schema))
+    assert skeleton is not None
+    return sum(
+        len(p.text.encode())
+        if isinstance(p, Literal)
+        else max(len(v.encode()) for v in p.values)
+        if isinstance(p, EnumSlot)
+        else p.length
+        for p in skeleton.pieces
+    )
+
+
+SCHEMAS = st.recursive(SCALARS, lambda c: _object(c) | _array(c), max_leaves=5).filter(lambda s: _size(s) <= GEN_LENGTH)
+REQUESTS = st.tuples(SCHEMAS, st.sampled_from([0.0, 0.0, 1.0]), st.integers(0, 2**31 - 1))
+
+
+def _format(schema: dict[str, Any]) -> str:
+    return json.dumps({"type": "json_schema", "json_schema": {"name": "drawn", "schema": schema}})
+
+
+@cache
+def _llm(model: str | None) -> Any:
+    from engine.llm import LLM
+
+    return LLM(model, device="cpu", dtype="float32")
+
+
+def _decode_batch(model: str | None, requests: list[tuple[dict[str, Any], float, int]]) -> None:
+    """Decode the requests together through the engine (as a server batches them) and check
+    each answer parses and validates, within the forwards its parameters promise."""
+    from engine.tokenizer import decode
+
+    llm = _llm(model)
+    prompt = llm.encode("Answer in JSON:")
+    seqs = []
+    for schema, temperature, seed in requests:
+        params = GenerationParams(
+            gen_length=GEN_LENGTH, response_format=_format(schema), temperature=temperature, seed=seed
+        )
+        seqs.append(llm.engine.add_request(prompt, params))
+    while any(not s.finished for s in seqs):
+        llm.engine.step()
+    for (schema, _, _), seq in zip(requests, seqs):
+        text = decode(llm.tokenizer, seq.output_ids, llm.config.eos_token_id)
+        jsonschema.validate(json.loads(text), schema)
+        assert seq.nfe <= seq.params.max_forwards
+
+
+def _run(model: str | None, examples: int) -> None:
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
+    @given(st.lists(REQUESTS, min_size=BATCH, max_size=BATCH))
+    def check(requests: list[tuple[dict[str, Any], float, int]]) -> None:
+        _decode_batch(model, requests)
+
+    check()
+
+
+@pytest.mark.parametrize("model", list(QUICK), ids=lambda m: m or "default")
+def test_drawn_schemas_always_parse_and_validate(model: str | None) -> None:
+    _run(model, QUICK[model])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(FULL), ids=lambda m: m or "default")
+def test_five_hundred_drawn_schemas_parse_and_validate(model: str | None) -> None:
+    """The acceptance run: 500 requests in all over LLaDA, Dream and the default model."""
+    _run(model, FULL[model])
+
+
+def test_the_skeleton_is_committed_and_only_values_are_decoded() -> None:
+    """Keys, braces and quotes are on the canvas before the first forward; the forwards
+    spent are at most the value tokens (fewer than unconstrained decoding of the length)."""
+    llm = _llm("tiny:llada")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "ok": {"type": "boolean"}}}
+    params = GenerationParams(gen_length=64, response_format=_format(schema))
+    seq = llm.engine.make_sequence(llm.encode("x"), params)
+    laid = llm.tokenizer.decode([t for t in seq.output_ids if t != llm.config.mask_token_id], skip_special_tokens=True)
+    assert laid.startswith('{"name": "') and '"ok": ' in laid and laid.endswith("}")
+    slots = seq.masks_left
+    out = llm.generate("x", params)[0]
+    assert json.loads(out.text)["ok"] in (True, False)
+    assert out.nfe <= slots < 64
+
+
+def test_keys_and_values_that_spell_special_tokens_stay_text() -> None:
+    schema = {"type": "object", "properties": {"<|endoftext|>": {"enum": ["<|mask|>", "x"]}}}
+    out = _llm("tiny:llada").generate("x", gen_length=64, response_format=_format(schema))[0]
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_json_object_is_a_generic_object() -> None:
+    out = _llm("tiny:dream").generate("x", gen_length=128, response_format='{"type": "json_object"}')[0]
+    assert isinstance(json.loads(out.text), dict)
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "string", "pattern": "^a+$"}, "pattern"),
+        ({"type": "string", "format": "email"}, "format"),
+        ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "anyOf"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+        (
+            {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+            "$ref",
+        ),
+        ({"type": "object", "properties": {}, "required": ["a"]}, "required"),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_naming_the_keyword(schema: dict[str, Any], keyword: str) -> None:
+    with pytest.raises(Unsupported, match=f"'{keyword.replace('$', '[$]')}'") as caught:
+        GenerationParams(response_format=_format(schema)).validate(4, 1024)
+    assert caught.value.field == "response_format"
+
+
+def test_local_references_without_cycles_are_followed() -> None:
+    schema = {"$defs": {"p": {"type": "integer", "minimum": 0}}, "type": "array", "items": {"$ref": "#/$defs/p"}}
+    out = _llm("tiny:llada").generate("x", gen_length=64, response_format=_format(schema))[0]
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_families_that_cannot_attend_the_skeleton_refuse() -> None:
+    fmt = '{"type": "json_object"}'
+    for family in ("sdar", "llada2_moe"):
+        with pytest.raises(Unsupported, match="bidirectional") as caught:
+            GenerationParams(response_format=fmt).validate(4, 1024, family_named(family))
+        assert caught.value.field == "response_format"
+    with pytest.raises(Unsupported) as caught:
+        GenerationParams(response_format=fmt, cache="prefix").validate(4, 1024, family_named("dream"))
+    assert caught.value.field == "cache"
+    text = GenerationParams(response_format='{"type": "text"}').validate(4, 1024, family_named("sdar"))
+    assert text.response_format is not None  # plain text asks for nothing: any family takes it
+
+
+def test_a_skeleton_longer_than_max_tokens_is_refused() -> None:
+    schema = {"type": "array", "items": {"type": "string", "minLength": 30}, "minItems": 5}
+    with pytest.raises(UsageError, match="needs .* tokens") as caught:
+        _llm("tiny:llada").generate("x", gen_length=32, response_format=_format(schema))
+    assert caught.value.field == "gen_length"
+
+
+def test_bad_response_formats_are_usage_errors() -> None:
+    for bad in ("not json", '{"type": "xml"}', '{"type": "json_schema"}', "[1]"):
+        with pytest.raises(UsageError) as caught:
+            GenerationParams(response_format=bad).validate(4, 1024)
+        assert caught.value.field == "response_format"
+
+
+def test_the_vocabulary_keeps_string_content_clean() -> None:
+    """String content never holds a quote, backslash or control character; with a tokenizer
+    that cleans up spaces on decoding, no punctuation it would merge either; a tokenizer
+    without single digit tokens cannot carry a response format."""
+    from engine.decoding.constrain import Vocabulary
+    from engine.tiny_models import tokenizer_assets
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_assets())
+    size = len(tokenizer)
+    vocab = Vocabulary.from_tokenizer(tokenizer, size, set())
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    for i in vocab.content.nonzero()[:, 0].tolist():
+        assert not any(c in '"\\' or ord(c) < 0x20 for c in texts[i]), texts[i]
+    assert all(texts[i].strip(" \t\n\r") == "" for i in vocab.space.nonzero()[:, 0].tolist())
+    assert [texts[t] for t in vocab.digits] == list("0123456789")
+    tokenizer.clean_up_tokenization_spaces = True
+    cleaned = Vocabulary.from_tokenizer(tokenizer, size, set())
+    assert not any(texts[i].startswith((".", ",")) for i in cleaned.content.nonzero()[:, 0].tolist())
+    with pytest.raises(UsageError, match="single tokens") as caught:
+        Vocabulary.from_tokenizer(tokenizer, size, {vocab.digits[7]})
+    assert caught.value.field == "response_format"
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(SCHEMAS, st.randoms(use_true_random=False))
+def test_any_choice_within_the_masks_validates(schema: dict[str, Any], rng: Any) -> None:
+    """The masks alone guarantee the answer, whatever a model would prefer: open positions
+    decided in random subsets, each to a random allowed token (no model, the shipped
+    tokenizer), still parse and validate."""
+    import torch
+
+    from engine.decoding.constrain import Vocabulary, layout
+    from engine.tiny_models import special_ids, tokenizer_assets
+
+    tokenizer = _tokenizer(tokenizer_assets())
+    _, mask, eos = special_ids()
+    vocab = _vocabulary(tokenizer_assets())
+    skeleton = compile_response_format(_format(schema))
+    assert skeleton is not None and isinstance(vocab, Vocabulary)
+    prompt = [10, 11, 12]
+    answer, constraint = layout(skeleton, vocab, GEN_LENGTH, mask, eos, len(prompt))
+    canvas = torch.tensor(prompt + answer)
+    while bool((canvas == mask).any()):
+        open_ = constraint.open_positions(canvas, (canvas == mask).nonzero()[:, 0]).tolist()
+        chosen = rng.sample(open_, rng.randint(1, len(open_)))
+        for position, row in zip(chosen, constraint.allowed(canvas, torch.tensor(chosen))):
+            canvas[position] = rng.choice(row.nonzero()[:, 0].tolist())
+    ids = canvas[len(prompt) :].tolist()
+    text = tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@cache
+def _tokenizer(path: Any) -> Any:
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+@cache
+def _vocabulary(path: Any) -> Any:
+    from engine.decoding.constrain import Vocabulary
+    from engine.tiny_models import special_ids
+
+    size, mask, eos = special_ids()
+    return Vocabulary.from_tokenizer(_tokenizer(path), size, {mask, eos})
