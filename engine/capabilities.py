@@ -61,7 +61,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "response_format",
         "schema-shaped JSON: the schema's skeleton laid on the canvas, typed value slots decoded",
         decodes_skeletons,
-        "the model does not attend to a skeleton laid ahead of the position being decoded",
+        "it needs a bidirectional model, one that attends to a skeleton laid ahead of the position being decoded",
     ),
     Capability(
         "include_canvas",

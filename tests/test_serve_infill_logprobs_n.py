@@ -45,7 +45,7 @@ def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
 
 def test_models_lists_the_family_capabilities(llada: httpx.Client) -> None:
     card = llada.get("/v1/models").json()["data"][0]
-    assert card["capabilities"] == ["suffix", "logprobs", "n"]
+    assert card["capabilities"] == ["suffix", "logprobs", "n", "response_format", "include_canvas"]
 
 
 def test_suffix_answers_the_engine_middle(llada: httpx.Client, engine: LLM) -> None:
@@ -169,7 +169,7 @@ def test_n_streams_every_choice_by_index(llada: httpx.Client) -> None:
 def test_block_causal_family_refuses_suffix_and_lists_without_it() -> None:
     with in_process_server(model="tiny:sdar", **SETTINGS) as sdar:
         card = sdar.get("/v1/models").json()["data"][0]
-        assert card["capabilities"] == ["logprobs", "n"]
+        assert card["capabilities"] == ["logprobs", "n", "include_canvas"]
         response = sdar.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "suffix": "tail"})
         assert response.status_code == 400, response.text
         error = response.json()["error"]

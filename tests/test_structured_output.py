@@ -141,7 +141,7 @@ def _decode_batch(model: str | None, requests: list[tuple[dict[str, Any], float,
     while any(not s.finished for s in seqs):
         llm.engine.step()
     for (schema, _, _), seq in zip(requests, seqs):
-        text = decode(llm.tokenizer, seq.output_ids, llm.config.eos_token_id)
+        text = decode(llm.tokenizer, seq.output_ids, seq.stop_ids)
         jsonschema.validate(json.loads(text), schema)
         assert seq.nfe <= seq.params.max_forwards
 

@@ -151,7 +151,8 @@ def canvas_stream(ctx: Context) -> str:
                 raise CheckFailed(f"malformed canvas token {token}")
     if any(t.get("state") != "committed" for t in canvases[-1].get("tokens", [])):
         raise CheckFailed("the last canvas event still has uncommitted positions")
-    expected = ctx.facts["chat"]["choices"][0]["message"]["content"]
+    # the same request unstreamed (temperature 0): what the deltas beside the canvas must spell
+    expected = post_ok(ctx, "/v1/chat/completions", chat_body(ctx))["choices"][0]["message"]["content"]
     if result.text != expected:
         raise CheckFailed(f"deltas beside the canvas differ from the answer: {result.text[:60]!r} vs {expected[:60]!r}")
     return f"{len(canvases)} canvas events, deltas equal the answer"
