@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -49,7 +50,7 @@ def _root(
 
 
 # name -> function: one line per subcommand, in the order `dlm --help` lists them
-COMMANDS = {
+COMMANDS: dict[str, Callable[..., Any]] = {
     "generate": generate.generate,
     "fetch": fetch.fetch,
     "verify": verify.verify,

@@ -8,7 +8,7 @@ them from its config file or DLM_* variables instead.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -43,7 +43,8 @@ def parallel_config(
     """The flags given (the others keep their defaults), resolved with torchrun's variables."""
     from engine.parallel.distributed import ParallelConfig
 
-    given = dict(
+    # Keyword arguments of mixed types: only the flags given, the rest keep ParallelConfig's defaults.
+    given: dict[str, Any] = dict(
         tensor_parallel_size=tensor_parallel_size,
         nnodes=nnodes,
         node_rank=node_rank,

@@ -65,4 +65,6 @@ def decoding_params(given: dict[str, Any]) -> GenerationParams:
     from engine.params import GenerationParams
 
     # click records a repeatable option given no times as (), where the field's default is None.
-    return GenerationParams(**{name: None if value == () else value for name, value in given.items() if name in PARAMS})
+    # click's values are untyped; GenerationParams.validate checks them.
+    fields: dict[str, Any] = {name: None if value == () else value for name, value in given.items() if name in PARAMS}
+    return GenerationParams(**fields)

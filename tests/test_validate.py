@@ -10,11 +10,13 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
 from dlm_cli.checks.capabilities import PROBES
-from dlm_cli.checks.runner import FAILED, PASSED, SKIPPED, CheckResult, ValidateOptions
+from dlm_cli.checks.contract import models
+from dlm_cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
 from dlm_cli.checks.validate import run_validation
 from dlm_cli.client.metrics import missing_metrics, parse_samples
 from dlm_cli.client.sse import SSEError, iter_events
@@ -116,6 +118,27 @@ def test_a_server_that_never_gets_ready_fails_readiness_and_skips_the_rest() -> 
     results = validate(Behaviour(ready_after=60), ValidateOptions(ready_timeout=0.5))
     assert failed(results) == {"readiness"}
     assert all(r.status == SKIPPED for n, r in results.items() if n != "readiness")
+
+
+class ModelsListClient:
+    """Answers /v1/models with a fixed list (the `models` check reads nothing else)."""
+
+    api_key = None
+
+    def __init__(self, data: list) -> None:
+        self.data = data
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.Response(200, json={"object": "list", "data": self.data})
+
+
+@pytest.mark.parametrize("entry", ["not-an-object", {"id": 7, "object": "model"}, {"id": "m", "object": "other"}])
+def test_a_malformed_models_entry_fails_models_saying_what_an_entry_needs(entry: object) -> None:
+    ctx = Context(ModelsListClient([{"id": "m", "object": "model"}, entry]), FAST)
+    with pytest.raises(CheckFailed, match="every /v1/models entry needs a string id and object 'model'"):
+        models(ctx)
+    ok = Context(ModelsListClient([{"id": "m", "object": "model", "max_model_len": 64}]), FAST)
+    assert models(ok) == "1 model(s); using 'm', context 64"
 
 
 def test_sse_reader_accepts_comments_and_rejects_bad_framing() -> None:

@@ -70,9 +70,11 @@ def models(ctx: Context) -> str:
     data = body.get("data") if isinstance(body, dict) else None
     if body.get("object") != "list" or not isinstance(data, list) or not data:
         raise CheckFailed(f"/v1/models is not a non-empty OpenAI list: {str(body)[:120]}")
-    ids = [m.get("id") for m in data if isinstance(m, dict)]
-    if not all(isinstance(i, str) and i for i in ids) or any(m.get("object") != "model" for m in data):
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"] and m.get("object") == "model" for m in data
+    ):
         raise CheckFailed("every /v1/models entry needs a string id and object 'model'")
+    ids: list[str] = [m["id"] for m in data]
     wanted = ctx.options.model or ids[0]
     if wanted not in ids:
         raise CheckFailed(f"model {wanted!r} is not served (served: {', '.join(ids)})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,7 @@ def run_case(ctx: Context, suite: Suite, case: Case) -> str:
     response = ctx.client.post(path, body)
     expect_status(response, 200, path)
     choice = json_body(response, path)["choices"][0]
+    tool_calls: list[dict[str, Any]]
     if case.prompt is not None:
         text, tool_calls = choice.get("text") or "", []
     else:
@@ -211,6 +213,4 @@ def run_pass_rate(ctx: Context, suite: Suite) -> str:
 def suite_checks(suite: Suite) -> list[Check]:
     if suite.min_pass_rate is not None:
         return [Check("suite.pass_rate", lambda ctx: run_pass_rate(ctx, suite), ("models",))]
-    return [
-        Check(f"suite.{case.name}", lambda ctx, c=case: run_case(ctx, suite, c), ("models",)) for case in suite.cases
-    ]
+    return [Check(f"suite.{case.name}", partial(run_case, suite=suite, case=case), ("models",)) for case in suite.cases]

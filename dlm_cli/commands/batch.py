@@ -35,8 +35,9 @@ def batch(
         if max_concurrency < 1:
             raise UsageError("--max-concurrency must be at least 1")
         requests = read_requests(input_file)
+        model_dir = resolve_model(model)
         flags = {
-            "model": str(resolve_model(model)),
+            "model": str(model_dir),
             "max_num_seqs": max_concurrency,
             "dtype": dtype,
             "device": device,
@@ -47,7 +48,7 @@ def batch(
         if config.backend == "native":  # settings the checkpoint refuses fail before it loads
             from engine.config import load_config as model_config
 
-            config.check_model(model_config(Path(flags["model"])))
+            config.check_model(model_config(model_dir))
         done = len(answered(output_file) & {r.custom_id for r in requests})
         with Progress(console=err_console, transient=True) as progress:
             task = progress.add_task("batch", total=len(requests), completed=done)

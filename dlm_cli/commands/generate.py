@@ -155,9 +155,13 @@ def generate(
     with cli_errors():
         from engine.errors import UsageError
 
-        if (prompt is None) == (prompt_ids is None):
+        source: str | list[int]  # the prompt: text (encoded once the tokenizer is loaded) or token ids
+        if prompt is not None and prompt_ids is None:
+            source = prompt
+        elif prompt_ids is not None and prompt is None:
+            source = _parse_ids(prompt_ids)
+        else:
             raise UsageError("give exactly one of --prompt or --prompt-ids")
-        ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         if suffix_text is not None and suffix_ids is not None:
             raise UsageError("give --suffix or --suffix-ids, not both")
         from dlm_cli.store.resolve import resolve_model
@@ -171,7 +175,7 @@ def generate(
         if backend == "native":  # a text prompt's length is known once tokenised; a text suffix has a token
             early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
             dp.check_before_loading(
-                checkpoint, early, len(ids) if ids is not None else None, parallel.tensor_parallel_size
+                checkpoint, early, len(source) if isinstance(source, list) else None, parallel.tensor_parallel_size
             )
 
         from engine.llm import LLM
@@ -196,7 +200,6 @@ def generate(
 
                 err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
             # Validate before decoding so a bad flag fails fast, not after tokenizer work.
-            source: str | list[int] = prompt if prompt is not None else ids  # type: ignore[assignment]
             prompt_tokens = llm.encode(source, chat=chat)
             if suffix_text:
                 params = replace(params, suffix=tuple(llm.encode(suffix_text)))

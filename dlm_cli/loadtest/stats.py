@@ -48,20 +48,17 @@ class RequestRecord:
 
 
 def percentiles(values: list[float], prefix: str) -> dict[str, float | None]:
+    keys = [f"p{p}_{prefix}" for p in PERCENTILES] + [f"mean_{prefix}"]
     if not values:
-        return {f"p{p}_{prefix}": None for p in PERCENTILES} | {f"mean_{prefix}": None}
-    points = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
-    return {f"p{p}_{prefix}": float(v) for p, v in zip(PERCENTILES, points)} | {
-        f"mean_{prefix}": float(np.mean(values))
-    }
+        return dict.fromkeys(keys)
+    measured = np.asarray(values, dtype=float)
+    points = [*np.percentile(measured, PERCENTILES), np.mean(measured)]
+    return {key: float(v) for key, v in zip(keys, points)}
 
 
 def meets(record: RequestRecord, slo: list[Condition]) -> bool:
     measured = {"ttft": record.ttft, "tpot": record.tpot, "e2e": record.e2e}
-    return record.ok and all(
-        measured[c.metric] is not None and c.holds(measured[c.metric])  # type: ignore[arg-type]
-        for c in slo
-    )
+    return record.ok and all((value := measured[c.metric]) is not None and c.holds(value) for c in slo)
 
 
 def summarize(records: list[RequestRecord], seconds: float, slo: list[Condition]) -> dict[str, Any]:

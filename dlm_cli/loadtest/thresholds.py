@@ -72,7 +72,7 @@ def parse_slo(text: str) -> list[Condition]:
 def violations(conditions: list[Condition], measured: dict[str, float | None]) -> list[str]:
     """The fail-on conditions that hold (each one is a reason to fail)."""
     return [
-        f"{c.text} (measured {measured[c.metric]:.4g})"
+        f"{c.text} (measured {value:.4g})"
         for c in conditions
-        if measured.get(c.metric) is not None and c.holds(measured[c.metric])
-    ]  # type: ignore[arg-type]
+        if (value := measured.get(c.metric)) is not None and c.holds(value)
+    ]

@@ -36,7 +36,7 @@ from pydantic import (
 from engine.params import PARAMS, http_name
 
 # Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
-PARAM_FIELDS: dict[str, str] = {http_name(n): n for n in PARAMS if http_name(n) is not None}  # type: ignore[misc]
+PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
 
 # Sent by OpenAI SDKs and frameworks, harmless here: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")

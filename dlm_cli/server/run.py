@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from types import FrameType
@@ -87,7 +88,7 @@ class DrainingServer(uvicorn.Server):
             exit_now(FORCED_EXIT_CODE)
         self._drain_requested = True
 
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         for server in getattr(self, "servers", []):
             for sock in server.sockets:
