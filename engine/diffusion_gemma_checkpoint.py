@@ -77,7 +77,17 @@ def save_tiny_diffusion_gemma(
     model = DiffusionGemmaForBlockDiffusion(config).float()
     with torch.no_grad():
         model.model.decoder.embed_tokens.weight.normal_(0.0, EMBEDDING_STD)
-    model.save_pretrained(directory)
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws a progress bar for each save; building a tiny model is not long work
+    # the user asked for, so `dlm serve tiny:diffusion_gemma` prints none.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return Path(directory)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.params import GenerationParams
+from tests.generate_cli import generate_json
 
 DATA = Path(__file__).parent / "data" / "dream_ct" / "confidence_threshold.json"
 VECTORS = json.loads(DATA.read_text())
@@ -64,37 +65,15 @@ def test_ids_and_forwards_match_fast_dllm(llm: LLM, case: dict) -> None:
     assert case["nfe"] <= resolved.max_forwards
 
 
-@pytest.mark.slow
 def test_dlm_generate_reproduces_a_vector(reference: Path) -> None:
-    from tests.test_cli import dlm
-
     case = max(CASES, key=lambda c: c["nfe"] - c["steps"])  # the most added steps
     s = settings(case)
-    result = dlm(
-        "generate",
-        str(reference / "models" / VECTORS["model"]),
-        "--prompt-ids",
-        ",".join(map(str, case["prompt_ids"])),
-        "--gen-length",
-        str(s["gen_length"]),
-        "--steps",
-        str(s["steps"]),
-        "--block-length",
-        str(s["block_length"]),
-        "--alg",
-        "confidence_threshold",
-        "--threshold",
-        str(s["threshold"]),
-        "--cache",
-        "none",
-        "--no-early-stop",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--json",
+    payload = generate_json(
+        reference / "models" / VECTORS["model"],
+        case["prompt_ids"],
+        *("--gen-length", str(s["gen_length"]), "--steps", str(s["steps"])),
+        *("--block-length", str(s["block_length"]), "--alg", "confidence_threshold"),
+        *("--threshold", str(s["threshold"]), "--cache", "none", "--no-early-stop"),
     )
-    assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
     assert payload["output_ids"] == case["generated_ids"]
     assert payload["nfe"] == case["nfe"]

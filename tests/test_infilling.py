@@ -10,10 +10,6 @@ middle as the engine.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,8 +17,8 @@ from engine.errors import Unsupported, UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from engine.registry import family_named
+from tests.generate_cli import generate_json
 from tests.oracles.reference_loop import reference_dream_generate, reference_generate
-from tests.serving import ROOT
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 SUFFIX = [11, 250, 31, 64]
@@ -103,36 +99,9 @@ def test_the_suffix_counts_in_the_length_and_the_vocabulary(reference_llada: LLM
     assert bad.value.field == "suffix"
 
 
-@pytest.mark.slow  # starts the CLI
 def test_cli_suffix_ids_give_the_engine_middle(reference_llada: LLM) -> None:
     out = reference_llada.generate(PROMPT, suffix=SUFFIX, gen_length=16, steps=16, block_length=8, early_stop=False)[0]
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlm_cli",
-            "generate",
-            str(reference_llada.model_dir),
-            "--prompt-ids",
-            ",".join(map(str, PROMPT)),
-            "--suffix-ids",
-            ",".join(map(str, SUFFIX)),
-            "--gen-length",
-            "16",
-            "--steps",
-            "16",
-            "--block-length",
-            "8",
-            "--no-early-stop",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)["output_ids"] == out.output_ids
+    suffix = ",".join(map(str, SUFFIX))
+    flags = ("--gen-length", "16", "--steps", "16", "--block-length", "8", "--no-early-stop")
+    payload = generate_json(reference_llada.model_dir, PROMPT, "--suffix-ids", suffix, *flags)
+    assert payload["output_ids"] == out.output_ids
