@@ -46,8 +46,8 @@ CAPABILITIES: tuple[Capability, ...] = (
         "suffix",
         "infilling: the answer is decoded between the prompt and a fixed suffix",
         _bidirectional,
-        "block-causal models attend only to what precedes a block, so a suffix after the "
-        "answer cannot be seen; put the text after the gap into the prompt instead",
+        "only bidirectional models (LLaDA, Dream) attend to a suffix after the answer; "
+        "put the text after the gap into the prompt instead",
     ),
     Capability(
         "logprobs",

@@ -27,6 +27,7 @@ config by engine/family_rules.py, which calls `validate()` for every entry point
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -427,6 +428,8 @@ class GenerationParams:
                 threshold = DEFAULT_THRESHOLD
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
+        if isinstance(self.response_format, dict):  # so is the response_format object: kept as its text
+            values["response_format"] = json.dumps(self.response_format)
         if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
             values["stop_token_ids"] = tuple(self.stop_token_ids)
         per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block

@@ -154,10 +154,15 @@ def supported(family: Family) -> bool:
     return family.attention == "bidirectional"
 
 
-def compile_response_format(text: str | None) -> Skeleton | None:
-    """The skeleton of a `response_format` given as JSON text (None: plain text)."""
+def compile_response_format(text: str | dict[str, Any] | None) -> Skeleton | None:
+    """The skeleton of a `response_format` given as JSON text, or as the object itself from
+    the Python API (None: plain text)."""
     if text is None:
         return None
+    if isinstance(text, dict):
+        text = json.dumps(text)
+    if not isinstance(text, str):
+        raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
     return _compile_cached(text)
 
 

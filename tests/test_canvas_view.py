@@ -52,3 +52,48 @@ def test_dlm_generate_prints_the_canvas_per_step() -> None:
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     assert {t["state"] for t in lines[0]["tokens"]} >= {"provisional", "masked"}
     assert all(t["state"] == "committed" for t in lines[-1]["tokens"])
+
+
+def _views(model: str, **params: object) -> tuple[list[list[tuple[int | None, str]]], object]:
+    from engine.llm import LLM
+
+    llm = LLM(model, device="cpu", dtype="float32")
+    views: list[list[tuple[int | None, str]]] = []
+    out = llm.generate("hello", on_step=lambda seqs: views.append(seqs[0].canvas_view()), **params)[0]
+    return views, out
+
+
+def test_a_block_causal_canvas_shows_every_answer_position() -> None:
+    """The block being decoded shows its committed tokens and its masked positions, and the
+    blocks not reached yet show as masked: every answer position, every step."""
+    views, out = _views("tiny:sdar", gen_length=32, steps=16, early_stop=False)
+    assert all(len(view) == 32 for view in views[:-1])
+    assert any({"committed", "masked"} <= {state for _, state in view} for view in views)
+    assert [token for token, _ in views[-1]] == out.completion_ids  # type: ignore[attr-defined]
+
+
+def test_a_diffusion_gemma_canvas_shows_the_canvas_being_denoised_as_provisional() -> None:
+    views, out = _views("tiny:diffusion_gemma", gen_length=96, refinement_steps=2, seed=3)  # 3 canvases
+    first = views[0]
+    assert len(first) == 96 and {state for _, state in first} == {"provisional", "masked"}
+    assert any({"committed", "provisional", "masked"} == {state for _, state in view} for view in views)
+    assert [token for token, _ in views[-1]] == out.completion_ids  # type: ignore[attr-defined]
+
+
+def test_dlm_generate_prints_each_samples_canvas() -> None:
+    args = ["generate", "tiny:llada", "-p", "hi", "--gen-length", "16", "--steps", "4", "--n", "2", "--canvas"]
+    result = CliRunner().invoke(app, [*args, "--temperature", "1", "--seed", "1", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line)["canvas"] for line in result.stdout.splitlines() if line.startswith('{"canvas"')]
+    assert sorted({line["index"] for line in lines}) == [0, 1]
+
+
+def test_the_python_api_takes_a_response_format_object() -> None:
+    from engine.llm import LLM
+
+    llm = LLM("tiny:llada", device="cpu", dtype="float32")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    as_object = llm.generate("hi", gen_length=32, response_format=fmt)[0]
+    as_text = llm.generate("hi", gen_length=32, response_format=json.dumps(fmt))[0]
+    assert as_object.output_ids == as_text.output_ids and "a" in json.loads(as_object.text or "{}")

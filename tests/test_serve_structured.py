@@ -130,7 +130,8 @@ def test_clients_that_do_not_opt_in_see_no_change(client: TestClient) -> None:
 def test_canvas_streaming_needs_stream(client: TestClient) -> None:
     body = {**CHAT, "stream_options": {"include_canvas": True}}
     refused = client.post("/v1/chat/completions", json=body, headers=AUTH)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and (error["param"], error["code"]) == ("stream_options", "invalid_value")
 
 
 def test_dlm_validate_checks_both_capabilities(client: TestClient) -> None:

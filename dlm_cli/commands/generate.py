@@ -24,8 +24,8 @@ def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
 
 
 def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
-    """Decode, printing the canvas (of the first sample) after every denoising step as one
-    JSON line on stdout (the shape of the server's canvas events, docs/serve.md)."""
+    """Decode, printing each sample's canvas after every denoising step as one JSON line on
+    stdout (the shape of the server's canvas events, docs/serve.md)."""
     import json
 
     from engine.runtime.request import canvas_json
@@ -34,8 +34,9 @@ def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN00
     text = (lambda token: llm.tokenizer.decode([token])) if has_tokenizer(llm.model_dir) else None
 
     def on_step(seqs) -> None:  # noqa: ANN001
-        seq = seqs[0]
-        typer.echo(json.dumps({"canvas": canvas_json(seq.nfe, seq.canvas_view(), text)}, ensure_ascii=False))
+        for index, seq in enumerate(seqs):  # the n samples of the prompt, as the server's choices
+            canvas = {"index": index, **canvas_json(seq.nfe, seq.canvas_view(), text)}
+            typer.echo(json.dumps({"canvas": canvas}, ensure_ascii=False))
 
     return llm.generate(prompt_tokens, params, on_step=on_step)
 

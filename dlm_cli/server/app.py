@@ -162,7 +162,9 @@ def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
     job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
     job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
     if job.include_canvas and not body.stream:
-        raise bad_request("stream_options.include_canvas needs stream: true", param="stream_options")
+        raise bad_request(
+            "stream_options.include_canvas needs stream: true", param="stream_options", code="invalid_value"
+        )
     job.return_token_ids = body.return_token_ids
 
 

@@ -56,6 +56,20 @@ class CanvasSequence(RequestState):
         """Answer positions no finished canvas holds yet (there is no MASK token)."""
         return max(0, self.params.gen_length - (len(self.canvas) - self.prompt_length))
 
+    def canvas_view(self) -> list[tuple[int | None, str]]:
+        """Finished canvases committed (up to the first stop id); the canvas being denoised
+        provisional (this step's tokens, renoised ones included); positions no canvas has
+        reached yet masked."""
+        view: list[tuple[int | None, str]] = []
+        for token in self.canvas[self.prompt_length :].tolist():
+            view.append((token, "committed"))
+            if token in self.stop_ids:
+                return view
+        if self.current is not None:
+            view += [(int(t), "provisional") for t in self.current[0].tolist()]
+        view += [(None, "masked")] * (self.params.gen_length - len(view))
+        return view[: self.params.gen_length]
+
     def release(self) -> None:
         self.cache = self.current = self.self_conditioning = self.pending = None
 

@@ -141,12 +141,12 @@ class RequestState:
     def canvas_view(self) -> list[tuple[int | None, str]]:
         """Every answer position as (token id, state): "committed", "provisional" (the
         latest step's proposal for a position still MASK) or "masked" (token None).
-        Cut after the first committed EOS: the rest is filler."""
+        Cut after the first committed stop id (EOS): the rest is filler."""
         view: list[tuple[int | None, str]] = []
-        for i, token in enumerate(self.output_ids):
+        for i, token in enumerate(self.answer().tolist()):  # a block grid's MASKs included
             if token != self.mask_id:
                 view.append((token, "committed"))
-                if token == self.eos_id and all(state == "committed" for _, state in view):
+                if token in self.stop_ids and all(state == "committed" for _, state in view):
                     break
             elif self.prompt_length + i in self.provisional:
                 view.append((self.provisional[self.prompt_length + i], "provisional"))
