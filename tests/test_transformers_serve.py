@@ -124,9 +124,13 @@ def test_forward_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.T
 def test_generate_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     checks, lines = serve_and_validate(causal_lm(tmp_path / "llama"), session_home(tmp_path_factory))
     skipped = {name for name, c in checks.items() if c["status"] == "skipped"}
-    assert skipped == DLLM_CHECKS | {"structured_output"}, checks
-    for name in DLLM_CHECKS | {"structured_output"}:
+    # it advertises only `n` (n calls of the method): every other capability's check is skipped
+    unadvertised = {f"capability_{name}" for name in ("suffix", "logprobs", "response_format", "include_canvas")}
+    assert skipped == DLLM_CHECKS | unadvertised, checks
+    for name in DLLM_CHECKS:
         assert "unsupported" in checks[name]["detail"] and "own generate" in checks[name]["detail"]
+    for name in unadvertised:
+        assert "does not advertise" in checks[name]["detail"]
     assert {c["status"] for n, c in checks.items() if n not in skipped} == {"passed"}
     said = "\n".join(lines)
     assert "transformers backend, generate path: the model's own generation method, one request at a time" in said
