@@ -112,7 +112,10 @@ def test_peak_memory_counts_new_storages_until_released() -> None:
     del b, c, _view
 
 
-@pytest.mark.parametrize("family", ["llada2_moe", "sdar", "sdar_moe", "pangu"])
+@pytest.mark.parametrize(
+    "family",
+    ["llada2_moe", "sdar", "sdar_moe", pytest.param("pangu", marks=pytest.mark.slow)],  # pangu: ~40 s
+)
 def test_block_families_identical_through_triton_and_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
@@ -130,6 +133,7 @@ def test_block_families_identical_through_triton_and_torch(
     assert [o.output_ids for o in kernels] == [o.output_ids for o in twins]
 
 
+@pytest.mark.slow  # a minute in Triton's interpreter: the full suite, not the quick loop
 def test_clover_identical_through_triton_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hybrid (Gated DeltaNet + gated attention) family under Clover's decoder."""
     from tests.hybrid_checkpoints import reference_model, save_reference
