@@ -48,7 +48,8 @@ Run = Callable[[], tuple[list[int], int]]
 
 def model_dir(name: str, scratch: Path) -> str | None:
     if name == "tiny":
-        return str(Path(os.environ.get("DLM_REFERENCE_DIR", "/work/shared/reference")) / "models" / "llada_tiny_v2")
+        reference = Path(os.environ.get("DLM_REFERENCE_DIR", ROOT.parent / "shared" / "reference"))  # as the tests
+        return str(reference / "models" / "llada_tiny_v2")
     if name == "llada8":
         return str(write_llada_shaped(scratch / "llada8"))
     return None  # the embedded default model

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ from engine.llm import LLM
 from engine.runtime.block_batch import BlockBatch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = Path("/work/shared/reference/models/llada2_tiny")
+# The shared reference checkpoint beside the clone (DLM_REFERENCE_DIR, as the tests find it).
+DEFAULT_MODEL = (
+    Path(os.environ.get("DLM_REFERENCE_DIR", ROOT.parent / "shared" / "reference")) / "models" / "llada2_tiny"
+)
 BLOCK = 32
 PROMPT_VOCAB = 2000  # prompt ids below the tiny checkpoint's special ids (EOS 2017, MASK 2020)
 # (name, prompt length, gen_length, algorithm_config[, stop id instead of the config's EOS])
