@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
-import os
 from pathlib import Path
 from typing import Any
 
