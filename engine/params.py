@@ -125,6 +125,11 @@ class Forwards:
             return gen_length // block
         return -(-(prompt_length + gen_length) // block) - prompt_length // block
 
+    def units(self, block: int) -> int:
+        """Sub-blocks a block of `block` tokens is denoised in (a forward each at least): blocks
+        shorter than `sub_blocks` tokens have one a token (engine/runtime/block_sequence.py)."""
+        return block // max(1, block // self.sub_blocks)
+
     def prefill(self, prompt_length: int, block: int) -> int:
         """Forwards that only fill the block cache before the first block is decoded
         (engine/runtime/block_sequence.py, `plan`)."""
@@ -421,6 +426,15 @@ class GenerationParams:
             )
         if steps < decoded:
             raise UsageError(f"steps ({steps}) must be at least one per block decoded ({decoded})", field="steps")
+        given = "refinement_steps" if self.refinement_steps is not None else "steps" if self.steps else None
+        units = forwards.units(block)
+        if given and steps < decoded * units:
+            # Each sub-block takes a forward of its own: fewer steps could not bound the forwards.
+            raise UsageError(
+                f"{given} ({getattr(self, given)}) must allow at least one step per sub-block: "
+                f"{decoded} block(s) decoded x {units} sub-blocks = {decoded * units} steps",
+                field=given,
+            )
         alg, threshold = self.alg, self.threshold
         if family.sampler == "dream":
             alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
@@ -432,7 +446,7 @@ class GenerationParams:
             values["response_format"] = json.dumps(self.response_format)
         if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
             values["stop_token_ids"] = tuple(self.stop_token_ids)
-        per_block = max(steps // decoded, forwards.sub_blocks) + forwards.per_block
+        per_block = max(steps // decoded, units) + forwards.per_block
         if alg == "confidence_threshold" and cache == "none":
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
             # threshold, committing at least one per forward: a block's length bounds it.

@@ -13,7 +13,7 @@ import typer.main
 from dlm_cli.main import app
 from dlm_cli.server.protocol import IGNORED, NEUTRAL, PARAM_FIELDS, ChatRequest, CompletionRequest, DiffusionFields
 from engine.errors import UsageError
-from engine.params import DEFAULTS, PARAMS, GenerationParams, ResolvedParams, cli_flag, http_name
+from engine.params import DEFAULTS, PARAMS, Forwards, GenerationParams, ResolvedParams, cli_flag, http_name
 from engine.registry import family_named
 
 # `dlm generate` options that are not decoding parameters (model loading, prompt, output).
@@ -125,6 +125,20 @@ def test_step_budget_resolution() -> None:
     assert GenerationParams(gen_length=64, refinement_steps=8, max_steps=6).validate(4, 512).steps == 6
     # ...and leaves an explicit steps to the server (it answers steps_exceeded).
     assert GenerationParams(gen_length=64, steps=32, max_steps=8).validate(4, 512).steps == 32
+
+
+@pytest.mark.parametrize("field", ["steps", "refinement_steps"])
+def test_steps_below_one_per_sub_block_are_refused(field: str) -> None:
+    """openPangu and Fast-dLLM v2 denoise a block in sub-blocks of a forward each at least:
+    fewer steps than sub-blocks could not bound the forwards, so they are refused, not raised."""
+    family = family_named("fast_dllm_v2")
+    forwards = Forwards(sub_blocks=4)
+    value = 2 if field == "refinement_steps" else 4  # two 32-token blocks: 2 steps each
+    with pytest.raises(UsageError, match="one step per sub-block") as caught:
+        GenerationParams(gen_length=64, block_length=32, **{field: value}).validate(8, 512, family, forwards=forwards)
+    assert caught.value.field == field and f"{field} ({value})" in str(caught.value)
+    enough = GenerationParams(gen_length=64, block_length=32, **{field: 4 if field == "refinement_steps" else 8})
+    assert enough.validate(8, 512, family, forwards=forwards).steps == 8
 
 
 PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal tiny models

@@ -51,6 +51,21 @@ def test_max_steps_caps_every_rule(server: ServerProcess, rule: dict) -> None:
     assert over.status_code == 400 and over.json()["error"]["code"] == "steps_exceeded"
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"refinement_steps": 2}, "refinement_steps"), ({"steps": 16}, "steps"), ({}, "max_tokens")],
+)
+def test_a_request_over_the_step_limit_names_what_set_its_steps(
+    server: ServerProcess, fields: dict, param: str
+) -> None:
+    """64 tokens in blocks of 4 need 16 forwards at least, over the server's 8: the refusal names
+    the field the request set its step count with, or its length when it set none."""
+    response = complete(server, max_tokens=64, block_length=4, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("steps_exceeded", param), error
+
+
 def test_steps_beside_threshold_are_an_upper_bound(server: ServerProcess) -> None:
     response = complete(server, steps=4, block_length=8, threshold=0.99)
     assert response.status_code == 200, response.text

@@ -310,7 +310,7 @@ class Service:
                 code="context_length_exceeded",
             )
         if body.steps is not None and body.steps > cfg.max_steps:
-            raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}")
+            raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}", "steps")
         if cfg.tokens_per_minute and gen > cfg.tokens_per_minute:
             raise bad_request(
                 f"max_tokens ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
@@ -334,9 +334,12 @@ class Service:
         if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
             raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
+            # Named after the field that set the step count: the request's own, else its length.
+            param = next((name for name in ("refinement_steps", "steps") if name in given), "max_tokens")
             raise _steps_exceeded(
                 f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
-                f"server's limit of {cfg.max_steps}"
+                f"server's limit of {cfg.max_steps}",
+                param,
             )
         return resolved
 
@@ -465,8 +468,8 @@ def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:
     return _refused(exc, job)
 
 
-def _steps_exceeded(message: str) -> APIError:
-    return bad_request(message, param="steps", code="steps_exceeded")
+def _steps_exceeded(message: str, param: str) -> APIError:
+    return bad_request(message, param=param, code="steps_exceeded")
 
 
 class LoadProgress:
