@@ -42,8 +42,8 @@ class RequestState:
     generator: torch.Generator | None = None  # set by the engine on its device when seeded
     # A response format's token masks (engine/decoding/constrain.py), laid on by the engine.
     constraint: Constraint | None = field(default=None, repr=False)
-    # The latest step's proposals at positions it left MASK: canvas position -> token id.
-    provisional: dict[int, int] = field(default_factory=dict, repr=False)
+    # The latest step's proposals (positions, tokens) at positions it left MASK: see `propose`.
+    proposed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     canvas: torch.Tensor = field(init=False, repr=False)
     logprob_record: LogprobRecord | None = field(default=None, init=False, repr=False)  # when asked for
 
@@ -135,21 +135,32 @@ class RequestState:
 
     def propose(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record a step's proposals (before its commit): what canvas streaming shows as
-        provisional at the positions the step leaves MASK."""
-        self.provisional = dict(zip(positions.tolist(), tokens.cpu().tolist(), strict=True))
+        provisional at the positions the step leaves MASK. Kept as device copies, read only
+        when a canvas is asked for: every step calls this, and a host read would make each
+        one wait for the device."""
+        self.proposed = (positions.clone(), tokens.clone())
+
+    @property
+    def provisional(self) -> dict[int, int]:
+        """The latest step's proposals, position -> token."""
+        if self.proposed is None:
+            return {}
+        positions, tokens = self.proposed
+        return dict(zip(positions.tolist(), tokens.tolist(), strict=True))
 
     def canvas_view(self) -> list[tuple[int | None, str]]:
         """Every answer position as (token id, state): "committed", "provisional" (the
         latest step's proposal for a position still MASK) or "masked" (token None).
         Cut after the first committed stop id (EOS): the rest is filler."""
         view: list[tuple[int | None, str]] = []
+        provisional = self.provisional
         for i, token in enumerate(self.answer().tolist()):  # a block grid's MASKs included
             if token != self.mask_id:
                 view.append((token, "committed"))
                 if token in self.stop_ids and all(state == "committed" for _, state in view):
                     break
-            elif self.prompt_length + i in self.provisional:
-                view.append((self.provisional[self.prompt_length + i], "provisional"))
+            elif self.prompt_length + i in provisional:
+                view.append((provisional[self.prompt_length + i], "provisional"))
             else:
                 view.append((None, "masked"))
         return view
