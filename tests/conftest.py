@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,16 @@ from typing import Any
 # Environment the whole suite needs, set once before any test module is imported:
 # Triton kernels run on CPU through the interpreter (set before any kernel is defined).
 os.environ["TRITON_INTERPRET"] = "1"
+# Each pytest-xdist worker gets its share of the cores (an explicit OMP_NUM_THREADS wins): N
+# workers each running torch's default of one thread per core oversubscribe the CPU, and
+# spinning OpenMP threads then make small matmuls several times slower (the reference-vector
+# tests ran 4x slower on 2 workers x 2 threads than on 2 x 1). Set before torch is imported;
+# the servers and ranks the tests start inherit it.
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker (the controller runs no test)
+    _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    if "torch" in sys.modules:  # imported by a plugin before this file: too late for the variable
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 
