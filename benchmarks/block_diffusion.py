@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.block_args import block_parser  # noqa: E402
 from engine.block_checkpoints import write_tiny  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.params import GenerationParams  # noqa: E402
@@ -84,15 +85,9 @@ def one_long(args: argparse.Namespace, length: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", default=None)
-    ap.add_argument("--family", default="pangu", choices=["llada2_moe", "sdar", "sdar_moe", "pangu"])
+    ap = block_parser(__doc__, family="pangu")
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--prompt-length", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--long", default=None, help="comma-separated prompt lengths")
     ap.add_argument("--one-long", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

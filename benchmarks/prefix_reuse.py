@@ -16,7 +16,6 @@ non-empty). Reported: median TTFT cold and warm, the ratio warm/cold (the accept
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.block_args import block_parser  # noqa: E402
 from engine.block_checkpoints import write_tiny  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.params import GenerationParams  # noqa: E402
@@ -49,16 +49,10 @@ def ttft(llm: LLM, prompt: list[int], params: GenerationParams) -> tuple[float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("--family", default="sdar", choices=("llada2_moe", "sdar", "sdar_moe", "pangu"))
+    ap = block_parser(__doc__, family="sdar")
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--tail", type=int, default=32)
     ap.add_argument("--gen-length", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--hidden", type=int, help="hidden size of the written checkpoint")
     ap.add_argument("--layers", type=int, help="layers of the written checkpoint")
     ap.add_argument("--json", action="store_true")

@@ -1,5 +1,6 @@
-"""The options of the commands that call a running server (`dlm validate`, `dlm loadtest`):
-how its TLS certificate is checked. Turned into a check by dlm_cli.client.api.tls_verify."""
+"""The arguments of the commands that call a running server (`dlm validate`, `dlm loadtest`):
+its URL, and how its TLS certificate is checked (turned into a check by
+dlm_cli.client.api.tls_verify)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import typer
 
+URL_ARGUMENT: Any = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000.")
 CACERT_OPTION: Any = typer.Option(
     None,
     "--cacert",

@@ -1,7 +1,8 @@
 """Reading a JSONL file of requests: one JSON object per non-empty line, errors naming the line.
 
 `dlm loadtest --prompts` and `dlm batch` read such files; both refuse a bad file whole,
-before any request runs, with a usage error that says `FILE:LINE: what is wrong`.
+before any request runs, with a usage error that says `FILE:LINE: what is wrong`. The SSE
+reader (dlm_cli/client/sse.py) checks each event's data with the same `json_object`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import UsageError
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; ValueError saying what it is not ("not JSON", "not a
+    JSON object"), for the caller to place (a file's line, a stream's event)."""
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError("not JSON") from None
+    if not isinstance(item, dict):
+        raise ValueError("not a JSON object")
+    return item
 
 
 def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict[str, Any]]]:
@@ -25,11 +38,9 @@ def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}:{number}: not JSON") from None
-        if not isinstance(item, dict):
-            raise UsageError(f"{path}:{number}: a line must be a JSON object")
+            item = json_object(line)
+        except ValueError as exc:
+            raise UsageError(f"{path}:{number}: {exc}") from None
         found = True
         yield number, item
     if not found:

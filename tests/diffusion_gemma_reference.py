@@ -1,14 +1,21 @@
 """Transformers' DiffusionGemma `generate` as the reference the DiffusionGemma tests compare
-with (tests/test_diffusion_gemma.py, tests/test_diffusion_gemma_serve.py), and the request
-cases they share."""
+with (tests/test_diffusion_gemma.py, tests/test_diffusion_gemma_serve.py,
+tests/test_diffusion_gemma_tp.py), the request cases they share, and the server check they share."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from engine.params import GenerationParams
+from engine.runtime.request import completion
+from tests.serving import ServerProcess, ready_server
 
 # (prompt, canvas length, entropy bound, confidence threshold, steps per canvas, gen_length, seed)
 CASES = [
@@ -38,6 +45,33 @@ def reference_generate(model: Any, prompt: list[int], case: tuple, eos: int) -> 
     ids = out.sequences[0, len(prompt) :].tolist()
     valid = sum(t != 0 for t in ids)  # tokens_per_forward = valid tokens / decoder forwards
     return ids, round(valid / float(out.tokens_per_forward[0]))
+
+
+def reference_results(checkpoint: Path) -> list[tuple[list[int], int]]:
+    """`reference_generate` (EOS 1) of every case on the checkpoint, loaded in float32."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return [reference_generate(model, case[0], case, eos=1) for case in CASES]
+
+
+@contextmanager
+def tiny_server(checkpoint: Path, home: Path, *flags: str) -> Iterator[ServerProcess]:
+    """`dlm serve CHECKPOINT --dtype float32 --device cpu FLAGS`, ready for the block."""
+    with ready_server([str(checkpoint), "--dtype", "float32", "--device", "cpu", *flags], home) as proc:
+        yield proc
+
+
+def assert_concurrent_cases_match(server: ServerProcess, expected: list[tuple[list[int], int]]) -> None:
+    """Every case sent at once: each reply has its reference ids (up to EOS 1) and forwards."""
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        replies = list(
+            pool.map(lambda c: httpx.post(server.url + "/v1/completions", json=http_body(c), timeout=300), CASES)
+        )
+    for reply, (ids, forwards) in zip(replies, expected):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == completion(ids, {1})
+        assert reply.json()["usage"]["denoising_steps"] == forwards
 
 
 def params(case: tuple) -> GenerationParams:

@@ -10,10 +10,8 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -23,10 +21,17 @@ from engine.llm import LLM
 from engine.parallel import distributed
 from engine.parallel.distributed import ParallelConfig
 from engine.runtime.engine import load_model
-from engine.runtime.request import completion
 from tests.conftest import ROOT, session_home
-from tests.diffusion_gemma_reference import CASES, cli_args, http_body, logits_inputs, params, reference_generate
-from tests.serving import ServerProcess, ready_server
+from tests.diffusion_gemma_reference import (
+    CASES,
+    assert_concurrent_cases_match,
+    cli_args,
+    logits_inputs,
+    params,
+    reference_results,
+    tiny_server,
+)
+from tests.serving import ServerProcess
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -38,10 +43,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(checkpoint: Path) -> list[tuple[list[int], int]]:
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return [reference_generate(model, case[0], case, eos=1) for case in CASES]
+    return reference_results(checkpoint)
 
 
 RANKS = 2
@@ -105,17 +107,9 @@ def test_cli_two_ranks(checkpoint: Path, expected: list) -> None:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = [str(checkpoint), "--dtype", "float32", "--device", "cpu", "-tp", "2"]
-    with ready_server(args, session_home(tmp_path_factory)) as proc:
+    with tiny_server(checkpoint, session_home(tmp_path_factory), "-tp", "2") as proc:
         yield proc
 
 
 def test_serve_two_ranks_batches_canvases(server: ServerProcess, expected: list) -> None:
-    with ThreadPoolExecutor(len(CASES)) as pool:
-        replies = list(
-            pool.map(lambda c: httpx.post(server.url + "/v1/completions", json=http_body(c), timeout=300), CASES)
-        )
-    for reply, (ids, forwards) in zip(replies, expected):
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["token_ids"] == completion(ids, {1})
-        assert reply.json()["usage"]["denoising_steps"] == forwards
+    assert_concurrent_cases_match(server, expected)

@@ -4,7 +4,6 @@ figures, the memory plan against a measured generation, TP/quantization, verdict
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from dlm_cli.estimate.plan import (
 from engine import checkpoint_writer as cw
 from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from engine.errors import DlmError, UsageError
+from tests.cli_process import dlm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -318,39 +318,19 @@ def _measured_peak_bytes(llm: Any, prompts: list[list[int]], **params: Any) -> i
 
 # Registry family -> a tiny checkpoint for the measurement (vocabulary sized so that the
 # forward, not the weights, dominates the transient memory).
+VOCAB: dict[str, Any] = dict(vocab_size=512, mask_token_id=511, eos_token_id=510)
 MEASURE: dict[str, Callable[[Path], Path]] = {
     "llada": lambda d: tiny_checkpoint(
-        d,
-        "llada",
-        vocab_size=512,
-        mask_token_id=511,
-        eos_token_id=510,
-        embedding_size=512,
-        mlp_hidden_size=256,
-        max_sequence_length=1024,
+        d, "llada", **VOCAB, embedding_size=512, mlp_hidden_size=256, max_sequence_length=1024
     ),
-    "dream": lambda d: tiny_checkpoint(
-        d,
-        "dream",
-        vocab_size=512,
-        mask_token_id=511,
-        eos_token_id=510,
-        intermediate_size=256,
-        max_position_embeddings=1024,
-    ),
-    "llada2_moe": lambda d: tiny_checkpoint(
-        d, "llada2", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
-    ),
-    "sdar": lambda d: tiny_checkpoint(
-        d, "sdar", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
-    ),
+    "dream": lambda d: tiny_checkpoint(d, "dream", **VOCAB, intermediate_size=256, max_position_embeddings=1024),
+    "llada2_moe": lambda d: tiny_checkpoint(d, "llada2", intermediate_size=256, **VOCAB),
+    "sdar": lambda d: tiny_checkpoint(d, "sdar", intermediate_size=256, **VOCAB),
     "pangu": lambda d: tiny_checkpoint(d, "pangu", intermediate_size=256),
     "diffusion_gemma": lambda d: save_tiny_diffusion_gemma(
         d / "dg", vocab_size=512, intermediate_size=256, canvas_length=32, eos_token_id=510, pad_token_id=511
     ),
-    "fast_dllm_v2": lambda d: tiny_checkpoint(
-        d, "fast_dllm_v2", intermediate_size=256, vocab_size=512, mask_token_id=511, eos_token_id=510
-    ),
+    "fast_dllm_v2": lambda d: tiny_checkpoint(d, "fast_dllm_v2", intermediate_size=256, **VOCAB),
 }
 
 
@@ -513,17 +493,6 @@ def test_tp_must_divide_heads() -> None:
 
 
 # ----------------------------------------------------------------------------- inputs and CLI
-def _dlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-
-
 @pytest.mark.slow
 def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
@@ -543,7 +512,7 @@ def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_json_contract(tmp_path: Path) -> None:
     directory = tiny_checkpoint(tmp_path, "llada2")
-    result = _dlm(
+    result = dlm(
         "estimate", str(directory), "--batch", "2", "--context", "512", "--gen-length", "64", "--gpu", "L40S", "--json"
     )
     assert result.returncode == 0, result.stderr
@@ -568,7 +537,7 @@ def test_cli_json_contract(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_human_table(tmp_path: Path) -> None:
     directory = tiny_checkpoint(tmp_path, "qwen3_5_hybrid")
-    result = _dlm("estimate", str(directory), "--tp", "2", "--gpu-memory", "24")
+    result = dlm("estimate", str(directory), "--tp", "2", "--gpu-memory", "24")
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     for text in ("linear-attention state", "matches config.json", "smallest TP", "fragmentation margin"):
@@ -587,7 +556,7 @@ def test_cli_human_table(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) -> None:
     directory = tiny_checkpoint(tmp_path, "sdar")
-    result = _dlm("estimate", str(directory), *args)
+    result = dlm("estimate", str(directory), *args)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and message in result.stderr
 
@@ -601,9 +570,9 @@ def test_store_model_by_name(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "ckpt", config, random_llada_tensors(config, 0))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "ckpt" / name).write_bytes((ROOT / "engine" / "assets" / "tiny_tokenizer" / name).read_bytes())
-    fetched = _dlm("fetch", str(tmp_path / "ckpt"), "--name", "tiny-estimate")
+    fetched = dlm("fetch", str(tmp_path / "ckpt"), "--name", "tiny-estimate")
     assert fetched.returncode == 0, fetched.stderr
-    result = _dlm("estimate", "tiny-estimate", "--context", "256", "--gen-length", "64", "--json")
+    result = dlm("estimate", "tiny-estimate", "--context", "256", "--gen-length", "64", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"]["kind"] == "store" and report["checkpoint"]["matches_config"] is True
@@ -611,7 +580,7 @@ def test_store_model_by_name(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_hub_repo_offline_gives_a_clear_error(tmp_path: Path) -> None:
-    result = _dlm("estimate", "inclusionAI/LLaDA2.0-mini", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    result = dlm("estimate", "inclusionAI/LLaDA2.0-mini", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert result.returncode == 1
     assert "error:" in result.stderr and "offline" in result.stderr
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,9 +18,8 @@ from dlm_cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_s
 from dlm_cli.loadtest.vllm_format import VLLM_KEYS
 from dlm_cli.loadtest.workload import load_jsonl
 from engine.errors import UsageError
+from tests.cli_process import dlm
 from tests.fake_openai import Behaviour, serve
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_summary_of_known_records() -> None:
@@ -96,9 +95,7 @@ def test_jsonl_prompts(tmp_path: Path) -> None:
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
-    )
+    return dlm("loadtest", *args)
 
 
 OUTPUTS = {
@@ -115,37 +112,30 @@ OUTPUTS = {
 }
 
 
+def sweep(url: str, out: Path, duration: str, *flags: str) -> dict[str, Any]:
+    """`dlm loadtest URL --sweep 1,2,4` of 8-token requests, failing on any error, plus FLAGS:
+    checks that it passed, wrote every output into `out`, and that the server's own counts
+    agree with the client's (within 2%); returns its JSON summary."""
+    common = ["--sweep", "1,2,4", "-t", duration, "--max-tokens", "8", "--fail-on", "error_rate>1%", "--json"]
+    result = loadtest(url, *common, "--out", str(out), *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(result.stdout)
+    assert OUTPUTS <= {p.name for p in out.iterdir()}
+    for key in ("requests", "output_tokens"):
+        assert summary["server_metrics"][key]["mismatch"] <= 0.02, summary["server_metrics"]
+    return summary
+
+
 @pytest.mark.slow
 def test_sweep_finds_the_knee_of_a_two_slot_server(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     # Two decoding slots, 8 steps of 10 ms: throughput doubles from 1 to 2 users, then flattens.
     with serve(Behaviour(capacity=2, step_delay=0.01)) as url:
-        result = loadtest(
-            url,
-            "--sweep",
-            "1,2,4",
-            "-t",
-            "1.5s",
-            "--min-samples",
-            "5",  # a 1.5 s level of 80 ms requests holds ~15: enough for this two-slot server
-            "--max-tokens",
-            "8",
-            "--out",
-            str(out),
-            "--slo",
-            "e2e<=10s",
-            "--fail-on",
-            "error_rate>1%",
-            "--json",
-        )
-    assert result.returncode == 0, result.stderr[-2000:]
-    summary = json.loads(result.stdout)
-    assert OUTPUTS <= {p.name for p in out.iterdir()}
+        # A 1.5 s level of 80 ms requests holds ~15: 5 samples are enough for this two-slot server.
+        summary = sweep(url, out, "1.5s", "--min-samples", "5", "--slo", "e2e<=10s")
     assert summary["mode"] == "sweep" and [lv["users"] for lv in summary["levels"]] == [1, 2, 4]
     assert summary["knee"]["users"] == 2, summary["knee"]
     assert summary["passed"] and summary["gate"]["users"] == 2
-    for key in ("requests", "output_tokens"):
-        assert summary["server_metrics"][key]["mismatch"] <= 0.02, summary["server_metrics"]
     gate = summary["gate"]
     assert gate["mean_denoising_steps"] == 8 and gate["goodput_fraction"] == 1.0
     assert gate["p50_ttft"] < gate["p50_e2e"] and gate["p50_tpot"] > 0

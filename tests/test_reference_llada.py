@@ -9,21 +9,13 @@ import pytest
 from engine.llm import LLM, GenerationOutput
 from tests.reference_vectors import assert_reproduces, decode_vector, first_logits_match, load_vector, reference_llm
 
-VECTORS = [
-    "llada_generate_gen64",
-    "llada_generate_gen128",
-    "fastdllm_llada_generate_gen64",
-    "fastdllm_llada_generate_gen128",
-    "fastdllm_llada_generate_thr0.9_gen64",
-    "fastdllm_llada_generate_thr0.9_gen128",
-    "fastdllm_llada_prefix_cache_gen64",
-    "fastdllm_llada_prefix_cache_gen128",
-    "fastdllm_llada_prefix_cache_thr0.9_gen64",
-    "fastdllm_llada_prefix_cache_thr0.9_gen128",
-    "fastdllm_llada_dual_cache_gen64",
-    "fastdllm_llada_dual_cache_gen128",
-    "fastdllm_llada_dual_cache_thr0.9_gen64",
-    "fastdllm_llada_dual_cache_thr0.9_gen128",
+# LLaDA's own loop, then Fast-dLLM's in every cache mode, without and with the parallel-decoding
+# threshold; each at both generation lengths.
+VECTORS = [f"llada_generate_gen{n}" for n in (64, 128)] + [
+    f"fastdllm_llada_{cache}{thr}_gen{n}"
+    for cache in ("generate", "prefix_cache", "dual_cache")
+    for thr in ("", "_thr0.9")
+    for n in (64, 128)
 ]
 
 

@@ -139,32 +139,26 @@ def test_queue_full_is_429_at_once_and_timeouts_free_the_slot(server: ServerProc
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
 
 
+def assert_cancelled(server: ServerProcess, before: dict[str, float], disconnects: int) -> None:
+    """Within 5 s the server has counted `disconnects` client disconnects since `before` and
+    runs no request."""
+    counter = "dlm_http_requests_client_disconnected_total"
+    assert wait_until(lambda: server.metrics()[counter] == before[counter] + disconnects, timeout=5)
+    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
+
+
 def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     before = server.metrics()
     # Streaming: read the first event, then hang up.
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    assert wait_until(
-        lambda: (
-            server.metrics()["dlm_http_requests_client_disconnected_total"]
-            == before["dlm_http_requests_client_disconnected_total"] + 1
-        ),
-        timeout=5,
-    )
-    # It leaves the batch before the next forward (the one in flight finishes first).
-    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
+    # Counted, and it leaves the batch before the next forward (the one in flight finishes first).
+    assert_cancelled(server, before, disconnects=1)
     # Not streaming: the client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.3))
-    assert wait_until(
-        lambda: (
-            server.metrics()["dlm_http_requests_client_disconnected_total"]
-            == before["dlm_http_requests_client_disconnected_total"] + 2
-        ),
-        timeout=5,
-    )
-    assert wait_until(lambda: server.metrics()["dlm_num_requests_running"] == 0, timeout=5)
+    assert_cancelled(server, before, disconnects=2)
     after = server.metrics()
     assert after["dlm_request_timeouts_total"] == before["dlm_request_timeouts_total"]  # cancelled, not timed out
     aborted = [line for line in server.request_logs() if line["finish_reason"] == "abort"]

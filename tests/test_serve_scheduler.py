@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,29 @@ def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(coro)
 
 
+@asynccontextmanager
+async def started(engine: LLMEngine, limits: SchedulerLimits, log: StepLog | None = None) -> AsyncIterator[AsyncEngine]:
+    """The server loop running over `engine`, stopped however the test inside ends."""
+    aengine = AsyncEngine(engine, limits, observer=log)
+    aengine.start()
+    try:
+        yield aengine
+    finally:
+        aengine.stop()
+
+
+# A request long enough to be still decoding when the test acts on it.
+LONG = GenerationParams(gen_length=256, block_length=256, steps=256)
+
+
+def assert_batched_match_solo(solo: list[list[int]], outs: list, eos: int | None) -> None:
+    """Each batched output's committed prefix (up to its EOS) is what the request gave alone."""
+    for expected, out in zip(solo, outs):
+        assert out.finish_reason in ("stop", "length")
+        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
+        assert n > 0 and out.prefix_ids[:n] == expected[:n]
+
+
 def test_requests_share_forwards_and_match_solo_outputs(engine: LLMEngine) -> None:
     engine.running.clear()
     params = [GenerationParams(gen_length=g, block_length=8, steps=s) for g, s in ((16, 16), (24, 12), (8, 8))]
@@ -90,13 +114,9 @@ def test_requests_share_forwards_and_match_solo_outputs(engine: LLMEngine) -> No
 
     async def main() -> list[list[int]]:
         log = StepLog()
-        aengine = AsyncEngine(engine, SchedulerLimits(max_num_seqs=4), observer=log)
-        aengine.start()
-        try:
+        async with started(engine, SchedulerLimits(max_num_seqs=4), log) as aengine:
             streams = [aengine.submit(f"r{i}", p, prm, timeout=None) for i, (p, prm) in enumerate(zip(prompts, params))]
             outs = [await s.result() for s in streams]
-        finally:
-            aengine.stop()
         assert max(size for _, _, size in log.steps) == 3  # all three in one forward
         assert all(o.finish_reason in ("stop", "length") for o in outs)
         return [s.seq.output_ids for s in streams]
@@ -113,11 +133,8 @@ def test_deadline_stops_denoising_within_one_step(engine: LLMEngine) -> None:
 
     async def main() -> None:
         log = StepLog()
-        aengine = AsyncEngine(engine, SchedulerLimits(), observer=log)
-        aengine.start()
-        try:
-            params = GenerationParams(gen_length=256, block_length=256, steps=256)
-            stream = aengine.submit("slow", [5, 6], params, timeout=0.3)
+        async with started(engine, SchedulerLimits(), log) as aengine:
+            stream = aengine.submit("slow", [5, 6], LONG, timeout=0.3)
             deadline = stream.request.deadline
             out = await stream.result()
             assert out.finish_reason == "timeout"
@@ -128,8 +145,6 @@ def test_deadline_stops_denoising_within_one_step(engine: LLMEngine) -> None:
             # The slot is free: a new request runs to the end.
             quick = aengine.submit("quick", [5], GenerationParams(gen_length=8, block_length=8), timeout=None)
             assert (await quick.result()).finish_reason in ("stop", "length")
-        finally:
-            aengine.stop()
 
     run(main())
 
@@ -138,11 +153,8 @@ def test_abort_leaves_before_the_next_forward(engine: LLMEngine) -> None:
     engine.running.clear()
 
     async def main() -> None:
-        aengine = AsyncEngine(engine, SchedulerLimits())
-        aengine.start()
-        try:
-            params = GenerationParams(gen_length=256, block_length=256, steps=256)
-            stream = aengine.submit("gone", [5, 6], params, timeout=None, updates=True)
+        async with started(engine, SchedulerLimits()) as aengine:
+            stream = aengine.submit("gone", [5, 6], LONG, timeout=None, updates=True)
             async for out in stream.outputs():
                 if out.nfe >= 2:
                     break
@@ -150,8 +162,6 @@ def test_abort_leaves_before_the_next_forward(engine: LLMEngine) -> None:
             final = await stream.result()
             assert final.finish_reason == "abort" and final.nfe < 256
             assert aengine.num_running == 0
-        finally:
-            aengine.stop()
 
     run(main())
 
@@ -160,18 +170,15 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
     engine.running.clear()
 
     async def main() -> None:
-        aengine = AsyncEngine(engine, SchedulerLimits(max_num_seqs=1, max_queue=1))
-        aengine.start()
-        try:
-            params = GenerationParams(gen_length=256, block_length=256, steps=256)
-            first = aengine.submit("a", [5], params, timeout=None)
+        async with started(engine, SchedulerLimits(max_num_seqs=1, max_queue=1)) as aengine:
+            first = aengine.submit("a", [5], LONG, timeout=None)
             for _ in range(200):  # the loop admits it before its first forward
                 if aengine.num_running:
                     break
                 await asyncio.sleep(0.01)
-            second = aengine.submit("b", [5], params, timeout=None)
+            second = aengine.submit("b", [5], LONG, timeout=None)
             with pytest.raises(QueueFull):  # raised by the call itself, while the others still run
-                aengine.submit("c", [5], params, timeout=None)
+                aengine.submit("c", [5], LONG, timeout=None)
             assert aengine.num_running == 1 and aengine.num_waiting == 1
             assert aengine.retry_after() >= 1
             ended = await aengine.drain(grace=0.2)
@@ -179,9 +186,7 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
             assert (await first.result()).finish_reason == "shutdown"
             assert (await second.result()).finish_reason == "shutdown"
             with pytest.raises(Exception, match="shutting down"):
-                aengine.submit("d", [5], params, timeout=None)
-        finally:
-            aengine.stop()
+                aengine.submit("d", [5], LONG, timeout=None)
 
     run(main())
 
@@ -213,11 +218,7 @@ def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache:
         outs = run(main())
     finally:
         torch.set_num_threads(threads)
-    eos = block_engine.config.eos_token_id
-    for expected, out in zip(solo, outs):
-        assert out.finish_reason in ("stop", "length")
-        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
-        assert n > 0 and out.prefix_ids[:n] == expected[:n]
+    assert_batched_match_solo(solo, outs, block_engine.config.eos_token_id)
 
 
 def test_dream_with_caches_serves_through_the_same_loop(tiny_dream: Path) -> None:
@@ -237,23 +238,15 @@ def test_dream_with_caches_serves_through_the_same_loop(tiny_dream: Path) -> Non
 
         async def main() -> list:
             log = StepLog()
-            aengine = AsyncEngine(dream, SchedulerLimits(max_num_seqs=4), observer=log)
-            aengine.start()
-            try:
+            async with started(dream, SchedulerLimits(max_num_seqs=4), log) as aengine:
                 streams = [
                     aengine.submit(f"d{i}", p, prm, timeout=None) for i, (p, prm) in enumerate(zip(prompts, params))
                 ]
                 outs = [await s.result() for s in streams]
-            finally:
-                aengine.stop()
             assert max(size for _, _, size in log.steps) == 3  # all three in one forward
             return outs
 
         outs = run(main())
     finally:
         torch.set_num_threads(threads)
-    eos = dream.config.eos_token_id
-    for expected, out in zip(solo, outs):
-        assert out.finish_reason in ("stop", "length")
-        n = out.prefix_ids.index(eos) + 1 if eos in out.prefix_ids else len(out.prefix_ids)
-        assert n > 0 and out.prefix_ids[:n] == expected[:n]
+    assert_batched_match_solo(solo, outs, dream.config.eos_token_id)

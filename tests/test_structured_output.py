@@ -44,15 +44,20 @@ def _bounded(draw: st.DrawFn, kind: str) -> dict[str, Any]:
     return schema
 
 
+def _sized(draw: st.DrawFn, schema: dict[str, Any], bound: str, most_low: int, most_span: int) -> dict[str, Any]:
+    """`schema` with an optional min`bound` (up to `most_low`) and an optional max`bound`
+    never below it (`most_span` above it at most): a string's Length, an array's Items."""
+    low = draw(st.none() | st.integers(0, most_low))
+    if low is not None:
+        schema["min" + bound] = low
+    if draw(st.booleans()):
+        schema["max" + bound] = (low or 0) + draw(st.integers(0, most_span))
+    return schema
+
+
 @st.composite
 def _string(draw: st.DrawFn) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    low = draw(st.none() | st.integers(0, 6))
-    if low is not None:
-        schema["minLength"] = low
-    if draw(st.booleans()):
-        schema["maxLength"] = (low or 0) + draw(st.integers(0, 8))
-    return schema
+    return _sized(draw, {"type": "string"}, "Length", most_low=6, most_span=8)
 
 
 SCALARS = st.one_of(
@@ -85,13 +90,7 @@ def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[di
 def _array(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     @st.composite
     def build(draw: st.DrawFn) -> dict[str, Any]:
-        schema: dict[str, Any] = {"type": "array", "items": draw(children)}
-        low = draw(st.none() | st.integers(0, 2))
-        if low is not None:
-            schema["minItems"] = low
-        if draw(st.booleans()):
-            schema["maxItems"] = (low or 0) + draw(st.integers(0, 2))
-        return schema
+        return _sized(draw, {"type": "array", "items": draw(children)}, "Items", most_low=2, most_span=2)
 
     return build()
 

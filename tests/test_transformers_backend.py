@@ -14,10 +14,12 @@ import torch
 from typer.testing import CliRunner
 
 from dlm_cli.main import app
+from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from engine.errors import Unsupported, UsageError
 from engine.llm import LLM
 from engine.params import GenerationParams
 from tests.hybrid_checkpoints import reference_model, save_reference
+from tests.tiny_transformers import tiny_bert
 
 MASK = 99
 
@@ -25,25 +27,8 @@ MASK = 99
 @pytest.fixture(scope="module")
 def masked_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BertForMaskedLM (bidirectional, head with bias) with a MASK id in its config."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        mask_token_id=MASK,
-    )
-    model = BertForMaskedLM(config).eval()
-    with torch.no_grad():  # sharper than the 0.02 init, so confidences spread and ties vanish
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     directory = tmp_path_factory.mktemp("bert")
-    model.save_pretrained(str(directory))
+    tiny_bert(100, 128, mask_token_id=MASK).save_pretrained(str(directory))
     return directory
 
 
@@ -113,27 +98,10 @@ def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
 
 def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:
     """transformers' native block-diffusion model (DiffusionGemma) through `dlm generate`."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    from transformers import DiffusionGemmaForBlockDiffusion
 
-    text = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-        sliding_window=16,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-    )
-    torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(
-        DiffusionGemmaConfig(text_config=text, vision_config=None, canvas_length=8)
-    ).eval()
-    model.save_pretrained(str(tmp_path))
+    save_tiny_diffusion_gemma(tmp_path, vocab_size=128)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompt = [21, 82, 90, 108, 40]
     result = CliRunner().invoke(
         app,

@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import session_home
 from tests.serving import ServerProcess
+from tests.tiny_transformers import tiny_bert, tiny_llama
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -32,14 +33,7 @@ DLLM_CHECKS = {"steps", "threshold", "block_length"}
 
 
 def _with_tokenizer(model, directory: Path) -> Path:  # noqa: ANN001
-    """Save `model` with sharper-than-init random weights (so confidences spread and ties
-    vanish) next to the tokenizer."""
-    import torch
-
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    """Save `model` next to the tokenizer."""
     model.save_pretrained(str(directory))
     for item in TOKENIZER.iterdir():
         shutil.copy(item, directory / item.name)
@@ -52,39 +46,11 @@ def _vocab() -> int:
 
 def masked_lm(directory: Path) -> Path:
     """A tiny BERT: its MASK id comes from the tokenizer, its EOS from the tokenizer too."""
-    import torch
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=_vocab(),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-    )
-    return _with_tokenizer(BertForMaskedLM(config).eval(), directory)
+    return _with_tokenizer(tiny_bert(_vocab(), 512), directory)
 
 
 def causal_lm(directory: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=_vocab(),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    return _with_tokenizer(LlamaForCausalLM(config).eval(), directory)
+    return _with_tokenizer(tiny_llama(_vocab(), 512, eos_token_id=0, pad_token_id=0, bos_token_id=None), directory)
 
 
 def serve_and_validate(model: Path, home: Path, skip: tuple[str, ...] = ()) -> tuple[dict[str, dict], list[str]]:

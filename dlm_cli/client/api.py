@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,9 @@ def tls_failure(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-class ApiClient:
-    """A base URL, an optional API key, a timeout applied to every call, and the TLS check."""
+class ApiClient(AbstractContextManager["ApiClient"]):
+    """A base URL, an optional API key, a timeout applied to every call, and the TLS check;
+    as a context manager (entering gives the client), its connections close on leaving."""
 
     def __init__(
         self,
@@ -132,9 +134,6 @@ class ApiClient:
 
     def close(self) -> None:
         self.http.close()
-
-    def __enter__(self) -> ApiClient:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,9 +8,10 @@ deviation from the framing is reported as an `SSEError` naming what was wrong.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from dlm_cli.jsonl import json_object
 
 DONE = "[DONE]"
 
@@ -40,11 +41,9 @@ def iter_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
                 done = True
                 continue
             try:
-                event = json.loads(payload)
-            except json.JSONDecodeError:
-                raise SSEError(f"event data is not JSON (line {number}): {payload[:80]!r}") from None
-            if not isinstance(event, dict):
-                raise SSEError(f"event data is not a JSON object (line {number}): {payload[:80]!r}")
+                event = json_object(payload)
+            except ValueError as exc:
+                raise SSEError(f"event data is {exc} (line {number}): {payload[:80]!r}") from None
             yield event
             continue
         if line.startswith(":"):

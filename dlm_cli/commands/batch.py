@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from dlm_cli.model_options import DEVICE_OPTION
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -18,7 +19,7 @@ def batch(
     config_file: Path | None = typer.Option(None, "--config", help="`dlm serve` settings file (limits, defaults)."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", help="Requests decoded together [8]."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16."),
-    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    device: str | None = DEVICE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the counts as JSON on stdout."),
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""

@@ -8,6 +8,7 @@ import typer
 
 from dlm_cli import parallel as tp
 from dlm_cli import params as dp
+from dlm_cli.model_options import MODEL_ARGUMENT
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
@@ -85,11 +86,7 @@ def _sample(out) -> dict:  # noqa: ANN001
 
 def generate(
     ctx: typer.Context,
-    model: str | None = typer.Argument(
-        None,
-        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY "
-        "(default: the embedded default model).",
-    ),
+    model: str | None = MODEL_ARGUMENT,
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import typer
 
-from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION
+from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm_cli.loadtest.sweep import MIN_SAMPLES
 from dlm_cli.output import cli_errors, emit_json, err_console
 from engine.home import dlm_home
 
 
 def loadtest(
-    url: str = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+    url: str = URL_ARGUMENT,
     users: int = typer.Option(4, "--users", "-u", help="Concurrent users of a fixed run."),
     spawn_rate: float | None = typer.Option(
         None, "--spawn-rate", "-r", help="Users started per second (default: all at once)."

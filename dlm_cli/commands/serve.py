@@ -7,15 +7,12 @@ from pathlib import Path
 import typer
 
 from dlm_cli import parallel as tp
+from dlm_cli.model_options import DEVICE_OPTION, MODEL_ARGUMENT
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
 def serve(
-    model: str | None = typer.Argument(
-        None,
-        help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY "
-        "(default: the embedded default model).",
-    ),
+    model: str | None = MODEL_ARGUMENT,
     model_path: str | None = typer.Option(
         None, "--model-path", "--model", help="MODEL as an option, as other servers spell it."
     ),
@@ -34,7 +31,7 @@ def serve(
     dtype: str | None = typer.Option(
         None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."
     ),
-    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
+    device: str | None = DEVICE_OPTION,
     gpu_memory_utilization: float | None = typer.Option(
         None,
         "--gpu-memory-utilization",

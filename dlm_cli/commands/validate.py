@@ -6,12 +6,12 @@ from pathlib import Path
 
 import typer
 
-from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION
+from dlm_cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
 def validate(
-    url: str = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+    url: str = URL_ARGUMENT,
     api_key: str | None = typer.Option(
         None,
         "--api-key",

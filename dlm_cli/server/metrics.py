@@ -8,7 +8,7 @@ own registry (several apps may live in one test process). Counters get prometheu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,93 +25,52 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("dlm_num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("dlm_num_requests_waiting", "Requests waiting for a slot.", registry=r)
-        self.batch_token_usage = Gauge(
-            "dlm_batch_token_usage_perc",
-            "Canvas tokens in the running batch over max_num_batched_tokens (1 = full).",
-            registry=r,
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.running = gauge("dlm_num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("dlm_num_requests_waiting", "Requests waiting for a slot.")
+        self.batch_token_usage = gauge(
+            "dlm_batch_token_usage_perc", "Canvas tokens in the running batch over max_num_batched_tokens (1 = full)."
         )
-        self.cache_bytes = Gauge(
+        self.cache_bytes = gauge(
             "dlm_kv_cache_bytes",
             "K/V cache (and recurrent state) bytes the running requests hold on this process "
             "(rank 0's shard under tensor parallelism).",
-            registry=r,
         )
-        self.model_info = Gauge(
+        self.model_info = gauge(
             "dlm_model_info",
             "The model served now (value 1): its served name, store version and deployment ('' when none).",
-            ["model", "version", "deployment"],
-            registry=r,
+            *("model", "version", "deployment"),
         )
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
-        self.e2e = Histogram("dlm_e2e_request_latency_seconds", "Arrival to last byte.", buckets=LATENCY, registry=r)
-        self.ttft = Histogram(
-            "dlm_time_to_first_token_seconds",
-            "Arrival to first streamed text.",
-            buckets=LATENCY,
-            registry=r,
+        self.e2e = histogram("dlm_e2e_request_latency_seconds", "Arrival to last byte.", LATENCY)
+        self.ttft = histogram("dlm_time_to_first_token_seconds", "Arrival to first streamed text.", LATENCY)
+        self.queue_time = histogram("dlm_request_queue_time_seconds", "Arrival to joining the running batch.", LATENCY)
+        self.steps = histogram("dlm_request_denoising_steps", "Model forwards spent per request.", POWERS)
+        self.tokens_per_step = histogram(
+            "dlm_tokens_per_step", "Tokens committed per sequence per denoising step.", (0.0,) + POWERS[:9]
         )
-        self.queue_time = Histogram(
-            "dlm_request_queue_time_seconds",
-            "Arrival to joining the running batch.",
-            buckets=LATENCY,
-            registry=r,
+        self.step_duration = histogram("dlm_step_duration_seconds", "Duration of one batched denoising forward.", STEP)
+        self.batch_size = histogram("dlm_batch_size", "Sequences sharing one denoising forward.", POWERS[:10])
+        self.prompt_tokens = counter("dlm_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter(
+            "dlm_generation_tokens", "Generated tokens returned (up to and including EOS)."
         )
-        self.steps = Histogram(
-            "dlm_request_denoising_steps",
-            "Model forwards spent per request.",
-            buckets=POWERS,
-            registry=r,
+        self.success = counter("dlm_request_success", "Finished requests by finish reason.", "finish_reason")
+        self.rejections = counter("dlm_request_rejections", "Refused requests by reason.", "reason")
+        self.timeouts = counter("dlm_request_timeouts", "Requests ended by their deadline.")
+        self.disconnects = counter(
+            "dlm_http_requests_client_disconnected", "Requests cancelled because the client left."
         )
-        self.tokens_per_step = Histogram(
-            "dlm_tokens_per_step",
-            "Tokens committed per sequence per denoising step.",
-            buckets=(0.0,) + POWERS[:9],
-            registry=r,
-        )
-        self.step_duration = Histogram(
-            "dlm_step_duration_seconds",
-            "Duration of one batched denoising forward.",
-            buckets=STEP,
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "dlm_batch_size",
-            "Sequences sharing one denoising forward.",
-            buckets=POWERS[:10],
-            registry=r,
-        )
-        self.prompt_tokens = Counter("dlm_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter(
-            "dlm_generation_tokens",
-            "Generated tokens returned (up to and including EOS).",
-            registry=r,
-        )
-        self.success = Counter(
-            "dlm_request_success",
-            "Finished requests by finish reason.",
-            ["finish_reason"],
-            registry=r,
-        )
-        self.rejections = Counter(
-            "dlm_request_rejections",
-            "Refused requests by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.timeouts = Counter("dlm_request_timeouts", "Requests ended by their deadline.", registry=r)
-        self.disconnects = Counter(
-            "dlm_http_requests_client_disconnected",
-            "Requests cancelled because the client left.",
-            registry=r,
-        )
-        self.failures = Counter(
-            "dlm_request_failures",
-            "Requests ended by an engine error or shutdown.",
-            ["reason"],
-            registry=r,
-        )
+        self.failures = counter("dlm_request_failures", "Requests ended by an engine error or shutdown.", "reason")
         # Export the common series from the start, so rates and alerts work before the first event.
         for reason in ("stop", "length", "tool_calls"):
             self.success.labels(reason)
