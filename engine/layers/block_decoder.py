@@ -17,8 +17,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.attention import merge_heads, split_heads
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
-from engine.layers.moe import feed_forward
 from engine.layers.norm import RMSNorm
+from engine.layers.pre_norm import PreNormLayer
 from engine.layers.rotary import Rotary
 from engine.runtime.batch import ForwardBatch, gather_rows
 from engine.runtime.block_batch import BlockBatch
@@ -88,10 +88,9 @@ class BlockAttention(nn.Module):
         return part(n.out)(merge_heads(batch.attend(layer, q, k, v, selected)))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: `input_layernorm`, the attention under the checkpoint's
-    name (`attention_name`), `post_attention_layernorm`, and `mlp` (dense or MoE, as
-    `config.moe` places it)."""
+class DecoderLayer(PreNormLayer):
+    """Pre-norm residual layer whose mixer is the attention, under the checkpoint's name
+    (`attention_name`)."""
 
     def __init__(
         self,
@@ -101,13 +100,9 @@ class DecoderLayer(nn.Module):
         names: AttentionNames = QWEN_ATTENTION,
         fused: bool = False,
     ) -> None:
-        super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
+        super().__init__(config, index)
         self.attention_name = attention_name
         self.add_module(attention_name, BlockAttention(config, names, fused))
-        self.input_layernorm = RMSNorm(d, eps)
-        self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = feed_forward(config, index)
 
     def forward(
         self,
@@ -122,8 +117,7 @@ class DecoderLayer(nn.Module):
         out = attn(self.input_layernorm(x), rotary, cos_sin, batch, layer, last)
         if last:  # only the selected rows leave the last layer
             x = gather_rows(x, batch.select)
-        x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp_residual(x + out)
 
 
 def decoder_stack(

@@ -30,8 +30,9 @@ from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.moe import expert_sources, feed_forward
+from engine.layers.moe import expert_sources
 from engine.layers.norm import RMSNorm
+from engine.layers.pre_norm import PreNormLayer
 from engine.layers.rotary import Rotary
 from engine.loader import checkpoint_sources
 from engine.runtime.hybrid_cache import HybridCache, LayerState
@@ -39,12 +40,14 @@ from engine.runtime.hybrid_cache import HybridCache, LayerState
 MULTIMODAL_PREFIX = "model.language_model."
 
 
-class HybridLayer(nn.Module):
+class HybridLayer(PreNormLayer):
+    """Pre-norm residual layer (zero-centred norms) whose mixer is the Gated DeltaNet or
+    the gated attention, as `layer_types` says."""
+
     def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__()
+        super().__init__(config, index, zero_centred=True)
         d, eps, la = config.hidden_size, config.rms_norm_eps, config.linear
         self.layer_type = config.layer_type(index)
-        self.input_layernorm = RMSNorm(d, eps, zero_centred=True)
         if self.layer_type == LINEAR_ATTENTION and la is not None:
             self.linear_attn = GatedDeltaNet(
                 d, la.key_heads, la.value_heads, la.key_dim, la.value_dim, la.conv_kernel, eps
@@ -53,8 +56,6 @@ class HybridLayer(nn.Module):
             self.self_attn = GatedAttention(
                 d, config.num_heads, config.num_kv_heads, config.head_dim, eps, config.qkv_bias
             )
-        self.post_attention_layernorm = RMSNorm(d, eps, zero_centred=True)
-        self.mlp = feed_forward(config, index)
 
     def forward(
         self,
@@ -71,8 +72,7 @@ class HybridLayer(nn.Module):
             mixed, state = self.linear_attn(h, past, chunked)  # type: ignore[arg-type]
         else:
             mixed, state = self.self_attn(h, rotary, *cos_sin, past, causal)  # type: ignore[arg-type]
-        x = x + mixed
-        return x + self.mlp(self.post_attention_layernorm(x)), state
+        return self.mlp_residual(x + mixed), state
 
 
 class HybridBody(nn.Module):
