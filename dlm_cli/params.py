@@ -29,7 +29,25 @@ def option(name: str) -> Any:
         extra = "" if "|" in spec.help else f" One of: {', '.join(spec.choices)}."
     else:
         extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
+    if name in ID_LISTS:  # repeated, comma-separated, or both: as --prompt-ids takes ids
+        return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag))
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
+
+
+# Fields that hold token ids (tuple[int, ...]); their options are declared `list[str]`.
+ID_LISTS = ("stop_token_ids",)
+
+
+def _id_list(flag: str) -> Any:
+    def parse(values: list[str] | None) -> list[int] | None:
+        if not values:
+            return None
+        try:
+            return [int(t) for v in values for t in v.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise typer.BadParameter(f"{flag} takes token ids (integers, comma-separated or repeated)") from None
+
+    return parse
 
 
 def check_before_loading(

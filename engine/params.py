@@ -208,7 +208,7 @@ class GenerationParams:
         None,
         "Token ids that end the answer besides EOS, as EOS does: the answer ends at the first one committed "
         "(finish_reason stop) and decoding stops after the block holding it (a list; on the command line, "
-        "repeat the flag).",
+        "comma-separated or the flag repeated).",
         cli="--stop-token-ids",
     )
     early_stop: bool = _param(

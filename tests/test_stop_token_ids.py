@@ -130,11 +130,12 @@ def test_dlm_generate_stop_token_ids(engines: dict[str, LLM], tiny_llada: Path) 
     llm = engines["llada"]
     full = llm.generate(PROMPT, gen_length=32, steps=32, block_length=BLOCK, early_stop=False)[0]
     j, stop = first_new_token(full.output_ids, llm.config.eos_token_id)
-    code, stdout, stderr = _generate_cli(tiny_llada, "--stop-token-ids", str(stop), "--stop-token-ids", "3")
-    assert code == 0, stderr
-    out = json.loads(stdout)
-    assert out["finish_reason"] == "stop" and out["completion_ids"] == full.output_ids[: j + 1]
-    assert out["params"]["stop_token_ids"] == [stop, 3]
+    for flags in (["--stop-token-ids", str(stop), "--stop-token-ids", "3"], ["--stop-token-ids", f"{stop},3"]):
+        code, stdout, stderr = _generate_cli(tiny_llada, *flags)
+        assert code == 0, stderr
+        out = json.loads(stdout)
+        assert out["finish_reason"] == "stop" and out["completion_ids"] == full.output_ids[: j + 1]
+        assert out["params"]["stop_token_ids"] == [stop, 3]
 
     code, stdout, stderr = _generate_cli(tiny_llada, "--stop-token-ids", str(llm.config.logits_size))
     _assert_one_error(code, stdout, stderr, 2)
@@ -222,3 +223,19 @@ def test_tensor_parallel_ranks_stop_where_one_process_does(tmp_path: Path, famil
         want.nfe,
         want.finish_reason,
     )
+
+
+def test_a_stop_id_that_is_not_an_integer_is_one_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused while the command line is parsed (the `dlm` entry point: one line, exit 2)."""
+    import sys
+
+    from dlm_cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["dlm", "generate", "--stop-token-ids", "3,x"])
+    with pytest.raises(SystemExit) as caught:
+        main()
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "--stop-token-ids takes token ids" in err, err

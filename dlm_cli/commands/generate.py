@@ -116,7 +116,7 @@ def generate(
     edit_threshold: float | None = dp.option("edit_threshold"),
     edit_mode: str | None = dp.option("edit_mode"),
     max_post_edit_steps: int | None = dp.option("max_post_edit_steps"),
-    stop_token_ids: list[int] | None = dp.option("stop_token_ids"),
+    stop_token_ids: list[str] | None = dp.option("stop_token_ids"),
     early_stop: bool = dp.option("early_stop"),
     n: int = dp.option("n"),
     logprobs: int | None = dp.option("logprobs"),
