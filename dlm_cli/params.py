@@ -30,7 +30,7 @@ def option(name: str) -> Any:
     else:
         extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
     if name in ID_LISTS:  # repeated, comma-separated, or both: as --prompt-ids takes ids
-        return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag))
+        return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag), metavar="ID,...")
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
 
 
