@@ -22,6 +22,7 @@ the reference does, since int() truncation turns rounding into a different count
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -63,18 +64,22 @@ def confidence(alg: str, stats: TokenStats) -> torch.Tensor:
 
 
 def choose(
-    params: ResolvedParams, step: int, stats: TokenStats, generator: torch.Generator | None, quota: int
+    params: ResolvedParams,
+    step: int,
+    stats: TokenStats,
+    generator: torch.Generator | None,
+    quota: Callable[[], int],
 ) -> torch.Tensor:
     """Indices into the decided positions to commit at block step `step` (>= 1 with a cache);
-    `quota`: what the schedule grants this step, carried-over slots included (the
-    `confidence_threshold` rule without a cache)."""
+    `quota()`: what the schedule grants this step, carried-over slots included (the
+    `confidence_threshold` rule without a cache; counted only for that rule)."""
     alg, n, device = params.alg, stats.prob.numel(), stats.prob.device
     assert alg is not None
     steps = params.steps_per_block
     if alg == "confidence_threshold":
         assert params.threshold is not None
         if params.cache == "none":
-            return above_threshold(stats.prob.cpu(), params.threshold, limit=quota)
+            return above_threshold(stats.prob.cpu(), params.threshold, limit=quota())
         if step >= steps - 1:  # the block's share of the steps is spent: commit the rest
             return torch.arange(n)
         return above_threshold(stats.prob.cpu(), params.threshold)

@@ -78,7 +78,7 @@ def decide(seq: Sequence, positions: torch.Tensor, stats: TokenStats) -> tuple[t
         if params.cache != "none" and step == 0:
             chosen = torch.zeros(1, dtype=torch.long)  # the refresh commits the block's first token
         else:
-            chosen = dream.choose(params, step, stats, seq.generator, seq.quota())
+            chosen = dream.choose(params, step, stats, seq.generator, seq.quota)
     else:
         chosen = llada_rule(params, step, seq.schedule, confidence(params, stats, seq.generator).cpu())
     if seq.constraint is not None and chosen.numel() == 0 and positions.numel() > 0:
