@@ -9,7 +9,7 @@ validation (engine/family_rules.py), like every other entry point.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import typer
 
@@ -29,23 +29,40 @@ def option(name: str) -> Any:
         extra = "" if "|" in spec.help else f" One of: {', '.join(spec.choices)}."
     else:
         extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
-    if name in ID_LISTS:  # repeated, comma-separated, or both: as --prompt-ids takes ids
+    if _holds_ids(name):  # repeated, comma-separated, or both: as --prompt-ids takes ids
         return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag), metavar="ID,...")
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
 
 
-# Fields that hold token ids (tuple[int, ...]); their options are declared `list[str]`.
-ID_LISTS = ("stop_token_ids",)
+def parse_ids(text: str, flag: str) -> list[int]:
+    """Token ids given on the command line: comma-separated integers."""
+    from engine.errors import UsageError
+
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError(f"{flag} is empty")
+    return ids
+
+
+def _holds_ids(name: str) -> bool:
+    """Whether field `name` holds token ids (its type is a tuple of ints); its option is then
+    declared `list[str]`, each value parsed by `parse_ids`."""
+    from engine.params import GenerationParams
+
+    return "tuple[int, ...]" in str(get_type_hints(GenerationParams)[name])
 
 
 def _id_list(flag: str) -> Any:
     def parse(values: list[str] | None) -> list[int] | None:
-        if not values:
-            return None
-        try:
-            return [int(t) for v in values for t in v.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise typer.BadParameter(f"{flag} takes token ids (integers, comma-separated or repeated)") from None
+        from engine.errors import UsageError
+
+        try:  # raised while click parses: its error, which the entry point prints as one line
+            return [i for v in values for i in parse_ids(v, flag)] if values else None
+        except UsageError as exc:
+            raise typer.BadParameter(str(exc)) from None
 
     return parse
 

@@ -238,4 +238,8 @@ def test_a_stop_id_that_is_not_an_integer_is_one_usage_error(
         main()
     assert caught.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "--stop-token-ids takes token ids" in err, err
+    assert (
+        err.count("\n") == 1
+        and err.startswith("error: ")
+        and "--stop-token-ids must be comma-separated integers" in err
+    ), err

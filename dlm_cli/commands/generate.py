@@ -12,18 +12,6 @@ from dlm_cli.model_options import MODEL_ARGUMENT
 from dlm_cli.output import cli_errors, emit_json, err_console
 
 
-def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
-    from engine.errors import UsageError
-
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UsageError(f"{flag} is empty")
-    return ids
-
-
 def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
     """Decode, printing each sample's canvas after every denoising step as one JSON line on
     stdout (the shape of the server's canvas events, docs/serve.md)."""
@@ -157,7 +145,7 @@ def generate(
         if prompt is not None and prompt_ids is None:
             source = prompt
         elif prompt_ids is not None and prompt is None:
-            source = _parse_ids(prompt_ids)
+            source = dp.parse_ids(prompt_ids, "--prompt-ids")
         else:
             raise UsageError("give exactly one of --prompt or --prompt-ids")
         if suffix_text is not None and suffix_ids is not None:
@@ -168,7 +156,7 @@ def generate(
         model = str(checkpoint)
         params = dp.decoding_params(ctx.params)
         if suffix_ids is not None:  # text is encoded once the tokenizer is loaded
-            params = replace(params, suffix=tuple(_parse_ids(suffix_ids, "--suffix-ids")))
+            params = replace(params, suffix=tuple(dp.parse_ids(suffix_ids, "--suffix-ids")))
         parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
         if backend == "native":  # a text prompt's length is known once tokenised; a text suffix has a token
             early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
