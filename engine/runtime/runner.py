@@ -59,8 +59,7 @@ class _Forwarded:
     def stats(self, seq: Sequence, row: int) -> TokenStats:
         """The statistics a step is decided from (noting their logprobs when asked for)."""
         stats = token_stats(seq, self.hidden[row], self.weight, self.shard, self.positions[row])
-        positions = self.positions[row].to(stats.token.device)
-        seq.note_logprobs(positions, self.hidden[row], self.weight, stats.token, self.shard)
+        seq.note_logprobs(self.positions[row], self.hidden[row], self.weight, stats.token, self.shard)
         return stats
 
     def row_of(self, canvas: torch.Tensor) -> int | None:
