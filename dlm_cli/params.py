@@ -52,7 +52,7 @@ def _holds_ids(name: str) -> bool:
     declared `list[str]`, each value parsed by `parse_ids`."""
     from engine.params import GenerationParams
 
-    return "tuple[int, ...]" in str(get_type_hints(GenerationParams)[name])
+    return get_type_hints(GenerationParams)[name] in (tuple[int, ...], tuple[int, ...] | None)
 
 
 def _id_list(flag: str) -> Any:
