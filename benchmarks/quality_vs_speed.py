@@ -48,6 +48,9 @@ GRID: list[tuple[str, dict[str, Any], int]] = [
     ("threshold 0.9, dual cache", {"threshold": 0.9, "cache": "dual"}, 64),
     ("gen 32, threshold 0.9, batch 1", {"gen_length": 32, "threshold": 0.9}, 1),
     ("gen 32, threshold 0.9, batch 8", {"gen_length": 32, "threshold": 0.9}, 8),
+    # Lossless multi-token steps (engine/decoding/drafts.py): the default's exact ids, fewer forwards.
+    ("default + drafts 1", {"drafts": 1}, 64),
+    ("default + drafts 4", {"drafts": 4}, 64),
 ]
 
 

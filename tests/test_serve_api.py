@@ -15,13 +15,14 @@ import httpx
 import openai
 import pytest
 
+from engine.default_model import NAME
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, ready_server
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 KEY, OTHER_KEY = "sk-test-alpha-1234", "sk-test-beta-5678"
-MODEL = "dlm-tiny-random-llada"
+MODEL = NAME
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 

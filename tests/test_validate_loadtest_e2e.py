@@ -38,10 +38,14 @@ def checks(result: subprocess.CompletedProcess) -> dict[str, str]:
 
 def test_validate_passes_against_dlm_serve(server: ServerProcess, tmp_path: Path) -> None:
     junit = tmp_path / "validate.xml"
-    result = dlm("validate", server.url, "--api-key", KEY, "--burst", "16", "--json", "--junit-xml", str(junit))
+    result = dlm(
+        "validate", server.url, "--api-key", KEY, "--burst", "16", "--suite", "default-model", "--json",
+        "--junit-xml", str(junit),
+    )  # fmt: skip
     statuses = checks(result)
     assert result.returncode == 0, json.loads(result.stdout)["checks"]
     assert set(statuses.values()) == {"passed"}  # key checks included: none skipped
+    assert "suite.pass_rate" in statuses  # the embedded model's known answers
     assert len(ET.parse(junit).getroot().findall("testsuite/testcase")) == len(statuses)
 
 
@@ -77,3 +81,25 @@ def test_loadtest_sweep_against_dlm_serve(server: ServerProcess, tmp_path: Path)
     assert summary["knee"]["users"] in (1, 2), summary["knee"]
     assert summary["totals"]["ok"] > 0 and summary["totals"]["error_rate"] == 0
     assert summary["gate"]["mean_denoising_steps"] >= 1
+
+
+def test_the_default_models_suite_fails_against_a_random_weight_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same server machinery on random weights answers every request, and the known-answer
+    suite tells it apart (exit 1, the named check)."""
+    with ready_server(["tiny:llada"], session_home(tmp_path_factory)) as random_weights:
+        result = dlm("validate", random_weights.url, "--suite", "default-model", "--json", "--skip", "burst")
+    statuses = checks(result)
+    assert result.returncode == 1, result.stdout
+    assert {n for n, s in statuses.items() if s == "failed"} == {"suite.pass_rate"}, statuses
+
+
+def test_loadtest_sends_the_task_prompts(server: ServerProcess, tmp_path: Path) -> None:
+    """Task answers end with EOS well before the canvas does, as production answers do."""
+    result = dlm(
+        "loadtest", server.url, "--api-key", KEY, "--prompts", "tasks", "-u", "1", "-t", "3s",
+        "--max-tokens", "64", "--min-samples", "1", "--json", "--out", str(tmp_path / "tasks"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["totals"]["ok"] > 0 and summary["totals"]["error_rate"] == 0
+    assert summary["totals"]["output_tokens"] < 64 * summary["totals"]["ok"] / 2, summary["totals"]

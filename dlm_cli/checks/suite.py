@@ -105,9 +105,26 @@ class Suite(BaseModel):
         return self
 
 
-def load_suite(path: str | Path) -> Suite:
-    """Parse and validate a suite file; any problem is a UsageError naming the field."""
-    path = Path(path)
+# Suites shipped with dlm, by name: `--suite default-model` is the embedded default model's
+# known answers (held-out task prompts, written by scripts/train_tiny_dllm.py).
+DEFAULT_MODEL_SUITE = "default-model"
+
+
+def suite_file(spec: str | Path) -> Path:
+    """The file `--suite` names: a path, or the name of a shipped suite when no such file exists."""
+    path = Path(spec)
+    if str(spec) == DEFAULT_MODEL_SUITE and not path.exists():
+        from engine.default_model import ensure_default_model, suite_path
+
+        ensure_default_model()  # its files verified, the suite among them
+        return suite_path()
+    return path
+
+
+def load_suite(spec: str | Path) -> Suite:
+    """Parse and validate a suite (a file, or a shipped suite's name); any problem is a
+    UsageError naming the field."""
+    path = suite_file(spec)
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:

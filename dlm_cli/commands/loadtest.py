@@ -27,7 +27,10 @@ def loadtest(
         None, "--out", help="Output directory (default: $DLM_HOME/loadtest/<time>, outside any checkout)."
     ),
     prompts: Path | None = typer.Option(
-        None, "--prompts", help="JSONL of {prompt|messages, fields...} (default: built-in prompts)."
+        None,
+        "--prompts",
+        help="JSONL of {prompt|messages, fields...}, or `tasks`: the default model's task prompts "
+        "(default: built-in prompts).",
     ),
     model: str | None = typer.Option(None, "--model", help="Model id (default: the first of /v1/models)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server."),
@@ -66,7 +69,7 @@ def loadtest(
         from dlm_cli.loadtest.stats import GATE_METRICS
         from dlm_cli.loadtest.sweep import parse_levels
         from dlm_cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
-        from dlm_cli.loadtest.workload import Workload, builtin_requests, load_jsonl
+        from dlm_cli.loadtest.workload import Workload, builtin_requests, named_or_file
         from engine.errors import DlmError, UsageError
 
         if result_format not in ("dlm", "vllm"):
@@ -94,7 +97,7 @@ def loadtest(
             "temperature": temperature,
             **{k: v for k, v in dllm.items() if v is not None},
         }
-        workload = Workload(load_jsonl(prompts) if prompts else builtin_requests(), fields, model)
+        workload = Workload(named_or_file(prompts) if prompts else builtin_requests(), fields, model)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         verify = tls_verify(cacert, insecure)
         plan = LoadPlan(

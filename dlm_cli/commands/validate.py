@@ -20,7 +20,10 @@ def validate(
     ),
     model: str | None = typer.Option(None, "--model", help="Model id to check (default: the first of /v1/models)."),
     suite: Path | None = typer.Option(
-        None, "--suite", help="YAML file of prompts with expectations (see docs/validate.md)."
+        None,
+        "--suite",
+        help="YAML file of prompts with expectations, or `default-model`: the embedded default model's "
+        "known answers (see docs/validate.md).",
     ),
     junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write the results as JUnit XML."),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout", help="Seconds to wait for /ready."),

@@ -39,8 +39,33 @@ class Workload:
         return path, full
 
 
+# `--prompts tasks`: the default model's task prompts (its known-answer suite's cases), so
+# answer lengths and EOS behave as they do in production.
+TASK_PROMPTS = "tasks"
+
+
 def builtin_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(("/v1/completions", {"prompt": p}) for p in BUILTIN_PROMPTS)
+
+
+def task_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Chat requests of the default model's known-answer suite (the command's own flags set
+    their length and decoding)."""
+    from dlm_cli.checks.suite import DEFAULT_MODEL_SUITE, load_suite
+
+    suite = load_suite(DEFAULT_MODEL_SUITE)
+    return tuple(
+        ("/v1/chat/completions", {**case.params, "messages": case.messages})
+        for case in suite.cases
+        if case.messages is not None
+    )
+
+
+def named_or_file(spec: str | Path) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """`--prompts`: the named set `tasks` (when no such file exists), else a JSONL file."""
+    if str(spec) == TASK_PROMPTS and not Path(spec).exists():
+        return task_requests()
+    return load_jsonl(spec)
 
 
 def load_jsonl(path: str | Path) -> tuple[tuple[str, dict[str, Any]], ...]:
