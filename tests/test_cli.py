@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import default_model
 from tests.cli_process import dlm
 from tests.generate_cli import generate_json
 
@@ -60,7 +61,7 @@ def test_generate_default_model_with_text_and_chat() -> None:
     result = dlm("generate", "--prompt", "Hello there", "--chat", "--gen-length", "32", "--json")
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert "dlm-tiny-random" in payload["model"]
+    assert default_model.NAME in payload["model"]
     assert isinstance(payload["text"], str) and payload["nfe"] == 32
     from engine.dtype import native_bf16_flags
 

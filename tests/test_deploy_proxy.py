@@ -92,7 +92,7 @@ def start_replicas(home: Path, ports: list[int]) -> list[ServerProcess]:
 
     def one(port: int) -> None:
         try:
-            started[port] = ServerProcess(["--max-num-seqs", "4"], home, port=port)
+            started[port] = ServerProcess(["tiny:llada", "--max-num-seqs", "4"], home, port=port)
             started[port].wait_ready()
         except BaseException as exc:  # reported below, after every start has ended
             errors.append(exc)

@@ -144,14 +144,12 @@ def test_dlm_generate_stop_token_ids(engines: dict[str, LLM], tiny_llada: Path) 
 
 @pytest.fixture(scope="module", params=["llada", "sdar"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The embedded default model (LLaDA, bidirectional) and tiny:sdar (block-causal, with the
-    default model's tokenizer and chat template)."""
+    """tiny:llada (bidirectional) and tiny:sdar (block-causal): random weights, whose answers fill
+    the canvas with many distinct tokens to stop at (the trained default model answers in a few)."""
     from tests.conftest import session_home
     from tests.serving import ready_server
 
-    args = ["--max-tokens", "64"]
-    if request.param == "sdar":
-        args.insert(0, "tiny:sdar")
+    args = [f"tiny:{request.param}", "--max-tokens", "64"]
     with ready_server(args, session_home(tmp_path_factory)) as proc:
         yield proc
 
