@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from dlm_cli.checks.suite import DEFAULT_MODEL_SUITE, load_suite
+from dlm_cli.checks.suite import DEFAULT_MODEL_SUITE, Suite, load_suite
 from dlm_cli.loadtest.workload import named_or_file
 from engine import default_model
 from engine.errors import DlmError
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 DRAFTS = 1  # candidates per forward (engine/decoding/drafts.py): 1.8x fewer forwards here
 
@@ -48,15 +53,30 @@ def test_a_damaged_copy_is_refused_naming_the_file(
         default_model.ensure_default_model.cache_clear()
 
 
-def test_the_known_answer_subset_still_passes() -> None:
-    """Every task's held-out suite prompts, in one batch, float32, temperature 0."""
+@dataclass
+class Decoded:
+    """The shipped suite decoded once for the module (float32, temperature 0, the suite's length)."""
+
+    suite: Suite
+    llm: LLM
+    questions: list[str]
+    outputs: list[Any]
+
+
+@pytest.fixture(scope="module")
+def decoded() -> Decoded:
     from engine.llm import LLM
 
     suite = load_suite(DEFAULT_MODEL_SUITE)
-    assert suite.min_pass_rate is not None
     llm = LLM(default_model.ensure_default_model(), dtype="float32", device="cpu")
     questions = [case.messages[0]["content"] for case in suite.cases if case.messages]  # one user turn each
-    outputs = llm.generate(questions, gen_length=suite.defaults["max_tokens"], chat=True)
+    return Decoded(suite, llm, questions, llm.generate(questions, gen_length=suite.defaults["max_tokens"], chat=True))
+
+
+def test_the_known_answer_subset_still_passes(decoded: Decoded) -> None:
+    """Every task's held-out suite prompts, in one batch, float32, temperature 0."""
+    suite, outputs = decoded.suite, decoded.outputs
+    assert suite.min_pass_rate is not None
     passed = [bool(re.search(case.expect.regex[0], out.text)) for case, out in zip(suite.cases, outputs, strict=True)]
     failures = [(c.name, o.text) for c, o, ok in zip(suite.cases, outputs, passed, strict=True) if not ok]
     assert sum(passed) >= suite.min_pass_rate * len(passed), failures
@@ -69,16 +89,12 @@ def test_the_task_prompt_set_is_the_suites_prompts() -> None:
     assert {path for path, _ in requests} == {"/v1/chat/completions"}
 
 
-def test_lossless_drafts_keep_the_ids_and_save_forwards_on_the_task_prompts() -> None:
+def test_lossless_drafts_keep_the_ids_and_save_forwards_on_the_task_prompts(decoded: Decoded) -> None:
     """Issue 22's lossless multi-token steps on a trained model at the default settings: the
     plain rule's ids exactly, in at least 1.5x fewer forwards (float32, counted, not timed)."""
-    from engine.llm import LLM
-
-    suite = load_suite(DEFAULT_MODEL_SUITE)
-    llm = LLM(default_model.ensure_default_model(), dtype="float32", device="cpu")
-    questions = [case.messages[0]["content"] for case in suite.cases if case.messages]
-    plain = llm.generate(questions, chat=True)
-    drafted = llm.generate(questions, chat=True, drafts=DRAFTS)
+    plain = decoded.outputs
+    length = decoded.suite.defaults["max_tokens"]
+    drafted = decoded.llm.generate(decoded.questions, gen_length=length, chat=True, drafts=DRAFTS)
     assert [o.output_ids for o in drafted] == [o.output_ids for o in plain]
     forwards = sum(o.nfe for o in plain), sum(o.nfe for o in drafted)
     assert forwards[0] >= 1.5 * forwards[1], forwards
