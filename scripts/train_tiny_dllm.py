@@ -332,20 +332,22 @@ class Batcher:
         self.eos, self.mask = config["eos_token_id"], config["mask_token_id"]
         self.rng = random.Random(seed)
         self.examples = training_examples(self.rng)
+        # Always the chat template: mixing in plain-text prompts (answer offsets that differ by
+        # format) kept a 4-layer model from learning even to copy in 400 steps. It is rendered
+        # once, around a placeholder, and a batch's prompts are tokenized in one call: rendering
+        # it per prompt took a tenth of every training step.
+        messages = [{"role": "user", "content": "\0"}]
+        self.template = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def prompt_ids(self, question: str) -> list[int]:
-        """Always the chat template: mixing in plain-text prompts (answer offsets that differ by
-        format) kept a 4-layer model from learning even to copy in 400 steps."""
-        messages = [{"role": "user", "content": question}]
-        return list(
-            self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
+    def prompt_ids(self, questions: list[str]) -> list[list[int]]:
+        texts = [self.template.replace("\0", q) for q in questions]
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(noisy ids, clean ids, loss weight per position) for one batch; all rows one length."""
         pairs = [next(self.examples) for _ in range(size)]
-        prompts = [self.prompt_ids(q) for q, _ in pairs]
-        answers = [list(self.tok(a, add_special_tokens=False)["input_ids"]) + [self.eos] for _, a in pairs]
+        prompts = self.prompt_ids([q for q, _ in pairs])
+        answers = [a + [self.eos] for a in self.tok([a for _, a in pairs], add_special_tokens=False)["input_ids"]]
         region = self.rng.choices(ANSWER_REGIONS, REGION_WEIGHTS)[0]
         length = max(len(p) for p in prompts) + max(region, max(len(a) for a in answers))
         clean = torch.full((size, length), self.eos, dtype=torch.long)

@@ -58,3 +58,22 @@ def test_held_out_prompts_are_never_trained_on() -> None:
     examples = train_tiny_dllm.training_examples(random.Random(0))
     trained = {next(examples)[0] for _ in range(20_000)}
     assert held and not held & trained
+
+
+def test_batched_prompts_are_the_chat_templates_tokens(tokenizer_dir: Path) -> None:
+    """The batcher renders the template once and tokenizes a batch in one call (for speed); the
+    ids must be the ones the chat endpoint produces for each prompt on its own."""
+    tok = train_tiny_dllm.load_tokenizer(tokenizer_dir)
+    config = train_tiny_dllm.model_config(tok)
+    batcher = train_tiny_dllm.Batcher(tok, config, seed=0)
+    examples = train_tiny_dllm.training_examples(random.Random(1))
+    questions = [next(examples)[0] for _ in range(300)]
+    expected = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in questions
+    ]
+    assert batcher.prompt_ids(questions) == expected
