@@ -18,7 +18,7 @@ The training model below is a plain PyTorch twin of engine/models/llada.py whose
 names are the checkpoint's, so its state dict is the checkpoint (tests/test_trained_model.py
 checks that the engine reads it back to the same logits).
 
-    python scripts/train_tiny_dllm.py                 # train, save, evaluate (2 threads: 80 min here)
+    python scripts/train_tiny_dllm.py                 # train, save, evaluate (2 threads: 80-86 min here)
     python scripts/train_tiny_dllm.py --eval-only     # re-measure the shipped weights
 """
 

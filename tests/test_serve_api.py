@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from engine.default_model import NAME
+from engine.default_model import NAME, default_model_dir
+from engine.tokenizer import load_tokenizer
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, ready_server
 
@@ -24,9 +25,6 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 KEY, OTHER_KEY = "sk-test-alpha-1234", "sk-test-beta-5678"
 MODEL = NAME
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# A raw completion prompt in the default model's chat format that it answers with 11 tokens
-# ("a b c d e f"), so a stream of it spans several denoising steps.
-TASK_PROMPT = "<|user|>\nCopy: a b c d e f<|end|>\n<|assistant|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +85,20 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
 
 def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> None:
     dllm = {"steps": 16, "block_length": 16}
-    done = client.completions.create(model=MODEL, prompt=TASK_PROMPT, max_tokens=32, extra_body=dllm)
+    # A raw completion prompt in the default model's own chat format (its template, rendered),
+    # answered with 11 tokens ("a b c d e f"), so a stream of it spans several denoising steps.
+    messages = [{"role": "user", "content": "Copy: a b c d e f"}]
+    task_prompt = load_tokenizer(default_model_dir()).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    done = client.completions.create(model=MODEL, prompt=task_prompt, max_tokens=32, extra_body=dllm)
     choice = done.choices[0]
     assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
     usage = done.usage.model_dump()
     assert 1 <= usage["denoising_steps"] <= 16  # 16 steps at most; fewer if EOS ends it early
     assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
-    stream = client.completions.create(model=MODEL, prompt=TASK_PROMPT, max_tokens=32, extra_body=dllm, stream=True)
+    stream = client.completions.create(model=MODEL, prompt=task_prompt, max_tokens=32, extra_body=dllm, stream=True)
     pieces = [c.choices[0].text for c in stream if c.choices]
     assert "".join(pieces) == choice.text  # the committed prefix, streamed, adds up to the answer
     assert len([p for p in pieces if p]) >= 2  # it arrived over several denoising steps

@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import train_tiny_dllm  # noqa: E402
 
+from engine.tokenizer import encode  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -68,12 +70,5 @@ def test_batched_prompts_are_the_chat_templates_tokens(tokenizer_dir: Path) -> N
     batcher = train_tiny_dllm.Batcher(tok, config, seed=0)
     examples = train_tiny_dllm.training_examples(random.Random(1))
     questions = [next(examples)[0] for _ in range(300)]
-    expected = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-        for q in questions
-    ]
+    expected = [encode(tok, q, chat=True) for q in questions]  # the engine's own chat encoding
     assert batcher.prompt_ids(questions) == expected
