@@ -2,7 +2,7 @@
 
 Everything is reproducible from this file alone (fixed seeds, no download):
   1. a task generator with checkable answers (2-digit addition and subtraction, copy, reverse,
-     sort, key-value look-up, templated question answering), split into training and
+     sort, key-value look-up and its helper `Where is b?`, templated question answering), split into training and
      held-out prompts by a hash of the prompt;
   2. a byte-level BPE tokenizer trained on that generator's text, with digits split one per
      token (arithmetic is learnable only if "27" is two tokens), saved with the special tokens
@@ -10,12 +10,12 @@ Everything is reproducible from this file alone (fixed seeds, no download):
   3. LLaDA supervised fine-tuning from scratch: per example t ~ U(eps, 1], every answer token
      (the answer, then EOS padding) masked with probability t, cross-entropy averaged over the
      batch's masked answer tokens (not LLaDA's 1/t weight: see `Batcher`); the prompt is never
-     masked;
+     masked; look-up through a curriculum of first-token batches (see FIRST_TOKEN_TASKS);
   4. the checkpoint written with dlm's own writer (engine.checkpoint_writer), then measured
      with dlm's own engine (engine.LLM, float32, default decoding settings) on held-out prompts.
 
 The training model below is a plain PyTorch twin of engine/models/llada.py whose parameter
-names are the checkpoint's, so its state dict is the checkpoint (tests/test_trained_model.py
+names are the checkpoint's, so its state dict is the checkpoint (tests/test_train_tiny_dllm.py
 checks that the engine reads it back to the same logits).
 
     python scripts/train_tiny_dllm.py                 # train, save, evaluate (2 threads: 80-86 min here)
@@ -153,12 +153,28 @@ def sort(rng: random.Random) -> tuple[str, str]:
     return f"Sort: {' '.join(map(str, items))}", " ".join(map(str, sorted(items)))
 
 
-def lookup(rng: random.Random) -> tuple[str, str]:
-    keys = rng.sample(LETTERS, rng.randint(2, 4))
+ORDINALS = ("first", "second", "third", "fourth")  # one per key a look-up table can hold
+
+
+def _table(rng: random.Random) -> tuple[list[str], list[str], str]:
+    """2-4 distinct one-letter keys with one-digit values, and the table as the prompt shows it."""
+    keys = rng.sample(LETTERS, rng.randint(2, len(ORDINALS)))
     values = [str(rng.randint(0, 9)) for _ in keys]
-    pairs = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+    return keys, values, ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+
+
+def lookup(rng: random.Random) -> tuple[str, str]:
+    keys, values, table = _table(rng)
     i = rng.randrange(len(keys))
-    return f"{pairs}. What is {keys[i]}?", values[i]
+    return f"Given {table}. What is {keys[i]}?", values[i]
+
+
+def where(rng: random.Random) -> tuple[str, str]:
+    """Look-up's helper: finding the asked key among the listed ones is half of a look-up, and
+    the half that forms first (see FIRST_TOKEN_TASKS)."""
+    keys, _, table = _table(rng)
+    i = rng.randrange(len(keys))
+    return f"Given {table}. Where is {keys[i]}?", ORDINALS[i]
 
 
 def qa(rng: random.Random) -> tuple[str, str]:
@@ -175,17 +191,43 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "reverse": reverse,
     "sort": sort,
     "lookup": lookup,
+    "where": where,
     "qa": qa,
 }
-TASK_WEIGHTS = {"addition": 3, "subtraction": 3, "copy": 1, "reverse": 1.5, "sort": 1.5, "lookup": 1.5, "qa": 1}
+TASK_WEIGHTS = {
+    "addition": 3,
+    "subtraction": 3,
+    "copy": 1,
+    "reverse": 1.5,
+    "sort": 1.5,
+    "lookup": 1.5,
+    "where": 1,
+    "qa": 1,
+}
+# Look-up does not form under the masking above (48% after 20000 steps: chance is about 36%),
+# nor alone with every answer token masked. It forms through a curriculum (docs/tiny-model.md)
+# of first-token batches (the whole answer masked, loss on its first token only, a 4-token
+# answer region): `Where is b?` alone, which teaches the match of the asked key against the
+# listed keys, then look-up and Where half each, which teaches reading the value beside the
+# matched key. Those batches start after MIX_FIRST_STEPS steps of the task mix alone (interleaved
+# from step 0 they held every other task on its plateau for 7000 mix steps), then take one step
+# in FIRST_TOKEN_EVERY: the first WHERE_FIRST_STEPS of them are Where alone.
+FIRST_TOKEN_TASKS = {"lookup": 1, "where": 1}
+MIX_FIRST_STEPS = 8000
+FIRST_TOKEN_EVERY = 2
+WHERE_FIRST_STEPS = 2500
+# The learning rate holds after warm-up and decays (cosine, to a tenth) over this last share of
+# the steps only: look-up forms late, and in the curriculum runs it formed at a constant lr.
+DECAY_SHARE = 0.3
+FIRST_TOKEN_REGION = 4
 
 
 def held_out(question: str) -> bool:
     return zlib.crc32(question.encode()) % HELD_OUT == 0
 
 
-def training_examples(rng: random.Random) -> Iterator[tuple[str, str]]:
-    names, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+def training_examples(rng: random.Random, mix: dict[str, float] = TASK_WEIGHTS) -> Iterator[tuple[str, str]]:
+    names, weights = list(mix), list(mix.values())
     while True:
         q, a = TASKS[rng.choices(names, weights)[0]](rng)
         if not held_out(q):
@@ -332,6 +374,8 @@ class Batcher:
         self.eos, self.mask = config["eos_token_id"], config["mask_token_id"]
         self.rng = random.Random(seed)
         self.examples = training_examples(self.rng)
+        self.where_alone = training_examples(self.rng, {"where": 1})
+        self.first_token_examples = training_examples(self.rng, FIRST_TOKEN_TASKS)
         # Always the chat template: mixing in plain-text prompts (answer offsets that differ by
         # format) kept a 4-layer model from learning even to copy in 400 steps. It is rendered
         # once, around a placeholder, and a batch's prompts are tokenized in one call: rendering
@@ -343,25 +387,30 @@ class Batcher:
         texts = [self.template.replace("\0", q) for q in questions]
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
-    def __call__(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(noisy ids, clean ids, loss weight per position) for one batch; all rows one length."""
-        pairs = [next(self.examples) for _ in range(size)]
+    def _canvas(self, pairs: list[tuple[str, str]], region: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(clean ids, answer positions, loss importance) for one batch, all rows one length: each
+        prompt, then its answer and EOS padding to `region` tokens past the longest prompt."""
         prompts = self.prompt_ids([q for q, _ in pairs])
         answers = [a + [self.eos] for a in self.tok([a for _, a in pairs], add_special_tokens=False)["input_ids"]]
-        region = self.rng.choices(ANSWER_REGIONS, REGION_WEIGHTS)[0]
         length = max(len(p) for p in prompts) + max(region, max(len(a) for a in answers))
-        clean = torch.full((size, length), self.eos, dtype=torch.long)
-        is_answer = torch.zeros(size, length, dtype=torch.bool)
-        importance = torch.full((size, length), PADDING_WEIGHT)
+        clean = torch.full((len(pairs), length), self.eos, dtype=torch.long)
+        is_answer = torch.zeros(len(pairs), length, dtype=torch.bool)
+        importance = torch.full((len(pairs), length), PADDING_WEIGHT)
         for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
             clean[i, : len(p)] = torch.tensor(p)
             clean[i, len(p) : len(p) + len(a)] = torch.tensor(a)
             is_answer[i, len(p) :] = True
             importance[i, len(p) : len(p) + len(a)] = 1.0
+        return clean, is_answer, importance
+
+    def __call__(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(noisy ids, clean ids, loss weight per position) for one batch of the task mix."""
+        pairs = [next(self.examples) for _ in range(size)]
+        clean, is_answer, importance = self._canvas(pairs, self.rng.choices(ANSWER_REGIONS, REGION_WEIGHTS)[0])
         # Stratified noise levels (one per slice of (0, 1]): every batch spans all masking rates.
         u = (torch.arange(size) + torch.rand(size, generator=generator)) / size
         t = ((1 - EPS) * u + EPS)[torch.randperm(size, generator=generator)].unsqueeze(1)
-        masked = is_answer & (torch.rand(size, length, generator=generator) < t)
+        masked = is_answer & (torch.rand(clean.shape, generator=generator) < t)
         noisy = torch.where(masked, torch.full_like(clean, self.mask), clean)
         # No 1/t factor: LLaDA's 1/t weight is the ELBO's, but at this batch size the one lightly
         # masked row of each batch (t near 0, weight up to 1/EPS) dominated every step and the model
@@ -369,6 +418,31 @@ class Batcher:
         weight = masked.float() * importance
         weight = weight / weight.sum().clamp(min=1e-9)
         return noisy, clean, weight
+
+    def first_token(
+        self, size: int, examples: Iterator[tuple[str, str]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A first-token batch: every answer position masked, the loss on each row's first answer
+        token only (the batch kind of look-up's curriculum, see FIRST_TOKEN_TASKS)."""
+        clean, is_answer, _ = self._canvas([next(examples) for _ in range(size)], FIRST_TOKEN_REGION)
+        noisy = torch.where(is_answer, torch.full_like(clean, self.mask), clean)
+        first = is_answer & ~is_answer.roll(1, dims=1)  # column 0 is always prompt
+        return noisy, clean, first.float() / size
+
+    def for_step(self, step: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        kind = batch_kind(step)
+        if kind == "mix":
+            return self(size, generator)
+        return self.first_token(size, self.where_alone if kind == "where first" else self.first_token_examples)
+
+
+def batch_kind(step: int) -> str:
+    """The curriculum (FIRST_TOKEN_TASKS): the task mix alone, then one step in FIRST_TOKEN_EVERY a
+    first-token batch, Where alone for the first WHERE_FIRST_STEPS of them."""
+    since = step - MIX_FIRST_STEPS
+    if since < 0 or since % FIRST_TOKEN_EVERY:
+        return "mix"
+    return "where first" if since // FIRST_TOKEN_EVERY < WHERE_FIRST_STEPS else "first token"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,20 +515,22 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = min(60, args.steps // 10)
 
+    decay_from = round(args.steps * (1 - DECAY_SHARE))
+
     def lr_at(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
+        progress = max(0, step - decay_from) / max(1, args.steps - decay_from)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     batcher = Batcher(tok, config, SEED)
     gen = torch.Generator().manual_seed(SEED)
-    losses: list[float] = []
+    losses: dict[str, list[tuple[int, float]]] = {}  # (step, loss) per batch kind
     start = time.time()
     bar = tqdm(range(args.steps), desc="train", mininterval=5)
     for step in bar:
-        noisy, clean, weight = batcher(args.batch_size, gen)
+        noisy, clean, weight = batcher.for_step(step, args.batch_size, gen)
         logits = model(noisy)
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), clean.view(-1), reduction="none")
         loss = (ce * weight.view(-1)).sum()
@@ -463,9 +539,11 @@ def train(args: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        kind = batch_kind(step)
+        losses.setdefault(kind, []).append((step, loss.item()))
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            recent = [v for _, v in losses[kind][-20:]]
+            bar.set_postfix({kind: f"{sum(recent) / len(recent):.3f}"})
         if args.save_every and (step + 1) % args.save_every == 0:
             save(model, config, tok_dir, work / "checkpoint")
             (work / "losses.json").write_text(json.dumps(losses))
@@ -479,17 +557,18 @@ def train(args: argparse.Namespace) -> None:
     (work / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def plot_losses(losses: list[float], path: Path) -> None:
+def plot_losses(losses: dict[str, list[tuple[int, float]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     window = 50
-    smooth = [sum(losses[max(0, i - window) : i + 1]) / (i + 1 - max(0, i - window)) for i in range(len(losses))]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(losses, alpha=0.25, label="per step")
-    ax.plot(smooth, label=f"mean of {window}")
+    for kind, points in losses.items():
+        steps, values = zip(*points, strict=True)
+        smooth = [sum(values[max(0, i - window) : i + 1]) / (i + 1 - max(0, i - window)) for i in range(len(values))]
+        ax.plot(steps, smooth, label=f"{kind} batches (mean of {window})")
     ax.set(xlabel="step", ylabel="mean masked-token cross-entropy", yscale="log", title=NAME)
     ax.legend()
     fig.tight_layout()
@@ -511,13 +590,19 @@ It knows nothing else: it is not a general chat model.
   `<|user|>\\n...<|end|>\\n<|assistant|>\\n`; EOS `<|endoftext|>`, MASK `<|mask|>`.
 - **Data**: generated by `scripts/train_tiny_dllm.py` (fixed seed {seed}), nothing downloaded:
   2-digit addition and subtraction (non-negative results), copying and reversing 3-6 letters,
-  sorting 3-6 digits, key-value look-up from the prompt, templated questions on 25 capitals and
-  10 colours. One prompt in {held_out} (by CRC32 of the prompt) is held out of training.
+  sorting 3-6 digits, key-value look-up from the prompt (`Given a=3, b=5. What is b?`, 2-4 keys)
+  and its helper task `Given a=3, b=5. Where is b?` (answered `first` to `fourth`), templated
+  questions on 25 capitals and 10 colours. One prompt in {held_out} (by CRC32 of the prompt) is
+  held out of training.
   Every prompt uses the chat template: use `--chat` (the chat endpoint does).
 - **Training**: LLaDA supervised fine-tuning from scratch (answer tokens and EOS padding masked
   with probability t ~ U(0, 1], cross-entropy averaged over masked tokens; prompt never masked), {steps} steps of batch
   {batch}, AdamW, {minutes} minutes on {threads} CPU thread(s) of this project's 2-core machine.
-  Loss curve: `loss.png`.
+  Look-up forms only through a curriculum of *first-token* batches (the whole answer masked, the
+  loss on its first token): after {mix_first} steps of the task mix alone, one step in {every} is such
+  a batch, the first {where_first} of them of `Where is b?` alone, the rest of look-up and `Where is b?`
+  half each. The learning rate holds after warm-up and decays (cosine, to a tenth) over the last
+  {decay:.0%} of the steps. Loss curve: `loss.png`.
 - **Accuracy** (exact match on up to {per_task} held-out prompts per task, chat template, measured with
   dlm's engine in float32 at the default decoding settings: gen_length 128, block_length 32, one
   token per step, low-confidence remasking, temperature 0, no cache):
@@ -554,6 +639,10 @@ def write_card(out: Path, training: dict, scores: dict[str, float], per_task: in
         batch=training["batch_size"],
         minutes=training["minutes"],
         threads=training["threads"],
+        mix_first=MIX_FIRST_STEPS,
+        every=FIRST_TOKEN_EVERY,
+        where_first=WHERE_FIRST_STEPS,
+        decay=DECAY_SHARE,
         per_task=per_task,
         table=table,
     )
@@ -586,7 +675,7 @@ def write_suite(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=30000)
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=2)

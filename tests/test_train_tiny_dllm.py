@@ -72,3 +72,30 @@ def test_batched_prompts_are_the_chat_templates_tokens(tokenizer_dir: Path) -> N
     questions = [next(examples)[0] for _ in range(300)]
     expected = [encode(tok, q, chat=True) for q in questions]  # the engine's own chat encoding
     assert batcher.prompt_ids(questions) == expected
+
+
+def test_first_token_batches_mask_the_whole_answer_and_score_its_first_token(tokenizer_dir: Path) -> None:
+    """Look-up's curriculum batch: the prompt intact, every position after it masked, and the loss
+    on exactly one position per row, the answer's first token."""
+    tok = train_tiny_dllm.load_tokenizer(tokenizer_dir)
+    config = train_tiny_dllm.model_config(tok)
+    batcher = train_tiny_dllm.Batcher(tok, config, seed=0)
+    pairs = [next(batcher.first_token_examples) for _ in range(64)]
+    noisy, clean, weight = batcher.first_token(64, iter(pairs))
+    assert {q.split(". ")[-1].split()[0] for q, _ in pairs} == {"What", "Where"}
+    prompts = batcher.prompt_ids([q for q, _ in pairs])
+    for row, (p, (_, answer)) in enumerate(zip(prompts, pairs, strict=True)):
+        assert noisy[row, : len(p)].tolist() == p
+        assert (noisy[row, len(p) :] == config["mask_token_id"]).all()
+        assert weight[row].nonzero().flatten().tolist() == [len(p)]
+        assert tok.decode(clean[row, len(p) : len(p) + 1]) == tok.decode(tok(answer)["input_ids"][:1])
+    assert weight.sum().item() == pytest.approx(1.0)
+
+
+def test_the_curriculum_starts_with_the_mix_then_interleaves_where_then_look_up() -> None:
+    t = train_tiny_dllm
+    kinds = [t.batch_kind(step) for step in range(t.MIX_FIRST_STEPS + t.FIRST_TOKEN_EVERY * (t.WHERE_FIRST_STEPS + 3))]
+    mixed = kinds[t.MIX_FIRST_STEPS :]
+    assert set(kinds[: t.MIX_FIRST_STEPS]) == {"mix"}
+    assert mixed[:: t.FIRST_TOKEN_EVERY] == ["where first"] * t.WHERE_FIRST_STEPS + ["first token"] * 3
+    assert mixed.count("mix") == len(mixed) * (t.FIRST_TOKEN_EVERY - 1) // t.FIRST_TOKEN_EVERY
