@@ -22,7 +22,7 @@ from engine.errors import DlmError
 
 NAME = "dlm-tiny-tasks-llada"
 SUMS = "sha256sums.json"
-SUMS_SHA256 = "2bb1e963b7d7fd90161c4d32bd5fe95569eb8b98f48b6ba9e29b31b6854b0b8b"
+SUMS_SHA256 = "db1fe04529905e0e0963a70eaf0c6d2642b0138767980349f9eb5b1be3790cab"
 
 
 def default_model_dir() -> Path:
