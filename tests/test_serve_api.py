@@ -84,9 +84,11 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
 
 
 def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> None:
-    dllm = {"steps": 16, "block_length": 16}
+    dllm = {"steps": 16, "block_length": 4}
     # A raw completion prompt in the default model's own chat format (its template, rendered),
-    # answered with 11 tokens ("a b c d e f"), so a stream of it spans several denoising steps.
+    # answered with 11 tokens ("a b c d e f"). Blocks commit in order, so with 4-token blocks a
+    # stream of it spans at least three of them, whatever order the model unmasks a block in
+    # (in one 16-token block a trained model may fill the answer's first token last).
     messages = [{"role": "user", "content": "Copy: a b c d e f"}]
     task_prompt = load_tokenizer(default_model_dir()).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
