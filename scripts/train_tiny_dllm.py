@@ -54,15 +54,17 @@ OUT = ROOT / "engine" / "assets" / NAME
 SEED = 20261201
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 512}
 MAX_LENGTH = 2048  # the context dlm serves it with (RoPE; trained on prompts of under 200 tokens)
-# The BPE budget. At 512 the merges ran out before the capitals, spelled in up to 7 pieces, and
-# qa's misses were capitals cut short (`Par`); at 640 the trainer stops at 619 tokens, every
-# capital is one token (two for New Delhi and Mexico City) and every other task tokenizes as at 512.
+# The BPE budget of the shipped tokenizer. At 512 the merges ran out before the capitals, spelled in
+# up to 7 pieces, and qa's misses were capitals cut short (`Par`); at 640 the trainer stops at 619
+# tokens, every capital is one token (two for New Delhi and Mexico City), and the first 512 tokens,
+# ids included, are the 512-token tokenizer's, so every other task tokenizes as at 512.
 VOCAB_SIZE = 640
-# Embedding and output rows whose initial values come from the global seed, as in the 512-token
-# run that first trained every task: the rows of the tokens past it are drawn from a generator of
-# their own. A run that drew the larger tables from the seed shifted every later parameter's draw
-# and left addition and subtraction on their plateau (22% and 14% after 30000 steps).
-SEEDED_VOCAB_ROWS = 512
+# The model trains on the FIRST_VOCAB_SIZE tokenizer until GROW_VOCAB_AT, then grows its embedding
+# and output tables to VOCAB_SIZE and trains on the full tokenizer. Two runs at 640 tokens from
+# step 0 left addition and subtraction on their plateau (at most 22% after 30000 steps; 512-token
+# runs break out before step 7000), one of them with every initial value of the 512-token run.
+FIRST_VOCAB_SIZE = 512
+GROW_VOCAB_AT = 10000
 # Answer + EOS padding: most of the first 32-token block (the longest answer is 12 tokens; a
 # 24-token region trains 1.5x faster than the whole block), or the whole default canvas.
 ANSWER_REGIONS = (24, 128)
@@ -262,7 +264,7 @@ def evaluation_set(per_task: int, seed: int = SEED + 1) -> dict[str, list[tuple[
 # Tokenizer
 
 
-def build_tokenizer(directory: Path) -> None:
+def build_tokenizer(directory: Path, vocab_size: int = VOCAB_SIZE) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(SEED)
@@ -274,7 +276,7 @@ def build_tokenizer(directory: Path) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -352,8 +354,7 @@ class Root(nn.Module):
 class TinyLLaDA(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
-        seeded = min(c["vocab_size"], SEEDED_VOCAB_ROWS)
-        self.model = Root({**c, "vocab_size": seeded})
+        self.model = Root(c)
         hd = c["d_model"] // c["n_heads"]
         self.inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         for name, p in self.named_parameters():
@@ -361,13 +362,22 @@ class TinyLLaDA(nn.Module):
                 nn.init.normal_(p, std=0.02)
             if name.endswith(("attn_out.weight", "ff_out.weight")) and "blocks" in name:
                 p.data /= math.sqrt(2 * c["n_layers"])
-        extra = c["vocab_size"] - seeded
-        if extra > 0:  # see SEEDED_VOCAB_ROWS
-            t, rows = self.model.transformer, torch.Generator().manual_seed(SEED)
-            for table in (t.wte, t.ff_out):
-                more = torch.randn(extra, c["d_model"], generator=rows) * 0.02
-                table.weight = nn.Parameter(torch.cat((table.weight.data, more)))
-            t.wte.num_embeddings = t.ff_out.out_features = c["vocab_size"]
+
+    def grow_vocab(self, size: int, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+        """Append rows for the tokens past the current vocabulary to the embedding and output
+        tables (drawn like the initial ones), with fresh optimizer moments (see GROW_VOCAB_AT)."""
+        t = self.model.transformer
+        for table in (t.wte, t.ff_out):
+            old = table.weight
+            extra = torch.randn(size - old.shape[0], old.shape[1], generator=generator) * 0.02
+            table.weight = nn.Parameter(torch.cat((old.data, extra)))
+            state = optimizer.state.pop(old)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.cat((state[key], torch.zeros_like(extra)))
+            optimizer.state[table.weight] = state
+            for group in optimizer.param_groups:
+                group["params"] = [table.weight if q is old else q for q in group["params"]]
+        t.wte.num_embeddings = t.ff_out.out_features = size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.model.transformer
@@ -522,9 +532,11 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     work = Path(args.work)
-    tok_dir = work / "tokenizer"
-    build_tokenizer(tok_dir)
-    tok = load_tokenizer(tok_dir)
+    tokenizers = []  # (directory, tokenizer) before GROW_VOCAB_AT, then after
+    for directory, size in ((work / "tokenizer-first", FIRST_VOCAB_SIZE), (work / "tokenizer", VOCAB_SIZE)):
+        build_tokenizer(directory, size)
+        tokenizers.append((directory, load_tokenizer(directory)))
+    tok_dir, tok = tokenizers[0]
     config = model_config(tok)
     model = TinyLLaDA(config)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {config['vocab_size']}")
@@ -546,6 +558,11 @@ def train(args: argparse.Namespace) -> None:
     start = time.time()
     bar = tqdm(range(args.steps), desc="train", mininterval=5)
     for step in bar:
+        if step == GROW_VOCAB_AT:
+            tok_dir, tok = tokenizers[1]
+            config = model_config(tok)
+            model.grow_vocab(config["vocab_size"], opt, torch.Generator().manual_seed(SEED))
+            batcher.tok = tok  # the same ids for the tokens both have; the task stream goes on
         kind = batch_kind(step)
         noisy, clean, weight = batcher.of_kind(kind, args.batch_size, gen)
         logits = model(noisy)

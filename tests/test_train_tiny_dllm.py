@@ -47,25 +47,6 @@ def test_engine_computes_the_training_twins_logits_float32(tokenizer_dir: Path, 
     torch.testing.assert_close(hidden @ engine.loaded.model.lm_head_weight.T, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_extra_vocabulary_rows_leave_every_seeded_initial_value_as_at_the_seeded_size(tokenizer_dir: Path) -> None:
-    """The tokens past SEEDED_VOCAB_ROWS get rows of their own; every other initial value is the
-    one a SEEDED_VOCAB_ROWS-token model draws from the same seed (see SEEDED_VOCAB_ROWS)."""
-    config = train_tiny_dllm.model_config(train_tiny_dllm.load_tokenizer(tokenizer_dir))
-    seeded = train_tiny_dllm.SEEDED_VOCAB_ROWS
-    assert config["vocab_size"] > seeded  # the shipped budget does add tokens
-    torch.manual_seed(train_tiny_dllm.SEED)
-    small = train_tiny_dllm.TinyLLaDA({**config, "vocab_size": seeded}).state_dict()
-    torch.manual_seed(train_tiny_dllm.SEED)
-    full = train_tiny_dllm.TinyLLaDA(config).state_dict()
-    assert small.keys() == full.keys()
-    for name, value in small.items():
-        torch.testing.assert_close(full[name][: value.shape[0]], value, rtol=0, atol=0, msg=name)
-    for name in ("model.transformer.wte.weight", "model.transformer.ff_out.weight"):
-        assert full[name].shape == (config["vocab_size"], config["d_model"])
-        extra = full[name][seeded:]
-        assert 0.015 < extra.std().item() < 0.025  # drawn like the seeded rows (std 0.02)
-
-
 def test_tokenizer_splits_digits_and_has_the_chat_template(tokenizer_dir: Path) -> None:
     tok = train_tiny_dllm.load_tokenizer(tokenizer_dir)
     pieces = tok.convert_ids_to_tokens(tok("What is 27 + 58?")["input_ids"])
