@@ -47,6 +47,46 @@ def test_engine_computes_the_training_twins_logits_float32(tokenizer_dir: Path, 
     torch.testing.assert_close(hidden @ engine.loaded.model.lm_head_weight.T, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_first_tokenizer_is_the_full_ones_prefix(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Training switches tokenizers at GROW_VOCAB_AT without touching the data stream or the
+    trained rows: that holds only if every token of the first keeps its id in the full one."""
+    train_tiny_dllm.build_tokenizer(tmp_path, train_tiny_dllm.FIRST_VOCAB_SIZE)
+    first = train_tiny_dllm.load_tokenizer(tmp_path).get_vocab()
+    full = train_tiny_dllm.load_tokenizer(tokenizer_dir).get_vocab()
+    assert len(first) == train_tiny_dllm.FIRST_VOCAB_SIZE < len(full) <= train_tiny_dllm.VOCAB_SIZE
+    assert {token: full.get(token) for token in first} == first
+
+
+def test_growing_the_vocabulary_keeps_the_trained_rows_and_their_optimizer_state() -> None:
+    torch.manual_seed(0)
+    shape = {**train_tiny_dllm.SHAPE, "d_model": 16, "n_layers": 1}
+    config = train_tiny_dllm.llada_config(40, 39, 38, **shape)
+    model = train_tiny_dllm.TinyLLaDA(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 40, (2, 8))
+    model(ids).square().mean().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: opt.state[p]["exp_avg"].clone() for k, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(ids)
+    model.grow_vocab(50, opt, torch.Generator().manual_seed(0))
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, value in before.items():
+        assert torch.equal(after[name][: value.shape[0]], value), name
+    table = model.model.transformer.ff_out.weight
+    assert table.shape == (50, 16) and torch.equal(
+        opt.state[table]["exp_avg"][:40], moments["model.transformer.ff_out.weight"]
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :40], logits, rtol=0, atol=0)
+    opt.zero_grad()
+    model(torch.randint(40, 50, (2, 8))).square().mean().backward()  # the new tokens, in and out
+    opt.step()
+    for name in ("model.transformer.wte.weight", "model.transformer.ff_out.weight"):
+        assert not torch.equal(model.state_dict()[name][40:], after[name][40:]), f"{name}: new rows not trained"
+
+
 def test_tokenizer_splits_digits_and_has_the_chat_template(tokenizer_dir: Path) -> None:
     tok = train_tiny_dllm.load_tokenizer(tokenizer_dir)
     pieces = tok.convert_ids_to_tokens(tok("What is 27 + 58?")["input_ids"])
