@@ -6,7 +6,8 @@ Everything is reproducible from this file alone (fixed seeds, no download):
      held-out prompts by a hash of the prompt;
   2. a byte-level BPE tokenizer trained on that generator's text, with digits split one per
      token (arithmetic is learnable only if "27" is two tokens), saved with the special tokens
-     and chat template of scripts/build_tokenizer.py;
+     and chat template of scripts/build_tokenizer.py; training starts on a smaller one and grows
+     the model's vocabulary part way (see GROW_VOCAB_AT);
   3. LLaDA supervised fine-tuning from scratch: per example t ~ U(eps, 1], every answer token
      (the answer, then EOS padding) masked with probability t, cross-entropy averaged over the
      batch's masked answer tokens (not LLaDA's 1/t weight: see `Batcher`); the prompt is never
@@ -634,7 +635,9 @@ It knows nothing else: it is not a general chat model.
   Look-up forms only through a curriculum of *first-token* batches (the whole answer masked, the
   loss on its first token): after {mix_first} steps of the task mix alone, one step in {every} is such
   a batch, the first {where_first} of them of `Where is b?` alone, the rest of look-up and `Where is b?`
-  half each. The learning rate holds after warm-up and decays (cosine, to a tenth) over the last
+  half each. The vocabulary grows from {first_vocab} to {vocab} tokens at step {grow_at} (new rows drawn
+  like the initial ones): at {vocab} tokens from the start, arithmetic stayed on its plateau in two runs.
+  The learning rate holds after warm-up and decays (cosine, to a tenth) over the last
   {decay:.0%} of the steps. Loss curve: `loss.png`.
 - **Accuracy** (exact match on up to {per_task} held-out prompts per task, chat template, measured with
   dlm's engine in float32 at the default decoding settings: gen_length 128, block_length 32, one
@@ -675,6 +678,8 @@ def write_card(out: Path, training: dict, scores: dict[str, float], per_task: in
         mix_first=MIX_FIRST_STEPS,
         every=FIRST_TOKEN_EVERY,
         where_first=WHERE_FIRST_STEPS,
+        first_vocab=FIRST_VOCAB_SIZE,
+        grow_at=GROW_VOCAB_AT,
         decay=DECAY_SHARE,
         per_task=per_task,
         table=table,
