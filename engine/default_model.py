@@ -22,7 +22,7 @@ from engine.errors import DlmError
 
 NAME = "dlm-tiny-tasks-llada"
 SUMS = "sha256sums.json"
-SUMS_SHA256 = "db1fe04529905e0e0963a70eaf0c6d2642b0138767980349f9eb5b1be3790cab"
+SUMS_SHA256 = "78436cd43b6eb97946e2f63e39e58e60a5eabf138704afc7f8382a7b7a1fda9d"
 
 
 def default_model_dir() -> Path:
