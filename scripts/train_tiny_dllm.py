@@ -53,6 +53,7 @@ from engine.params import DEFAULTS  # noqa: E402
 NAME = "dlm-tiny-tasks-llada"
 OUT = ROOT / "engine" / "assets" / NAME
 SEED = 20261201
+INIT_STD = 0.02  # of every matrix's initial values, and of the rows a grown vocabulary adds
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 512}
 MAX_LENGTH = 2048  # the context dlm serves it with (RoPE; trained on prompts of under 200 tokens)
 # The BPE budget of the shipped tokenizer. At 512 the merges ran out before the capitals, spelled in
@@ -361,7 +362,7 @@ class TinyLLaDA(nn.Module):
         self.inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=INIT_STD)
             if name.endswith(("attn_out.weight", "ff_out.weight")) and "blocks" in name:
                 p.data /= math.sqrt(2 * c["n_layers"])
 
@@ -371,7 +372,7 @@ class TinyLLaDA(nn.Module):
         t = self.model.transformer
         for table in (t.wte, t.ff_out):
             old = table.weight
-            extra = torch.randn(size - old.shape[0], old.shape[1], generator=generator) * 0.02
+            extra = torch.randn(size - old.shape[0], old.shape[1], generator=generator) * INIT_STD
             table.weight = nn.Parameter(torch.cat((old.data, extra)))
             state = optimizer.state.pop(old)
             for key in ("exp_avg", "exp_avg_sq"):
