@@ -535,11 +535,10 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     work = Path(args.work)
-    tokenizers = []  # (directory, tokenizer) before GROW_VOCAB_AT, then after
-    for directory, size in ((work / "tokenizer-first", FIRST_VOCAB_SIZE), (work / "tokenizer", VOCAB_SIZE)):
-        build_tokenizer(directory, size)
-        tokenizers.append((directory, load_tokenizer(directory)))
-    tok_dir, tok = tokenizers[0]
+    tok_dir, full_tok_dir = work / "tokenizer-first", work / "tokenizer"  # before GROW_VOCAB_AT, after
+    build_tokenizer(tok_dir, FIRST_VOCAB_SIZE)
+    build_tokenizer(full_tok_dir)
+    tok = load_tokenizer(tok_dir)
     config = model_config(tok)
     model = TinyLLaDA(config)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {config['vocab_size']}")
@@ -562,7 +561,7 @@ def train(args: argparse.Namespace) -> None:
     bar = tqdm(range(args.steps), desc="train", mininterval=5)
     for step in bar:
         if step == GROW_VOCAB_AT:
-            tok_dir, tok = tokenizers[1]
+            tok_dir, tok = full_tok_dir, load_tokenizer(full_tok_dir)
             config = model_config(tok)
             model.grow_vocab(config["vocab_size"], opt, torch.Generator().manual_seed(SEED))
             batcher.tok = tok  # the same ids for the tokens both have; the task stream goes on
