@@ -636,9 +636,7 @@ It knows nothing else: it is not a general chat model.
   Look-up forms only through a curriculum of *first-token* batches (the whole answer masked, the
   loss on its first token): after {mix_first} steps of the task mix alone, one step in {every} is such
   a batch, the first {where_first} of them of `Where is b?` alone, the rest of look-up and `Where is b?`
-  half each. The vocabulary grows from {first_vocab} to {vocab} tokens at step {grow_at} (new rows drawn
-  like the initial ones): at {vocab} tokens from the start, arithmetic stayed on its plateau in two runs.
-  The learning rate holds after warm-up and decays (cosine, to a tenth) over the last
+  half each. {growth}The learning rate holds after warm-up and decays (cosine, to a tenth) over the last
   {decay:.0%} of the steps. Loss curve: `loss.png`.
 - **Accuracy** (exact match on up to {per_task} held-out prompts per task, chat template, measured with
   dlm's engine in float32 at the default decoding settings: gen_length 128, block_length 32, one
@@ -652,6 +650,11 @@ It knows nothing else: it is not a general chat model.
 - **Verification**: `sha256sums.json` holds the sha256 of every other file here.
 - **Known-answer suite**: `suite.yaml` (`dlm validate URL --suite suite.yaml`).
 """
+
+# The card's sentence on the vocabulary's growth, for a run long enough to reach it.
+GROWTH = """The vocabulary grows from {first_vocab} to {vocab} tokens at step {grow_at} (new rows drawn
+  like the initial ones): at {vocab} tokens from the start, arithmetic stayed on its plateau in two runs.
+  """
 
 
 def write_card(out: Path, training: dict, scores: dict[str, float], per_task: int) -> None:
@@ -679,8 +682,9 @@ def write_card(out: Path, training: dict, scores: dict[str, float], per_task: in
         mix_first=MIX_FIRST_STEPS,
         every=FIRST_TOKEN_EVERY,
         where_first=WHERE_FIRST_STEPS,
-        first_vocab=FIRST_VOCAB_SIZE,
-        grow_at=GROW_VOCAB_AT,
+        growth=GROWTH.format(first_vocab=FIRST_VOCAB_SIZE, vocab=config["vocab_size"], grow_at=GROW_VOCAB_AT)
+        if training["steps"] > GROW_VOCAB_AT
+        else "",
         decay=DECAY_SHARE,
         per_task=per_task,
         table=table,
