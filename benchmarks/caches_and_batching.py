@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
 from tests.oracles.reference_loop import reference_dream_generate, reference_generate  # noqa: E402
 
 
 def tiny_dream(directory: Path) -> Path:
-    from engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
-    from engine.default_model import MAX_LENGTH
+    from dlm.engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
+    from dlm.engine.default_model import MAX_LENGTH
 
     config = dream_config(
         4096,

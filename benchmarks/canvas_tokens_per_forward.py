@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma  # noqa: E402
-from engine.llm import LLM  # noqa: E402
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
 from tests.diffusion_gemma_reference import params, reference_generate  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [3] * 11, list(range(10, 30)), [7, 9]]

@@ -3,7 +3,7 @@
 The reference loops (tests/oracles/reference_loop.py) run the LM head and a float64 softmax
 over every fed position at every step, as LLaDA's `generate()` and Fast-dLLM's
 `generate_with_dual_cache()` do; dlm decides only the masked positions of the current block,
-plain and with lossless multi-token steps (`drafts`, engine/decoding/drafts.py). All three run
+plain and with lossless multi-token steps (`drafts`, dlm/engine/decoding/drafts.py). All three run
 in this process, on the same loaded weights, alternating within each repeat, and must give
 identical ids. For every checkpoint x dtype x setting the table gives forwards, tokens per
 forward, tok/s and the time ratio reference / dlm; then, per checkpoint, what bounds dlm's
@@ -12,7 +12,7 @@ statistics on the decided rows and the commit).
 
 Checkpoints: `tiny` (the LLaDA reference checkpoint, $DLM_REFERENCE_DIR), `default` (the
 embedded model) and `llada8` (8 layers, 1024 hidden, 32K vocab, random, written to a temp dir
-by engine/checkpoint_writer.py). Settings: `llada` (LLaDA's generate: no cache, one token a
+by dlm/engine/checkpoint_writer.py). Settings: `llada` (LLaDA's generate: no cache, one token a
 step) and `dual` (Fast-dLLM dual cache + threshold 0.9).
 
     python benchmarks/decode_vs_reference.py [--models tiny,default,llada8] [--dtypes float32,auto]
@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.dtype_auto import write_llada_shaped  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.token_stats import TokenStats  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
+from dlm.kernels import dispatch  # noqa: E402
+from dlm.kernels.token_stats import TokenStats  # noqa: E402
 from tests.oracles.reference_loop import reference_generate  # noqa: E402
 
 SETTINGS = {"llada": {"cache": "none", "threshold": None}, "dual": {"cache": "dual", "threshold": 0.9}}

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
-from engine.params import GenerationParams  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
+from dlm.engine.params import GenerationParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(os.environ.get("DLM_REFERENCE_DIR", ROOT.parent / "shared" / "reference"))

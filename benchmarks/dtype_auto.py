@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "auto")
 
 
 def write_llada_shaped(directory: Path) -> Path:
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
     if (directory / "model.safetensors").exists():
         return directory
@@ -40,8 +40,8 @@ def write_llada_shaped(directory: Path) -> Path:
 
 
 def measure(model: Path | None, rounds: int, gen_length: int) -> dict:
-    from engine.llm import LLM
-    from engine.params import GenerationParams
+    from dlm.engine.llm import LLM
+    from dlm.engine.params import GenerationParams
 
     llms = {dtype: LLM(model, dtype=dtype, device="cpu") for dtype in DTYPES}
     prompt = list(range(10, 26))

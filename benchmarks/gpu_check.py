@@ -3,7 +3,7 @@ at serving shapes, check the engine's ids through Triton equal the twins' for ev
 (and, with two or more GPUs, tensor parallel over NCCL equals one GPU), check the memory
 ceiling, time the kernels (benchmarks/kernels.py), then time the denoising step of an
 8B-shaped random LLaDA (d 4096, 32 layers, 12288 MLP, 126464 vocabulary) eagerly and through
-the step graphs (CUDA graphs, engine/runtime/step_graphs.py): forwards/s and tokens/s per batch
+the step graphs (CUDA graphs, dlm/engine/runtime/step_graphs.py): forwards/s and tokens/s per batch
 size against the memory-bandwidth and compute rooflines. Not run in CI (there is no GPU
 there); prepared so one short session on an accelerator gives the figures for
 docs/benchmarks.md.
@@ -38,16 +38,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernel_checks(dtype: torch.dtype) -> list[tuple[str, bool, str]]:
-    from kernels.attention import attention_torch
-    from kernels.attention_triton import attention_triton
-    from kernels.moe import fused_moe_torch
-    from kernels.moe_triton import fused_moe_triton
-    from kernels.rms_norm import rms_norm_torch
-    from kernels.rms_norm_triton import rms_norm_triton
-    from kernels.rotary import rotary_torch
-    from kernels.rotary_triton import rotary_triton
-    from kernels.token_stats import token_stats_torch
-    from kernels.token_stats_triton import token_stats_triton
+    from dlm.kernels.attention import attention_torch
+    from dlm.kernels.attention_triton import attention_triton
+    from dlm.kernels.moe import fused_moe_torch
+    from dlm.kernels.moe_triton import fused_moe_triton
+    from dlm.kernels.rms_norm import rms_norm_torch
+    from dlm.kernels.rms_norm_triton import rms_norm_triton
+    from dlm.kernels.rotary import rotary_torch
+    from dlm.kernels.rotary_triton import rotary_triton
+    from dlm.kernels.token_stats import token_stats_torch
+    from dlm.kernels.token_stats_triton import token_stats_triton
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -108,8 +108,8 @@ def kernel_checks(dtype: torch.dtype) -> list[tuple[str, bool, str]]:
 def engine_checks() -> list[tuple[str, bool, str]]:
     """Per family (MoE ones through the fused MoE kernel): the same ids with the torch twins
     and with the Triton kernels; with two or more GPUs, also tensor parallel over NCCL."""
-    from engine.llm import LLM
-    from engine.parallel.distributed import ParallelConfig
+    from dlm.engine.llm import LLM
+    from dlm.engine.parallel.distributed import ParallelConfig
     from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
     out = []
@@ -133,7 +133,7 @@ def engine_checks() -> list[tuple[str, bool, str]]:
 
 def memory_cap_check() -> tuple[str, bool, str]:
     """--gpu-memory-utilization: beyond the share, allocation fails."""
-    from engine.runtime.engine import cap_device_memory
+    from dlm.engine.runtime.engine import cap_device_memory
 
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory
@@ -161,9 +161,9 @@ VOCAB = {"8b": 126464, "tiny": 300}
 
 def random_engine(shape: str, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
     """The native engine over a random LLaDA of `shape`, made on the device (no checkpoint)."""
-    from engine.checkpoint_writer import llada_config
-    from engine.config import load_config
-    from engine.runtime.engine import LLMEngine, LoadedModel, build_on_meta
+    from dlm.engine.checkpoint_writer import llada_config
+    from dlm.engine.config import load_config
+    from dlm.engine.runtime.engine import LLMEngine, LoadedModel, build_on_meta
 
     vocab = VOCAB[shape]
     directory = Path(tempfile.mkdtemp(prefix="dlm-gpu-check-"))
@@ -227,7 +227,7 @@ def time_steps(engine, prompts: list[list[int]], params, steps: int, device: tor
 def step_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[tuple[str, bool, str]]]:
     """forwards/s and tokens/s of the denoising step, eager and through the step graphs, per
     batch size, against the rooflines; checks: graph ids == eager ids, every shape captured."""
-    from engine.params import GenerationParams
+    from dlm.engine.params import GenerationParams
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     shape = "tiny" if args.dry_run else "8b"

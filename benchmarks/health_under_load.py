@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from dlm_cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE  # noqa: E402
-from engine.home import dlm_home  # noqa: E402
+from dlm.cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE  # noqa: E402
+from dlm.engine.home import dlm_home  # noqa: E402
 from tests.serving import ServerProcess  # noqa: E402
 
 

@@ -4,7 +4,7 @@ For every kernel, up to three paths on the same inputs: `unfused` (the straightf
 code: full logits, explicit attention matrix, dense experts, separate add and norm),
 `twin` (the torch twin the engine runs on CPU) and, on CUDA, `triton`. Peak memory is the
 largest amount of tensor memory live during the call above what existed before it
-(`kernels.peak_memory` on CPU, the CUDA allocator's peak on CUDA). Shapes default to a
+(`dlm.kernels.peak_memory` on CPU, the CUDA allocator's peak on CUDA). Shapes default to a
 serving step (32 decided positions, vocab 157184; 8 x 512-token canvases) scaled down on
 CPU so the run stays short; `--full` uses the GPU shapes anywhere.
 
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.attention import attention_torch, dllm_mask  # noqa: E402
-from kernels.moe import fused_moe_torch  # noqa: E402
-from kernels.peak_memory import PeakTensorMemory  # noqa: E402
-from kernels.rms_norm import rms_norm_torch  # noqa: E402
-from kernels.rotary import rotary_torch  # noqa: E402
-from kernels.token_stats import token_stats_torch, token_stats_unfused  # noqa: E402
+from dlm.kernels.attention import attention_torch, dllm_mask  # noqa: E402
+from dlm.kernels.moe import fused_moe_torch  # noqa: E402
+from dlm.kernels.peak_memory import PeakTensorMemory  # noqa: E402
+from dlm.kernels.rms_norm import rms_norm_torch  # noqa: E402
+from dlm.kernels.rotary import rotary_torch  # noqa: E402
+from dlm.kernels.token_stats import token_stats_torch, token_stats_unfused  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -120,7 +120,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
         "twin": lambda: token_stats_torch(hidden, weight, **kw),
     }
     if triton_ok:
-        from kernels.token_stats_triton import token_stats_triton
+        from dlm.kernels.token_stats_triton import token_stats_triton
 
         paths["triton"] = lambda: token_stats_triton(hidden, weight, **kw)
     out["token_stats"] = (dict(positions=n, vocab=vocab, hidden=d), paths)
@@ -136,7 +136,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
             "twin": lambda akw=akw: attention_torch(q, k, v, **akw),
         }
         if triton_ok:
-            from kernels.attention_triton import attention_triton
+            from dlm.kernels.attention_triton import attention_triton
 
             paths["triton"] = lambda akw=akw: attention_triton(q, k, v, **akw)
         out[name] = (dict(batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=hd, block=block), paths)
@@ -146,7 +146,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     nkw = dict(residual=res, zero_centred=False)
     paths = {"unfused": lambda: unfused_norm(x, w, 1e-5, **nkw), "twin": lambda: rms_norm_torch(x, w, 1e-5, **nkw)}
     if triton_ok:
-        from kernels.rms_norm_triton import rms_norm_triton
+        from dlm.kernels.rms_norm_triton import rms_norm_triton
 
         paths["triton"] = lambda: rms_norm_triton(x, w, 1e-5, **nkw)
     out["add_rms_norm"] = (dict(rows=rows, hidden=hidden_size), paths)
@@ -156,7 +156,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
     rq, rk = rand(b, hq, t, hd), rand(b, hkv, t, hd)
     paths = {"unfused": lambda: unfused_rotary(rq, rk, cos, sin), "twin": lambda: rotary_torch(rq, rk, cos, sin)}
     if triton_ok:
-        from kernels.rotary_triton import rotary_triton
+        from dlm.kernels.rotary_triton import rotary_triton
 
         paths["triton"] = lambda: rotary_triton(rq, rk, cos, sin)
     out["rotary"] = (dict(batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=hd), paths)
@@ -170,7 +170,7 @@ def cases(device: torch.device, dtype: torch.dtype, full: bool) -> dict[str, tup
         "twin": lambda: fused_moe_torch(mx, w13, w2, ids, weights),
     }
     if triton_ok:
-        from kernels.moe_triton import fused_moe_triton
+        from dlm.kernels.moe_triton import fused_moe_triton
 
         paths["triton"] = lambda: fused_moe_triton(mx, w13, w2, ids, weights)
     out["fused_moe"] = (dict(tokens=tokens, experts=experts, topk=topk, hidden=dm, ffn=ff), paths)

@@ -26,10 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.block_args import block_parser  # noqa: E402
-from engine.block_checkpoints import write_tiny  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.params import GenerationParams  # noqa: E402
-from engine.runtime.request import RequestState  # noqa: E402
+from dlm.engine.block_checkpoints import write_tiny  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
+from dlm.engine.params import GenerationParams  # noqa: E402
+from dlm.engine.runtime.request import RequestState  # noqa: E402
 
 BUDGET = 4 << 30
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 from train_tiny_dllm import OUT, evaluation_set  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
 
 # (label, request fields, batch size). The first row is the exact default: the reference point.
 GRID: list[tuple[str, dict[str, Any], int]] = [
@@ -48,7 +48,7 @@ GRID: list[tuple[str, dict[str, Any], int]] = [
     ("threshold 0.9, dual cache", {"threshold": 0.9, "cache": "dual"}, 64),
     ("gen 32, threshold 0.9, batch 1", {"gen_length": 32, "threshold": 0.9}, 1),
     ("gen 32, threshold 0.9, batch 8", {"gen_length": 32, "threshold": 0.9}, 8),
-    # Lossless multi-token steps (engine/decoding/drafts.py): the default's exact ids, fewer forwards.
+    # Lossless multi-token steps (dlm/engine/decoding/drafts.py): the default's exact ids, fewer forwards.
     ("default + drafts 1", {"drafts": 1}, 64),
     ("default + drafts 4", {"drafts": 4}, 64),
 ]

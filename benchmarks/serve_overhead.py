@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from engine.home import dlm_home  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.params import GenerationParams  # noqa: E402
+from dlm.engine.home import dlm_home  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
+from dlm.engine.params import GenerationParams  # noqa: E402
 from tests.serving import ServerProcess  # noqa: E402
 
 

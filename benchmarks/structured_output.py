@@ -22,8 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm import LLM  # noqa: E402
-from engine.params import GenerationParams  # noqa: E402
+from dlm.engine.llm import LLM  # noqa: E402
+from dlm.engine.params import GenerationParams  # noqa: E402
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from dlm_cli.store.fetch import fetch  # noqa: E402
-from dlm_cli.store.hashing import NoProgress  # noqa: E402
-from dlm_cli.store.store import Store  # noqa: E402
-from dlm_cli.store.verify import VerifyReport, check_hashes  # noqa: E402
+from dlm.cli.store.fetch import fetch  # noqa: E402
+from dlm.cli.store.hashing import NoProgress  # noqa: E402
+from dlm.cli.store.store import Store  # noqa: E402
+from dlm.cli.store.verify import VerifyReport, check_hashes  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Rebuild engine/assets/tiny_tokenizer (the embedded default model's tokenizer).
+"""Rebuild dlm/engine/assets/tiny_tokenizer (the embedded default model's tokenizer).
 
 A byte-level BPE trained on this repository's own Python and Markdown files, so the
 result depends only on the repository. The shipped files are what dlm uses; this script
@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "engine" / "assets" / "tiny_tokenizer"
+OUT = ROOT / "dlm" / "engine" / "assets" / "tiny_tokenizer"
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

@@ -12,7 +12,7 @@ huggingface_hub < 1.0 and einops; its remote code does not import under 5.x): ru
 those first on PYTHONPATH and dlm's worktree after them. CPU, float32, temperature 0;
 nothing is stubbed: the script only records the inputs of the model's forwards.
 
-The tiny checkpoint is `engine.block_checkpoints.write_tiny(dir, "fast_dllm_v2", seed=0)`;
+The tiny checkpoint is `dlm.engine.block_checkpoints.write_tiny(dir, "fast_dllm_v2", seed=0)`;
 the vectors record the sha256 of its weights so a change of the writer shows up as such.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.block_checkpoints import write_tiny
+from dlm.engine.block_checkpoints import write_tiny
 
 SEED = 0
 # (prompt length, block size, sub-block size): prompt inside the first block, across a block
@@ -123,7 +123,7 @@ def main(reference_dir: Path, out_dir: Path) -> None:
     meta = {
         "reference": "Efficient-Large-Model/Fast_dLLM_v2_7B remote code: modeling.py, "
         "Fast_dLLM_QwenForCausalLM.generate",
-        "checkpoint": {"writer": "engine.block_checkpoints.write_tiny", "family": "fast_dllm_v2", "seed": SEED},
+        "checkpoint": {"writer": "dlm.engine.block_checkpoints.write_tiny", "family": "fast_dllm_v2", "seed": SEED},
         "weights_sha256": weights_sha256,
         "mask_id": mask,
         "eos_id": eos,

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from engine.llm import LLM
-from engine.runtime.block_batch import BlockBatch
+from dlm.engine.llm import LLM
+from dlm.engine.runtime.block_batch import BlockBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shared reference checkpoint beside the clone (DLM_REFERENCE_DIR, as the tests find it).

@@ -12,10 +12,10 @@ Everything is reproducible from this file alone (fixed seeds, no download):
      (the answer, then EOS padding) masked with probability t, cross-entropy averaged over the
      batch's masked answer tokens (not LLaDA's 1/t weight: see `Batcher`); the prompt is never
      masked; look-up through a curriculum of first-token batches (see FIRST_TOKEN_TASKS);
-  4. the checkpoint written with dlm's own writer (engine.checkpoint_writer), then measured
+  4. the checkpoint written with dlm's own writer (dlm.engine.checkpoint_writer), then measured
      with dlm's own engine (engine.LLM, float32, default decoding settings) on held-out prompts.
 
-The training model below is a plain PyTorch twin of engine/models/llada.py whose parameter
+The training model below is a plain PyTorch twin of dlm/engine/models/llada.py whose parameter
 names are the checkpoint's, so its state dict is the checkpoint (tests/test_train_tiny_dllm.py
 checks that the engine reads it back to the same logits).
 
@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 from build_tokenizer import SPECIALS  # noqa: E402  (sibling script)
 from build_tokenizer import save as save_tokenizer  # noqa: E402
 
-from engine.checkpoint_writer import llada_config, save_checkpoint  # noqa: E402
-from engine.params import DEFAULTS  # noqa: E402
+from dlm.engine.checkpoint_writer import llada_config, save_checkpoint  # noqa: E402
+from dlm.engine.params import DEFAULTS  # noqa: E402
 
 NAME = "dlm-tiny-tasks-llada"
-OUT = ROOT / "engine" / "assets" / NAME
+OUT = ROOT / "dlm" / "engine" / "assets" / NAME
 SEED = 20261201
 INIT_STD = 0.02  # of every matrix's initial values, and of the rows a grown vocabulary adds
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 512}
@@ -295,7 +295,7 @@ def load_tokenizer(directory: Path):  # noqa: ANN201  (a transformers tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
-# Training model: the LLaDA forward (engine/models/llada.py) in plain PyTorch, checkpoint names.
+# Training model: the LLaDA forward (dlm/engine/models/llada.py) in plain PyTorch, checkpoint names.
 
 
 class RMSNorm(nn.Module):
@@ -504,7 +504,7 @@ def save(model: TinyLLaDA, config: dict, tok_dir: Path, out: Path) -> None:
 
 def evaluate(directory: Path, per_task: int, batch: int = 64, **params: object) -> dict[str, float]:
     """Exact-match accuracy per task on held-out prompts, through dlm's engine (fp32, chat)."""
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     llm = LLM(directory, dtype="float32", device="cpu")
     scores: dict[str, float] = {}

@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def dlm(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m dlm_cli ARGS` from the checkout, with `env` over this process's environment;
+    """`python -m dlm ARGS` from the checkout, with `env` over this process's environment;
     `timeout` only guards against a hang."""
     return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", *args],
+        [sys.executable, "-m", "dlm", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -73,7 +73,7 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 @pytest.fixture(scope="session")
 def tiny_llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny LLaDA checkpoint (GQA: 4 query heads over 2 KV heads), single file."""
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
     directory = tmp_path_factory.mktemp("tiny_llada")
     config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, n_kv_heads=2)
@@ -84,7 +84,7 @@ def tiny_llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dream(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Dream checkpoint (4 query heads over 2 KV heads, q/k/v biases), single file."""
-    from engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import dream_config, random_dream_tensors, save_checkpoint
 
     directory = tmp_path_factory.mktemp("tiny_dream")
     config = dream_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
@@ -94,7 +94,7 @@ def tiny_dream(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _reference_llm(name: str) -> Any:
     """An `engine.LLM` over reference checkpoint `name`, in float32 on the CPU (for oracles)."""
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     ref = reference_dir()
     assert ref is not None

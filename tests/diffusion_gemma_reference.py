@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import torch
 
-from engine.params import GenerationParams
-from engine.runtime.request import completion
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.request import completion
 from tests.serving import ServerProcess, ready_server
 
 # (prompt, canvas length, entropy bound, confidence threshold, steps per canvas, gen_length, seed)

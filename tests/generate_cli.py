@@ -13,7 +13,7 @@ from typing import Any
 
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
+from dlm.cli.main import app
 
 
 def generate_json(model: Path | str, prompt_ids: Sequence[int], *flags: str) -> dict[str, Any]:

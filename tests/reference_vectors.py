@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.llm import LLM, GenerationOutput
+from dlm.engine.llm import LLM, GenerationOutput
 from tests.conftest import reference_dir
 
 

@@ -28,7 +28,7 @@ class ServerProcess:
     ) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlm_cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "dlm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -147,9 +147,9 @@ def fixed_output_checkpoint(directory: Path, token_text: str = TOOL_CALL, id_off
     """
     import torch
 
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
-    assets = ROOT / "engine" / "assets" / "tiny_tokenizer"
+    assets = ROOT / "dlm" / "engine" / "assets" / "tiny_tokenizer"
     tokenizer = json.loads((assets / "tokenizer.json").read_text())
     first_free = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
     token_id = first_free + id_offset
@@ -237,8 +237,8 @@ def in_process_server(**settings: Any) -> Iterator[httpx.Client]:
     socket: an httpx client to it (base URL http://dlm). Loading failures fail the block."""
     import asyncio
 
-    from dlm_cli.server.app import create_app
-    from dlm_cli.server.config import ServeConfig
+    from dlm.cli.server.app import create_app
+    from dlm.cli.server.config import ServeConfig
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -1,5 +1,5 @@
 """A stand-in for `dlm serve --deployment NAME` in the store race test: it speaks the store's
-side of the hot-swap contract exactly as dlm_cli/server/hotswap.py does (register with the
+side of the hot-swap contract exactly as dlm/cli/server/hotswap.py does (register with the
 store, claim the journal's intent, note what it serves) but "loads" a version by checking its
 files exist, for a random fraction of a second, so kills land in the middle of swaps.
 
@@ -20,9 +20,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from dlm_cli.store.releases import claim_swap, register, swap_ended
-from dlm_cli.store.store import Store
-from engine.errors import DlmError
+from dlm.cli.store.releases import claim_swap, register, swap_ended
+from dlm.cli.store.store import Store
+from dlm.engine.errors import DlmError
 
 
 def main(root: str, deployment: str, seed: int) -> None:

@@ -39,7 +39,7 @@ def write(path: Path, lines: list[dict]) -> Path:
 
 def batch(*args: str, home: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "dlm_cli", "batch", *args, "--max-concurrency", "8"],
+        [sys.executable, "-m", "dlm", "batch", *args, "--max-concurrency", "8"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.tp_checkpoints import PARAMS, write_family
 
 PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [100], [33, 44, 55, 66, 77, 88]]

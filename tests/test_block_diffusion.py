@@ -14,13 +14,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.block_checkpoints import write_tiny
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.runtime.block_batch import BlockBatch
-from engine.runtime.kv_cache import SequenceKVCache
+from dlm.cli.main import app
+from dlm.engine.block_checkpoints import write_tiny
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.block_batch import BlockBatch
+from dlm.engine.runtime.kv_cache import SequenceKVCache
 from tests.generate_cli import generate_json
 from tests.oracles.block_reference_loop import masked_logits, reference_ar_generate, reference_block_generate
 
@@ -147,7 +147,7 @@ def test_batched_requests_match_single_runs(tiny: dict[str, LLM]) -> None:
 
 
 def test_a_forward_that_settles_nothing_fails_loudly(tiny: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engine.runtime.block_runner.choose", lambda *args: torch.zeros(0, dtype=torch.long))
+    monkeypatch.setattr("dlm.engine.runtime.block_runner.choose", lambda *args: torch.zeros(0, dtype=torch.long))
     with pytest.raises(RuntimeError, match="decided none of positions"):
         _run(tiny["sdar"], PROMPT, gen_length=8, block_length=4)
 

@@ -9,8 +9,8 @@ import json
 
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.runtime.request import RequestState
+from dlm.cli.main import app
+from dlm.engine.runtime.request import RequestState
 
 
 def _became_committed(views: list[list[tuple[int | None, str]]]) -> bool:
@@ -25,7 +25,7 @@ def _became_committed(views: list[list[tuple[int | None, str]]]) -> bool:
 
 
 def test_the_python_api_sees_proposals_commit() -> None:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     llm = LLM("tiny:llada", device="cpu", dtype="float32")
     views: list[list[tuple[int | None, str]]] = []
@@ -55,7 +55,7 @@ def test_dlm_generate_prints_the_canvas_per_step() -> None:
 
 
 def _views(model: str, **params: object) -> tuple[list[list[tuple[int | None, str]]], object]:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     llm = LLM(model, device="cpu", dtype="float32")
     views: list[list[tuple[int | None, str]]] = []
@@ -89,7 +89,7 @@ def test_dlm_generate_prints_each_samples_canvas() -> None:
 
 
 def test_the_python_api_takes_a_response_format_object() -> None:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     llm = LLM("tiny:llada", device="cpu", dtype="float32")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import default_model
+from dlm.engine import default_model
 from tests.cli_process import dlm
 from tests.generate_cli import generate_json
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def subcommands() -> list[str]:
     import typer.main
 
-    from dlm_cli.main import app
+    from dlm.cli.main import app
 
     return sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
 
@@ -32,7 +32,7 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
     One interpreter runs them in turn and names the first command after which a heavy module
     is loaded (a module, once imported, stays in sys.modules, so the first offender is exact)."""
     code = (
-        "import sys, json; from typer.testing import CliRunner; from dlm_cli.main import app;"
+        "import sys, json; from typer.testing import CliRunner; from dlm.cli.main import app;"
         f"cmds = {[[]] + [[c] for c in subcommands()]!r}; out = [];"
         "runner = CliRunner()\n"
         "for c in cmds:\n"
@@ -63,7 +63,7 @@ def test_generate_default_model_with_text_and_chat() -> None:
     payload = json.loads(result.stdout)
     assert default_model.NAME in payload["model"]
     assert isinstance(payload["text"], str) and payload["nfe"] == 32
-    from engine.dtype import native_bf16_flags
+    from dlm.engine.dtype import native_bf16_flags
 
     # auto on CPU: fp32 unless the CPU has native bf16, then the probe decides (tests/test_dtype.py)
     assert payload["dtype"] in (("bfloat16", "float32") if native_bf16_flags() else ("float32",))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.releases import load_state, release
-from dlm_cli.store.store import Store
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.releases import load_state, release
+from dlm.cli.store.store import Store
 from tests.weights_helpers import cli, make_checkpoint
 
 ERROR_LINE = re.compile(r"\W*error\b", re.IGNORECASE)
@@ -193,7 +193,7 @@ def test_missing_things_say_what_is_missing(tmp_path: Path) -> None:
 def test_deployment_names_cannot_collide_with_server_records(good: Path, tmp_path: Path) -> None:
     """Issue 16 point 5: deployments `X` and `X.server` are independent, and a running
     server's record is neither of them."""
-    from dlm_cli.store import admin
+    from dlm.cli.store import admin
 
     store = Store(tmp_path / "store")
     version = fetch(str(good), store, name="m").manifest.version
@@ -217,7 +217,7 @@ def test_models_listing_goes_to_stdout_whole_when_piped(good: Path, tmp_path: Pa
     store = Store(tmp_path / "store" / ("deep-" * 12))  # a long store path in the title
     manifest = fetch(str(good), store, name="a-model-with-a-rather-long-name-" + "x" * 40).manifest
     run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "models", "--store", str(store.root)],
+        [sys.executable, "-m", "dlm", "models", "--store", str(store.root)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -234,9 +234,7 @@ def _dlm(*args: str) -> tuple[int, str, str]:
     process for gevent: never in the test process)."""
     from tests.weights_helpers import ROOT
 
-    run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
-    )
+    run = subprocess.run([sys.executable, "-m", "dlm", *args], cwd=ROOT, capture_output=True, text=True, timeout=180)
     return run.returncode, run.stdout, run.stderr
 
 
@@ -296,9 +294,9 @@ def test_validate_reaches_a_tls_server_with_a_private_ca(tmp_path: Path) -> None
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from dlm_cli.checks.contract import readiness
-    from dlm_cli.checks.runner import CheckFailed, Context, ValidateOptions
-    from dlm_cli.client.api import ApiClient, tls_verify
+    from dlm.cli.checks.contract import readiness
+    from dlm.cli.checks.runner import CheckFailed, Context, ValidateOptions
+    from dlm.cli.client.api import ApiClient, tls_verify
 
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
              "-subj", "/CN=dlm test CA", cwd=tmp_path)  # fmt: skip

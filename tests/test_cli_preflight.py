@@ -1,6 +1,6 @@
 """Usage errors come before any model loads: `dlm generate` checks its flags against the
 checkpoint's config.json and `dlm serve` its `--max-model-len` and decoding defaults, both
-with the engine's own validation (engine/family_rules.py), and both refuse a
+with the engine's own validation (dlm/engine/family_rules.py), and both refuse a
 tensor-parallel split the heads do not allow before any rank spawns."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from dlm_cli.params import check_before_loading
-from engine.block_checkpoints import family_config
-from engine.checkpoint_writer import clover_config, llada_config
-from engine.errors import UsageError
-from engine.params import GenerationParams
+from dlm.cli.main import app
+from dlm.cli.params import check_before_loading
+from dlm.engine.block_checkpoints import family_config
+from dlm.engine.checkpoint_writer import clover_config, llada_config
+from dlm.engine.errors import UsageError
+from dlm.engine.params import GenerationParams
 
 
 @pytest.fixture
@@ -27,8 +27,8 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the usage error")
 
-    monkeypatch.setattr("engine.llm.LLM.__init__", refuse)
-    monkeypatch.setattr("dlm_cli.server.run.serve", refuse)
+    monkeypatch.setattr("dlm.engine.llm.LLM.__init__", refuse)
+    monkeypatch.setattr("dlm.cli.server.run.serve", refuse)
 
 
 @pytest.mark.parametrize(

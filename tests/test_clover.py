@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.generate_cli import generate_json
 from tests.hybrid_checkpoints import reference_model, save_reference
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decoding.commit import above_threshold, factor_rule, top_k
-from engine.decoding.schedule import linear_schedule
-from engine.decoding.step import require_progress
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.runtime.sequence import Sequence
-from kernels.token_stats import token_stats_torch, token_stats_unfused
+from dlm.engine.decoding.commit import above_threshold, factor_rule, top_k
+from dlm.engine.decoding.schedule import linear_schedule
+from dlm.engine.decoding.step import require_progress
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.sequence import Sequence
+from dlm.kernels.token_stats import token_stats_torch, token_stats_unfused
 from tests.oracles.reference_loop import reference_generate
 
 

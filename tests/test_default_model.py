@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from dlm_cli.checks.suite import DEFAULT_MODEL_SUITE, Suite, load_suite
-from dlm_cli.loadtest.workload import named_or_file
-from engine import default_model
-from engine.errors import DlmError
+from dlm.cli.checks.suite import DEFAULT_MODEL_SUITE, Suite, load_suite
+from dlm.cli.loadtest.workload import named_or_file
+from dlm.engine import default_model
+from dlm.engine.errors import DlmError
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
-DRAFTS = 1  # candidates per forward (engine/decoding/drafts.py): 1.8x fewer forwards here
+DRAFTS = 1  # candidates per forward (dlm/engine/decoding/drafts.py): 1.8x fewer forwards here
 
 
 def test_the_shipped_files_match_their_pinned_digests() -> None:
@@ -65,7 +65,7 @@ class Decoded:
 
 @pytest.fixture(scope="module")
 def decoded() -> Decoded:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     suite = load_suite(DEFAULT_MODEL_SUITE)
     llm = LLM(default_model.ensure_default_model(), dtype="float32", device="cpu")

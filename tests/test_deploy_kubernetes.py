@@ -20,8 +20,8 @@ from kubernetes_validate import utils as kv
 from referencing import Registry, Resource
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.checkpoint_writer import llada_config
+from dlm.cli.main import app
+from dlm.engine.checkpoint_writer import llada_config
 from tests.serving import ROOT
 
 KUBERNETES = "1.37"  # the newest release kubernetes-validate ships schemas for
@@ -144,7 +144,7 @@ def test_release_is_a_rolling_update_of_the_pod_template(big_config: Path) -> No
 
 
 def test_resources_drain_and_probes_follow_the_plan(big_config: Path) -> None:
-    from dlm_cli.estimate.plan import Serving, estimate
+    from dlm.cli.estimate.plan import Serving, estimate
 
     objects = by_kind(
         render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "-tp", "16", "--nnodes", "2")
@@ -174,7 +174,7 @@ def test_resources_drain_and_probes_follow_the_plan(big_config: Path) -> None:
 
 
 def test_cpu_replicas_ask_for_memory_not_gpus(tmp_path: Path, big_config: Path) -> None:
-    from dlm_cli.estimate.plan import Serving, estimate
+    from dlm.cli.estimate.plan import Serving, estimate
 
     settings = tmp_path / "serve.toml"
     settings.write_text('device = "cpu"\n')
@@ -191,7 +191,7 @@ def test_cpu_replicas_ask_for_memory_not_gpus(tmp_path: Path, big_config: Path) 
 
 def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> None:
     """The ConfigMap holds what was given, and `dlm serve` reads it back as the same settings."""
-    from dlm_cli.server.config import load_config
+    from dlm.cli.server.config import load_config
 
     settings = tmp_path / "serve.toml"
     settings.write_text("max_num_seqs = 4\nmax_tokens = 256\npublic_metrics = true\nshutdown_grace = 60\n")
@@ -284,8 +284,8 @@ def test_kustomize_base(tmp_path: Path, big_config: Path) -> None:
 def test_init_script_fetches_verifies_and_names_the_model(tmp_path: Path) -> None:
     """The init container's script, run here with sh against a local source: the store ends up
     holding a verified version and the file the server reads names it."""
-    from dlm_cli.deploy.kubernetes import FETCH_SCRIPT, RUN_DIR
-    from engine.default_model import ensure_default_model
+    from dlm.cli.deploy.kubernetes import FETCH_SCRIPT, RUN_DIR
+    from dlm.engine.default_model import ensure_default_model
 
     source = ensure_default_model()
     run = tmp_path / "run"
@@ -293,7 +293,7 @@ def test_init_script_fetches_verifies_and_names_the_model(tmp_path: Path) -> Non
     script = FETCH_SCRIPT.replace(RUN_DIR, str(run))
     bin_dir = tmp_path / "bin"  # `dlm` as the image has it, from this checkout
     bin_dir.mkdir()
-    (bin_dir / "dlm").write_text(f'#!/bin/sh\nexec {sys.executable} -m dlm_cli "$@"\n')
+    (bin_dir / "dlm").write_text(f'#!/bin/sh\nexec {sys.executable} -m dlm "$@"\n')
     (bin_dir / "dlm").chmod(0o755)
     env = {
         **os.environ,
@@ -309,6 +309,6 @@ def test_init_script_fetches_verifies_and_names_the_model(tmp_path: Path) -> Non
     ref = (run / "model").read_text()
     assert ref.startswith("tiny@")
     listed = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "models", "--json"], env=env, cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "dlm", "models", "--json"], env=env, cwd=ROOT, capture_output=True, text=True
     )
     assert ref.split("@")[1] in listed.stdout and "verified" in listed.stdout

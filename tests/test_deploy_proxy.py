@@ -31,8 +31,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli.deploy.haproxy import ProxySettings, parse_group, render
-from dlm_cli.main import app
+from dlm.cli.deploy.haproxy import ProxySettings, parse_group, render
+from dlm.cli.main import app
 from tests.serving import ROOT, ServerProcess, wait_until
 
 HAPROXY = shutil.which("haproxy")
@@ -221,7 +221,7 @@ def test_dlm_loadtest_runs_through_the_proxy(cluster: tuple[list[ServerProcess],
         [
             sys.executable,
             "-m",
-            "dlm_cli",
+            "dlm",
             "loadtest",
             proxy.url,
             "-u",

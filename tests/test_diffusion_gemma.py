@@ -1,5 +1,5 @@
 """DiffusionGemma against transformers' reference implementation, run live on a tiny random
-checkpoint that transformers' own classes saved (engine/diffusion_gemma_checkpoint.py).
+checkpoint that transformers' own classes saved (dlm/engine/diffusion_gemma_checkpoint.py).
 
 All numerics in float32: first-forward logits within 1e-4 of their standard deviation, and
 `generate` (canvas init, self-conditioning, entropy-bound sampler, stability/confidence
@@ -19,13 +19,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.config import load_config
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
-from engine.errors import Unsupported, UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.registry import family_named
+from dlm.cli.main import app
+from dlm.engine.config import load_config
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
 from tests.diffusion_gemma_reference import CASES, cli_args, logits_inputs, params, reference_generate
 
 FREQUENT = 46  # a token the tiny model emits often: as EOS it ends some requests early
@@ -109,7 +109,7 @@ def test_rope_factor_and_a_longer_window_match_transformers(tmp_path: Path, one_
 
 
 def test_unknown_rope_type_is_refused(checkpoint: Path) -> None:
-    from engine.config import config_from_dict
+    from dlm.engine.config import config_from_dict
 
     raw = json.loads((checkpoint / "config.json").read_text())
     raw["text_config"]["rope_parameters"]["sliding_attention"]["rope_type"] = "yarn"
@@ -223,7 +223,7 @@ def test_estimate_counts_the_text_tensors_and_plans_the_canvas(checkpoint: Path)
     loaded); its memory holds the encoder cache and the self-conditioning logits."""
     from safetensors import safe_open
 
-    from dlm_cli.estimate.plan import (
+    from dlm.cli.estimate.plan import (
         Serving,
         architecture_from_config,
         count_parameters,

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from tests.conftest import session_home
 from tests.diffusion_gemma_reference import (
     CASES,

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
-from engine.llm import LLM
-from engine.parallel import distributed
-from engine.parallel.distributed import ParallelConfig
-from engine.runtime.engine import load_model
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from dlm.engine.llm import LLM
+from dlm.engine.parallel import distributed
+from dlm.engine.parallel.distributed import ParallelConfig
+from dlm.engine.runtime.engine import load_model
 from tests.conftest import ROOT, session_home
 from tests.diffusion_gemma_reference import (
     CASES,
@@ -97,7 +97,7 @@ def test_two_ranks_give_the_reference_ids(checkpoint: Path, expected: list) -> N
 
 
 def test_cli_two_ranks(checkpoint: Path, expected: list) -> None:
-    command = [sys.executable, "-m", "dlm_cli", "generate", str(checkpoint), *cli_args(CASES[2]), "-tp", "2"]
+    command = [sys.executable, "-m", "dlm", "generate", str(checkpoint), *cli_args(CASES[2]), "-tp", "2"]
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)

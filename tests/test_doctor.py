@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli import doctor
-from dlm_cli.main import app
-from kernels import selftest
+from dlm.cli import doctor
+from dlm.cli.main import app
+from dlm.kernels import selftest
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.generate_cli import generate_json
 
 DATA = Path(__file__).parent / "data" / "dream_ct" / "confidence_threshold.json"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decoding.sampling import filter_logits
-from engine.llm import LLM
+from dlm.engine.decoding.sampling import filter_logits
+from dlm.engine.llm import LLM
 from tests.oracles.reference_loop import reference_dream_generate, reference_generate
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11]
@@ -86,7 +86,7 @@ def test_filter_logits_keeps_nucleus_and_top_k() -> None:
 def test_mask_token_is_never_proposed() -> None:
     """Committing MASK would leave a position masked forever; the model's probabilities of the
     other tokens are unchanged."""
-    from kernels.token_stats import token_stats_torch, token_stats_unfused
+    from dlm.kernels.token_stats import token_stats_torch, token_stats_unfused
 
     hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(1))

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import dtype as dtypes
-from engine.device import resolve_device
-from engine.errors import UsageError
+from dlm.engine import dtype as dtypes
+from dlm.engine.device import resolve_device
+from dlm.engine.errors import UsageError
 
 CPU = torch.device("cpu")
 
@@ -111,7 +111,7 @@ def test_checkpoint_dtype_reads_config(tmp_path: Path) -> None:
 
 
 def test_llm_loads_in_the_chosen_dtype(cpu: dict, tiny_llada: Path) -> None:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     llm = LLM(tiny_llada, dtype="auto", device="cpu")
     assert llm.dtype == torch.float32 and llm.dtype_choice.requested == "auto"

@@ -2,7 +2,7 @@
 (`return_token_ids`) give the same ids and spend the same forwards, for every family.
 
 The request ends by the sequence's own rule whatever runs it (an EOS ends it at block
-granularity, engine/runtime/request.py). Random tiny weights never emit EOS on cue, so each
+granularity, dlm/engine/runtime/request.py). Random tiny weights never emit EOS on cue, so each
 checkpoint's EOS id is set to a token its greedy answer holds early: every entry point must
 then stop at the same forward, and a server that ended requests by a rule of its own (say,
 at the first EOS of the committed prefix) would spend fewer.
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.llm import LLM
+from dlm.cli.main import app
+from dlm.engine.llm import LLM
 from tests.conftest import session_home
 from tests.serving import ServerProcess
 from tests.tp_checkpoints import PROMPT, write_family

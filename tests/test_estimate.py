@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from dlm_cli.estimate.gpus import find_gpu
-from dlm_cli.estimate.headers import local_headers
-from dlm_cli.estimate.plan import (
+from dlm.cli.estimate.gpus import find_gpu
+from dlm.cli.estimate.headers import local_headers
+from dlm.cli.estimate.plan import (
     Serving,
     architecture_from_config,
     count_parameters,
@@ -26,9 +26,9 @@ from dlm_cli.estimate.plan import (
     plan_memory,
     smallest_tp,
 )
-from engine import checkpoint_writer as cw
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
-from engine.errors import DlmError, UsageError
+from dlm.engine import checkpoint_writer as cw
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from dlm.engine.errors import DlmError, UsageError
 from tests.cli_process import dlm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ TINY: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any], int], Any], int]
     "dream": (TINY_DREAM, cw.random_dream_tensors, 3),  # sharded, with an index
     "qwen3_5_hybrid": (TINY_QWEN3_5, cw.random_qwen3_5_moe_tensors, 2),
 }
-# Block-causal families: the engine's own tiny writers (engine/block_checkpoints.py).
+# Block-causal families: the engine's own tiny writers (dlm/engine/block_checkpoints.py).
 BLOCK_FAMILIES = {
     "llada2": "llada2_moe",
     "sdar": "sdar",
@@ -69,7 +69,7 @@ BLOCK_FAMILIES = {
 def tiny_checkpoint(root: Path, name: str, **overrides: Any) -> Path:
     directory = root / name
     if name in BLOCK_FAMILIES:
-        from engine.block_checkpoints import write_tiny
+        from dlm.engine.block_checkpoints import write_tiny
 
         return write_tiny(directory, BLOCK_FAMILIES[name], **overrides)
     config, writer, shards = TINY[name]
@@ -343,7 +343,7 @@ UNMEASURED = {
 def _loadable_families() -> list:
     """Every family dlm decodes natively (autoregressive bases such as qwen3_5_moe are
     served through --backend transformers and have no native generation to measure)."""
-    from engine.registry import FAMILIES
+    from dlm.engine.registry import FAMILIES
 
     return [
         pytest.param(f.name, marks=pytest.mark.skip(reason=UNMEASURED[f.name])) if f.name in UNMEASURED else f.name
@@ -357,7 +357,7 @@ def _loadable_families() -> list:
 def test_predicted_peak_matches_measured_cpu_generation(tmp_path: Path, family: str, batch: int) -> None:
     """Every family the engine can load: the plan's peak (weights + caches + the larger
     transient) within 15% of the allocator's measured peak, at two batch sizes."""
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     if family not in MEASURE:
         pytest.fail(f"family {family} is loadable but has no measurement checkpoint here: add one")
@@ -498,7 +498,7 @@ def test_bare_config_json_and_no_torch(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLADA2_MINI))
     code = (
-        "import sys, json; from dlm_cli.estimate.plan import Serving, estimate;"
+        "import sys, json; from dlm.cli.estimate.plan import Serving, estimate;"
         f"r = estimate({str(config)!r}, Serving(tp=2, batch=4), gpu='H100');"
         "print(json.dumps([r['parameters']['total'], r['checkpoint'], 'torch' in sys.modules]))"
     )
@@ -564,12 +564,14 @@ def test_cli_bad_usage_exits_2(tmp_path: Path, args: list[str], message: str) ->
 @pytest.mark.slow
 def test_store_model_by_name(tmp_path: Path) -> None:
     """A model fetched into the store is estimated by its name, from the stored files."""
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
     config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
     save_checkpoint(tmp_path / "ckpt", config, random_llada_tensors(config, 0))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "ckpt" / name).write_bytes((ROOT / "engine" / "assets" / "tiny_tokenizer" / name).read_bytes())
+        (tmp_path / "ckpt" / name).write_bytes(
+            (ROOT / "dlm" / "engine" / "assets" / "tiny_tokenizer" / name).read_bytes()
+        )
     fetched = dlm("fetch", str(tmp_path / "ckpt"), "--name", "tiny-estimate")
     assert fetched.returncode == 0, fetched.stderr
     result = dlm("estimate", "tiny-estimate", "--context", "256", "--gen-length", "64", "--json")
@@ -611,9 +613,9 @@ def test_hub_repo_reads_config_and_headers_only(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake_metadata)
-    from dlm_cli.hub import HubStatus
+    from dlm.cli.hub import HubStatus
 
-    monkeypatch.setattr("dlm_cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, None, 200))
+    monkeypatch.setattr("dlm.cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, None, 200))
     report = estimate("someorg/tiny-dream", Serving(context=256, gen_length=64))
     assert asked == ["config.json"]
     assert report["model"]["kind"] == "hub" and report["model"]["source"] == "hf://someorg/tiny-dream"
@@ -635,7 +637,7 @@ def test_one_flag_vocabulary_with_serve(tmp_path: Path) -> None:
     """`--tensor-parallel-size`/`-tp`, as `dlm serve` spells it; `--tp` still works."""
     from typer.testing import CliRunner
 
-    from dlm_cli.main import app
+    from dlm.cli.main import app
 
     directory = tiny_checkpoint(tmp_path, "sdar")
     plans = [
@@ -651,12 +653,12 @@ def test_an_unreachable_hub_fails_at_once_without_retries(monkeypatch: pytest.Mo
     """One bounded probe decides; huggingface_hub's download (and its retries) never starts."""
     import huggingface_hub
 
-    from dlm_cli.hub import HubStatus
+    from dlm.cli.hub import HubStatus
 
     def never(*args: Any, **kwargs: Any) -> str:
         raise AssertionError("the download was attempted")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", never)
-    monkeypatch.setattr("dlm_cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, "unreachable"))
+    monkeypatch.setattr("dlm.cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, "unreachable"))
     with pytest.raises(DlmError, match="unreachable"):
         estimate("org/model", Serving())

@@ -1,4 +1,4 @@
-"""A request's family rules come from the checkpoint's config alone (engine/family_rules.py):
+"""A request's family rules come from the checkpoint's config alone (dlm/engine/family_rules.py):
 the default and the only block length, the forwards a block costs, and the one validation
 that `dlm generate` runs before loading and `LLMEngine.validate` after."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine import family_rules
-from engine.block_checkpoints import family_config
-from engine.checkpoint_writer import clover_config, llada_config
-from engine.config import config_from_dict
-from engine.errors import UsageError
-from engine.parallel.divisibility import check_tensor_parallel
-from engine.params import Forwards, GenerationParams
+from dlm.engine import family_rules
+from dlm.engine.block_checkpoints import family_config
+from dlm.engine.checkpoint_writer import clover_config, llada_config
+from dlm.engine.config import config_from_dict
+from dlm.engine.errors import UsageError
+from dlm.engine.parallel.divisibility import check_tensor_parallel
+from dlm.engine.params import Forwards, GenerationParams
 
 CLOVER = config_from_dict(clover_config(64, 63, 62))
 SDAR = config_from_dict(family_config("sdar", vocab_size=64, mask_token_id=63, eos_token_id=62))

@@ -1,4 +1,4 @@
-"""The hybrid's memory terms in `dlm estimate` (dlm_cli/estimate/plan.py, their one source): equal
+"""The hybrid's memory terms in `dlm estimate` (dlm/cli/estimate/plan.py, their one source): equal
 to what a real HybridCache holds, shown in the plan's --json and table, and the
 Qwen3.5-35B-A3B / Clover numbers they give."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
-from dlm_cli.estimate.plan import architecture_from_config
-from dlm_cli.main import app
-from engine.runtime.engine import load_model
+from dlm.cli.estimate.plan import architecture_from_config
+from dlm.cli.main import app
+from dlm.engine.runtime.engine import load_model
 from tests.hybrid_checkpoints import reference_model, save_reference
 
 

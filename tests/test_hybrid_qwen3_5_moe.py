@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.layers.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
-from engine.runtime.engine import load_model
+from dlm.engine.layers.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from dlm.engine.runtime.engine import load_model
 from tests.hybrid_checkpoints import reference_model, save_reference, to_multimodal_layout
 
 PREFILL = 70  # crosses the 64-token chunk boundary of the chunked DeltaNet form

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import Unsupported, UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.registry import family_named
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
 from tests.generate_cli import generate_json
 from tests.oracles.reference_loop import reference_dream_generate, reference_generate
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm import LLM
-from kernels import dispatch
-from kernels.peak_memory import PeakTensorMemory
-from kernels.token_stats import token_stats_torch, token_stats_unfused
+from dlm.engine.llm import LLM
+from dlm.kernels import dispatch
+from dlm.kernels.peak_memory import PeakTensorMemory
+from dlm.kernels.token_stats import token_stats_torch, token_stats_unfused
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +122,7 @@ def test_block_families_identical_through_triton_and_torch(
     """Every block-causal family: same ids with the Triton kernels (interpreted) as with
     the torch twins, on the serving path (exact block cache). openPangu decodes its fixed
     32-token blocks in sub-blocks, so it gets one short prompt to stay within the budget."""
-    from engine.block_checkpoints import write_tiny
+    from dlm.engine.block_checkpoints import write_tiny
 
     llm = LLM(write_tiny(tmp_path / family, family), dtype="float32", device="cpu")
     prompts = [[5, 17, 42, 8, 9]] if family == "pangu" else [[5, 17, 42, 8, 9], [9, 8, 7]]

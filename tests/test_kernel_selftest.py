@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 import pytest
 import torch
 
-from kernels import dispatch, selftest
+from dlm.kernels import dispatch, selftest
 
 CPU = torch.device("cpu")
 
@@ -56,7 +56,7 @@ def test_without_the_interpreter_cpu_kernels_are_skipped(monkeypatch: pytest.Mon
 def test_guard_falls_back_for_failing_kernels(
     broken: None, monkeypatch: pytest.MonkeyPatch, tiny_llada: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     monkeypatch.setenv("DLM_KERNELS", "triton")
     with caplog.at_level("WARNING", logger="dlm.kernels"):
@@ -89,8 +89,8 @@ def test_serve_health_reports_dtype_and_kernel_fallback(
 ) -> None:
     from fastapi.testclient import TestClient
 
-    from dlm_cli.server.app import create_app
-    from dlm_cli.server.config import ServeConfig
+    from dlm.cli.server.app import create_app
+    from dlm.cli.server.config import ServeConfig
 
     monkeypatch.setenv("DLM_KERNELS", "triton")
     app = create_app(ServeConfig(model=str(tiny_llada), dtype="float32", warmup=False))

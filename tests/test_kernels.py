@@ -14,22 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import attention_torch
-from kernels.attention_triton import attention_triton
-from kernels.moe import fused_moe_torch
-from kernels.moe_triton import expert_tiles, fused_moe_triton
-from kernels.rms_norm import rms_norm_torch
-from kernels.rms_norm_triton import rms_norm_triton
-from kernels.rotary import rotary_torch
-from kernels.rotary_triton import rotary_triton
-from kernels.token_stats import (
+from dlm.kernels.attention import attention_torch
+from dlm.kernels.attention_triton import attention_triton
+from dlm.kernels.moe import fused_moe_torch
+from dlm.kernels.moe_triton import expert_tiles, fused_moe_triton
+from dlm.kernels.rms_norm import rms_norm_torch
+from dlm.kernels.rms_norm_triton import rms_norm_triton
+from dlm.kernels.rotary import rotary_torch
+from dlm.kernels.rotary_triton import rotary_triton
+from dlm.kernels.token_stats import (
     VocabPartial,
     combine,
     token_stats_partial_torch,
     token_stats_torch,
     token_stats_unfused,
 )
-from kernels.token_stats_triton import token_stats_partial_triton, token_stats_triton
+from dlm.kernels.token_stats_triton import token_stats_partial_triton, token_stats_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -301,7 +301,7 @@ def test_masked_attention_twin_computes_each_row_over_its_visible_keys(dtype: to
     gives decoded alone), and the masked attention over the whole padded row in value."""
     import torch.nn.functional as F
 
-    from kernels.attention import masked_attention_torch
+    from dlm.kernels.attention import masked_attention_torch
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 16, generator=g).to(dtype)

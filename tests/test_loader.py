@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
-from engine.config import load_config
-from engine.errors import UsageError
-from engine.llm import LLM
+from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+from dlm.engine.config import load_config
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 

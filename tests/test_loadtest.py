@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from dlm_cli.loadtest.report import finalize
-from dlm_cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
-from dlm_cli.loadtest.sweep import find_knee, parse_levels
-from dlm_cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
-from dlm_cli.loadtest.vllm_format import VLLM_KEYS
-from dlm_cli.loadtest.workload import load_jsonl
-from engine.errors import UsageError
+from dlm.cli.loadtest.report import finalize
+from dlm.cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
+from dlm.cli.loadtest.sweep import find_knee, parse_levels
+from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
+from dlm.cli.loadtest.vllm_format import VLLM_KEYS
+from dlm.cli.loadtest.workload import load_jsonl
+from dlm.engine.errors import UsageError
 from tests.cli_process import dlm
 from tests.fake_openai import Behaviour, serve
 

@@ -2,8 +2,11 @@
 
 The oracle is the literal reference loop (tests/oracles/reference_loop.py), which records the
 float64 log-softmax of the logits row of every committing step; the engine's values must
-equal it (float32 model, compared within 1e-5), with the step's top alternatives sorted,
-never the MASK token, and the committed token's value where it appears among them.
+equal it (float32 model, compared within 5e-4: the engine and the oracle run the same
+arithmetic at different shapes, so different fp32 matmul kernels, whose rounding differs between
+CPUs and grows through the layers and Fast-dLLM's dual cache; an AVX-512/AMX machine measured
+1.7e-4 there, 1.7e-5 without a cache, and 2.4e-6 with both models cast to float64), with the
+step's top alternatives sorted, never the MASK token, and the committed token's value where it appears among them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from engine.decoding.logprobs import TokenLogprob
-from engine.llm import LLM
+from dlm.engine.decoding.logprobs import TokenLogprob
+from dlm.engine.llm import LLM
 from tests.oracles.reference_loop import reference_dream_generate, reference_generate
 from tests.serving import ROOT
 
@@ -41,16 +44,19 @@ def check_shape(tokens: list[TokenLogprob], top: int, mask_id: int) -> None:
                 assert value == pytest.approx(t.logprob, abs=1e-6)
 
 
+FP32 = dict(abs=5e-4)  # fp32 rounding of two kernels, grown through the layers (module docstring)
+
+
 def compare_with_oracle(tokens: list[TokenLogprob], record: dict[int, torch.Tensor], start: int, mask_id: int) -> None:
     assert tokens, "no tokens to compare"
     for i, t in enumerate(tokens):
         row = record[start + i]
-        assert t.logprob == pytest.approx(float(row[t.token]), abs=1e-5), i
+        assert t.logprob == pytest.approx(float(row[t.token]), **FP32), i
         row = row.clone()
         row[mask_id] = -math.inf
         expected = row.topk(len(t.top))
         assert [tok for tok, _ in t.top] == expected.indices.tolist(), i
-        assert [v for _, v in t.top] == pytest.approx(expected.values.tolist(), abs=1e-5), i
+        assert [v for _, v in t.top] == pytest.approx(expected.values.tolist(), **FP32), i
 
 
 @pytest.mark.parametrize(
@@ -112,8 +118,8 @@ def test_sampled_logprobs_keep_their_shape(reference_llada: LLM) -> None:
 
 
 def test_logprobs_are_bounded() -> None:
-    from engine.errors import UsageError
-    from engine.params import MAX_TOP_LOGPROBS, GenerationParams
+    from dlm.engine.errors import UsageError
+    from dlm.engine.params import MAX_TOP_LOGPROBS, GenerationParams
 
     with pytest.raises(UsageError) as refused:
         GenerationParams(logprobs=MAX_TOP_LOGPROBS + 1).validate(4, 4096)
@@ -125,7 +131,7 @@ def test_cli_logprobs_json(reference_llada: LLM) -> None:
     expected = reference_llada.generate(PROMPT, logprobs=2, gen_length=8, block_length=8)[0].logprobs
     assert expected is not None
     run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "generate", str(reference_llada.model_dir), "--prompt-ids"]
+        [sys.executable, "-m", "dlm", "generate", str(reference_llada.model_dir), "--prompt-ids"]
         + [",".join(map(str, PROMPT)), "--gen-length", "8", "--block-length", "8", "--logprobs", "2"]
         + ["--dtype", "float32", "--device", "cpu", "--json"],
         capture_output=True,

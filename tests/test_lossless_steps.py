@@ -1,14 +1,14 @@
-"""Lossless multi-token steps (`drafts`, engine/decoding/drafts.py): the ids are those of the
+"""Lossless multi-token steps (`drafts`, dlm/engine/decoding/drafts.py): the ids are those of the
 plain rule on every LLaDA / Fast-dLLM reference vector (float32), in fewer forwards."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.registry import family_named
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
 from tests.reference_vectors import reference_llm
 from tests.test_reference_llada import VECTORS, generate_vector
 
@@ -58,7 +58,7 @@ def test_drafts_outside_the_deterministic_llada_rules_are_refused_naming_the_fie
 
 def test_draft_rows_count_against_the_forward_token_budget(llm: LLM) -> None:
     """The scheduler's per-forward token bound counts every candidate row a request feeds."""
-    from engine.runtime.scheduler import forward_tokens
+    from dlm.engine.runtime.scheduler import forward_tokens
 
     seq = llm.engine.add_request([5, 9, 13], GenerationParams(gen_length=32, drafts=3))
     assert forward_tokens(seq) == 4 * len(seq.canvas)

@@ -1,4 +1,4 @@
-"""MoE routing, and the MoE layer (routed experts through `kernels.dispatch.fused_moe`)
+"""MoE routing, and the MoE layer (routed experts through `dlm.kernels.dispatch.fused_moe`)
 against a naive per-token oracle, alone and split over ranks (what a rank reads from the
 checkpoint: tests/test_tp_shards.py)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.moe import SigmoidGroupGate, SoftmaxGate, SparseMoE, sigmoid_group_limited_route, softmax_route
-from engine.parallel import state as parallel_state
-from kernels import dispatch
+from dlm.engine.layers.moe import SigmoidGroupGate, SoftmaxGate, SparseMoE, sigmoid_group_limited_route, softmax_route
+from dlm.engine.parallel import state as parallel_state
+from dlm.kernels import dispatch
 
 
 def naive_sigmoid_route(logits, bias, top_k, n_group, topk_group, scaling):  # noqa: ANN001, ANN201

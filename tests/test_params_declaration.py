@@ -1,4 +1,4 @@
-"""Request parameters are declared once (engine/params.py): the `dlm generate` options and
+"""Request parameters are declared once (dlm/engine/params.py): the `dlm generate` options and
 the HTTP request fields are built from that declaration and must not drift from it; `steps`
 bounds the denoising forwards whatever the commit rule; refusals name their field."""
 
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import typer.main
 
-from dlm_cli.main import app
-from dlm_cli.server.protocol import IGNORED, NEUTRAL, PARAM_FIELDS, ChatRequest, CompletionRequest, DiffusionFields
-from engine.errors import UsageError
-from engine.params import DEFAULTS, PARAMS, Forwards, GenerationParams, ResolvedParams, cli_flag, http_name
-from engine.registry import family_named
+from dlm.cli.main import app
+from dlm.cli.server.protocol import IGNORED, NEUTRAL, PARAM_FIELDS, ChatRequest, CompletionRequest, DiffusionFields
+from dlm.engine.errors import UsageError
+from dlm.engine.params import DEFAULTS, PARAMS, Forwards, GenerationParams, ResolvedParams, cli_flag, http_name
+from dlm.engine.registry import family_named
 
 # `dlm generate` options that are not decoding parameters (model loading, prompt, output).
 GENERATE_OTHER = {
@@ -65,7 +65,7 @@ def test_every_request_field_is_declared_or_listed() -> None:
 def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:
     from pydantic import ValidationError
 
-    from dlm_cli.server.errors import validation_error
+    from dlm.cli.server.errors import validation_error
 
     with pytest.raises(ValidationError) as caught:
         CompletionRequest.model_validate({"prompt": "x", "treshold": 0.9})
@@ -146,8 +146,8 @@ PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal 
 
 @pytest.fixture(scope="module")
 def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from engine.block_checkpoints import write_tiny
-    from engine.llm import LLM
+    from dlm.engine.block_checkpoints import write_tiny
+    from dlm.engine.llm import LLM
     from tests.tp_checkpoints import write_family
 
     paths = {"llada": tiny_llada, "dream": tiny_dream, "clover": write_family(tmp_path_factory.mktemp("c"), "clover")}

@@ -1,4 +1,4 @@
-"""Cross-request prefix reuse (engine/runtime/prefix_cache.py) on block-causal tiny models.
+"""Cross-request prefix reuse (dlm/engine/runtime/prefix_cache.py) on block-causal tiny models.
 
 Outputs with the prefix cache equal outputs without it (fp32 ids, exact comparison): for every
 block-causal family, block diffusion and AR mode, batched requests sharing prefixes, and under
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.block_checkpoints import write_tiny
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.runtime.prefix_cache import PAGE_TOKENS, PrefixCache, PrefixCacheStats
+from dlm.engine.block_checkpoints import write_tiny
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.prefix_cache import PAGE_TOKENS, PrefixCache, PrefixCacheStats
 
 FAMILIES = ["llada2_moe", "sdar", "pangu"]
 SHARED = [(7 * i + 3) % 90 + 5 for i in range(70)]  # a 70-token "system prompt"
@@ -137,7 +137,7 @@ def test_eviction_takes_leaves_least_recently_used_first() -> None:
 
 
 def test_metrics_export_the_engine_counters() -> None:
-    from dlm_cli.server.metrics import ServerMetrics
+    from dlm.cli.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
     metrics.watch_prefix_cache(lambda: PrefixCacheStats(queries=40, hits=30, evictions=2, bytes=4096, budget=8192))
@@ -154,8 +154,8 @@ def test_metrics_export_the_engine_counters() -> None:
 
 
 def test_the_serve_setting_sets_the_budget_and_zero_turns_it_off() -> None:
-    from dlm_cli.server.config import load_config
-    from engine.errors import UsageError
+    from dlm.cli.server.config import load_config
+    from dlm.engine.errors import UsageError
 
     assert load_config(None, {"prefix_cache_mib": 0}).prefix_cache_mib == 0
     assert load_config(None, {"prefix_cache_mib": 2.5}).prefix_cache_mib == 2.5

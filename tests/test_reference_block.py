@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.oracles.block_reference_loop import masked_logits
 from tests.reference_vectors import load_vector, reference_llm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
+from dlm.engine.llm import LLM
 from tests.reference_vectors import assert_reproduces, first_logits_match, load_vector, reference_llm
 
 VECTORS = [

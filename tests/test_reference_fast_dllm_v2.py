@@ -28,11 +28,11 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.block_checkpoints import write_tiny
-from engine.config import config_from_dict
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.cli.main import app
+from dlm.engine.block_checkpoints import write_tiny
+from dlm.engine.config import config_from_dict
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.oracles.block_reference_loop import masked_logits
 
 DATA = Path(__file__).parent / "data" / "fast_dllm_v2"
@@ -123,7 +123,7 @@ def test_first_forward_logits(llm: LLM) -> None:
 def test_hub_config_reads_as_the_family() -> None:
     """The hub's config.json (no mask_token_id, `bd_size`, no attention_bias field) parses
     to the family's facts: MASK 151665, the block size, q/k/v biases without an o bias."""
-    from engine.block_checkpoints import family_config
+    from dlm.engine.block_checkpoints import family_config
 
     raw = family_config("fast_dllm_v2", vocab_size=152064, eos_token_id=151645, bd_size=32)
     del raw["mask_token_id"]
@@ -185,7 +185,7 @@ def test_serve_reproduces_the_vectors(tmp_path_factory: pytest.TempPathFactory, 
 
 @pytest.mark.slow
 def test_two_ranks_reproduce_the_vectors(tmp_path: Path, checkpoint: Path) -> None:
-    from engine.parallel.distributed import ParallelConfig
+    from dlm.engine.parallel.distributed import ParallelConfig
 
     stop = next(c for c in CASES if expected(c)[3] == "stop")
     stopping = _checkpoint(tmp_path / "stop", eos_token_id=stop["stop_token"])

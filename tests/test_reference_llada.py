@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.llm import LLM, GenerationOutput
+from dlm.engine.llm import LLM, GenerationOutput
 from tests.reference_vectors import assert_reproduces, decode_vector, first_logits_match, load_vector, reference_llm
 
 # LLaDA's own loop, then Fast-dLLM's in every cache mode, without and with the parallel-decoding

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.registry import family_named
+from dlm.cli.main import app
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
 from tests.reference_vectors import reference_llm
 
 DATA = Path(__file__).parent / "data" / "llada2_edit"
@@ -206,7 +206,7 @@ def test_serve_reproduces_over_http(model_dir: Path, tmp_path_factory: pytest.Te
 
 @pytest.mark.slow
 def test_two_ranks_reproduce(model_dir: Path) -> None:
-    from engine.parallel.distributed import ParallelConfig
+    from dlm.engine.parallel.distributed import ParallelConfig
 
     meta = _vector("quality_p20")
     with LLM(model_dir, dtype="float32", device="cpu", parallel=ParallelConfig(tensor_parallel_size=2)) as llm:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import MAX_N, SEED_LIMIT, GenerationParams
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import MAX_N, SEED_LIMIT, GenerationParams
 from tests.serving import ROOT
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -50,7 +50,7 @@ def test_n_is_bounded_and_seeds_stay_in_range() -> None:
 def test_cli_n_samples(reference_llada: LLM) -> None:
     expected = reference_llada.generate(PROMPT, n=2, seed=3, **SAMPLING)
     run = subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "generate", str(reference_llada.model_dir), "--prompt-ids"]
+        [sys.executable, "-m", "dlm", "generate", str(reference_llada.model_dir), "--prompt-ids"]
         + [",".join(map(str, PROMPT)), "--gen-length", "16", "--block-length", "8", "--temperature", "1"]
         + ["--no-early-stop", "--n", "2", "--seed", "3", "--dtype", "float32", "--device", "cpu", "--json"],
         capture_output=True,

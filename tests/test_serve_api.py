@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from engine.default_model import NAME, default_model_dir
-from engine.tokenizer import load_tokenizer
+from dlm.engine.default_model import NAME, default_model_dir
+from dlm.engine.tokenizer import load_tokenizer
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, ready_server
 
@@ -147,7 +147,7 @@ def test_server_output_equals_dlm_generate(server: ServerProcess, tmp_path_facto
         [
             sys.executable,
             "-m",
-            "dlm_cli",
+            "dlm",
             "generate",
             "--prompt",
             prompt,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from dlm_cli.server.body import MAX_DEPTH, MAX_NUMBER_CHARS, parse_json
-from dlm_cli.server.errors import APIError
+from dlm.cli.server.body import MAX_DEPTH, MAX_NUMBER_CHARS, parse_json
+from dlm.cli.server.errors import APIError
 
 
 def nested(depth: int) -> bytes:

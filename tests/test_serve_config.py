@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dlm_cli.server.auth import ANONYMOUS, KeyRing
-from dlm_cli.server.config import key_id, load_config
-from dlm_cli.server.errors import APIError
-from dlm_cli.server.ratelimit import TokenBucket
-from dlm_cli.server.tools import parse_tool_calls, streamable
-from engine.errors import UsageError
+from dlm.cli.server.auth import ANONYMOUS, KeyRing
+from dlm.cli.server.config import key_id, load_config
+from dlm.cli.server.errors import APIError
+from dlm.cli.server.ratelimit import TokenBucket
+from dlm.cli.server.tools import parse_tool_calls, streamable
+from dlm.engine.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def test_tool_call_parsing() -> None:
 
 def dlm_serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dlm", "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
@@ -154,7 +154,7 @@ def test_remote_code_trust_without_the_transformers_backend_is_bad_usage() -> No
 def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
     from fastapi.testclient import TestClient
 
-    from dlm_cli.server.app import create_app
+    from dlm.cli.server.app import create_app
 
     app = create_app(load_config(None, {"api_keys": ["sk-k"]}, environ={}))
     client = TestClient(app)  # no lifespan: the model is never loaded
@@ -170,7 +170,7 @@ def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.Monk
     """A ceiling on CUDA devices (the allocator refuses beyond it), nothing on the CPU."""
     import torch
 
-    from engine.runtime.engine import cap_device_memory
+    from dlm.engine.runtime.engine import cap_device_memory
 
     calls: list[tuple[float, torch.device]] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
@@ -184,9 +184,9 @@ def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.Monk
 
 def test_weight_loading_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A server loading a large checkpoint says how far it got, not nothing for minutes."""
-    from dlm_cli.server.service import LoadProgress
-    from engine.llm import LLM
-    from engine.tiny_models import ensure_tiny_model
+    from dlm.cli.server.service import LoadProgress
+    from dlm.engine.llm import LLM
+    from dlm.engine.tiny_models import ensure_tiny_model
 
     monkeypatch.setattr(LoadProgress, "EVERY_S", 0.0)
     with caplog.at_level("INFO", logger="dlm"):

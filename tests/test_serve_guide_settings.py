@@ -21,7 +21,7 @@ BODY = {"prompt": "Implement quicksort", "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from engine.default_model import ensure_default_model
+    from dlm.engine.default_model import ensure_default_model
 
     home = session_home(tmp_path_factory)
     with mock.patch.dict(os.environ, {"DLM_HOME": str(home)}):

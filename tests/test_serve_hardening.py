@@ -226,7 +226,7 @@ def test_a_busy_port_is_one_error_line_before_loading(tmp_path_factory: pytest.T
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "dlm_cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "dlm", "serve", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             capture_output=True,
             text=True,

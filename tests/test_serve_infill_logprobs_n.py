@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from engine.llm import LLM
+from dlm.engine.llm import LLM
 from tests.serving import in_process_server, sse_events
 
 SETTINGS = dict(dtype="float32", device="cpu", max_tokens=64)
@@ -179,10 +179,10 @@ def test_block_causal_family_refuses_suffix_and_lists_without_it() -> None:
 
 
 def test_validate_checks_every_advertised_capability(llada: httpx.Client) -> None:
-    from dlm_cli.checks.capabilities import CAPABILITY_CHECKS
-    from dlm_cli.checks.contract import completion, models
-    from dlm_cli.checks.runner import PASSED, Check, Context, ValidateOptions, run_checks
-    from dlm_cli.client.api import ApiClient
+    from dlm.cli.checks.capabilities import CAPABILITY_CHECKS
+    from dlm.cli.checks.contract import completion, models
+    from dlm.cli.checks.runner import PASSED, Check, Context, ValidateOptions, run_checks
+    from dlm.cli.client.api import ApiClient
 
     api = ApiClient("http://dlm")
     api.http = llada  # the in-process server

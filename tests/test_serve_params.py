@@ -24,7 +24,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     home = session_home(tmp_path_factory)
     args = ["--max-steps", "8", "--max-tokens", "64"]
     if request.param == "sdar":  # block-causal; LLaDA is the embedded default model
-        from engine.block_checkpoints import write_tiny
+        from dlm.engine.block_checkpoints import write_tiny
 
         args.insert(0, str(write_tiny(tmp_path_factory.mktemp("sdar"), "sdar")))
     with ready_server(args, home) as proc:

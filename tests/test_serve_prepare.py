@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from dlm_cli.server import prepare
-from dlm_cli.server.errors import APIError
-from dlm_cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Preparer
-from dlm_cli.server.protocol import ChatRequest, CompletionRequest
+from dlm.cli.server import prepare
+from dlm.cli.server.errors import APIError
+from dlm.cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Preparer
+from dlm.cli.server.protocol import ChatRequest, CompletionRequest
 
 
 class CountingTokenizer:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import UsageError
-from engine.params import GenerationParams
-from engine.runtime.async_engine import AsyncEngine
-from engine.runtime.engine import LLMEngine, load_model
-from engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
+from dlm.engine.errors import UsageError
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.async_engine import AsyncEngine
+from dlm.engine.runtime.engine import LLMEngine, load_model
+from dlm.engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +193,8 @@ def test_queue_full_is_immediate_and_drain_ends_work(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("cache", ["block", "none"])
 def test_block_causal_family_serves_through_the_same_loop(tmp_path: Path, cache: str) -> None:
-    from engine.block_checkpoints import write_tiny
-    from engine.llm import LLM
+    from dlm.engine.block_checkpoints import write_tiny
+    from dlm.engine.llm import LLM
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

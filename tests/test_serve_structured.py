@@ -32,8 +32,8 @@ CHAT = {"messages": [{"role": "user", "content": "Describe someone."}], "max_tok
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    from dlm_cli.server.app import create_app
-    from dlm_cli.server.config import load_config
+    from dlm.cli.server.app import create_app
+    from dlm.cli.server.config import load_config
 
     app = create_app(load_config(None, {"model": "tiny:llada", "api_keys": [KEY], "warmup": False}, environ={}))
     with TestClient(app) as test_client:
@@ -137,10 +137,10 @@ def test_canvas_streaming_needs_stream(client: TestClient) -> None:
 def test_dlm_validate_checks_both_capabilities(client: TestClient) -> None:
     """`dlm validate`'s capability checks pass against dlm's own app (the chat check first,
     as in a run: canvas streaming compares its deltas with that answer)."""
-    from dlm_cli.checks.capabilities import CAPABILITY_CHECKS
-    from dlm_cli.checks.contract import CONTRACT_CHECKS
-    from dlm_cli.checks.runner import PASSED, Context, ValidateOptions, run_checks
-    from dlm_cli.client.api import ApiClient
+    from dlm.cli.checks.capabilities import CAPABILITY_CHECKS
+    from dlm.cli.checks.contract import CONTRACT_CHECKS
+    from dlm.cli.checks.runner import PASSED, Context, ValidateOptions, run_checks
+    from dlm.cli.client.api import ApiClient
 
     api = ApiClient(str(client.base_url), api_key=KEY)
     api.http = client

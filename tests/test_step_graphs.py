@@ -1,4 +1,4 @@
-"""Static-shape step forwards (engine/runtime/step_graphs.py): the CUDA-graph path's bucketing,
+"""Static-shape step forwards (dlm/engine/runtime/step_graphs.py): the CUDA-graph path's bucketing,
 padding and buffers, exercised on CPU in "static" mode (no graphs exist on a CPU).
 
 Ids through the static path equal the eager ids (fp32, exact comparison) for the bidirectional
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.runtime.runner import ModelRunner
-from engine.runtime.step_graphs import MAX_GRAPH_TOKENS, WIDTH_GRANULE, ShapeBuckets, graph_mode
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.runner import ModelRunner
+from dlm.engine.runtime.step_graphs import MAX_GRAPH_TOKENS, WIDTH_GRANULE, ShapeBuckets, graph_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,7 +81,7 @@ def test_cached_rows_and_block_families_run_eagerly(tiny_llada: Path) -> None:
 
 
 def test_the_serve_setting_is_checked_at_the_boundary() -> None:
-    from dlm_cli.server.config import load_config
+    from dlm.cli.server.config import load_config
 
     assert load_config(None, {"step_graphs": "on"}).step_graphs == "on"
     with pytest.raises(UsageError, match="step_graphs"):

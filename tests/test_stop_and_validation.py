@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import engine.runtime.runner
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
-from engine.registry import FAMILIES
+import dlm.engine.runtime.runner as runner_module
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import FAMILIES
 
 PROMPT = [5, 17, 42, 99]
 
@@ -25,7 +25,7 @@ def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the model 'predict' EOS at chosen absolute positions (random tiny weights never
     emit EOS on cue); everything else is the real forward."""
     positions: list[int] = []
-    real = engine.runtime.runner.token_stats
+    real = runner_module.token_stats
 
     def patched(seq, hidden, weight, *rest):  # type: ignore[no-untyped-def]
         stats = real(seq, hidden, weight, *rest)
@@ -34,7 +34,7 @@ def eos_at(monkeypatch: pytest.MonkeyPatch) -> list[int]:
                 stats.token[i] = seq.eos_id
         return stats
 
-    monkeypatch.setattr(engine.runtime.runner, "token_stats", patched)
+    monkeypatch.setattr(runner_module, "token_stats", patched)
     return positions
 
 
@@ -111,7 +111,7 @@ def test_cli_reports_the_cache_and_its_cost(tiny_dream: Path) -> None:
 def test_auto_cache_is_the_familys_exact_cache() -> None:
     """No `cache` asked: block-causal families take their exact block cache (same tokens,
     less work); bidirectional ones recompute, since their caches are approximate."""
-    from engine.registry import family_named
+    from dlm.engine.registry import family_named
 
     params = GenerationParams(gen_length=32)
     for name, expected in (

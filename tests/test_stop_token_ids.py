@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.oracles.block_reference_loop import reference_block_generate
 from tests.serving import ServerProcess
 
@@ -29,7 +29,7 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def engines(tiny_llada: Path, tiny_dream: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
-    from engine.block_checkpoints import write_tiny
+    from dlm.engine.block_checkpoints import write_tiny
 
     paths = {"llada": tiny_llada, "dream": tiny_dream}
     for family in ("sdar", "llada2_moe"):
@@ -104,7 +104,7 @@ def test_engines_refuse_ids_beyond_their_lm_head(engines: dict[str, LLM]) -> Non
 
 
 def test_text_ends_before_the_stop_token() -> None:
-    from engine.tokenizer import decode
+    from dlm.engine.tokenizer import decode
 
     class Tokens:
         def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -201,7 +201,7 @@ def test_http_refuses_bad_stop_token_ids_naming_the_field(server: ServerProcess,
 def test_tensor_parallel_ranks_stop_where_one_process_does(tmp_path: Path, family: str) -> None:
     """Two ranks (gloo) decode the single-process ids and forwards with a stop id, and for
     Dream with Fast-dLLM's whole-sequence confidence_threshold (added steps included)."""
-    from engine.parallel.distributed import ParallelConfig
+    from dlm.engine.parallel.distributed import ParallelConfig
     from tests.tp_checkpoints import write_family
 
     model = write_family(tmp_path, family)
@@ -229,7 +229,7 @@ def test_a_stop_id_that_is_not_an_integer_is_one_usage_error(
     """Refused while the command line is parsed (the `dlm` entry point: one line, exit 2)."""
     import sys
 
-    from dlm_cli.main import main
+    from dlm.cli.main import main
 
     monkeypatch.setattr(sys, "argv", ["dlm", "generate", "--stop-token-ids", "3,x"])
     with pytest.raises(SystemExit) as caught:

@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dlm_cli.store import admin
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.releases import load_state, release, release_stack, transaction
-from dlm_cli.store.store import Store
+from dlm.cli.store import admin
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.releases import load_state, release, release_stack, transaction
+from dlm.cli.store.store import Store
 from tests.weights_helpers import ROOT, make_checkpoint
 
 DEPLOYMENT = "prod"
@@ -42,7 +42,7 @@ VERSIONS = 4
 
 def _dlm(store: Store, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "dlm_cli", *args, "--store", str(store.root)],
+        [sys.executable, "-m", "dlm", *args, "--store", str(store.root)],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.errors import Unsupported, UsageError
-from engine.params import GenerationParams
-from engine.registry import family_named
-from engine.structured import EnumSlot, Literal, compile_response_format
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
+from dlm.engine.structured import EnumSlot, Literal, compile_response_format
 
 GEN_LENGTH = 256
 BATCH = 10  # requests decoded together per hypothesis example (one batched forward per step)
@@ -119,7 +119,7 @@ def _format(schema: dict[str, Any]) -> str:
 
 @cache
 def _llm(model: str | None) -> Any:
-    from engine.llm import LLM
+    from dlm.engine.llm import LLM
 
     return LLM(model, device="cpu", dtype="float32")
 
@@ -127,7 +127,7 @@ def _llm(model: str | None) -> Any:
 def _decode_batch(model: str | None, requests: list[tuple[dict[str, Any], float, int]]) -> None:
     """Decode the requests together through the engine (as a server batches them) and check
     each answer parses and validates, within the forwards its parameters promise."""
-    from engine.tokenizer import decode
+    from dlm.engine.tokenizer import decode
 
     llm = _llm(model)
     prompt = llm.encode("Answer in JSON:")
@@ -255,9 +255,9 @@ def test_the_vocabulary_keeps_string_content_clean() -> None:
     """String content never holds a quote, backslash or control character; with a tokenizer
     that cleans up spaces on decoding, no punctuation it would merge either; a tokenizer
     without single digit tokens cannot carry a response format."""
-    from engine.decoding.constrain import Vocabulary
-    from engine.tiny_models import tokenizer_assets
-    from engine.tokenizer import load_tokenizer
+    from dlm.engine.decoding.constrain import Vocabulary
+    from dlm.engine.tiny_models import tokenizer_assets
+    from dlm.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_assets())
     size = len(tokenizer)
@@ -283,8 +283,8 @@ def test_any_choice_within_the_masks_validates(schema: dict[str, Any], rng: Any)
     tokenizer), still parse and validate."""
     import torch
 
-    from engine.decoding.constrain import Vocabulary, layout
-    from engine.tiny_models import special_ids, tokenizer_assets
+    from dlm.engine.decoding.constrain import Vocabulary, layout
+    from dlm.engine.tiny_models import special_ids, tokenizer_assets
 
     tokenizer = _tokenizer(tokenizer_assets())
     _, mask, eos = special_ids()
@@ -306,15 +306,15 @@ def test_any_choice_within_the_masks_validates(schema: dict[str, Any], rng: Any)
 
 @cache
 def _tokenizer(path: Any) -> Any:
-    from engine.tokenizer import load_tokenizer
+    from dlm.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
 
 
 @cache
 def _vocabulary(path: Any) -> Any:
-    from engine.decoding.constrain import Vocabulary
-    from engine.tiny_models import special_ids
+    from dlm.engine.decoding.constrain import Vocabulary
+    from dlm.engine.tiny_models import special_ids
 
     size, mask, eos = special_ids()
     return Vocabulary.from_tokenizer(_tokenizer(path), size, {mask, eos})

@@ -7,11 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.errors import UsageError
-from engine.llm import LLM
-from engine.resolve import resolve_model
-from engine.tiny_models import BUILDERS, ensure_tiny_model, tiny_model_dir
+from dlm.cli.main import app
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.resolve import resolve_model
+from dlm.engine.tiny_models import BUILDERS, ensure_tiny_model, tiny_model_dir
 
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # no deprecation noise from the tokenizer load

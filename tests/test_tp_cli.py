@@ -31,7 +31,7 @@ def _command(model: Path, *extra: str, gen_length: int = 16) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "dlm_cli",
+        "dlm",
         "generate",
         str(model),
         "--prompt-ids",
@@ -80,7 +80,7 @@ def test_a_split_the_model_cannot_make_is_a_usage_error(llada: Path) -> None:
 def test_cli_two_nodes(llada: Path, single: dict) -> None:
     """`--nnodes 2`: the same command on two "nodes" (here two local processes, one rank
     each); node 0 prints the result, node 1 serves and prints nothing."""
-    from engine.parallel.distributed import _free_port
+    from dlm.engine.parallel.distributed import _free_port
 
     flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     nodes = [

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm import LLM
-from engine.parallel.distributed import ParallelConfig
-from engine.params import GenerationParams
+from dlm.engine.llm import LLM
+from dlm.engine.parallel.distributed import ParallelConfig
+from dlm.engine.params import GenerationParams
 from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
 pytestmark = pytest.mark.slow  # every test here starts processes

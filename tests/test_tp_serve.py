@@ -178,8 +178,8 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
 def test_parallel_settings_come_from_flags_or_environment_and_refuse_hot_swaps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dlm_cli.server.config import load_config
-    from engine.errors import UsageError
+    from dlm.cli.server.config import load_config
+    from dlm.engine.errors import UsageError
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DLM_DIST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine import loader
-from engine.parallel import distributed
-from engine.parallel import state as parallel_state
-from engine.runtime.engine import load_model
+from dlm.engine import loader
+from dlm.engine.parallel import distributed
+from dlm.engine.parallel import state as parallel_state
+from dlm.engine.runtime.engine import load_model
 from tests.oracles.block_reference_loop import masked_logits
 from tests.oracles.reference_loop import full_logits
 from tests.tp_checkpoints import LAYOUTS, PARAMS, PROMPT, write_family

@@ -1,7 +1,7 @@
 """scripts/train_tiny_dllm.py: what it trains is what dlm serves, and its data split holds.
 
 The script trains a plain-PyTorch twin of the LLaDA model and saves its state dict as the
-checkpoint; if the twin and engine/models/llada.py ever disagree, a trained model would be
+checkpoint; if the twin and dlm/engine/models/llada.py ever disagree, a trained model would be
 served wrong. Compared in float32 on random weights (no training needed).
 """
 
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import train_tiny_dllm  # noqa: E402
 
-from engine.tokenizer import encode  # noqa: E402
+from dlm.engine.tokenizer import encode  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_engine_computes_the_training_twins_logits_float32(tokenizer_dir: Path, tmp_path: Path) -> None:
-    from engine.runtime.batch import ForwardBatch
-    from engine.runtime.engine import load_engine
+    from dlm.engine.runtime.batch import ForwardBatch
+    from dlm.engine.runtime.engine import load_engine
 
     torch.manual_seed(0)
     config = train_tiny_dllm.model_config(train_tiny_dllm.load_tokenizer(tokenizer_dir))

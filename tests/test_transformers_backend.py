@@ -13,11 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dlm_cli.main import app
-from engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
-from engine.errors import Unsupported, UsageError
-from engine.llm import LLM
-from engine.params import GenerationParams
+from dlm.cli.main import app
+from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.params import GenerationParams
 from tests.hybrid_checkpoints import reference_model, save_reference
 from tests.tiny_transformers import tiny_bert
 

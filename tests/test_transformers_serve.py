@@ -1,7 +1,7 @@
 """`dlm serve --backend transformers` as a real process on 127.0.0.1, checked by `dlm validate`.
 
 Two tiny transformers-native checkpoints, saved with `save_pretrained` next to dlm's own
-small tokenizer (engine/assets/tiny_tokenizer: BPE, a MASK token, a chat template), nothing
+small tokenizer (dlm/engine/assets/tiny_tokenizer: BPE, a MASK token, a chat template), nothing
 downloaded and no remote code:
 - a BertForMaskedLM: bidirectional with a MASK id, so it takes the forward path (dlm's
   continuous batching and decoding) and must pass every check, dLLM parameters included;
@@ -27,7 +27,7 @@ from tests.tiny_transformers import tiny_bert, tiny_llama
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "engine" / "assets" / "tiny_tokenizer"
+TOKENIZER = ROOT / "dlm" / "engine" / "assets" / "tiny_tokenizer"
 KEY = "tf-key"
 DLLM_CHECKS = {"steps", "threshold", "block_length"}
 
@@ -62,7 +62,7 @@ def serve_and_validate(model: Path, home: Path, skip: tuple[str, ...] = ()) -> t
     try:
         server.wait_ready()
         result = subprocess.run(
-            [sys.executable, "-m", "dlm_cli", "validate", server.url, "--api-key", KEY, "--burst", "16", "--json"]
+            [sys.executable, "-m", "dlm", "validate", server.url, "--api-key", KEY, "--burst", "16", "--json"]
             + [arg for name in skip for arg in ("--skip", name)],
             cwd=ROOT,
             capture_output=True,

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
-from dlm_cli.checks.capabilities import PROBES
-from dlm_cli.checks.contract import models
-from dlm_cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
-from dlm_cli.checks.validate import run_validation
-from dlm_cli.client.metrics import missing_metrics, parse_samples
-from dlm_cli.client.sse import SSEError, iter_events
-from dlm_cli.main import app
+from dlm.cli.checks.capabilities import PROBES
+from dlm.cli.checks.contract import models
+from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
+from dlm.cli.checks.validate import run_validation
+from dlm.cli.client.metrics import missing_metrics, parse_samples
+from dlm.cli.client.sse import SSEError, iter_events
+from dlm.cli.main import app
 from tests.fake_openai import Behaviour, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,9 +199,9 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_checks_import_neither_the_engine_core_nor_locust() -> None:
     code = (
-        "import sys, dlm_cli.checks.validate, dlm_cli.checks.report, dlm_cli.loadtest.report, "
-        "dlm_cli.loadtest.plots; print(sorted(m for m in ('torch', 'locust', 'dlm_cli.server', "
-        "'engine.llm') if m in sys.modules))"
+        "import sys, dlm.cli.checks.validate, dlm.cli.checks.report, dlm.cli.loadtest.report, "
+        "dlm.cli.loadtest.plots; print(sorted(m for m in ('torch', 'locust', 'dlm.cli.server', "
+        "'dlm.engine.llm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

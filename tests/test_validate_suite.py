@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dlm_cli.checks.runner import FAILED, PASSED, ValidateOptions
-from dlm_cli.checks.suite import Expect, load_suite, unmet
-from dlm_cli.checks.validate import run_validation
-from engine.errors import UsageError
+from dlm.cli.checks.runner import FAILED, PASSED, ValidateOptions
+from dlm.cli.checks.suite import Expect, load_suite, unmet
+from dlm.cli.checks.validate import run_validation
+from dlm.engine.errors import UsageError
 from tests.fake_openai import Behaviour, serve
 
 WEATHER_SCHEMA = {

@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlm_cli.store import fetch as fetch_module
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.resolve import resolve_model
-from dlm_cli.store.store import Store
-from dlm_cli.store.verify import verify_model
-from engine.errors import DlmError, UsageError
+from dlm.cli.store import fetch as fetch_module
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.resolve import resolve_model
+from dlm.cli.store.store import Store
+from dlm.cli.store.verify import verify_model
+from dlm.engine.errors import DlmError, UsageError
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
 
@@ -138,7 +138,7 @@ def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: P
     src = _big_source(tmp_path / "big")
     store = Store(tmp_path / "store")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dlm_cli", "fetch", str(src), "--store", str(store.root), "--workers", "1"],
+        [sys.executable, "-m", "dlm", "fetch", str(src), "--store", str(store.root), "--workers", "1"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -25,10 +25,10 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from dlm_cli.store import admin
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.releases import load_state, release
-from dlm_cli.store.store import Store
+from dlm.cli.store import admin
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.releases import load_state, release
+from dlm.cli.store.store import Store
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, fixed_output_checkpoint, wait_until
 from tests.weights_helpers import cli
@@ -91,7 +91,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def _dlm(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "dlm_cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dlm", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -252,10 +252,10 @@ def test_sigterm_unregisters_the_server(deployment: Deployment) -> None:
 def test_one_swap_at_a_time(tmp_path: Path) -> None:
     """In process: while a swap loads its version, a second one is refused with 409, and the
     first completes."""
-    from dlm_cli.server.config import load_config
-    from dlm_cli.server.errors import APIError
-    from dlm_cli.server.hotswap import HotSwapper, SwapRequest
-    from dlm_cli.server.service import Service
+    from dlm.cli.server.config import load_config
+    from dlm.cli.server.errors import APIError
+    from dlm.cli.server.hotswap import HotSwapper, SwapRequest
+    from dlm.cli.server.service import Service
 
     model = fixed_output_checkpoint(tmp_path / "one", " one")
     service = Service(load_config(None, {"model": str(model), "dtype": "float32", "warmup": False}, environ={}))
@@ -293,8 +293,8 @@ def test_one_swap_at_a_time(tmp_path: Path) -> None:
 
 
 def test_admin_key_sources_and_start_errors(tmp_path: Path) -> None:
-    from dlm_cli.server.config import key_id, load_config
-    from engine.errors import UsageError
+    from dlm.cli.server.config import key_id, load_config
+    from dlm.engine.errors import UsageError
 
     key_file = tmp_path / "admin.key"
     key_file.write_text("sk-admin-file\n")

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.store import Store
-from dlm_cli.store.verify import verify_model
-from engine.errors import DlmError, UsageError
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.store import Store
+from dlm.cli.store.verify import verify_model
+from dlm.engine.errors import DlmError, UsageError
 from tests.fake_hub import FakeHub
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
@@ -128,7 +128,7 @@ def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.Mo
     }
     store = Store(tmp_path / "store")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dlm_cli", "fetch", "org/big", "--store", str(store.root), "--workers", "1"],
+        [sys.executable, "-m", "dlm", "fetch", "org/big", "--store", str(store.root), "--workers", "1"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

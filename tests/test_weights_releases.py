@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dlm_cli.store import admin
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.releases import current_checkpoint, load_state, release, remove_versions, rollback
-from dlm_cli.store.store import Store
-from engine.errors import DlmError, UsageError
+from dlm.cli.store import admin
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.releases import current_checkpoint, load_state, release, remove_versions, rollback
+from dlm.cli.store.store import Store
+from dlm.engine.errors import DlmError, UsageError
 from tests.weights_helpers import ROOT, cli, make_checkpoint
 
 
@@ -116,7 +116,7 @@ def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None
 
 
 class FakeAdmin:
-    """The server side of the admin contract (dlm_cli/store/admin.py), as a test double."""
+    """The server side of the admin contract (dlm/cli/store/admin.py), as a test double."""
 
     def __init__(self, status: int = 200, message: str = "") -> None:
         self.calls: list[tuple[str, dict, dict]] = []
@@ -230,7 +230,7 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
     for delay in (0.05, 0.15, 0.25, 0.35, 0.45, 0.6, 0.8):
         target = v2 if _current(store) == v1 else v1
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dlm_cli", "release", f"m@{target}", "--store", str(store.root)],
+            [sys.executable, "-m", "dlm", "release", f"m@{target}", "--store", str(store.root)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -241,7 +241,7 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
         _assert_consistent(store, {v1, v2})
     # A process switching back and forth as fast as it can, killed at random instants.
     loop = (
-        "import sys; from dlm_cli.store.store import Store; from dlm_cli.store.releases import release\n"
+        "import sys; from dlm.cli.store.store import Store; from dlm.cli.store.releases import release\n"
         "s = Store(sys.argv[1]); vs = sys.argv[2:]\n"
         "print('ready', flush=True)\n"
         "while True:\n"

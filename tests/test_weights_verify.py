@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dlm_cli.store.fetch import fetch
-from dlm_cli.store.safetensors_format import check_safetensors
-from dlm_cli.store.store import Store
-from dlm_cli.store.verify import verify_directory
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.safetensors_format import check_safetensors
+from dlm.cli.store.store import Store
+from dlm.cli.store.verify import verify_directory
 from tests.weights_helpers import cli, make_checkpoint
 
 SHARD1 = "model-00001-of-00002.safetensors"

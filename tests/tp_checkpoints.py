@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.block_checkpoints import write_tiny
-from engine.checkpoint_writer import (
+from dlm.engine.block_checkpoints import write_tiny
+from dlm.engine.checkpoint_writer import (
     dream_config,
     llada_config,
     random_dream_tensors,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "engine" / "assets" / "tiny_tokenizer"
+TOKENIZER = ROOT / "dlm" / "engine" / "assets" / "tiny_tokenizer"
 
 
 def make_checkpoint(
@@ -16,7 +16,7 @@ def make_checkpoint(
 ) -> Path:
     """A tiny LLaDA checkpoint (sharded with an index when shards > 1), with the shipped
     tokenizer files so the tokenizer check has something real to load."""
-    from engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
     config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298, **overrides)
     save_checkpoint(directory, config, random_llada_tensors(config, seed=seed), shards=shards)
@@ -28,7 +28,7 @@ def make_checkpoint(
 
 def cli(*args: str) -> tuple[int, str, str]:
     """Run `dlm ARGS` in-process: (exit code, stdout, stderr)."""
-    from dlm_cli.main import app
+    from dlm.cli.main import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exception is not None and not isinstance(result.exception, SystemExit):

@@ -14,10 +14,10 @@ from collections.abc import Collection
 
 import torch
 
-from engine.decoding.block_diffusion import BlockRules, choose
-from engine.decoding.schedule import linear_schedule
-from engine.params import GenerationParams
-from engine.runtime.block_batch import BlockBatch
+from dlm.engine.decoding.block_diffusion import BlockRules, choose
+from dlm.engine.decoding.schedule import linear_schedule
+from dlm.engine.params import GenerationParams
+from dlm.engine.runtime.block_batch import BlockBatch
 
 
 @torch.inference_mode()

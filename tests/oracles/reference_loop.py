@@ -6,7 +6,7 @@ all of them, exactly as the authors' `generate()`, `generate_with_prefix_cache()
 `generate_with_dual_cache()` and Dream's `diffusion_generate` (with Fast-dLLM's block sampler)
 do. They are never used to serve: they are the oracles the engine is tested against (for
 settings the shipped vectors do not cover) and the baselines `benchmarks/` times the engine
-against. Caches go through engine.runtime.cache with one row, the same K/V the engine keeps.
+against. Caches go through dlm.engine.runtime.cache with one row, the same K/V the engine keeps.
 
 `suffix`: infilling, the canvas is [prompt, MASK x gen_length, suffix] and the suffix is never
 decided. `record`: filled with, per committed canvas position, the float64 log-softmax of the
@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.decoding.commit import factor_rule
-from engine.decoding.dream import transfer_count, transfer_probability
-from engine.decoding.schedule import linear_schedule
-from engine.runtime.batch import ForwardBatch
-from engine.runtime.cache import BatchKV, KVCache, RowKV
+from dlm.engine.decoding.commit import factor_rule
+from dlm.engine.decoding.dream import transfer_count, transfer_probability
+from dlm.engine.decoding.schedule import linear_schedule
+from dlm.engine.runtime.batch import ForwardBatch
+from dlm.engine.runtime.cache import BatchKV, KVCache, RowKV
 
 
 @torch.inference_mode()

@@ -1,0 +1,62 @@
+"""Reports of a validation run: a rich table, a JSON document, and JUnit XML for CI."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckResult
+
+STYLE = {PASSED: "[green]passed[/]", FAILED: "[bold red]FAILED[/]", SKIPPED: "[yellow]skipped[/]"}
+
+
+def counts(results: list[CheckResult]) -> dict[str, int]:
+    return {s: sum(1 for r in results if r.status == s) for s in (PASSED, FAILED, SKIPPED)}
+
+
+def render_table(results: list[CheckResult], url: str, console: Console) -> None:
+    table = Table(title=f"dlm validate {url}", title_justify="left")
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for r in results:
+        table.add_row(r.name, STYLE[r.status], f"{r.seconds:.2f}s", r.detail)
+    console.print(table)
+    c = counts(results)
+    verdict = "[bold red]FAILED[/]" if c[FAILED] else "[bold green]PASSED[/]"
+    console.print(f"{verdict}: {c[PASSED]} passed, {c[FAILED]} failed, {c[SKIPPED]} skipped")
+
+
+def to_json(results: list[CheckResult], url: str) -> dict[str, Any]:
+    c = counts(results)
+    return {"url": url, "passed": c[FAILED] == 0, "counts": c, "checks": [r.to_dict() for r in results]}
+
+
+def write_junit(results: list[CheckResult], url: str, path: str | Path) -> None:
+    """One <testcase> per check: CI systems show failures and skips by check name."""
+    c = counts(results)
+    suite = ET.Element(
+        "testsuite",
+        name="dlm validate",
+        tests=str(len(results)),
+        failures=str(c[FAILED]),
+        skipped=str(c[SKIPPED]),
+        errors="0",
+        time=f"{sum(r.seconds for r in results):.3f}",
+    )
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="url", value=url)
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname="dlm.validate", name=r.name, time=f"{r.seconds:.3f}")
+        if r.status == FAILED:
+            ET.SubElement(case, "failure", message=r.detail).text = r.detail
+        elif r.status == SKIPPED:
+            ET.SubElement(case, "skipped", message=r.detail)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    Path(path).write_text(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")

@@ -1,0 +1,129 @@
+"""`dlm loadtest URL`: locust-driven load, a concurrency sweep, thresholds for CI."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
+from dlm.cli.loadtest.sweep import MIN_SAMPLES
+from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.engine.home import dlm_home
+
+
+def loadtest(
+    url: str = URL_ARGUMENT,
+    users: int = typer.Option(4, "--users", "-u", help="Concurrent users of a fixed run."),
+    spawn_rate: float | None = typer.Option(
+        None, "--spawn-rate", "-r", help="Users started per second (default: all at once)."
+    ),
+    duration: str = typer.Option("30s", "--duration", "-t", help="Run time of each level, ramp-up included (30s, 2m)."),
+    sweep: str | None = typer.Option(
+        None, "--sweep", help="Concurrency levels to run in turn, e.g. 1,2,4,8: reports the knee."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Output directory (default: $DLM_HOME/loadtest/<time>, outside any checkout)."
+    ),
+    prompts: Path | None = typer.Option(
+        None,
+        "--prompts",
+        help="JSONL of {prompt|messages, fields...}, or `tasks`: the default model's task prompts "
+        "(default: built-in prompts).",
+    ),
+    model: str | None = typer.Option(None, "--model", help="Model id (default: the first of /v1/models)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds allowed for each request."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of each request."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature."),
+    steps: int | None = typer.Option(None, "--steps", help="dLLM: denoising steps."),
+    block_length: int | None = typer.Option(None, "--block-length", help="dLLM: block length."),
+    remasking: str | None = typer.Option(None, "--remasking", help="dLLM: low_confidence or random."),
+    threshold: float | None = typer.Option(None, "--threshold", help="dLLM: parallel-decoding threshold."),
+    cache: str | None = typer.Option(None, "--cache", help="dLLM: none|prefix|dual|block."),
+    decode_mode: str | None = typer.Option(None, "--decode-mode", help="dLLM: diffusion|ar."),
+    slo: str = typer.Option("", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".'),
+    fail_on: str = typer.Option("", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".'),
+    cacert: Path | None = CACERT_OPTION,
+    insecure: bool = INSECURE_OPTION,
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    result_format: str = typer.Option(
+        "dlm",
+        "--format",
+        help="What --json prints: dlm (the summary) or vllm (`vllm bench serve --save-result` keys, one object "
+        "per level, plus a diffusion section). Both are always written to the output directory.",
+    ),
+    min_samples: int = typer.Option(
+        MIN_SAMPLES, "--min-samples", help="Successful requests a level needs before a knee is named from it."
+    ),
+) -> None:
+    """Load-test a running server with locust (headless) and report latency, throughput, knee."""
+    with cli_errors():
+        # dlm.cli.loadtest.run imports locust, which monkey-patches sockets and ssl for gevent:
+        # every TLS context is made after these imports.
+        from dlm.cli.client.api import tls_verify
+        from dlm.cli.loadtest.plots import plot_levels
+        from dlm.cli.loadtest.report import finalize, live_table, render_summary, write_summary
+        from dlm.cli.loadtest.run import LoadPlan, run_loadtest
+        from dlm.cli.loadtest.stats import GATE_METRICS
+        from dlm.cli.loadtest.sweep import parse_levels
+        from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
+        from dlm.cli.loadtest.workload import Workload, builtin_requests, named_or_file
+        from dlm.engine.errors import DlmError, UsageError
+
+        if result_format not in ("dlm", "vllm"):
+            raise UsageError(f"--format must be dlm or vllm, got {result_format!r}")
+        if min_samples < 1:
+            raise UsageError("--min-samples must be >= 1")
+        if users < 1 or max_tokens < 1 or timeout <= 0 or (spawn_rate is not None and spawn_rate <= 0):
+            raise UsageError("--users and --max-tokens must be >= 1; --timeout and --spawn-rate > 0")
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"URL must start with http:// or https://, got {url!r}")
+        levels = parse_levels(sweep) if sweep else [users]
+        seconds = parse_seconds(duration, "--duration")
+        slo_bounds = parse_slo(slo)
+        thresholds = parse_conditions(fail_on, GATE_METRICS, "--fail-on")
+        dllm = {
+            "steps": steps,
+            "block_length": block_length,
+            "remasking": remasking,
+            "threshold": threshold,
+            "cache": cache,
+            "decode_mode": decode_mode,
+        }
+        fields = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            **{k: v for k, v in dllm.items() if v is not None},
+        }
+        workload = Workload(named_or_file(prompts) if prompts else builtin_requests(), fields, model)
+        directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
+        verify = tls_verify(cacert, insecure)
+        plan = LoadPlan(
+            url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds), verify
+        )
+        if plan.ramp(0, levels[0]) >= seconds:
+            raise UsageError("--duration must exceed the ramp-up (users / spawn-rate)")
+
+        from rich.live import Live
+
+        with Live(console=err_console, auto_refresh=False, transient=True) as live:
+            result, vllm = run_loadtest(plan, on_tick=lambda tick: live.update(live_table(tick), refresh=True))
+        summary = finalize(result, thresholds, slo_bounds, min_samples)
+        knee = summary["knee"]["users"] if summary["knee"] else None
+        plots = [p.name for p in plot_levels(summary["levels"], knee, directory)]
+        summary["files"] = sorted({*(p.name for p in directory.iterdir()), *plots, "summary.json"})
+        write_summary(summary, directory)
+        if summary["totals"]["ok"] == 0:
+            raise DlmError(
+                f"no request succeeded (errors by status: "
+                f"{summary['totals']['errors_by_status']}); results in {directory}/"
+            )
+        if json_out:
+            emit_json(summary if result_format == "dlm" else (vllm if len(vllm) > 1 else vllm[0]))
+        else:
+            render_summary(summary, err_console)
+            err_console.print(f"results in {directory}/: {', '.join(summary['files'])}")
+        if not summary["passed"]:
+            raise typer.Exit(1)

@@ -1,0 +1,127 @@
+"""`dlm models` (what the store holds) and `dlm rm` (prune versions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dlm.cli.output import cli_errors, emit_json, err_console, listing_console
+from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, human_size, open_store
+
+
+def _source(source: dict[str, Any]) -> str:
+    if source.get("kind") == "hub":
+        return f"{source['repo_id']}@{source['revision']}"
+    return str(source.get("path"))
+
+
+def _settled_listing(store: Any) -> dict[str, Any]:
+    """The listing, with interrupted swaps settled first, unless another store command is
+    running: then as it stands (a swap in progress shows as the deployment's `pending`)."""
+    from dlm.cli.store.atomic import Busy
+    from dlm.cli.store.releases import transaction
+
+    try:
+        with transaction(store, blocking=False):
+            return _listing(store)
+    except Busy:
+        return _listing(store)
+
+
+def _listing(store: Any) -> dict[str, Any]:
+    from dlm.cli.store.releases import deployments, load_state, protected_versions
+
+    roles = protected_versions(store)
+    models = []
+    for name in store.models():
+        versions = []
+        for m in store.manifests(name):
+            versions.append(
+                {
+                    "version": m.version,
+                    "ref": f"{name}@{m.version}",
+                    "state": m.state,
+                    "total_size": m.total_size,
+                    "files": len(m.files),
+                    "fetched_at": m.fetched_at,
+                    "verified_at": (m.verification or {}).get("at"),
+                    "source": m.source,
+                    "release_role": roles.get((name, m.version)),
+                }
+            )
+        models.append({"name": name, "versions": versions})
+    return {
+        "store": str(store.root),
+        "models": models,
+        "deployments": [load_state(store, d) for d in deployments(store)],
+    }
+
+
+def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> None:
+    """List the store on stdout: names, versions, sizes, verification state, and release history."""
+    with cli_errors():
+        listing = _settled_listing(open_store(store))
+        if json_out:
+            emit_json(listing)
+            return
+        from rich.table import Table
+
+        out = listing_console()
+
+        table = Table(title=f"models in {listing['store']}", title_justify="left")
+        table.add_column("model@version", no_wrap=True)  # whole, so it can be copied and grepped
+        for column in ("state", "size", "fetched", "source", "release"):
+            table.add_column(column, overflow="fold")
+        for model in listing["models"]:
+            for v in model["versions"]:
+                color = {"verified": "green", "failed": "red"}.get(v["state"], "yellow")
+                table.add_row(
+                    v["ref"],
+                    f"[{color}]{v['state']}[/]",
+                    human_size(v["total_size"]),
+                    v["fetched_at"],
+                    _source(v["source"]),
+                    v["release_role"] or "",
+                )
+        out.print(table)
+        for state in listing["deployments"]:
+            history = Table(title=f"deployment {state['deployment']}", title_justify="left")
+            for column in ("at", "action", "model@version", "status", "detail"):
+                history.add_column(column, overflow="fold", no_wrap=column == "model@version")
+            for event in state["history"]:
+                history.add_row(
+                    event["at"],
+                    event["action"],
+                    f"{event['model']}@{event['version']}",
+                    event["status"],
+                    event.get("error") or "",
+                )
+            pending = state.get("pending")
+            if pending:
+                history.add_row(
+                    pending["at"], pending["action"], f"{pending['model']}@{pending['version']}", "swapping"
+                )
+            out.print(history)
+
+
+def rm(
+    model: str = typer.Argument(..., help="NAME@VERSION to delete, or NAME with --keep N."),
+    keep: int | None = typer.Option(None, "--keep", help="Keep only the newest N versions of NAME."),
+    store: Path | None = STORE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Delete store versions; never the current or previous release of a deployment."""
+    with cli_errors():
+        from dlm.cli.store.releases import remove_versions
+        from dlm.cli.store.store import split_ref
+
+        name, version = split_ref(model)
+        removed, kept = remove_versions(open_store(store), name, version, keep)
+        if json_out:
+            emit_json({"removed": removed, "kept_released": kept})
+        for ref in removed:
+            err_console.print(f"removed {ref}", highlight=False)
+        for ref in kept:
+            err_console.print(f"kept {ref} (released)", highlight=False)

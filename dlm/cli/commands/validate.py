@@ -1,0 +1,89 @@
+"""`dlm validate URL`: acceptance checks of a running server, for humans and CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
+from dlm.cli.output import cli_errors, emit_json, err_console
+
+
+def validate(
+    url: str = URL_ARGUMENT,
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="DLM_API_KEY",
+        help="Bearer key for the server (also checks that a missing or wrong key gets 401).",
+    ),
+    model: str | None = typer.Option(None, "--model", help="Model id to check (default: the first of /v1/models)."),
+    suite: Path | None = typer.Option(
+        None,
+        "--suite",
+        help="YAML file of prompts with expectations, or `default-model`: the embedded default model's "
+        "known answers (see docs/validate.md).",
+    ),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write the results as JUnit XML."),
+    ready_timeout: float = typer.Option(60.0, "--ready-timeout", help="Seconds to wait for /ready."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for each request."),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="max_tokens of the check requests."),
+    burst: int = typer.Option(32, "--burst", help="Concurrent requests of the burst check."),
+    min_context: int | None = typer.Option(
+        None, "--min-context", help="Fail unless prompts of this many tokens are served."
+    ),
+    skip: list[str] = typer.Option([], "--skip", help="Check to leave out (repeatable)."),
+    cacert: Path | None = CACERT_OPTION,
+    insecure: bool = INSECURE_OPTION,
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
+) -> None:
+    """Check a running server against the HTTP contract; exit 1 if any check fails."""
+    with cli_errors():
+        from dlm.cli.checks.report import render_table, to_json, write_junit
+        from dlm.cli.checks.runner import FAILED, ValidateOptions
+        from dlm.cli.checks.suite import load_suite
+        from dlm.cli.checks.validate import run_validation
+        from dlm.cli.client.api import tls_verify
+        from dlm.engine.errors import UsageError
+
+        if max_tokens < 1 or burst < 1 or timeout <= 0 or ready_timeout < 0:
+            raise UsageError("--max-tokens and --burst must be >= 1, --timeout > 0, --ready-timeout >= 0")
+        verify = tls_verify(cacert, insecure)
+        if junit_xml is not None:  # before any check runs, so their results are never lost
+            _writable(junit_xml)
+        options = ValidateOptions(
+            model=model, max_tokens=max_tokens, ready_timeout=ready_timeout, burst=burst, min_context=min_context
+        )
+        loaded = load_suite(suite) if suite else None
+        with err_console.status("validating") as status:
+            results = run_validation(
+                url,
+                options,
+                api_key=api_key,
+                timeout=timeout,
+                suite=loaded,
+                skip=tuple(skip),
+                on_start=lambda name: status.update(f"check [bold]{name}[/]"),
+                verify=verify,
+            )
+        if junit_xml:
+            write_junit(results, url, junit_xml)
+        if json_out:
+            emit_json(to_json(results, url))
+        else:
+            render_table(results, url, err_console)
+        if any(r.status == FAILED for r in results):
+            raise typer.Exit(1)
+
+
+def _writable(path: Path) -> None:
+    """Create the report's folder if needed, and refuse (bad usage) a path that cannot be written."""
+    from dlm.engine.errors import UsageError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--junit-xml {path}: cannot create its folder ({exc.strerror or exc})") from None
+    if path.is_dir():
+        raise UsageError(f"--junit-xml {path} is a directory; give a file name")

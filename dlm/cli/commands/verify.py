@@ -1,0 +1,41 @@
+"""`dlm verify`: re-hash a store version against its manifest and check its structure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, open_store, render_findings
+
+
+def verify(
+    model: str = typer.Argument(..., help="Store name[@version], or a checkpoint directory (structure only)."),
+    workers: int | None = typer.Option(None, "--workers", help="Files hashed in parallel (default: CPU count)."),
+    store: Path | None = STORE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Check every file's sha256, the safetensors headers, the shard index, config.json and
+    the tokenizer. Exits 1 if anything is wrong, naming each file and problem."""
+    with cli_errors():
+        from dlm.cli.store.verify import verify_model
+        from dlm.engine.errors import DlmError
+
+        report = verify_model(model, open_store(store), progress=ByteBar(), workers=workers)
+        if json_out:
+            emit_json(report.to_json())
+        render_findings(report)
+        rate = report.bytes_hashed / report.hash_seconds / 1e6 if report.hash_seconds else 0.0
+        target = f"{report.model}@{report.version}" if report.model else report.path
+        err_console.print(
+            f"{target}: {report.files} files, {human_size(report.bytes_hashed)} hashed in "
+            f"{report.hash_seconds:.2f}s ({rate:.0f} MB/s), family {report.family or '?'}",
+            highlight=False,
+        )
+        if not report.ok:
+            files = len({f.file for f in report.failures})
+            raise DlmError(f"verification failed: {len(report.failures)} problems in {files} files")
+        err_console.print(
+            "[green]verified[/]" if report.model else "[green]structure ok[/] (no manifest: hashes not checked)"
+        )

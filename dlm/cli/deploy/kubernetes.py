@@ -1,0 +1,494 @@
+"""Kubernetes manifests for `dlm serve` replicas, rendered from the server's own settings.
+
+One replica is one `dlm serve` process group. A group on one node is a pod of a
+Deployment; a tensor-parallel group that spans nodes is a LeaderWorkerSet group (one pod per
+node, the leader answers HTTP). Around it: a Service, a PodDisruptionBudget, the model store
+on a PersistentVolumeClaim filled by an init container (`dlm fetch` at a pinned revision,
+then `dlm verify`), the serve settings as a ConfigMap, and optionally a
+HorizontalPodAutoscaler on dlm's queue depth.
+
+Why the numbers are what they are:
+- resources come from `dlm estimate`'s plan (dlm/cli/estimate/plan.py) at the server's
+  tensor-parallel size, batch (`max_num_seqs`) and generation length, so a pod asks for what
+  the model needs and a plan that does not fit the named GPU is refused before anything runs;
+- a release (new revision or image) changes only the pod template, which Kubernetes rolls
+  out with `maxUnavailable: 0, maxSurge: 1`: a new pod takes traffic only once `/ready`
+  (weights loaded, warm-up forward done) answers 200, and an old pod leaves only then;
+- on shutdown the pod first sleeps `drain_delay` seconds in its preStop hook (endpoints
+  stop sending it traffic meanwhile), then `dlm serve` gets SIGTERM and drains for up to its
+  `shutdown_grace`; the termination grace period covers both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dlm.cli.server.config import ServeConfig
+from dlm.engine.errors import DlmError, UsageError
+
+PORT = 8000  # the container's HTTP port
+RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous on the LeaderWorkerSet leader
+STORE_MOUNT = "/var/lib/dlm"  # DLM_HOME; the store is $DLM_HOME/store
+RUN_DIR = "/run/dlm"  # init container -> server: the store reference it fetched
+CONFIG_DIR = "/etc/dlm"
+GIB = 1024**3
+HOST_OVERHEAD_BYTES = 4 * GIB  # Python, torch and the staging of one safetensors shard in host memory
+WARMUP_SECONDS = 120  # CUDA context, kernel compilation and the warm-up forward, beyond reading weights
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+# Set by the server itself; the init step supplies the model and the pod its address.
+NOT_IN_CONFIG = {"model", "deployment", "store", "host", "port", "nnodes", "node_rank", "master_addr", "master_port"}
+REVISION = re.compile(r"^[0-9a-f]{40}$")
+QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+FETCH_SCRIPT = f"""set -eu
+dlm fetch "$DLM_FETCH_SOURCE" $DLM_FETCH_REVISION_FLAG --name "$DLM_FETCH_NAME" --json > {RUN_DIR}/fetch.json
+ref=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["ref"])' < {RUN_DIR}/fetch.json)
+dlm verify "$ref"
+printf '%s' "$ref" > {RUN_DIR}/model
+"""
+SERVE_SCRIPT = (
+    f'exec dlm serve "$(cat {RUN_DIR}/model)" --config {CONFIG_DIR}/serve.yaml --host 0.0.0.0 --port {PORT} "$@"'
+)
+
+
+class KubernetesSettings(BaseModel):
+    """What a cluster adds to the serve settings. Defaults are written here only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="name of every object (a DNS-1035 label)")
+    source: str = Field(description="what `dlm fetch` takes: a hub repo id or a path mounted in the pod")
+    revision: str | None = Field(None, description="hub commit the init step fetches (40 hex digits)")
+    model_name: str | None = Field(None, description="the model's name in the store [the repo or directory name]")
+    image: str | None = Field(None, description="container image [dlm:VERSION-cuda, -cpu for device cpu]")
+    namespace: str | None = None
+    replicas: int = Field(2, ge=1, description="replicas (minimum when autoscaling)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscale up to this many replicas on queue depth")
+    target_waiting: float = Field(2.0, gt=0, description="waiting requests per replica the autoscaler aims for")
+    gpu: str | None = Field(None, description="GPU from `dlm estimate`'s catalogue the plan must fit")
+    store_size: str | None = Field(None, description="store volume size [two copies of the weights, +10%]")
+    storage_class: str | None = None
+    store_access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+    shm_size: str = Field("16Gi", description="/dev/shm for NCCL (a memory-backed emptyDir)")
+    drain_delay: int = Field(10, ge=0, description="preStop seconds for endpoints to stop routing to the pod")
+    load_throughput_mb: float = Field(200.0, gt=0, description="MB/s a pod reads its weights at (startup probe)")
+    api_keys: bool = Field(True, description="require API keys (DLM_API_KEYS from a Secret)")
+    api_key_secret: str | None = Field(None, description="Secret with key `api-keys` [NAME-api-keys]")
+    hf_token_secret: str | None = Field(None, description="Secret with key `token` for gated repos [NAME-hf-token]")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?", value):
+            raise ValueError("must be lowercase letters, digits and '-', start with a letter, at most 42 characters")
+        return value
+
+    @field_validator("store_size", "shm_size")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not QUANTITY.fullmatch(value):
+            raise ValueError("must be a Kubernetes quantity such as 500Gi or 16Gi")
+        return value
+
+    def secret(self, which: Literal["api-keys", "hf-token"]) -> str:
+        given = self.api_key_secret if which == "api-keys" else self.hf_token_secret
+        return given or f"{self.name}-{which}"
+
+
+def kubernetes_settings(**values: Any) -> KubernetesSettings:
+    """Validate the cluster settings once, as a usage error naming the field."""
+    try:
+        settings = KubernetesSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"invalid setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    hub = HUB_ID.match(settings.source) and not Path(settings.source).exists()
+    if hub and (settings.revision is None or not REVISION.match(settings.revision)):
+        raise UsageError(
+            "--revision must be a full 40-digit commit for a hub source: a branch would let pods started "
+            "at different times serve different weights"
+        )
+    if settings.max_replicas is not None and settings.max_replicas < settings.replicas:
+        raise UsageError(f"--max-replicas ({settings.max_replicas}) is below --replicas ({settings.replicas})")
+    return settings
+
+
+def serve_settings(file: Path | None, flags: dict[str, Any]) -> tuple[ServeConfig, dict[str, Any]]:
+    """The serve settings, validated as `dlm serve` validates them, and the part the pods read
+    (`dlm serve --config`): what was given, minus what the pod supplies itself. This
+    machine's DLM_* variables are not read: an API key set here must not leak into the cluster.
+    API keys belong in a Secret, never in a ConfigMap."""
+    from dlm.cli.server.config import load_config, read_file
+
+    config = load_config(file, flags, environ={})
+    if config.api_keys or config.api_key_file is not None:
+        raise UsageError("API keys go in the Secret (--api-key-secret), not in the serve settings")
+    if config.admin_enabled:
+        raise UsageError("a Kubernetes replica is released by a rollout, not hot-swapped: drop the admin settings")
+    if config.tensor_parallel_size % config.nnodes:
+        raise UsageError(
+            f"tensor_parallel_size ({config.tensor_parallel_size}) must be a multiple of nnodes ({config.nnodes})"
+        )
+    given = {**(read_file(file) if file is not None else {}), **{k: v for k, v in flags.items() if v is not None}}
+    return config, {k: v for k, v in given.items() if k not in NOT_IN_CONFIG}
+
+
+def image(settings: KubernetesSettings, config: ServeConfig) -> str:
+    """The image the pods run: the one given, else the CUDA or CPU build of this version."""
+    from importlib.metadata import version
+
+    return settings.image or f"dlm:{version('dlm')}-{'cpu' if config.device == 'cpu' else 'cuda'}"
+
+
+# --------------------------------------------------------------------------- sizes
+def quantity(n_bytes: float) -> str:
+    """Bytes as a Kubernetes quantity, rounded up to a whole GiB."""
+    return f"{max(1, math.ceil(n_bytes / GIB))}Gi"
+
+
+class Sizing(BaseModel):
+    """What one pod needs, from the memory plan."""
+
+    gpus_per_pod: int
+    host_memory_bytes: int
+    checkpoint_bytes: int  # the weights once, at the serving dtype (what the store holds per version)
+    startup_seconds: int
+
+
+def sizing(config: ServeConfig, report: dict[str, Any], settings: KubernetesSettings) -> Sizing:
+    """Pod resources from `dlm estimate`'s report for this server's shape."""
+    from dlm.cli.estimate.plan import WEIGHT_FORMATS
+
+    ranks_per_pod = config.tensor_parallel_size // config.nnodes
+    per_gpu = report["memory_per_gpu"]
+    weights_per_rank = sum(r["bytes"] for r in per_gpu["rows"] if r["name"].startswith("weights: "))
+    if settings.gpu is not None:
+        verdict = report["verdicts"][0]
+        if not verdict["fits"]:
+            raise DlmError(
+                f"the plan needs {quantity(per_gpu['total_bytes'])} per GPU at TP {config.tensor_parallel_size}, "
+                f"more than {verdict['gpu']} has; smallest TP that fits: {verdict['smallest_tp'] or 'none'}"
+            )
+    cpu = config.device == "cpu"
+    serving = report["serving"]
+    weights_per_pod = weights_per_rank * ranks_per_pod
+    read_seconds = weights_per_pod / (settings.load_throughput_mb * 1e6)
+    return Sizing(
+        gpus_per_pod=0 if cpu else ranks_per_pod,
+        # on CPU every rank's whole plan lives in host memory; on GPU the host stages weights
+        host_memory_bytes=(per_gpu["total_bytes"] * ranks_per_pod if cpu else weights_per_pod) + HOST_OVERHEAD_BYTES,
+        checkpoint_bytes=round(
+            report["parameters"]["total"] * WEIGHT_FORMATS[serving["dtype"]].bytes_per_param(serving["group_size"])
+        ),
+        startup_seconds=math.ceil(read_seconds) + WARMUP_SECONDS,
+    )
+
+
+def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None) -> dict[str, Any]:
+    """`dlm estimate`'s report for the server's shape: its TP, batch and generation length."""
+    from dlm.cli.estimate.plan import Serving, estimate
+
+    block = config.block_length or Serving.block_length
+    serving = Serving(
+        dtype=config.dtype,
+        tp=config.tensor_parallel_size,
+        batch=config.max_num_seqs,
+        context=config.max_model_len,
+        gen_length=math.ceil(config.max_tokens / block) * block,
+        block_length=block,
+    )
+    return estimate(estimate_from, serving, gpu=gpu)
+
+
+# --------------------------------------------------------------------------- objects
+def _labels(settings: KubernetesSettings, component: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "dlm", "app.kubernetes.io/instance": settings.name}
+    if component is not None:
+        labels["app.kubernetes.io/component"] = component
+    return labels
+
+
+def _meta(settings: KubernetesSettings, name: str, **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": _labels(settings)}
+    if settings.namespace is not None:
+        meta["namespace"] = settings.namespace
+    return {**meta, **extra}
+
+
+def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+STORE_ENV = [
+    {"name": "DLM_HOME", "value": STORE_MOUNT},
+    {"name": "HF_HOME", "value": f"{STORE_MOUNT}/hf"},
+    {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
+]
+
+
+def _init_container(settings: KubernetesSettings) -> dict[str, Any]:
+    model_name = settings.model_name or settings.source.rstrip("/").rsplit("/", 1)[-1]
+    return {
+        "name": "fetch",
+        "image": settings.image,
+        "command": ["sh", "-c", FETCH_SCRIPT],
+        "env": [
+            *STORE_ENV,
+            {"name": "DLM_FETCH_SOURCE", "value": settings.source},
+            {"name": "DLM_FETCH_NAME", "value": model_name},
+            {
+                "name": "DLM_FETCH_REVISION_FLAG",
+                "value": f"--revision={settings.revision}" if settings.revision else "",
+            },
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": settings.secret("hf-token"), "key": "token", "optional": True}},
+            },
+        ],
+        "volumeMounts": [{"name": "store", "mountPath": STORE_MOUNT}, {"name": "run", "mountPath": RUN_DIR}],
+        "securityContext": _container_security(),
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _server_container(
+    config: ServeConfig, settings: KubernetesSettings, size: Sizing, args: list[str], answers_http: bool
+) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"memory": quantity(size.host_memory_bytes), "cpu": "2"}}
+    if size.gpus_per_pod:
+        resources["requests"]["nvidia.com/gpu"] = str(size.gpus_per_pod)
+        resources["limits"] = {"nvidia.com/gpu": str(size.gpus_per_pod)}
+    container: dict[str, Any] = {
+        "name": "dlm",
+        "image": settings.image,
+        "command": ["sh", "-c", SERVE_SCRIPT, "dlm-serve"],
+        "args": args,
+        "env": list(STORE_ENV),
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "store", "mountPath": STORE_MOUNT},
+            {"name": "run", "mountPath": RUN_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": _container_security(),
+    }
+    if settings.api_keys:
+        secret = {"secretKeyRef": {"name": settings.secret("api-keys"), "key": "api-keys"}}
+        container["env"].append({"name": "DLM_API_KEYS", "valueFrom": secret})
+    if config.nnodes > 1:
+        container["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
+        container["env"] = [*container["env"], {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
+    if answers_http:
+        container["ports"] = [{"name": "http", "containerPort": PORT}, *container.get("ports", [])]
+        container["startupProbe"] = _http_probe("/ready", 10, math.ceil(size.startup_seconds / 10))
+        container["readinessProbe"] = _http_probe("/ready", 5, 2)
+        container["livenessProbe"] = _http_probe("/health", 10, 3)
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(settings.drain_delay)]}}}
+    return container
+
+
+def _pod_template(
+    config: ServeConfig,
+    settings: KubernetesSettings,
+    size: Sizing,
+    component: str,
+    args: list[str],
+    answers_http: bool,
+) -> dict[str, Any]:
+    annotations = {"dlm/model-source": settings.source, "dlm/model-revision": settings.revision or "content-addressed"}
+    if answers_http:
+        annotations |= {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(PORT),
+            "prometheus.io/path": "/metrics",
+        }
+    return {
+        "metadata": {"labels": _labels(settings, component), "annotations": annotations},
+        "spec": {
+            "terminationGracePeriodSeconds": settings.drain_delay + math.ceil(config.shutdown_grace) + 15,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "fsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "initContainers": [_init_container(settings)],
+            "containers": [_server_container(config, settings, size, args, answers_http)],
+            "volumes": [
+                {"name": "store", "persistentVolumeClaim": {"claimName": f"{settings.name}-store"}},
+                {"name": "run", "emptyDir": {}},
+                {"name": "config", "configMap": {"name": f"{settings.name}-serve"}},
+                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}},
+            ],
+        },
+    }
+
+
+def _rollout_annotations(settings: KubernetesSettings) -> dict[str, str]:
+    """`kubectl rollout history` shows what each revision served."""
+    pin = f"@{settings.revision}" if settings.revision else ""
+    return {"kubernetes.io/change-cause": f"dlm deploy: {settings.source}{pin}, image {settings.image}"}
+
+
+def _workload(config: ServeConfig, settings: KubernetesSettings, size: Sizing) -> dict[str, Any]:
+    autoscaled = settings.max_replicas is not None
+    meta = _meta(settings, settings.name, annotations=_rollout_annotations(settings))
+    if config.nnodes == 1:
+        spec: dict[str, Any] = {
+            "selector": {"matchLabels": _labels(settings, "server")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": _pod_template(config, settings, size, "server", [], True),
+        }
+        if not autoscaled:  # with an autoscaler, `kubectl apply` must not reset its count
+            spec["replicas"] = settings.replicas
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
+    group = ["--nnodes", "$(LWS_GROUP_SIZE)", "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    group += ["--master-port", str(RENDEZVOUS_PORT)]
+    spec = {
+        "leaderWorkerTemplate": {
+            "size": config.nnodes,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": _pod_template(config, settings, size, "leader", [*group, "--node-rank", "0"], True),
+            "workerTemplate": _pod_template(
+                config, settings, size, "worker", [*group, "--node-rank", "$(LWS_WORKER_INDEX)"], False
+            ),
+        },
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
+        },
+        "startupPolicy": "LeaderCreated",
+    }
+    if not autoscaled:
+        spec["replicas"] = settings.replicas
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta, "spec": spec}
+
+
+def render(
+    config: ServeConfig, settings: KubernetesSettings, report: dict[str, Any], serve_settings: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Every object of the deployment, in the order `kubectl apply` should create them."""
+    import yaml
+
+    shared = config.nnodes > 1 or settings.replicas > 1 or settings.max_replicas is not None
+    if shared and settings.store_access_mode == "ReadWriteOnce":
+        raise UsageError("several pods share the store volume: it must be ReadWriteMany (or run one replica)")
+    settings = settings.model_copy(update={"image": image(settings, config)})
+    size = sizing(config, report, settings)
+    http_selector = _labels(settings, "leader" if config.nnodes > 1 else "server")
+    store_spec: dict[str, Any] = {
+        "accessModes": [settings.store_access_mode],
+        # a release fetches the new version beside the one still serving
+        "resources": {"requests": {"storage": settings.store_size or quantity(2.2 * size.checkpoint_bytes)}},
+    }
+    if settings.storage_class is not None:
+        store_spec["storageClassName"] = settings.storage_class
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(settings, f"{settings.name}-serve"),
+            "data": {"serve.yaml": yaml.safe_dump(serve_settings, sort_keys=True)},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": _meta(settings, f"{settings.name}-store"),
+            "spec": store_spec,
+        },
+        _workload(config, settings, size),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(settings, settings.name),
+            "spec": {
+                "selector": http_selector,
+                "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(settings, settings.name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(settings)}},
+        },
+    ]
+    if settings.max_replicas is not None:
+        workload = objects[2]
+        objects.append(
+            {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": _meta(settings, settings.name),
+                "spec": {
+                    "scaleTargetRef": {
+                        "apiVersion": workload["apiVersion"],
+                        "kind": workload["kind"],
+                        "name": settings.name,
+                    },
+                    "minReplicas": settings.replicas,
+                    "maxReplicas": settings.max_replicas,
+                    "metrics": [
+                        {
+                            "type": "Pods",
+                            "pods": {
+                                "metric": {"name": "dlm_num_requests_waiting"},
+                                "target": {"type": "AverageValue", "averageValue": f"{settings.target_waiting:g}"},
+                            },
+                        }
+                    ],
+                    # a new replica takes minutes to load: scale up at once, down slowly
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+                },
+            }
+        )
+    return objects
+
+
+def _dump(obj: dict[str, Any]) -> str:
+    """YAML without anchors: objects share sub-dicts (the store environment), readers expect
+    each manifest written out in full."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump(obj, Dumper=Dumper, sort_keys=False)
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    return "---\n".join(_dump(o) for o in objects)
+
+
+def write_base(objects: list[dict[str, Any]], directory: Path) -> list[Path]:
+    """One file per object plus a kustomization.yaml listing them: a Kustomize base."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for obj in objects:
+        path = directory / f"{obj['kind'].lower()}.yaml"
+        path.write_text(_dump(obj))
+        paths.append(path)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [p.name for p in paths],
+    }
+    (directory / "kustomization.yaml").write_text(_dump(kustomization))
+    return [*paths, directory / "kustomization.yaml"]

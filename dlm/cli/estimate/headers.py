@@ -1,0 +1,122 @@
+"""Tensor names, dtypes and shapes from safetensors headers, without reading any weights.
+
+A safetensors file starts with an 8-byte little-endian header length and a JSON header
+listing every tensor. Reading only that (locally, or over the hub with ranged requests)
+tells what a checkpoint holds in milliseconds and without torch, which is what
+`dlm estimate` needs to cross-check the parameter count it derives from config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlm.cli.store.safetensors_format import DTYPE_BITS, MAX_HEADER
+from dlm.engine.errors import UsageError
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class CheckpointHeaders:
+    """Every tensor of a checkpoint (all shards), by name."""
+
+    source: str
+    tensors: dict[str, TensorHeader] = field(default_factory=dict)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data: the checkpoint's size on disk, less headers."""
+        return sum(t.numel * DTYPE_BITS.get(t.dtype, 0) // 8 for t in self.tensors.values())
+
+    def count_by_dtype(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+        return dict(sorted(counts.items()))
+
+
+def read_file_header(path: Path) -> dict[str, TensorHeader]:
+    """Tensors listed in one local .safetensors file's header."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise UsageError(f"{path} is too short to be a safetensors file")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER:
+                raise UsageError(f"{path}: safetensors header of {length} bytes exceeds the format's limit")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from exc
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: the safetensors header is not valid JSON: {exc}") from exc
+    tensors: dict[str, TensorHeader] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tensors[name] = TensorHeader(str(info["dtype"]), tuple(int(s) for s in info["shape"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"{path}: tensor {name!r} has a malformed header entry") from exc
+    return tensors
+
+
+def local_headers(directory: Path) -> CheckpointHeaders | None:
+    """All tensors of a local checkpoint directory, or None when it holds no safetensors.
+
+    The shard list comes from `model.safetensors.index.json` when present, as transformers
+    and the loader do; otherwise every `*.safetensors` file counts.
+    """
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UsageError(f"{index} is not a valid safetensors index: {exc}") from exc
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    result = CheckpointHeaders(str(directory))
+    for file in files:
+        if not file.exists():
+            raise UsageError(f"{index} names shard {file.name}, which is missing")
+        result.tensors.update(read_file_header(file))
+    return result
+
+
+def hub_headers(repo_id: str, revision: str | None = None) -> CheckpointHeaders | None:
+    """All tensors of a hub repository, read with ranged requests (no weights downloaded).
+    None when the repository holds no safetensors weights."""
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    try:
+        meta = get_safetensors_metadata(repo_id, revision=revision)
+    except NotASafetensorsRepoError:
+        return None
+    result = CheckpointHeaders(f"hf://{repo_id}")
+    for file_meta in meta.files_metadata.values():
+        for name, info in file_meta.tensors.items():
+            result.tensors[name] = TensorHeader(str(info.dtype), tuple(int(s) for s in info.shape))
+    return result

@@ -1,0 +1,767 @@
+"""`dlm estimate`: a per-GPU memory plan for serving a dLLM, from config.json alone.
+
+Nothing is loaded and torch is never imported, so the plan answers "does it fit" on a
+laptop, before any download. Parameters are counted per component from the config's own
+fields as the engine itself normalises them (the family's record in dlm/engine/registry.py and
+`ModelConfig`, dlm/engine/config.py: no parser of its own); for a local checkpoint or a hub
+repository the count is cross-checked against the safetensors headers. Runtime memory adds what a dLLM server
+holds beyond the weights: the KV cache (exact for block-causal models, approximate
+prefix/dual caches for bidirectional ones), the linear-attention state of hybrid models,
+the activations of one denoising forward over the canvas, MoE routing buffers, the logits
+statistics of the decided positions, and a stated runtime overhead and fragmentation margin.
+Every row of the plan carries the assumption it rests on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dlm.cli.estimate import canvas as canvas_terms
+from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
+from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
+from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
+from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.parallel.divisibility import check_tensor_parallel
+from dlm.engine.params import CACHES
+from dlm.engine.registry import Family, family_for
+
+GIB = 1024**3
+
+
+# --------------------------------------------------------------------------- architecture
+@dataclass(frozen=True)
+class Architecture:
+    """What memory depends on: the engine's normalised config and the family's record."""
+
+    config: ModelConfig
+    family: Family
+
+    @property
+    def name(self) -> str:
+        return self.family.label or self.family.name
+
+    @property
+    def attention(self) -> str:
+        """`bidirectional` (approximate caches only), `block-causal` (an exact KV cache) or
+        `encoder-decoder` (DiffusionGemma: the model's own prompt cache)."""
+        return self.family.attention
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.config.full_attention_layers
+
+    @property
+    def linear(self) -> LinearAttentionSpec | None:
+        return self.config.linear
+
+    @property
+    def sub_blocks(self) -> int:
+        """A block is denoised in this many sub-blocks: rows decided per forward."""
+        rules = self.config.block_rules
+        return rules.sub_blocks if rules is not None else 1
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        mtp: tuple[str, ...] = ()
+        if self.config.mtp_layers:
+            mtp = (
+                "multi-token-prediction layers (num_nextn_predict_layers) are not counted: "
+                "dLLM decoding does not run them",
+            )
+        return (*mtp, *self.family.plan_notes)
+
+    def kv_bytes_per_token(self, kv_bytes: int, tp: int = 1) -> int:
+        """Keys + values one cached token adds on one rank: full-attention layers only (a
+        hybrid's DeltaNet layers keep fixed state instead); KV heads split over TP, each
+        rank keeping at least one."""
+        c = self.config
+        return 2 * c.full_attention_layers * max(1, c.num_kv_heads // tp) * c.head_dim * kv_bytes
+
+
+def architecture_from_config(raw: dict[str, Any]) -> Architecture:
+    """The family's record and the engine's own normalisation (dlm/engine/config.py), so the
+    plan sizes what the engine builds. The MASK id matters only for decoding: a config
+    without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
+    family = family_for(raw, planning=True)
+    return Architecture(parse_config({"mask_token_id": -1, **raw}, family), family)
+
+
+# --------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class Component:
+    """One group of parameters, with how it is placed under tensor parallelism."""
+
+    name: str
+    params: int
+    active: int  # parameters one token's forward uses
+    tp: str  # "split" | "kv" (split by KV head, replicated below one head per rank) | "replicated"
+    quantized: bool  # takes the weight format (linear layers); False: kept in 16 bits
+    assumption: str
+
+
+def parameter_components(a: Architecture) -> list[Component]:
+    """Per-component counts from config fields alone (equal to the checkpoint's tensors)."""
+    if a.config.canvas is not None:
+        return canvas_terms.components(a)
+    d, hd, n_full = a.config.hidden_size, a.config.head_dim, a.full_attention_layers
+    q = a.config.num_heads * hd
+    q_out = 2 * q if a.config.q_gate else q
+    kv = a.config.num_kv_heads * hd
+    rows: list[Component] = []
+
+    def add(name: str, params: int, tp: str, quantized: bool, assumption: str, active: int | None = None) -> None:
+        if params:
+            rows.append(Component(name, params, params if active is None else active, tp, quantized, assumption))
+
+    add("embeddings", a.config.logits_size * d, "split", False, "vocab-parallel; not quantized")
+    add(
+        "attention Q/O",
+        n_full * (d * q_out + q * d + (q_out if a.config.qkv_bias else 0) + (d if a.config.o_bias else 0)),
+        "split",
+        True,
+        f"{n_full} full-attention layers, {a.config.num_heads} heads split by TP"
+        + ("; q_proj also emits the output gate" if a.config.q_gate else ""),
+    )
+    add(
+        "attention K/V",
+        n_full * 2 * (kv * d + (kv if a.config.qkv_bias else 0)),
+        "kv",
+        True,
+        f"{a.config.num_kv_heads} KV heads; replicated where TP exceeds them",
+    )
+    if a.linear is not None:
+        la = a.linear
+        v = la.value_heads * la.value_dim
+        per_layer = (
+            d * la.conv_dim
+            + d * v
+            + 2 * d * la.value_heads  # in_proj_qkv, _z, _b, _a
+            + la.conv_dim * la.conv_kernel
+            + 2 * la.value_heads
+            + v * d
+        )  # conv1d, dt_bias, A_log, out_proj
+        add(
+            "linear attention (GDN)",
+            la.layers * per_layer,
+            "split",
+            True,
+            f"{la.layers} Gated DeltaNet layers, heads split by TP",
+        )
+    add(
+        "dense MLP",
+        a.config.dense_layers
+        * (3 * d * a.config.intermediate_size + (2 * a.config.intermediate_size + d if a.config.mlp_bias else 0)),
+        "split",
+        True,
+        f"{a.config.dense_layers} SwiGLU layers, intermediate {a.config.intermediate_size}",
+    )
+    if a.config.moe is not None:
+        m = a.config.moe
+        expert = 3 * d * m.expert_ffn
+        add(
+            "routed experts",
+            len(m.layers) * m.num_experts * expert,
+            "split",
+            True,
+            f"{len(m.layers)} MoE layers x {m.num_experts} experts; top-{m.top_k} active per token; "
+            "sharded by TP (EP holds the same bytes per rank)",
+            active=len(m.layers) * m.top_k * expert,
+        )
+        add(
+            "shared experts",
+            len(m.layers) * (3 * d * m.shared_ffn + (d if m.shared_gate else 0)),
+            "split",
+            True,
+            f"intermediate {m.shared_ffn}, always active",
+        )
+        add(
+            "router",
+            len(m.layers) * (m.num_experts * d + (m.num_experts if m.router_bias else 0)),
+            "replicated",
+            False,
+            "replicated, kept in 16 bits (routing in fp32)",
+        )
+    norms = (2 * a.config.num_layers + 1) * d + (2 * hd * n_full if a.config.qk_norm else 0)
+    norms += a.linear.layers * a.linear.value_dim if a.linear is not None else 0
+    add("norms", norms, "replicated", False, "RMSNorm weights, replicated")
+    if not a.config.tie_word_embeddings:
+        add("LM head", a.config.logits_size * d, "split", False, "vocab-parallel; not quantized")
+    return rows
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    active: int
+    non_embedding: int
+    active_non_embedding: int
+    active_without_input_embedding: int
+
+
+def count_parameters(components: list[Component]) -> ParameterCount:
+    embedding = sum(c.params for c in components if c.name in ("embeddings", "LM head"))
+    total = sum(c.params for c in components)
+    active = sum(c.active for c in components)
+    lookup = sum(c.params for c in components if c.name == "embeddings")
+    return ParameterCount(total, active, total - embedding, active - embedding, active - lookup)
+
+
+# --------------------------------------------------------------------------- formats
+@dataclass(frozen=True)
+class WeightFormat:
+    bits: int
+    scale_bytes: float = 0.0  # per group of `group` weights
+    group: int = 0
+    assumption: str = ""
+
+    def bytes_per_param(self, group_size: int) -> float:
+        group = self.group or group_size
+        return self.bits / 8 + (self.scale_bytes / group if self.scale_bytes else 0.0)
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "fp32": WeightFormat(32, assumption="fp32"),
+    "bf16": WeightFormat(16, assumption="bf16"),
+    "fp16": WeightFormat(16, assumption="fp16"),
+    "fp8": WeightFormat(8, 4.0, 128 * 128, "fp8 with one fp32 scale per 128x128 block"),
+    "int8": WeightFormat(8, 3.0, 0, "int8 with an fp16 scale and int8 zero point per group"),
+    "int4": WeightFormat(4, 2.5, 0, "int4 with an fp16 scale and int4 zero point per group"),
+}
+ALIASES = {
+    "auto": "bf16",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float8": "fp8",
+    "fp8_e4m3": "fp8",
+}
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def weight_format(name: str) -> str:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in WEIGHT_FORMATS:
+        raise UsageError(f"unknown --dtype {name!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
+    return key
+
+
+# --------------------------------------------------------------------------- serving plan
+LOGITS = ("fused", "unfused")
+STATS_CHUNK = 16384  # vocabulary chunk of dlm/kernels/token_stats.py
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the server will run: its parallelism, batch and sequence shape."""
+
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    tp: int = 1
+    batch: int = 1
+    context: int | None = None  # tokens per sequence, prompt + generation (default: min(max_position, 4096))
+    gen_length: int = 256
+    block_length: int = 32
+    cache: str = "auto"
+    logits: str = "fused"
+    prefill_chunk: int | None = 8192  # tokens per prefill forward (chunked prefill); None: whole prompts
+    overhead_gib: float | None = None  # default 1.0, +0.5 with TP > 1
+    fragmentation: float = 0.10
+    group_size: int = 128
+
+    def resolved(self, a: Architecture) -> Serving:
+        """Fill defaults and reject impossible combinations with one clear message."""
+        fmt = weight_format(self.dtype)
+        kv = self.kv_dtype.lower()
+        kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
+        if kv not in KV_BYTES:
+            raise UsageError(f"unknown --kv-dtype {self.kv_dtype!r}; use auto, {', '.join(KV_BYTES)}")
+        context = self.context if self.context is not None else min(a.config.max_position_embeddings, 4096)
+        cache = self.cache
+        if cache not in CACHES:
+            raise UsageError(f"--cache must be one of {', '.join(CACHES)}, got {cache!r}")
+        if cache == "auto":
+            cache = "block" if a.attention == "block-causal" else "none"
+        if cache != "none" and a.attention == "encoder-decoder":
+            raise UsageError(f"{a.name} keeps its prompt KV cache itself: use --cache none (or auto)")
+        if cache == "block" and a.attention != "block-causal":
+            raise UsageError(
+                f"{a.name} attends bidirectionally: it has no exact block KV cache (use --cache none, prefix or dual)"
+            )
+        if cache in ("prefix", "dual") and a.attention != "bidirectional":
+            raise UsageError(f"{a.name} is block-causal: its cache is the exact --cache block")
+        if self.logits not in LOGITS:
+            raise UsageError(f"--logits must be fused or unfused, got {self.logits!r}")
+        for name, value in (
+            ("tp", self.tp),
+            ("batch", self.batch),
+            ("gen-length", self.gen_length),
+            ("block-length", self.block_length),
+            ("group-size", self.group_size),
+        ):
+            if value < 1:
+                raise UsageError(f"--{name} must be at least 1, got {value}")
+        if self.gen_length % self.block_length:
+            raise UsageError(
+                f"--gen-length ({self.gen_length}) must be a multiple of --block-length ({self.block_length})"
+            )
+        if context <= self.gen_length:
+            raise UsageError(
+                f"--context ({context}) must exceed --gen-length ({self.gen_length}): "
+                "it counts the prompt and the generation"
+            )
+        if not 0 <= self.fragmentation < 1:
+            raise UsageError(f"--fragmentation must be in [0, 1), got {self.fragmentation}")
+        if self.overhead_gib is not None and self.overhead_gib < 0:
+            raise UsageError(f"--overhead-gb must be >= 0, got {self.overhead_gib}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        check_tensor_parallel(a.config, self.tp)
+        return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache)
+
+
+def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
+    out = []
+    tp = 1
+    while tp <= limit:
+        try:
+            check_tensor_parallel(a.config, tp)
+            out.append(tp)
+        except UsageError:
+            pass
+        tp *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    bytes: int
+    assumption: str
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[Row]
+    peak_transient: int  # max(forward + routing, logits): the two never coexist
+    total: int
+    notes: list[str] = field(default_factory=list)
+    # What one sequence holds on one rank, for capacity planning beyond this plan's shape:
+    kv_bytes_per_token: int = 0  # grows with every cached token
+    linear_state_bytes: int = 0  # fixed (hybrids: DeltaNet recurrent + conv state; else 0)
+
+
+def _act_bytes(s: Serving) -> int:
+    return 4 if s.dtype == "fp32" else 2
+
+
+def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Row]:
+    fmt = WEIGHT_FORMATS[s.dtype]
+    quant_bpp = fmt.bytes_per_param(s.group_size)
+    plain_bpp = 4 if s.dtype == "fp32" else 2
+    kv_share = max(1, a.config.num_kv_heads // s.tp) / a.config.num_kv_heads
+    rows = []
+    for c in comps:
+        if c.tp == "split":
+            per_rank, place = c.params / s.tp, f"1/{s.tp} per rank" if s.tp > 1 else "one rank"
+        elif c.tp == "kv":
+            per_rank = c.params * kv_share
+            place = f"{max(1, a.config.num_kv_heads // s.tp)} of {a.config.num_kv_heads} KV heads per rank" + (
+                " (replicated)" if a.config.num_kv_heads < s.tp else ""
+            )
+        else:
+            per_rank, place = c.params, "replicated on every rank"
+        bpp = quant_bpp if c.quantized else plain_bpp
+        dtype = fmt.assumption if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
+        rows.append(
+            Row(f"weights: {c.name}", round(per_rank * bpp), f"{c.params:,} params, {dtype}, {place}; {c.assumption}")
+        )
+    return rows
+
+
+def _layer_peak_elements(a: Architecture, s: Serving) -> tuple[float, str]:
+    """Activation elements per forward token at a layer's peak, in an eager engine that keeps
+    a layer's tensors alive until it returns (the residual in, normed input, q/k/v and the
+    rotated q/k) while the MLP intermediates are allocated."""
+    tp, d = s.tp, a.config.hidden_size
+    q = a.config.num_heads * a.config.head_dim / tp
+    kv = max(1, a.config.num_kv_heads // tp) * a.config.head_dim
+    q_out = 2 * q if a.config.q_gate else q
+    attn_held = 2 * d + (q_out + 2 * kv) + q + kv
+    attn_phase = attn_held + 2 * q + 2 * d  # attention output, merged heads, o_proj, residual
+    if a.config.moe is not None:
+        m = a.config.moe
+        mlp = 4 * m.top_k * m.expert_ffn / tp + 4 * m.shared_ffn / tp + d
+        mlp_text = f"top-{m.top_k} expert and shared-expert SwiGLU intermediates"
+    else:
+        mlp = 4 * a.config.intermediate_size / tp
+        mlp_text = "SwiGLU gate/up, activation and product"
+    if a.config.moe is not None and a.config.dense_layers:
+        mlp = max(mlp, 4 * a.config.intermediate_size / tp)
+    peaks = [attn_phase, attn_held + d + mlp]
+    if a.linear is not None:
+        la = a.linear
+        conv, v = la.conv_dim / tp, la.value_heads * la.value_dim / tp
+        gdn_held = 2 * d + 2 * conv + 3 * v + 2 * la.value_heads / tp  # projections, conv out, core, gated norm
+        peaks.append(gdn_held + d + mlp)
+    text = f"per token: residual stream, normed input, q/k/v and rotated q/k kept live, plus {mlp_text}" + (
+        "; GDN layers: projections, conv output and recurrence output (approximate)" if a.linear else ""
+    )
+    return max(peaks), text
+
+
+def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> MemoryPlan:
+    s = serving.resolved(a)
+    assert s.context is not None
+    act = _act_bytes(s)
+    kv_bytes = KV_BYTES[s.kv_dtype]
+    tp, d = s.tp, a.config.hidden_size
+    prompt = s.context - s.gen_length
+    rows = _weight_rows(a, comps, s)
+    notes = list(a.notes)
+    if s.context > a.config.max_position_embeddings:
+        notes.append(
+            f"context {s.context} exceeds the model's max_position_embeddings ({a.config.max_position_embeddings})"
+        )
+
+    if a.config.canvas is not None:
+        return _canvas_plan(a, s, rows, notes)
+
+    # Cache: what each sequence keeps between forwards.
+    kv_heads_rank = max(1, a.config.num_kv_heads // tp)
+    per_token_kv = a.kv_bytes_per_token(kv_bytes, tp)
+    cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": s.context - s.block_length}[s.cache]
+    kv_text = {
+        "none": "no cache: every forward recomputes the whole sequence",
+        "block": f"exact block KV cache over the whole context ({s.context} tokens)"
+        + (f", full-attention layers only ({a.full_attention_layers} of {a.config.num_layers})" if a.linear else ""),
+        "dual": f"approximate dual cache (Fast-dLLM): K/V of all {s.context} tokens, refreshed every block",
+        "prefix": f"approximate prefix cache (Fast-dLLM): K/V of up to {s.context - s.block_length} prefix tokens, "
+        "refreshed every block",
+    }[s.cache]
+    rows.append(
+        Row(
+            "KV cache",
+            per_token_kv * cached_tokens * s.batch,
+            f"{kv_text}; {s.kv_dtype}, {kv_heads_rank} KV heads x {a.config.head_dim} per rank, batch {s.batch}",
+        )
+    )
+    state = a.linear.state_bytes(act, tp) if a.linear is not None else 0
+    if a.linear is not None:
+        la = a.linear
+        rows.append(
+            Row(
+                "linear-attention state",
+                state * s.batch,
+                f"{state:,} bytes per sequence whatever its length: per GDN layer ({la.layers}), "
+                f"fp32 recurrent state [{la.value_heads // tp} heads, {la.key_dim}, {la.value_dim}] "
+                f"+ conv state of {la.conv_kernel - 1} rows x {la.conv_dim // tp} channels; "
+                f"batch {s.batch}",
+            )
+        )
+
+    # Tokens in the largest forward.
+    if s.cache == "block":
+        prefill = s.batch * prompt if s.prefill_chunk is None else min(s.batch * prompt, s.prefill_chunk)
+        tokens = max(s.batch * s.block_length, prefill)
+        fwd_text = (
+            f"largest forward: {tokens} tokens (prefill of {s.batch} x {prompt}-token prompts"
+            + (f" in chunks of {s.prefill_chunk}" if s.prefill_chunk else " at once")
+            + f", or {s.batch} x {s.block_length}-token blocks)"
+        )
+    else:
+        tokens = s.batch * s.context
+        fwd_text = (
+            f"largest forward: {tokens} tokens ({s.batch} x the whole {s.context}-token canvas"
+            + (", the per-block cache refresh" if s.cache != "none" else "")
+            + ")"
+        )
+    elements, layer_text = _layer_peak_elements(a, s)
+    per_token = elements * act + 8 * a.config.rotary_dim + 16  # + fp32 cos/sin, int64 ids and positions
+    forward = round(tokens * per_token)
+    rows.append(
+        Row(
+            "forward activations",
+            forward,
+            f"{fwd_text}; {layer_text}; fp32 rotary tables; attention scores never materialised "
+            "(flash / memory-efficient SDPA)",
+        )
+    )
+    routing = 0
+    if a.config.moe is not None:
+        m = a.config.moe
+        routing = round(tokens * (2 * m.num_experts * 4 + m.top_k * 12 + 2 * m.top_k * d * act))
+        rows.append(
+            Row(
+                "MoE routing buffers",
+                routing,
+                f"per token: fp32 router logits and scores over {m.num_experts} experts, top-{m.top_k} "
+                "ids and weights, hidden states permuted to and gathered back from the experts",
+            )
+        )
+    # Logits statistics at the decided positions of one sequence: dlm's runners call the LM
+    # head per sequence, so a batch does not multiply this buffer.
+    decided = -(-s.block_length // a.sub_blocks)
+    vocab_rank = -(-a.config.logits_size // tp)
+    unit = f"{'sub-' if a.sub_blocks > 1 else ''}block"
+    if s.logits == "fused":
+        logits = decided * min(vocab_rank, STATS_CHUNK) * 4 * 4
+        logits_text = (
+            f"{decided} decided positions (one {unit}, one sequence at a time) x vocabulary chunks "
+            f"of {STATS_CHUNK}: four fp32 buffers (logits, shifted, exponentials, products), as the "
+            "torch twin holds them; a fused kernel needs less"
+        )
+    else:
+        logits = decided * vocab_rank * (act + 4 + 4)
+        logits_text = (
+            f"{decided} decided positions (one {unit}, one sequence at a time) x {vocab_rank} "
+            "vocabulary rows per rank: logits, their fp32 copy and the softmax"
+        )
+    rows.append(
+        Row(
+            "logits/statistics buffer",
+            logits,
+            f"{logits_text}; runs after the forward, so the peak counts the larger of the two",
+        )
+    )
+    peak_transient = max(forward + routing, logits)
+    return _finish(rows, notes, s, peak_transient, per_token_kv, state)
+
+
+def _canvas_plan(a: Architecture, s: Serving, rows: list[Row], notes: list[str]) -> MemoryPlan:
+    """DiffusionGemma: its encoder cache, self-conditioning logits and canvas step (canvas.py)."""
+    act, kv_bytes = _act_bytes(s), KV_BYTES[s.kv_dtype]
+    rows += canvas_terms.cache_rows(a, s, kv_bytes, act)
+    peak, text = canvas_terms.transient(a, s, act)
+    rows.append(Row("forward activations", peak, text))
+    return _finish(rows, notes, s, peak, canvas_terms.kv_bytes_per_token(a, s, kv_bytes), 0)
+
+
+def _finish(
+    rows: list[Row], notes: list[str], s: Serving, peak_transient: int, per_token_kv: int, state: int
+) -> MemoryPlan:
+    """Overhead and fragmentation rows, and the total."""
+    tp = s.tp
+    overhead = s.overhead_gib if s.overhead_gib is not None else (1.0 + (0.5 if tp > 1 else 0.0))
+    rows.append(
+        Row(
+            "runtime overhead",
+            round(overhead * GIB),
+            f"CUDA context, cuBLAS/attention workspaces{', NCCL buffers' if tp > 1 else ''}: "
+            f"{overhead:g} GiB assumed (--overhead-gb)",
+        )
+    )
+    cached = ("KV cache", "linear-attention state", "self-conditioning logits")
+    cache_bytes = sum(r.bytes for r in rows if r.name in cached)
+    frag = round(s.fragmentation * (cache_bytes + peak_transient))
+    rows.append(
+        Row(
+            "fragmentation margin",
+            frag,
+            f"{s.fragmentation:.0%} of cache and peak transient memory lost to allocator fragmentation "
+            "(--fragmentation)",
+        )
+    )
+    weights = sum(r.bytes for r in rows if r.name.startswith("weights:"))
+    total = weights + cache_bytes + peak_transient + round(overhead * GIB) + frag
+    return MemoryPlan(rows, peak_transient, total, notes, per_token_kv, state)
+
+
+# --------------------------------------------------------------------------- verdicts
+def smallest_tp(a: Architecture, comps: list[Component], serving: Serving, capacity: int) -> int | None:
+    for tp in valid_tps(a):
+        if plan_memory(a, comps, replace(serving, tp=tp)).total <= capacity:
+            return tp
+    return None
+
+
+def max_batch(a: Architecture, comps: list[Component], serving: Serving, capacity: int, limit: int = 1 << 16) -> int:
+    """Largest batch whose plan fits `capacity` at the given TP and context (0: none)."""
+
+    def fits(b: int) -> bool:
+        return plan_memory(a, comps, replace(serving, batch=b)).total <= capacity
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --------------------------------------------------------------------------- inputs
+@dataclass
+class ModelSource:
+    label: str
+    kind: str  # "checkpoint" | "store" | "config" | "hub"
+    raw: dict[str, Any]
+    headers: CheckpointHeaders | None
+    header_note: str | None = None
+
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def load_source(spec: str, revision: str | None = None) -> ModelSource:
+    """A checkpoint directory, a store model, a bare config.json, or a hub repo id
+    (config + headers only)."""
+    from dlm.cli.store.resolve import resolve_model
+    from dlm.engine.config import read_config_json
+
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return ModelSource(str(path), "config", read_config_json(path), None, "a bare config.json has no weights")
+    if not path.exists() and REPO_ID.match(spec):  # store names never contain "/"
+        return _hub_source(spec, revision)
+    directory = resolve_model(spec)  # a checkpoint directory, or a store NAME[@VERSION]
+    headers = local_headers(directory)
+    return ModelSource(
+        str(directory),
+        "checkpoint" if path.is_dir() else "store",
+        read_config_json(directory),
+        headers,
+        None if headers else "no safetensors files next to config.json",
+    )
+
+
+def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
+    import json
+
+    import httpx
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    from dlm.cli.hub import hub_status
+
+    status = hub_status()  # at once, not after huggingface_hub's retries
+    if status.problem is not None and not status.offline:
+        raise DlmError(
+            f"cannot read {repo_id!r} from the Hugging Face hub: {status.problem}; "
+            "pass a local checkpoint directory or a config.json instead"
+        )
+    try:  # in offline mode, from the local hub cache if it holds the file
+        config_path = hf_hub_download(repo_id, "config.json", revision=revision)
+    except RepositoryNotFoundError as exc:  # also gated repositories
+        raise UsageError(f"hub repository {repo_id!r} not found or not accessible: {type(exc).__name__}") from None
+    except RemoteEntryNotFoundError:
+        raise UsageError(f"hub repository {repo_id!r} has no config.json") from None
+    except (OSError, httpx.HTTPError) as exc:  # offline (LocalEntryNotFoundError), unreachable, HTTP errors
+        raise DlmError(
+            f"cannot read {repo_id!r} from the Hugging Face hub (offline or unreachable: {type(exc).__name__}); "
+            "pass a local checkpoint directory or a config.json instead"
+        ) from None
+    try:
+        raw = json.loads(Path(config_path).read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"config.json of {repo_id} is not valid JSON: {exc}") from None
+    note = None
+    try:
+        headers = hub_headers(repo_id, revision)
+        if headers is None:
+            note = "the repository has no safetensors weights"
+    except (OSError, httpx.HTTPError) as exc:
+        headers, note = None, f"safetensors headers unavailable ({type(exc).__name__})"
+    return ModelSource(f"hf://{repo_id}", "hub", raw, headers, note)
+
+
+# --------------------------------------------------------------------------- report
+def estimate(
+    spec: str,
+    serving: Serving,
+    gpu: str | None = None,
+    gpu_memory_gib: float | None = None,
+    revision: str | None = None,
+) -> dict[str, Any]:
+    """The full plan as a JSON-ready dict (what `dlm estimate --json` prints)."""
+    source = load_source(spec, revision)
+    return plan_report(source, serving, gpu, gpu_memory_gib)
+
+
+def plan_report(
+    source: ModelSource,
+    serving: Serving,
+    gpu: str | None = None,
+    gpu_memory_gib: float | None = None,
+) -> dict[str, Any]:
+    arch = architecture_from_config(source.raw)
+    comps = parameter_components(arch)
+    counts = count_parameters(comps)
+    plan = plan_memory(arch, comps, serving)
+    resolved = serving.resolved(arch)
+    checkpoint = None
+    if source.headers is not None:
+        in_headers = source.headers.parameter_count
+        checkpoint = {
+            "source": source.headers.source,
+            "params_in_headers": in_headers,
+            "bytes_in_headers": source.headers.nbytes,
+            "params_by_dtype": source.headers.count_by_dtype(),
+            "matches_config": in_headers == counts.total,
+            "difference": in_headers - counts.total,
+        }
+    targets: list[Gpu] = []
+    if gpu_memory_gib is not None:
+        if gpu_memory_gib <= 0:
+            raise UsageError(f"--gpu-memory must be positive, got {gpu_memory_gib}")
+        targets = [Gpu(f"{gpu_memory_gib:g} GiB", round(gpu_memory_gib * 1024))]
+    elif gpu is not None:
+        targets = [find_gpu(gpu)]
+    verdicts = [_verdict(arch, comps, resolved, plan, g) for g in (targets or CATALOGUE)]
+    return {
+        "model": {
+            "source": source.label,
+            "kind": source.kind,
+            "family": arch.name,
+            "model_type": arch.config.model_type,
+            "attention": arch.attention,
+            "layers": arch.config.num_layers,
+            "full_attention_layers": arch.full_attention_layers,
+            "hidden_size": arch.config.hidden_size,
+            "heads": arch.config.num_heads,
+            "kv_heads": arch.config.num_kv_heads,
+            "head_dim": arch.config.head_dim,
+            "vocab": arch.config.logits_size,
+            "max_position": arch.config.max_position_embeddings,
+            "moe": {**asdict(arch.config.moe), "layers": len(arch.config.moe.layers)} if arch.config.moe else None,
+            "linear_attention": asdict(arch.linear) if arch.linear else None,
+        },
+        "parameters": {
+            **asdict(counts),
+            "components": [asdict(c) for c in comps],
+            "active_convention": "active counts every non-expert weight (embeddings and LM head included, "
+            "as model cards do) plus the top-k routed experts",
+        },
+        "checkpoint": checkpoint,
+        "checkpoint_note": source.header_note,
+        "serving": asdict(resolved),
+        "memory_per_gpu": {
+            "rows": [asdict(r) for r in plan.rows],
+            "peak_transient_bytes": plan.peak_transient,
+            "total_bytes": plan.total,
+            "per_sequence": {
+                "kv_bytes_per_token": plan.kv_bytes_per_token,
+                "linear_state_bytes": plan.linear_state_bytes,
+            },
+        },
+        "verdicts": verdicts,
+        "notes": plan.notes,
+    }
+
+
+def _verdict(a: Architecture, comps: list[Component], s: Serving, plan: MemoryPlan, gpu: Gpu) -> dict[str, Any]:
+    capacity = gpu.memory_bytes
+    return {
+        "gpu": gpu.name,
+        "memory_bytes": capacity,
+        "fits": plan.total <= capacity,
+        "headroom_bytes": capacity - plan.total,
+        "smallest_tp": smallest_tp(a, comps, s, capacity),
+        "max_batch": max_batch(a, comps, s, capacity),
+    }

@@ -1,0 +1,20 @@
+"""The arguments of the commands that call a running server (`dlm validate`, `dlm loadtest`):
+its URL, and how its TLS certificate is checked (turned into a check by
+dlm.cli.client.api.tls_verify)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+URL_ARGUMENT: Any = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000.")
+CACERT_OPTION: Any = typer.Option(
+    None,
+    "--cacert",
+    envvar="DLM_CACERT",
+    help="PEM file of the CA that signed an https:// server's certificate (a private CA).",
+)
+INSECURE_OPTION: Any = typer.Option(
+    False, "--insecure", help="Do not check an https:// server's certificate (testing only)."
+)

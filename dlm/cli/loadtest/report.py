@@ -1,0 +1,142 @@
+"""The verdict and the views of a load test: gate metrics, --fail-on, JSON and rich tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from dlm.cli.loadtest.sweep import MIN_SAMPLES, find_knee, thin_levels
+from dlm.cli.loadtest.thresholds import Condition, violations
+
+
+def gate_level(levels: list[dict[str, Any]], knee: dict[str, Any] | None) -> dict[str, Any]:
+    """The level thresholds apply to: the only one, else the knee, else the highest."""
+    if knee and knee["users"] is not None:
+        return next(level for level in levels if level["users"] == knee["users"])
+    return levels[-1]
+
+
+def finalize(
+    result: dict[str, Any], fail_on: list[Condition], slo: list[Condition], min_samples: int = MIN_SAMPLES
+) -> dict[str, Any]:
+    """Add the knee (for sweeps), sample-count warnings, the gated metrics and the verdict."""
+    levels = result["levels"]
+    knee = find_knee(levels, min_samples) if len(levels) > 1 else None
+    warnings = [
+        f"{users} users: fewer than {min_samples} successful requests; its percentiles are rough"
+        for users in thin_levels(levels, min_samples)
+    ]
+    gate = dict(gate_level(levels, knee))
+    agreement = result["server_metrics"]
+    for key, name in (("requests", "requests_mismatch"), ("output_tokens", "tokens_mismatch")):
+        if agreement.get(key, {}).get("mismatch") is not None:
+            gate[name] = agreement[key]["mismatch"]
+    failed = violations(fail_on, gate)
+    return {
+        **result,
+        "mode": "sweep" if len(levels) > 1 else "fixed",
+        "knee": knee,
+        "warnings": warnings,
+        "slo": [c.text for c in slo],
+        "gate": gate,
+        "fail_on": [c.text for c in fail_on],
+        "violations": failed,
+        "passed": not failed,
+    }
+
+
+def write_summary(summary: dict[str, Any], out: Path) -> Path:
+    path = out / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def level_row(level: dict[str, Any]) -> list[str]:
+    return [
+        str(level["users"]),
+        str(level["ok"]),
+        _num(level["rps"]),
+        _num(level["output_tokens_per_s"], 1),
+        _ms(level["p50_e2e"]),
+        _ms(level["p95_e2e"]),
+        _ms(level["p99_e2e"]),
+        _ms(level["p50_ttft"]),
+        _ms(level["p50_tpot"]),
+        _num(level["mean_denoising_steps"], 1),
+        f"{level['error_rate']:.1%}",
+        _num(level["goodput_rps"]),
+    ]
+
+
+COLUMNS = (
+    "users",
+    "n",  # successful requests measured at this level
+    "req/s",
+    "tok/s",
+    "e2e\np50",
+    "e2e\np95",
+    "e2e\np99",
+    "ttft\np50",
+    "tpot\np50",
+    "steps",
+    "err",
+    "good\n/s",
+)
+
+
+def levels_table(levels: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=f"{title}; latencies in ms", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in COLUMNS:
+        table.add_column(name, justify="right", no_wrap=True)
+    for level in levels:
+        table.add_row(*level_row(level))
+    return table
+
+
+def live_table(tick: dict[str, Any]) -> Table:
+    """The live view: the running level's numbers so far."""
+    return levels_table(
+        [tick],
+        f"level {tick['level'] + 1}/{tick['levels']}: {tick['users']} users, "
+        f"{tick['elapsed']:.0f}/{tick['duration']:.0f}s",
+    )
+
+
+def render_summary(summary: dict[str, Any], console: Console) -> None:
+    console.print(levels_table(summary["levels"], f"dlm loadtest {summary['url']} ({summary['model']})"))
+    errors = summary["totals"]["errors_by_status"]
+    if errors:
+        console.print(f"errors by status: {', '.join(f'{k}: {v}' for k, v in errors.items())}")
+    if summary["knee"]:
+        knee = summary["knee"]
+        where = f"{knee['users']} users" if knee["users"] is not None else "not reached"
+        console.print(f"knee: [bold]{where}[/] ({knee['reason']})")
+    agreement = summary["server_metrics"]
+    if agreement.get("available"):
+        for key in ("requests", "output_tokens"):
+            item = agreement[key]
+            if item.get("missing"):
+                console.print(f"server /metrics lacks {item['counter']}")
+            else:
+                console.print(
+                    f"{key}: client {item['client']:.0f}, server {item['server']:.0f} ({item['mismatch']:.1%} apart)"
+                )
+    else:
+        console.print("server /metrics not readable: no client/server agreement check")
+    for warning in summary["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    for violation in summary["violations"]:
+        console.print(f"[bold red]threshold exceeded:[/] {violation}")

@@ -1,0 +1,199 @@
+"""`run_loadtest`: drive locust headless through the load levels and gather the results.
+
+Importing this module imports locust, which monkey-patches the process for gevent: only
+the `dlm loadtest` command (a process of its own) should import it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gevent
+import httpx
+import locust.stats
+from locust.env import Environment
+from locust.html import get_html_report
+from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
+
+from dlm.cli.client.api import ApiClient, Verify
+from dlm.cli.client.metrics import GENERATION_TOKENS, REQUEST_SUCCESS, MetricsFormatError, parse_samples
+from dlm.cli.loadtest.stats import RequestRecord, summarize
+from dlm.cli.loadtest.thresholds import Condition
+from dlm.cli.loadtest.users import Recorder, user_class
+from dlm.cli.loadtest.vllm_format import level_result
+from dlm.cli.loadtest.workload import Workload
+from dlm.engine.errors import DlmError
+
+# Sample the HTML report's charts every second (locust's default is 5 s), so short runs chart.
+locust.stats.HISTORY_STATS_INTERVAL_SEC = 1
+LOCUST_PREFIX = "locust"
+# `vllm bench serve --save-result`-shaped results: one object, or a list for a sweep.
+VLLM_RESULT = "vllm_result.json"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    url: str
+    levels: list[int]  # user counts: one for a fixed run, several for a sweep
+    duration: float  # seconds per level, ramp-up included
+    spawn_rate: float | None  # users started per second; None: all at once
+    workload: Workload
+    out: Path
+    api_key: str | None = None
+    timeout: float = 60.0
+    slo: tuple[Condition, ...] = ()
+    verify: Verify = True  # TLS check of an https:// server (dlm.cli.client.api.tls_verify)
+
+    def ramp(self, before: int, users: int) -> float:
+        return max(0.0, (users - before) / self.spawn_rate) if self.spawn_rate else 0.0
+
+
+def scrape(client: ApiClient) -> dict[str, float] | None:
+    """The server's counters, or None when it exports none we can read."""
+    try:
+        response = client.get("/metrics", timeout=10)
+        return parse_samples(response.text) if response.status_code == 200 else None
+    except (httpx.HTTPError, MetricsFormatError):
+        return None
+
+
+def settled_scrape(
+    client: ApiClient, before: dict[str, float] | None, ok: int, patience: float = 2.0
+) -> dict[str, float] | None:
+    """Scrape after the run, giving the server a moment to count the last responses it sent."""
+    deadline = time.perf_counter() + patience
+    while True:
+        after = scrape(client)
+        if before is None or after is None or time.perf_counter() >= deadline:
+            return after
+        if after.get(REQUEST_SUCCESS, 0.0) - before.get(REQUEST_SUCCESS, 0.0) >= ok:
+            return after
+        gevent.sleep(0.1)
+
+
+def agreement(
+    before: dict[str, float] | None, after: dict[str, float] | None, records: list[RequestRecord]
+) -> dict[str, Any]:
+    """Client totals against the server's counter deltas over the run."""
+    if before is None or after is None:
+        return {"available": False}
+    ok = [r for r in records if r.ok]
+    result: dict[str, Any] = {"available": True}
+    for key, name, client in (
+        ("requests", REQUEST_SUCCESS, len(ok)),
+        ("output_tokens", GENERATION_TOKENS, sum(r.output_tokens or 0 for r in ok)),
+    ):
+        if name not in after:
+            result[key] = {"counter": name, "missing": True}
+            continue
+        server = after[name] - before.get(name, 0.0)
+        result[key] = {
+            "counter": name,
+            "client": client,
+            "server": server,
+            "mismatch": abs(client - server) / max(server, 1.0),
+        }
+    return result
+
+
+def resolve_model(client: ApiClient) -> str:
+    try:
+        response = client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise DlmError(f"cannot reach {client.base_url}: {exc}") from None
+    if response.status_code != 200:
+        raise DlmError(
+            f"{client.base_url}/v1/models answered HTTP {response.status_code}; "
+            "is the URL right, and the key (--api-key)?"
+        )
+    return response.json()["data"][0]["id"]
+
+
+def write_locust_reports(env: Environment, writer: StatsCSVFileWriter, out: Path) -> None:
+    """Final CSV tables (the periodic writer may lag by a second) and the HTML report."""
+    writer.close_files()
+    base = out / LOCUST_PREFIX
+    for suffix, table in (
+        ("stats", writer.requests_csv),
+        ("failures", writer.failures_csv),
+        ("exceptions", writer.exceptions_csv),
+    ):
+        with open(f"{base}_{suffix}.csv", "w", newline="") as handle:
+            table(csv.writer(handle))
+    (out / f"{LOCUST_PREFIX}_report.html").write_text(get_html_report(env, show_download_link=False), encoding="utf-8")
+
+
+def run_loadtest(
+    plan: LoadPlan, on_tick: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run every level; return (per-level summaries, totals and the agreement with /metrics;
+    the vLLM-shaped result of each level)."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    with ApiClient(plan.url, plan.api_key, plan.timeout, verify=plan.verify) as client:
+        workload = plan.workload
+        if workload.model is None:
+            workload = Workload(workload.requests, workload.fields, resolve_model(client))
+        before = scrape(client)
+        recorder = Recorder()
+        env = Environment(
+            user_classes=[user_class(plan.url, plan.api_key, plan.timeout, workload, recorder, plan.verify)],
+            host=plan.url,
+            stop_timeout=plan.timeout,
+        )
+        runner = env.create_local_runner()
+        writer = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, str(plan.out / LOCUST_PREFIX), full_history=True)
+        greenlets = [gevent.spawn(stats_history, runner), gevent.spawn(writer.stats_writer)]
+        windows: list[tuple[float, float]] = []
+        previous = 0
+        started = time.perf_counter()
+        for index, users in enumerate(plan.levels):
+            recorder.level = index
+            begin = time.perf_counter()
+            runner.start(users, plan.spawn_rate or users)
+            steady = begin + plan.ramp(previous, users)
+            end = begin + plan.duration
+            while (now := time.perf_counter()) < end:
+                gevent.sleep(min(1.0, end - now))
+                if on_tick:
+                    current = [r for r in recorder.records if r.level == index and r.start >= steady]
+                    on_tick(
+                        {
+                            "level": index,
+                            "users": users,
+                            "levels": len(plan.levels),
+                            "elapsed": time.perf_counter() - begin,
+                            "duration": plan.duration,
+                            **summarize(current, max(time.perf_counter() - steady, 1e-9), list(plan.slo)),
+                        }
+                    )
+            windows.append((steady, time.perf_counter()))
+            previous = users
+        runner.quit()  # users finish the request in flight (stop_timeout), start no other
+        for greenlet in greenlets:
+            greenlet.kill()
+        after = settled_scrape(client, before, sum(1 for r in recorder.records if r.ok))
+    write_locust_reports(env, writer, plan.out)
+    records = recorder.records
+    levels, vllm = [], []
+    endpoint = workload.requests[0][0]
+    for index, (users, (steady, end)) in enumerate(zip(plan.levels, windows)):
+        window = [r for r in records if r.level == index and r.start >= steady]
+        levels.append({"users": users, **summarize(window, end - steady, list(plan.slo))})
+        vllm.append(level_result(window, end - steady, users, workload.model, endpoint, list(plan.slo)))
+    (plan.out / VLLM_RESULT).write_text(json.dumps(vllm if len(vllm) > 1 else vllm[0], indent=2) + "\n")
+    with open(plan.out / "requests.jsonl", "w") as handle:
+        for record in records:
+            handle.write(json.dumps(record.to_dict()) + "\n")
+    return {
+        "url": plan.url,
+        "model": workload.model,
+        "levels": levels,
+        "totals": summarize(records, windows[-1][1] - started, list(plan.slo)),
+        "server_metrics": agreement(before, after, records),
+    }, vllm

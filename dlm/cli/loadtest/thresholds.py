@@ -1,0 +1,78 @@
+"""Conditions on summary metrics: `--fail-on "p95_e2e>5s,error_rate>1%"` and `--slo`.
+
+Both flags speak the same small language (metric, comparison, quantity with a unit), so it
+is parsed in one place. Quantities are normalised to seconds and fractions.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dlm.engine.errors import UsageError
+
+UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "%": 0.01}
+OPERATORS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    ">": operator.gt,
+    "<": operator.lt,
+}
+CONDITION = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([0-9.]+(?:e-?[0-9]+)?)\s*(ms|us|s|%)?\s*$")
+# Per-request quantities an SLO may bound (seconds).
+SLO_METRICS = ("ttft", "tpot", "e2e")
+
+
+@dataclass(frozen=True)
+class Condition:
+    metric: str
+    op: str
+    value: float
+    text: str
+
+    def holds(self, measured: float) -> bool:
+        return OPERATORS[self.op](measured, self.value)
+
+
+DURATION = re.compile(r"^\s*([0-9.]+)\s*(ms|s|m|h)?\s*$")
+DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_seconds(text: str, flag: str) -> float:
+    """`30`, `30s`, `2m`, `500ms` -> seconds (locust's -t style)."""
+    match = DURATION.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"{flag}: expected a positive duration such as 30s or 2m, got {text!r}")
+    return float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+
+
+def parse_conditions(text: str, known: tuple[str, ...], flag: str) -> list[Condition]:
+    conditions = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        match = CONDITION.match(part)
+        if not match:
+            raise UsageError(f"{flag}: cannot read {part!r} (expected e.g. p95_e2e>5s)")
+        metric, op, number, unit = match.groups()
+        if metric not in known:
+            raise UsageError(f"{flag}: unknown metric {metric!r}; known: {', '.join(known)}")
+        conditions.append(Condition(metric, op, float(number) * UNITS[unit or ""], part))
+    return conditions
+
+
+def parse_slo(text: str) -> list[Condition]:
+    """`ttft<=1s,e2e<=10s`: a request is 'good' when it meets every bound."""
+    conditions = parse_conditions(text, SLO_METRICS, "--slo")
+    if any(c.op not in ("<", "<=") for c in conditions):
+        raise UsageError("--slo bounds must be upper limits (< or <=)")
+    return conditions
+
+
+def violations(conditions: list[Condition], measured: dict[str, float | None]) -> list[str]:
+    """The fail-on conditions that hold (each one is a reason to fail)."""
+    return [
+        f"{c.text} (measured {value:.4g})"
+        for c in conditions
+        if (value := measured.get(c.metric)) is not None and c.holds(value)
+    ]

@@ -1,0 +1,133 @@
+"""Entry point of the `dlm` command: registers one module per subcommand."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import typer
+import typer.main
+
+from dlm.cli.commands import (
+    batch,
+    deploy,
+    doctor,
+    estimate,
+    fetch,
+    generate,
+    loadtest,
+    models,
+    release,
+    serve,
+    validate,
+    verify,
+)
+from dlm.cli.version import dlm_version
+
+app = typer.Typer(
+    name="dlm",
+    help="Diffusion language models: fetch, verify, estimate, generate, serve, validate, load-test.",
+    no_args_is_help=True,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
+    pretty_exceptions_enable=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dlm {dlm_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print dlm's version and exit."
+    ),
+) -> None:
+    """dlm: serve diffusion language models in production. Every command takes --json."""
+
+
+# name -> function: one line per subcommand, in the order `dlm --help` lists them
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "generate": generate.generate,
+    "fetch": fetch.fetch,
+    "verify": verify.verify,
+    "models": models.models,
+    "rm": models.rm,
+    "release": release.release,
+    "rollback": release.rollback,
+    "estimate": estimate.estimate,
+    "serve": serve.serve,
+    "validate": validate.validate,
+    "loadtest": loadtest.loadtest,
+    "doctor": doctor.doctor,
+    "batch": batch.batch,
+}
+for command_name, function in COMMANDS.items():
+    app.command(command_name)(function)
+app.add_typer(deploy.app, name="deploy")
+
+
+def _unlabel_flags(command: Any) -> None:
+    """An on/off flag takes no value: its help line shows no `<bool>` type label (Typer's
+    rich help labels every option with its type; a metavar of "" leaves the column empty)."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    help_option = command.get_help_option  # click makes --help afresh for each context
+
+    def unlabelled_help(ctx: Any) -> Any:
+        option = help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = unlabelled_help
+    for sub in getattr(command, "commands", {}).values():
+        _unlabel_flags(sub)
+
+
+def main() -> None:
+    """The `dlm` entry point: the Typer app as one click command, its help tidied, and a
+    command line click refuses (an unknown flag, a missing argument) reported like every
+    other usage error: one `error:` line, exit 2, not a boxed panel."""
+    command = typer.main.get_command(app)
+    _unlabel_flags(command)
+    try:
+        result = command.main(standalone_mode=False)
+    except Exception as exc:
+        # Typer vendors click, so its UsageError class is not importable by a stable name:
+        # recognise it by what every click usage error has.
+        if getattr(exc, "exit_code", None) == 2 and hasattr(exc, "format_message"):
+            message = exc.format_message()  # empty for a bare `dlm`: its help was shown
+            if message:
+                sys.stderr.write(f"error: {message}\n")
+            sys.exit(2)
+        if type(exc).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+            sys.stderr.write("error: interrupted\n")
+            sys.exit(130)
+        raise
+    _exit(result if isinstance(result, int) else 0)
+
+
+def _exit(code: int) -> None:
+    """End the process with `code`. Where triton was imported (torch imports it when it
+    builds a model on the meta device), skip the interpreter's teardown: triton's native
+    module prints dozens of "nanobind: leaked ..." lines there, which read like a crash at
+    the end of every `dlm serve` or `dlm batch`. Everything dlm writes is closed by then;
+    the streams and log handlers are flushed first."""
+    if "triton" not in sys.modules:
+        sys.exit(code)
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

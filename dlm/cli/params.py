@@ -1,0 +1,105 @@
+"""The decoding options of `dlm generate`, built from their one declaration (dlm/engine/params.py).
+
+Each option's flag, help text and default come from its `GenerationParams` field; the
+command names its parameters after the fields, so `decoding_params(ctx.params)` collects
+them without restating the mapping. Ranges and family rules are checked by the one
+validation (dlm/engine/family_rules.py), like every other entry point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_type_hints
+
+import typer
+
+from dlm.engine.params import DEFAULTS, PARAMS, cli_flag
+
+if TYPE_CHECKING:
+    from dlm.engine.params import GenerationParams
+
+
+def option(name: str) -> Any:
+    """The typer option of GenerationParams field `name`."""
+    flag = cli_flag(name)
+    if flag is None:
+        raise ValueError(f"{name} is not offered on the command line")
+    spec = PARAMS[name]
+    if spec.choices:
+        extra = "" if "|" in spec.help else f" One of: {', '.join(spec.choices)}."
+    else:
+        extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
+    if _holds_ids(name):  # repeated, comma-separated, or both: as --prompt-ids takes ids
+        return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag), metavar="ID,...")
+    return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
+
+
+def parse_ids(text: str, flag: str) -> list[int]:
+    """Token ids given on the command line: comma-separated integers."""
+    from dlm.engine.errors import UsageError
+
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError(f"{flag} is empty")
+    return ids
+
+
+def _holds_ids(name: str) -> bool:
+    """Whether field `name` holds token ids (its type is a tuple of ints); its option is then
+    declared `list[str]`, each value parsed by `parse_ids`."""
+    from dlm.engine.params import GenerationParams
+
+    return get_type_hints(GenerationParams)[name] in (tuple[int, ...], tuple[int, ...] | None)
+
+
+def _id_list(flag: str) -> Any:
+    def parse(values: list[str] | None) -> list[int] | None:
+        from dlm.engine.errors import UsageError
+
+        try:  # raised while click parses: its error, which the entry point prints as one line
+            return [i for v in values for i in parse_ids(v, flag)] if values else None
+        except UsageError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return parse
+
+
+def check_before_loading(
+    model_dir: Path, params: GenerationParams, prompt_length: int | None, tensor_parallel_size: int = 1
+) -> None:
+    """Refuse from config.json alone, before any rank spawns or weight loads, what the
+    checkpoint would refuse after: a split its heads do not allow, flag combinations, ranges,
+    the length. It is the engine's own validation (dlm/engine/family_rules.py); the engine runs
+    it again once the prompt's tokens are known, and that result decodes.
+
+    A text prompt's length (None) is known only once tokenised, so only what every length
+    refuses is refused: the shortest prompt (one token) bounds the length check, and a
+    prompt of one whole block the blocks decoded on an absolute grid; what both refuse,
+    every length refuses."""
+    from dlm.engine.config import load_config
+    from dlm.engine.errors import UsageError
+    from dlm.engine.family_rules import validate, with_defaults
+    from dlm.engine.parallel.divisibility import check_tensor_parallel
+
+    config = load_config(model_dir)
+    check_tensor_parallel(config, tensor_parallel_size)
+    if prompt_length is not None:
+        validate(params, prompt_length, config)
+        return
+    try:
+        validate(params, 1, config)
+    except UsageError:
+        validate(params, with_defaults(params, config).block_length or 1, config)
+
+
+def decoding_params(given: dict[str, Any]) -> GenerationParams:
+    """GenerationParams from a command's parsed parameters (the ones named after its fields)."""
+    from dlm.engine.params import GenerationParams
+
+    # click records a repeatable option given no times as (), where the field's default is None.
+    # click's values are untyped; GenerationParams.validate checks them.
+    fields: dict[str, Any] = {name: None if value == () else value for name, value in given.items() if name in PARAMS}
+    return GenerationParams(**fields)

@@ -1,0 +1,51 @@
+"""API keys: which caller is this? Keys are compared in constant time and never logged.
+
+Every presented key is hashed and compared with `hmac.compare_digest` against every known
+key's hash (no early exit), so neither the key's length nor how much of it matched leaks
+through timing. Callers are named by `key_id` (a hash prefix) in logs and rate limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from dlm.cli.server.config import key_id
+from dlm.cli.server.errors import APIError
+
+ANONYMOUS = "anonymous"
+
+
+class KeyRing:
+    def __init__(self, keys: list[str]) -> None:
+        self._digests = [(hashlib.sha256(k.encode()).digest(), key_id(k)) for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, authorization: str | None) -> str:
+        """The caller's key id from an `Authorization: Bearer KEY` header, or 401."""
+        if not self.enabled:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        for digest, name in self._digests:
+            if hmac.compare_digest(presented, digest):
+                found = name
+        if found is None:
+            raise _unauthorized("invalid API key")
+        return found
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(
+        401,
+        message,
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -1,0 +1,317 @@
+"""ServeConfig: every knob of `dlm serve`, from one validated source.
+
+Values come from a TOML or YAML file, then `DLM_*` environment variables, then command-line
+flags; later sources win. The merged result is validated once (unknown keys and bad values
+are usage errors naming the field) and printed at start with secrets replaced by key ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from dlm.engine.errors import UsageError
+
+if TYPE_CHECKING:
+    from dlm.engine.config import ModelConfig
+    from dlm.engine.parallel.distributed import ParallelConfig
+    from dlm.engine.params import GenerationParams
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def key_id(key: str) -> str:
+    """A stable, non-reversible name for an API key, for logs and metrics."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="checkpoint directory; none: the embedded default model")
+    served_model_name: str | None = Field(None, description="name clients pass as `model`")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    dtype: str = "auto"
+    device: str = "auto"
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="share of each GPU's memory the server may use (a ceiling; CUDA only)"
+    )
+    backend: Literal["native", "transformers"] = Field(
+        "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)"
+    )
+    trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")
+    # tensor parallelism (docs/parallelism.md): as `dlm generate`; torchrun's variables win
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over; rank 0 serves HTTP")
+    nnodes: int = Field(1, ge=1, description="nodes the ranks span (run `dlm serve` on each)")
+    node_rank: int = Field(0, ge=0, description="this node's index; 0 serves HTTP")
+    master_addr: str | None = Field(None, description="node 0's address (multi-node)")
+    master_port: int | None = Field(None, ge=1, le=65535, description="node 0's rendezvous port (multi-node)")
+    moe_parallel: Literal["auto", "ep", "tp"] = "auto"
+    # security
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_key_file: Path | None = None
+    public_metrics: bool = Field(False, description="serve /metrics without an API key")
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    requests_per_minute: float = Field(0, ge=0, description="per API key; 0: unlimited")
+    tokens_per_minute: float = Field(0, ge=0, description="generated tokens per API key; 0: unlimited")
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    # connections (docs/serve.md#hardening): idle and slow clients are closed
+    read_timeout: float = Field(
+        30.0, gt=0, description="seconds to receive a request's headers, and again its body; then closed / 408"
+    )
+    keep_alive_timeout: int = Field(5, ge=1, description="seconds an idle keep-alive connection stays open")
+    max_connections: int = Field(
+        1000, ge=1, description="open connections and requests; beyond, uvicorn answers 503 at once"
+    )
+    # scheduling and limits
+    max_num_seqs: int = Field(8, ge=1, description="sequences sharing one forward")
+    max_num_batched_tokens: int = Field(16384, ge=1, description="canvas tokens in one forward")
+    max_queue: int = Field(64, ge=0, description="waiting requests; beyond: 429")
+    max_tokens: int = Field(1024, ge=1, description="largest max_tokens (gen_length) per request")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="when a request gives none; default: min(128, max_tokens)"
+    )
+    max_steps: int = Field(
+        1024, ge=1, description="cap on every request's denoising steps (forwards), whatever its rule or family"
+    )
+    refinement_steps: int | None = Field(
+        None, ge=1, description="denoising steps per block when a request gives none; default: one token per step"
+    )
+    block_length: int | None = Field(
+        None, ge=1, description="block length when a request gives none; default: the family's"
+    )
+    max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
+    # Off until the CUDA-graph path has run on a GPU (benchmarks/gpu_check.py checks its ids
+    # against eager ones): a wrong replay would not be caught by any CPU test.
+    step_graphs: str = Field(
+        "off",
+        description="static-shape step forwards: auto (CUDA graphs on CUDA only), on (also static on a CPU), off",
+    )
+    prefix_cache_mib: float = Field(
+        1024.0,
+        ge=0,
+        description="MiB of prompt K/V shared across requests (block-causal families; LRU); 0: off",
+    )
+    request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
+    shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
+    ready_wait: float = Field(
+        120.0, ge=0, description="seconds a generation request that arrives while the model loads waits for it"
+    )
+    # releases (docs/weights.md): serve a store deployment and accept hot swaps
+    deployment: str | None = Field(None, description="store deployment to serve (its current version)")
+    store: Path | None = Field(None, description="model store; default $DLM_HOME/store")
+    admin_port: int = Field(0, ge=0, le=65535, description="admin endpoint port on 127.0.0.1; 0: any free one")
+    admin_key: SecretStr | None = Field(None, description="admin endpoint key; default: a random one")
+    admin_key_file: Path | None = None
+    # operations
+    warmup: bool = True
+    log_prompts: bool = False
+    log_level: str = "info"
+
+    @field_validator("step_graphs")
+    @classmethod
+    def _graphs(cls, value: str) -> str:
+        from dlm.engine.runtime.step_graphs import CHOICES
+
+        if value not in CHOICES:
+            raise ValueError(f"must be one of {', '.join(CHOICES)}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        levels = ("critical", "error", "warning", "info", "debug")
+        if value.lower() not in levels:
+            raise ValueError(f"must be one of {', '.join(levels)}")
+        return value.lower()
+
+    def model_len(self, model_max: int) -> int:
+        """The served max_model_len for a model whose positions end at `model_max`; a setting
+        that cannot work is a usage error (checked from config.json before loading, and again
+        for every version a deployment loads)."""
+        if self.max_model_len is not None and self.max_model_len > model_max:
+            raise UsageError(f"max_model_len ({self.max_model_len}) exceeds the model's maximum ({model_max})")
+        if self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
+            raise UsageError(
+                f"max_model_len ({self.max_model_len}) exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): such a request could never run"
+            )
+        return self.max_model_len or min(model_max, self.max_num_batched_tokens)
+
+    @property
+    def default_gen_length(self) -> int:
+        """The max_tokens of a request that gives none."""
+        return self.default_max_tokens or self.max_tokens
+
+    def decoding_params(self, given: dict[str, Any]) -> GenerationParams:
+        """A request's decoding fields (`given`, by GenerationParams name) with this server's
+        defaults for what it leaves out: the length, the block length, per-block steps (unless
+        it gives a step count), and --max-steps, which every request gets."""
+        from dlm.engine.params import GenerationParams
+
+        defaults: dict[str, Any] = {"gen_length": self.default_gen_length, "block_length": self.block_length}
+        if "steps" not in given and not GenerationParams(**given).edits:  # draft-and-edit bounds its own steps
+            defaults["refinement_steps"] = self.refinement_steps
+        values = {k: v for k, v in defaults.items() if v is not None} | given
+        return GenerationParams(**values, max_steps=self.max_steps)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse, from the checkpoint's config.json before it loads (and before any
+        tensor-parallel rank spawns), settings it cannot serve: the context length, a split its
+        heads do not allow, and decoding defaults its family refuses (e.g. another block length
+        for Clover), which would fail every request that relies on them. A default length
+        over the model's context is left to requests to shorten."""
+        from dlm.engine.family_rules import validate
+        from dlm.engine.parallel.divisibility import check_tensor_parallel
+
+        self.model_len(model.max_position_embeddings)
+        check_tensor_parallel(model, self.parallel().tensor_parallel_size)
+        try:
+            validate(self.decoding_params({}), 1, model)
+        except UsageError as exc:
+            if exc.field != "prompt":
+                raise
+
+    def keys(self) -> list[str]:
+        """Every accepted API key: the list plus the key file (one per line, # comments)."""
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_key_file is not None:
+            try:
+                lines = self.api_key_file.read_text().splitlines()
+            except OSError as exc:
+                raise UsageError(f"cannot read api_key_file {self.api_key_file}: {exc.strerror}") from exc
+            keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if any(not k for k in keys):
+            raise UsageError("an API key is empty")
+        return keys
+
+    def public(self) -> dict[str, Any]:
+        """The configuration as printed at start: no secrets, only key ids."""
+        data = self.model_dump(mode="json", exclude={"api_keys", "admin_key"})
+        data["api_keys"] = [key_id(k) for k in self.keys()]
+        admin = self.configured_admin_key()
+        data["admin_key"] = key_id(admin) if admin else None
+        return data
+
+    @property
+    def admin_enabled(self) -> bool:
+        """The admin endpoint runs for a deployment, or when an admin key was given."""
+        return self.deployment is not None or self.admin_key is not None or self.admin_key_file is not None
+
+    def parallel(self) -> ParallelConfig:
+        """The tensor-parallel layout, resolved with torchrun's variables. Hot swaps would load
+        a second model beside the first, which a process group of fixed shards cannot do."""
+        from dlm.engine.parallel.distributed import ParallelConfig
+
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            moe=self.moe_parallel,
+        ).resolved()
+        if parallel.parallel and self.admin_enabled:
+            raise UsageError(
+                "hot swaps (--deployment, the admin endpoint) are not supported with tensor "
+                "parallelism: serve the release's checkpoint and restart the server to change it"
+            )
+        return parallel
+
+    def configured_admin_key(self) -> str | None:
+        """The admin key from `admin_key` or the content of `admin_key_file`, if any."""
+        if self.admin_key is not None:
+            key = self.admin_key.get_secret_value().strip()
+        elif self.admin_key_file is not None:
+            try:
+                key = self.admin_key_file.read_text().strip()
+            except OSError as exc:
+                raise UsageError(f"cannot read admin_key_file {self.admin_key_file}: {exc.strerror}") from exc
+        else:
+            return None
+        if not key:
+            raise UsageError("the admin key is empty")
+        return key
+
+
+def _normalise(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
+    if not isinstance(mapping, Mapping):
+        raise UsageError(f"{source}: expected a table of settings")
+    return {str(k).replace("-", "_"): v for k, v in mapping.items()}
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """Settings from a .toml or .yaml/.yml file (a top-level `[serve]` table is accepted)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from exc
+    if path.suffix == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"config file {path} is not valid TOML: {exc}") from exc
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise UsageError(f"config file {path} is not valid YAML: {exc}") from exc
+    else:
+        raise UsageError(f"config file {path} must end in .toml, .yaml or .yml")
+    if isinstance(data, Mapping) and set(data) == {"serve"}:
+        data = data["serve"]
+    return _normalise(data, str(path))
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`DLM_<FIELD>` for every field (lists comma-separated); `DLM_API_KEY` adds one key."""
+    out: dict[str, Any] = {}
+    for name, field in ServeConfig.model_fields.items():
+        value = environ.get(f"DLM_{name.upper()}")
+        if value is None:
+            continue
+        out[name] = [v.strip() for v in value.split(",") if v.strip()] if field.annotation == list[SecretStr] else value
+    if environ.get("DLM_API_KEY"):
+        out["api_keys"] = [*out.get("api_keys", []), environ["DLM_API_KEY"]]
+    return out
+
+
+def load_config(
+    file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """Merge file < environment < flags (flags given as None are "not given") and validate."""
+    merged: dict[str, Any] = read_file(file) if file is not None else {}
+    merged.update(read_env(os.environ if environ is None else environ))
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None and v != []})
+    try:
+        config = ServeConfig(**merged)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise UsageError(f"invalid setting {where}: {first['msg']}") from None
+    if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
+        raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
+    if config.default_max_tokens is None:
+        config.default_max_tokens = min(128, config.max_tokens)
+    elif config.default_max_tokens > config.max_tokens:
+        raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
+    config.keys()  # a missing key file is a start-up error, not a runtime one
+    config.configured_admin_key()
+    if config.deployment is not None and config.model is not None:
+        raise UsageError("give MODEL or --deployment, not both: a deployment serves its current release")
+    return config

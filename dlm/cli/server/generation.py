@@ -1,0 +1,331 @@
+"""From a running request to an OpenAI response: one JSON body, or server-sent events.
+
+A request with `n` choices runs as n engine streams (seeds seed, seed+1, ...), answered as
+one body whose choices are indexed 0..n-1, or one event stream whose chunks carry their
+choice's index. Streaming sends the committed left-to-right prefix: a dLLM commits tokens anywhere in its
+block, but text before the first MASK can no longer change, so each step that extends it
+becomes one delta, and every OpenAI client can read the stream. A client that opts in
+(`stream_options.include_canvas`) also gets one canvas event per denoising step, beside
+the same deltas. When the client leaves
+(connection closed), the request is cancelled and leaves the batch before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dlm.cli.server.errors import CLIENT_CLOSED, APIError
+from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
+from dlm.cli.server.service import Job, Service
+from dlm.cli.server.tools import parse_tool_calls, streamable
+from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
+from dlm.engine.runtime.request import canvas_json
+
+# How the engine's non-success finish reasons reach the client.
+_FAILURES = {
+    "timeout": (408, "timeout", "request_timeout", "the request exceeded the time limit of {timeout:g}s"),
+    "shutdown": (503, "unavailable", "shutdown", "the server shut down before the request finished"),
+    "error": (500, "server_error", "engine_error", "the engine failed on this request"),
+}
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _failure(service: Service, out: RequestOutput) -> APIError | None:
+    if out.finish_reason not in _FAILURES:
+        return None
+    status, kind, code, message = _FAILURES[out.finish_reason]
+    message = message.format(timeout=service.config.request_timeout)
+    if out.error is not None:  # e.g. which tensor-parallel rank died
+        message = f"{message}: {out.error}"
+    return APIError(status, message, type=kind, code=code)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a request's `n` choices: its engine stream and what has been sent of it."""
+
+    index: int
+    stream: RequestStream
+    sent: str = ""  # text streamed so far
+    sent_tokens: int = 0  # tokens whose log-probabilities were streamed
+    completion_ids: list[int] = field(default_factory=list)
+
+
+class Responder:
+    """Builds the bodies of one request for its endpoint (completions or chat), one choice
+    per stream (`n`)."""
+
+    def __init__(self, service: Service, job: Job, streams: list[RequestStream]) -> None:
+        self.service, self.job = service, job
+        self.choices = [Choice(i, stream) for i, stream in enumerate(streams)]
+        assert job.served is not None, "submitted requests know their model"
+        self.served = job.served  # the version it runs on, even after a hot swap
+        self.chat = job.endpoint == "chat.completions"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + job.id
+        self.patience = service.config.request_timeout + 30
+
+    @property
+    def streams(self) -> list[RequestStream]:
+        return [c.stream for c in self.choices]
+
+    def abort(self) -> None:
+        for choice in self.choices:
+            self.served.engine.abort(choice.stream, "abort")
+
+    # ---- text --------------------------------------------------------------------------
+
+    def text(self, choice: Choice, out: RequestOutput) -> tuple[str, bool]:
+        """Decoded prefix cut at the first stop string, and whether a stop string was hit."""
+        text = self.served.decode(out.prefix_ids, choice.stream.seq.stop_ids)
+        cut = find_stop(text, self.job.stops)
+        if cut is None:
+            return text, False
+        if not out.finished:  # the answer is complete: free the slot now
+            self.served.engine.abort(choice.stream, "stop")
+        return text[:cut], True
+
+    def close(self, choice: Choice, out: RequestOutput, text: str, stopped: bool, calls: list[Any]) -> str:
+        """A finished choice's completion ids; returns its OpenAI finish reason."""
+        choice.completion_ids = self.served.completion_ids(out.prefix_ids, choice.stream.seq.stop_ids)
+        return "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
+
+    def account(self, texts: list[str], reasons: list[str]) -> None:
+        """Metrics and the log line, once every choice has finished."""
+        job = self.job
+        job.completion_ids = [t for c in self.choices for t in c.completion_ids]
+        job.output_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+        self.service.finish(job, self.streams, reasons[0], 200)
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = len(self.job.prompt_ids), len(self.job.completion_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "denoising_steps": sum(stream.seq.nfe for stream in self.streams),
+        }
+
+    def _head(self) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.job.created, "model": self.service.model_name}
+
+    def logprobs(self, choice: Choice, out: RequestOutput, text: str, stopped: bool) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens of `out` not yet sent for `choice` (all of its
+        completion tokens, or those within `text` when a stop string cut it)."""
+        if out.logprobs is None:
+            return None
+        stops = choice.stream.seq.stop_ids
+        ids = self.served.completion_ids(out.prefix_ids, stops)
+        end = len(ids)
+        if stopped:  # the tokens whose text the cut kept
+            end = next((k for k in range(len(ids) + 1) if len(self.served.decode(ids[:k], stops)) >= len(text)), end)
+        tokens = out.logprobs[choice.sent_tokens : end]
+        offset = len(self.served.decode(ids[: choice.sent_tokens], stops))
+        choice.sent_tokens = max(choice.sent_tokens, end)
+        if self.chat:
+            return chat_logprobs(tokens, self.served.token_text)
+        return completion_logprobs(tokens, self.served.token_text, offset)
+
+    # ---- one JSON body -----------------------------------------------------------------
+
+    async def respond(self, request: Request) -> Response:
+        waiter = asyncio.create_task(self._finals())
+        watcher = asyncio.create_task(_disconnected(request))
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            self.abort()
+            self.service.finish(self.job, self.streams, "abort", CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+        watcher.cancel()
+        finals = waiter.result()
+        for out, _, _ in finals:
+            error = _failure(self.service, out)
+            if error is not None:
+                self.service.finish(self.job, self.streams, out.finish_reason or "error", error.status)
+                return error.response()
+        bodies, texts, reasons = [], [], []
+        for choice, (out, text, stopped) in zip(self.choices, finals):
+            body: dict[str, Any] = {"index": choice.index, "logprobs": self.logprobs(choice, out, text, stopped)}
+            calls: list[Any] = []
+            if self.chat:
+                content = text
+                if self.job.tools:
+                    content, calls = parse_tool_calls(text)
+                    content = content.strip() if calls else content
+                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = calls
+                body["message"] = message
+            else:
+                body["text"] = (self.job.echo or "") + text
+            body["finish_reason"] = self.close(choice, out, text, stopped, calls)
+            if self.job.return_token_ids:
+                body["token_ids"] = choice.completion_ids
+            bodies.append(body)
+            texts.append(text)
+            reasons.append(body["finish_reason"])
+        self.account(texts, reasons)
+        return JSONResponse(
+            {**self._head(), "choices": bodies, "usage": self.usage()}, headers={"X-Request-Id": self.job.id}
+        )
+
+    async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
+        return list(await asyncio.gather(*(self._final(c) for c in self.choices)))
+
+    async def _final(self, choice: Choice) -> tuple[RequestOutput, str, bool]:
+        async for out in choice.stream.outputs(self.patience):
+            text, stopped = self.text(choice, out)
+            if out.finished:
+                return out, text, stopped
+        raise AssertionError("unreachable: outputs() ends with a finished output")
+
+    # ---- server-sent events ------------------------------------------------------------
+
+    def streaming(self) -> StreamingResponse:
+        return StreamingResponse(
+            self._events(),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": self.job.id, "Cache-Control": "no-cache"},
+        )
+
+    def _chunk(
+        self,
+        choice: Choice,
+        delta: str | dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> str:
+        body: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.chat:
+            body["delta"] = delta if isinstance(delta, dict) else {"content": delta}
+        else:
+            body["text"] = delta
+        payload = {**self._head(), "choices": [body]}
+        if self.chat:
+            payload["object"] = "chat.completion.chunk"
+        return _sse(payload)
+
+    async def _outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every choice's outputs as they come, until each has finished."""
+        queue: asyncio.Queue[tuple[Choice, RequestOutput]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            async for out in choice.stream.outputs(self.patience):
+                await queue.put((choice, out))
+
+        pumps = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            left = len(self.choices)
+            while left:
+                choice, out = await queue.get()
+                left -= out.finished
+                yield choice, out
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    def _canvas(self, choice: Choice, out: RequestOutput) -> str:
+        """A canvas event (opt-in: stream_options.include_canvas) of one choice: every answer
+        position after this step, committed, provisional (the step's proposal, not yet
+        committed) or masked, each with its token's text. Documented in docs/serve.md."""
+        assert out.canvas is not None
+        text = None if self.served.tokenizer is None else self.served.token_text
+        kind = "chat.completion.canvas" if self.chat else "text_completion.canvas"
+        canvas = {"index": choice.index, **canvas_json(out.nfe, out.canvas, text)}
+        return _sse({**self._head(), "object": kind, "canvas": canvas})
+
+    async def _events(self) -> AsyncIterator[str]:
+        completed = False
+        first_token = False
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        try:
+            for choice in self.choices:
+                if self.chat:
+                    yield self._chunk(choice, {"role": "assistant", "content": ""})
+                elif self.job.echo:
+                    yield self._chunk(choice, self.job.echo)
+            async for choice, out in self._outputs():
+                text, stopped = self.text(choice, out)
+                if out.canvas is not None and out.error is None:
+                    yield self._canvas(choice, out)
+                if not out.finished:
+                    visible = text.rstrip("\ufffd")  # a partial UTF-8 character waits for its bytes
+                    if self.job.tools:
+                        visible = streamable(visible)
+                    sent = choice.sent
+                    if len(visible) > len(sent) and visible.startswith(sent):
+                        if not first_token:
+                            first_token = True
+                            self.service.metrics.ttft.observe(time.monotonic() - self.job.arrival)
+                        yield self._chunk(
+                            choice, visible[len(sent) :], logprobs=self.logprobs(choice, out, visible, stopped)
+                        )
+                        choice.sent = visible
+                    continue
+                error = _failure(self.service, out)
+                if error is not None:
+                    completed = True
+                    self.abort()
+                    self.service.finish(self.job, self.streams, out.finish_reason or "error", error.status)
+                    yield _sse(error.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                sent = choice.sent
+                content, calls = parse_tool_calls(text) if self.job.tools else (text, [])
+                rest = content[len(sent) :] if content.startswith(sent) else ""
+                if calls:
+                    rest = rest.rstrip()
+                if (rest or calls) and not first_token:
+                    first_token = True
+                    self.service.metrics.ttft.observe(time.monotonic() - self.job.arrival)
+                logprobs = self.logprobs(choice, out, text, stopped)
+                if rest or (logprobs is not None and (logprobs.get("content") or logprobs.get("tokens"))):
+                    yield self._chunk(choice, rest, logprobs=logprobs)
+                if calls:
+                    yield self._chunk(choice, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+                reasons[choice.index] = self.close(choice, out, text, stopped, calls)
+                texts[choice.index] = text
+                yield self._chunk(choice, {} if self.chat else "", finish_reason=reasons[choice.index])
+            completed = True
+            order = sorted(texts)
+            self.account([texts[i] for i in order], [reasons[i] for i in order])
+            if self.job.include_usage:
+                yield _sse(
+                    {
+                        **self._head(),
+                        "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "choices": [],
+                        "usage": self.usage(),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+        finally:
+            if not completed:  # the client went away (the response task was cancelled)
+                self.abort()
+                self.service.finish(self.job, self.streams, "abort", CLIENT_CLOSED)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,173 @@
+"""Run the app under uvicorn with dlm's shutdown: SIGTERM drains instead of dropping work.
+
+First SIGTERM (or Ctrl-C): `/ready` turns 503 and new requests get 503, while in-flight
+requests finish or time out for up to `shutdown_grace` seconds; the rest end with an error;
+then uvicorn closes and the process exits 0. A second signal exits at once with code 1,
+dropping what still runs: the logs are flushed and the process ends with `os._exit`, since
+an interpreter shutdown beside running engine threads can abort in C++ (a signal status).
+A model that fails to load ends the process with exit code 2 (unusable model) or 1; a port
+that cannot be bound, with exit code 1 before the model loads.
+
+An engine that fails while serving (a tensor-parallel rank died or hung) cannot recover:
+its requests end with errors at once, `/health` and `/ready` answer 503 naming the cause for
+`FAILED_EXIT_DELAY_S`, then the process exits 1 so a supervisor restarts it (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+
+from dlm.cli.server.app import create_app
+from dlm.cli.server.config import ServeConfig
+from dlm.cli.server.connections import listen, protocol
+from dlm.cli.server.service import Service
+
+log = logging.getLogger("dlm.server")
+
+FAILED_EXIT_DELAY_S = 3.0  # after an engine failure: time to answer its requests and probes
+FORCED_EXIT_CODE = 1  # a second signal: requests were dropped
+# How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The
+# event loop waits behind the preparation thread (chat templates are pure Python) at most
+# this long per wake-up, which keeps /health fast under abusive bodies.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; request lines are JSON already."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "dlm.requests":
+            return record.getMessage()
+        line = {
+            "ts": round(time.time(), 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    for name in ("dlm", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+        self.exit_code = 0
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self._failed_at: float | None = None
+        self.urls: list[str] = []
+        self.scheme = "https" if config.ssl_certfile else "http"
+        self._announced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's handler, the signal is not re-raised after shutdown: a drained
+        # server exits 0.
+        if self._drain_requested or self.should_exit:
+            log.warning("second signal: exiting now with code %d; unfinished requests are dropped", FORCED_EXIT_CODE)
+            exit_now(FORCED_EXIT_CODE)
+        self._drain_requested = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                self.urls.append(f"{self.scheme}://{host}:{port}")
+                log.info("listening on %s:%d (requests wait while the model loads)", host, port)
+
+    def announce_ready(self) -> None:
+        """One line with the URL, once the model answers: the moment to send requests (the
+        port, chosen by the OS for --port 0, is the one bound)."""
+        self._announced = True
+        for url in self.urls:
+            log.info("ready: serving %s at %s/v1", self.service.model_name, url)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.service.ready and not self._announced:
+            self.announce_ready()
+        if self.service.load_error is not None:
+            self.exit_code = self.service.exit_code
+            return True
+        failure = self.service.engine_failure
+        if failure is not None:
+            now = time.monotonic()
+            if self._failed_at is None:
+                self._failed_at = now
+                log.error("the engine failed; exiting with code 1 in %gs: %s", FAILED_EXIT_DELAY_S, failure)
+            elif now - self._failed_at >= FAILED_EXIT_DELAY_S:
+                self.exit_code = 1
+                return True
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        service = self.service
+        service.draining = True
+        grace = service.config.shutdown_grace
+        log.info("draining: no new requests; in-flight ones get up to %gs", grace)
+        ended = sum(await asyncio.gather(*(m.engine.drain(grace) for m in service.loaded())))
+        if ended:
+            log.warning("grace period over: ended %d unfinished requests", ended)
+        await asyncio.sleep(0.2)  # let the handlers write their final responses
+        self.should_exit = True
+
+
+def exit_now(code: int) -> None:
+    """End the process at once, after flushing what it has logged and printed."""
+    for handler in logging.getLogger("dlm").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(config: ServeConfig) -> int:
+    """Serve until drained or stopped; returns the process exit code."""
+    sockets = listen(config.host, config.port)  # a busy port fails here, before the model loads
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    configure_logging(config.log_level)
+    if not config.keys():
+        log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
+    app = create_app(config)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=protocol(config.read_timeout),
+        timeout_keep_alive=config.keep_alive_timeout,
+        limit_concurrency=config.max_connections,
+        log_level=config.log_level,
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None,
+        ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
+    )
+    server = DrainingServer(uv_config, app.state.service)
+    server.run(sockets=sockets)
+    if server.exit_code == 0 and not server.started:
+        return 1  # uvicorn could not bind or start
+    return server.exit_code

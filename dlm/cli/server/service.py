@@ -1,0 +1,521 @@
+"""Service: what the HTTP routes share: the loaded model, the async engine, limits, keys,
+metrics, readiness, and the one JSON log line per request.
+
+Loading runs in a worker thread after the socket is open, so `/health` answers while the
+weights load and `/ready` turns 200 only once a warm-up forward has run.
+
+The served model is one `LoadedModel` that a hot swap (dlm/cli/server/hotswap.py) replaces
+on the event loop. A request's prompt is encoded off the loop with the tokenizer of
+`self.served` (dlm/cli/server/prepare.py encodes it again if a swap happened meanwhile); from
+there to `submit()` the handler does not await, so tokenizer, limits and engine belong to one
+version, and the request keeps that version (`Job.served`) to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlm.cli.server.auth import KeyRing
+from dlm.cli.server.config import ServeConfig
+from dlm.cli.server.errors import APIError, bad_request
+from dlm.cli.server.loaded import LoadedModel
+from dlm.cli.server.metrics import ServerMetrics
+from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
+from dlm.cli.server.ratelimit import RateLimiter
+from dlm.engine.errors import DlmError, EngineFailed, Unsupported, UsageError
+from dlm.engine.params import PARAMS, ResolvedParams, http_name
+from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
+from dlm.engine.runtime.prefix_cache import PrefixCacheStats
+from dlm.engine.runtime.scheduler import QueueFull, SchedulerLimits
+
+if TYPE_CHECKING:
+    from dlm.engine.llm import LLM
+    from dlm.engine.runtime.interface import Engine
+
+log = logging.getLogger("dlm.server")
+request_log = logging.getLogger("dlm.requests")
+
+
+@dataclass
+class Job:
+    """One inference request's bookkeeping, from arrival to its log line."""
+
+    endpoint: str
+    key: str = "-"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_ids: list[int] = field(default_factory=list)
+    suffix_ids: tuple[int, ...] = ()  # infilling: the ids after the answer
+    params: ResolvedParams | None = None
+    stops: list[str] = field(default_factory=list)
+    tools: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    include_canvas: bool = False  # stream_options.include_canvas: canvas events after every step
+    return_token_ids: bool = False
+    echo: str | None = None  # completions with `echo`: the prompt's text, sent before the answer
+    status: int = 200
+    finish_reason: str | None = None
+    completion_ids: list[int] = field(default_factory=list)  # every choice's, one after another
+    steps: int = 0
+    prompt_text: str | None = None
+    output_text: str | None = None
+    served: LoadedModel | None = None  # the model version the request was submitted to
+
+
+class Service:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.keys = KeyRing(config.keys())
+        self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
+        self.model_name = config.served_model_name or _default_name(config)
+        self.served: LoadedModel | None = None
+        self.retiring: list[LoadedModel] = []  # replaced by a hot swap, finishing their requests
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        # a deployment's checkpoint and NAME@VERSION, read as the admin endpoint registers
+        self.pinned: tuple[str, str] | None = None
+        self.exit_code = 1  # of the process, when loading fails (2: the model was bad usage)
+        self.runtime: dict[str, Any] = {}  # the served model's dtype choice and kernels, for /health
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load weights and tokenizer, warm up, start the engine loop (worker thread)."""
+        try:
+            self._load()
+        except DlmError as exc:
+            self.load_error, self.exit_code = str(exc), exc.exit_code
+        except Exception as exc:  # surfaced by /health and the exit code, never swallowed
+            log.exception("loading the model failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+        if self.load_error:
+            log.error("error: %s", self.load_error)
+
+    def _load(self) -> None:
+        model, ref = self.initial_checkpoint()
+        self.served = self.open(model, ref, warmup=self.config.warmup)
+        self.metrics.bind(
+            lambda: sum(m.engine.num_running for m in self.loaded()),
+            lambda: sum(m.engine.num_waiting for m in self.loaded()),
+            lambda: sum(m.engine.batch_tokens for m in self.loaded()) / self.config.max_num_batched_tokens,
+            lambda: sum(m.engine.cache_bytes for m in self.loaded()),
+        )
+        self.metrics.watch_prefix_cache(
+            lambda: sum((m.engine.prefix_cache_stats for m in self.loaded()), PrefixCacheStats())
+        )
+        self.metrics.serving(self.model_name, self.served.version, self.config.deployment)
+        self.ready = True
+        log.info(
+            "ready: model %s from %s (max_model_len %d)",
+            self.model_name,
+            self.served.describe(),
+            self.served.max_model_len,
+        )
+
+    def initial_checkpoint(self) -> tuple[str | None, str | None]:
+        """What to load at start: MODEL, or the deployment's current release (read when the
+        admin endpoint registered, in one store transaction, so a release made since reaches
+        this server as a hot swap once it has loaded)."""
+        if self.config.deployment is None:
+            from dlm.cli.store.resolve import resolve_model
+
+            return str(resolve_model(self.config.model)), None
+        if self.pinned is None:
+            raise DlmError(f"deployment {self.config.deployment}: the admin endpoint did not register")
+        return self.pinned
+
+    def open(self, model: str | None, ref: str | None, *, warmup: bool) -> LoadedModel:
+        """Load a checkpoint, check it against the limits, warm it up and start its engine loop."""
+        from dlm.engine.llm import LLM
+
+        cfg = self.config
+        log.info("loading %s", model)
+        llm = LLM(
+            model,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            backend=cfg.backend,
+            trust_remote_code=cfg.trust_remote_code,
+            parallel=cfg.parallel(),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            on_load=LoadProgress(),
+        )
+        if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
+            log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
+        try:
+            return self._serve(llm, ref, warmup)
+        except BaseException:
+            llm.close()  # a tensor-parallel model stops its ranks
+            raise
+
+    def _serve(self, llm: LLM, ref: str | None, warmup: bool) -> LoadedModel:
+        from dlm.engine.tokenizer import has_tokenizer
+
+        self._check_kernels(llm)
+        if llm.device.type == "cuda" and self.served is None:  # the first load (a hot swap keeps the GPU)
+            import torch
+
+            device = llm.device
+            self.metrics.watch_gpu(lambda: torch.cuda.memory_allocated(device))
+        cfg = self.config
+        max_model_len = cfg.model_len(llm.config.max_position_embeddings)
+        tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
+        limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
+        log.info("step graphs: %s", graphs)
+        budget = int(cfg.prefix_cache_mib * 2**20)
+        reuse = llm.engine.enable_prefix_cache(budget)
+        if reuse:
+            log.info("prefix cache: up to %.0f MiB of prompt K/V shared across requests", cfg.prefix_cache_mib)
+        elif budget:
+            log.info("prefix cache: off (exact reuse needs a block-causal family on one process)")
+        self.runtime.update(step_graphs=graphs, prefix_cache_bytes=budget if reuse else 0)
+        engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
+        ranks = llm.engine.tensor_parallel_size
+        if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
+            llm.engine.on_failure(engine.fail)
+            log.info("tensor parallel: %d ranks ready", ranks)
+        _prepare_structured(llm, tokenizer)
+        if warmup:
+            log.info("warming up (one request through the engine before /ready)")
+            engine.warmup()
+        engine.start()
+        return LoadedModel(engine, tokenizer, max_model_len, llm.model_dir, ref)
+
+    def _check_kernels(self, llm: LLM) -> None:
+        """Where the dispatch would run Triton (CUDA), self-test every kernel on the model's
+        device and dtype and fall back to the torch twin for any that fails (logged by
+        dlm/kernels/selftest.py); record the dtype choice and the kernels for /health."""
+        from dlm.kernels import dispatch, selftest
+
+        tested = selftest.guard(llm.device, llm.dtype) if llm.backend == "native" else []
+        self.runtime = {
+            "dtype": llm.dtype_choice.to_dict(),
+            "kernels": {
+                "backend": dispatch.backend(llm.device),
+                "self_test": {result.name: result.status for result in tested},
+                "fallbacks": dispatch.fallbacks(),
+            },
+        }
+
+    def loaded(self) -> list[LoadedModel]:
+        """Every model whose engine loop may still hold requests."""
+        return ([self.served] if self.served is not None else []) + self.retiring
+
+    def _max_num_seqs(self, engine: Engine) -> int:
+        """The batch bound, after saying which transformers-backend path serves the model and
+        what it costs; the generate path decodes one request at a time."""
+        path = engine.path
+        if path is not None:
+            from dlm.engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
+
+            log.info("transformers backend, %s path: %s", path, PATHS[path])
+            if path == "generate":
+                log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
+        bound = engine.max_num_seqs
+        return self.config.max_num_seqs if bound is None else min(bound, self.config.max_num_seqs)
+
+    def shutdown(self) -> None:
+        for model in self.loaded():
+            model.engine.stop()
+
+    # The served model's parts, for the code that serves new requests.
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.served.engine if self.served is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len if self.served is not None else 0
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the served engine can run nothing more (a tensor-parallel rank died or hung)."""
+        return self.engine.failure if self.engine is not None else None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the server is unhealthy; None while it is healthy (or still loading)."""
+        if self.load_error is not None or self.engine is None:
+            return self.load_error
+        return self.engine_failure or (None if self.engine.alive else "the engine loop stopped")
+
+    # ---- admission ---------------------------------------------------------------------
+
+    def authenticate(self, job: Job, authorization: str | None) -> None:
+        """Who is calling (401 for a missing or wrong key): first, so an unauthenticated
+        caller is neither held nor told anything about the server's state."""
+        job.key = self.keys.identify(authorization)
+
+    def admit(self, job: Job) -> None:
+        """Check readiness, the authenticated key's request rate and the queue."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="unavailable", code="draining")
+        if not self.ready or self.engine is None:
+            raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        if self.engine_failure is not None:
+            raise _engine_failed(self.engine_failure)
+        wait = self.limiter.check(job.key, "requests")
+        if wait:
+            raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
+        try:  # refuse overload before reading the body or tokenizing
+            self.engine.scheduler.check_room()
+        except QueueFull as exc:
+            raise _queue_full(self.engine, exc) from None
+
+    def check_model(self, name: str | None) -> None:
+        """The served name, or NAME@VERSION of the version served now."""
+        current = self.served.ref if self.served is not None else None
+        if name is not None and name not in (self.model_name, current):
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def params(self, job: Job, body: GenerationRequest, max_tokens: int | None) -> ResolvedParams:
+        """The request's decoding parameters, resolved and validated once for the served model
+        and checked against the server's limits. Each body field maps onto its GenerationParams
+        field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
+        cfg = self.config
+        gen = max_tokens if max_tokens is not None else cfg.default_gen_length
+        if gen > cfg.max_tokens:
+            raise bad_request(
+                f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
+                param="max_tokens",
+                code="max_tokens_exceeded",
+            )
+        if len(job.prompt_ids) + gen + len(job.suffix_ids) > self.max_model_len:
+            suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
+            raise bad_request(
+                f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}){suffix} exceeds the "
+                f"maximum context of {self.max_model_len} tokens",
+                param=_prompt_param(job),
+                code="context_length_exceeded",
+            )
+        if body.steps is not None and body.steps > cfg.max_steps:
+            raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}", "steps")
+        if cfg.tokens_per_minute and gen > cfg.tokens_per_minute:
+            raise bad_request(
+                f"max_tokens ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
+                param="max_tokens",
+            )
+        given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
+        response_format = given.pop("response_format", None)
+        if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
+            given["response_format"] = json.dumps(response_format, ensure_ascii=False)
+        if given.get("top_p") == 1.0:
+            del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
+        given.update(gen_length=gen, suffix=job.suffix_ids)
+        top = body.top_logprobs_count()
+        if top is not None:
+            given["logprobs"] = top
+        assert self.engine is not None
+        try:  # the family's defaults and rules, as `dlm generate` applies them
+            resolved = self.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
+        except UsageError as exc:
+            raise _refused(exc, job) from None
+        if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
+            raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
+        if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
+            # Named after the field that set the step count: the request's own, else its length.
+            param = next((name for name in ("refinement_steps", "steps") if name in given), "max_tokens")
+            raise _steps_exceeded(
+                f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
+                f"server's limit of {cfg.max_steps}",
+                param,
+            )
+        return resolved
+
+    def submit(self, job: Job, params: ResolvedParams) -> list[RequestStream]:
+        """Charge the token rate, then queue the request's `n` samples on the served model
+        (429 at once when the queue cannot take them all); they stay on that model to their
+        end. One stream per choice, choice i seeded `seed + i` (`GenerationParams.samples`)."""
+        wait = self.limiter.check(job.key, "tokens", params.gen_length * params.n)
+        if wait:
+            raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
+        job.params = params
+        assert self.served is not None
+        job.served = self.served
+        engine = self.served.engine
+        streams: list[RequestStream] = []
+        try:
+            for i, sample in enumerate(params.samples()):
+                streams.append(
+                    engine.submit(
+                        job.id if params.n == 1 else f"{job.id}-{i}",
+                        job.prompt_ids,
+                        sample,
+                        timeout=self.config.request_timeout,
+                        updates=job.stream or bool(job.stops),
+                        canvas=job.include_canvas,
+                    )
+                )
+        except (QueueFull, Draining, EngineFailed, UsageError) as exc:
+            for stream in streams:  # all the choices or none
+                engine.abort(stream, "abort")
+            raise _submit_refused(engine, exc, job) from None
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        return streams
+
+    # ---- accounting --------------------------------------------------------------------
+
+    def reject(self, job: Job, error: APIError) -> None:
+        job.status = error.status
+        self.metrics.rejections.labels(error.code or error.type).inc()
+        self.record(job)
+
+    def finish(self, job: Job, streams: list[RequestStream], finish_reason: str, status: int) -> None:
+        """Metrics and the log line of a request the engine ran (its choices' streams)."""
+        job.finish_reason, job.status = finish_reason, status
+        job.steps = sum(stream.seq.nfe for stream in streams)
+        m = self.metrics
+        for stream in streams:
+            req = stream.request
+            if req.admitted is not None:
+                m.queue_time.observe(req.admitted - req.arrival)
+        m.steps.observe(job.steps)
+        if finish_reason == "timeout":
+            m.timeouts.inc()
+        elif finish_reason == "abort":
+            m.disconnects.inc()
+        elif finish_reason in ("error", "shutdown"):
+            m.failures.labels(finish_reason).inc()
+        else:
+            m.success.labels(finish_reason).inc()
+            m.generation_tokens.inc(len(job.completion_ids))
+            m.e2e.observe(time.monotonic() - job.arrival)
+        self.record(job)
+
+    def record(self, job: Job) -> None:
+        """One JSON line per request; prompt and output text only with --log-prompts."""
+        line: dict[str, Any] = {
+            "event": "request",
+            "id": job.id,
+            "endpoint": job.endpoint,
+            "key": job.key,
+            "status": job.status,
+            "latency_s": round(time.monotonic() - job.arrival, 4),
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": len(job.completion_ids),
+            "denoising_steps": job.steps,
+            "finish_reason": job.finish_reason,
+            "stream": job.stream,
+        }
+        if self.config.log_prompts:
+            line["prompt"] = job.prompt_text
+            line["output"] = job.output_text
+        request_log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
+    """Classify the vocabulary for response formats now, on the loading thread, rather than
+    on the event loop at the first structured request (seconds for a large vocabulary)."""
+    from dlm.engine.runtime.engine import LLMEngine
+    from dlm.engine.structured import supported
+
+    engine = llm.engine
+    if not isinstance(engine, LLMEngine) or engine.loaded.model_dir is None or tokenizer is None:
+        return  # tensor parallel: built at the first structured request; the generate path refuses them
+    if supported(engine.family):
+        try:
+            engine.vocabulary()
+        except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
+            log.info("structured output unavailable: %s", exc)
+
+
+def _prompt_param(job: Job) -> str:
+    return "messages" if job.endpoint == "chat.completions" else "prompt"
+
+
+def _refused(exc: UsageError, job: Job) -> APIError:
+    """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
+    GenerationParams field or `prompt`), in the API's name for it."""
+    field = exc.field
+    if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
+        param: str | None = "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
+    elif field in PARAMS and http_name(field) is not None:
+        param = http_name(field)
+    else:
+        param = _prompt_param(job) if field == "prompt" else field
+    return bad_request(str(exc), param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
+
+
+def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:
+    if isinstance(exc, QueueFull):
+        return _queue_full(engine, exc)
+    if isinstance(exc, Draining):
+        return APIError(503, str(exc), type="unavailable", code="draining")
+    if isinstance(exc, EngineFailed):
+        return _engine_failed(str(exc))
+    assert isinstance(exc, UsageError)
+    return _refused(exc, job)
+
+
+def _steps_exceeded(message: str, param: str) -> APIError:
+    return bad_request(message, param=param, code="steps_exceeded")
+
+
+class LoadProgress:
+    """Weight loading made visible: a log line every few seconds with the tensors read so far
+    (a large checkpoint takes minutes; silence would look like a hang)."""
+
+    EVERY_S = 5.0
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.tensors = 0
+
+    def __call__(self, name: str) -> None:
+        self.tensors += 1
+        now = time.monotonic()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            log.info("loading weights: %d tensors read in %.0fs (now %s)", self.tensors, now - self.start, name)
+
+
+def _rate_limited(message: str, wait: int) -> APIError:
+    return APIError(
+        429, message, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(wait)}
+    )
+
+
+def _engine_failed(reason: str) -> APIError:
+    return APIError(503, f"the engine failed: {reason}", type="unavailable", code="engine_failed")
+
+
+def _queue_full(engine: AsyncEngine, exc: QueueFull) -> APIError:
+    return APIError(
+        429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(engine.retry_after())}
+    )
+
+
+def _default_name(config: ServeConfig) -> str:
+    """The directory name; for a deployment, the store name of the model it serves."""
+    if config.deployment is not None:
+        from dlm.cli.store.releases import load_state
+        from dlm.cli.store.store import Store
+
+        current = load_state(Store(config.store), config.deployment)["current"]
+        return current["model"] if current else config.deployment
+    if config.model is None:
+        from dlm.engine.default_model import NAME
+
+        return NAME
+    return Path(config.model).expanduser().resolve().name

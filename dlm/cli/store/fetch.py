@@ -1,0 +1,372 @@
+"""Bring a checkpoint into the store, from the hub or from a local / mounted mirror path.
+
+Hub: the revision is resolved to a commit first, so a version always names immutable
+content; files download through huggingface_hub into a staging directory named after that
+commit (an interrupted fetch resumes there), then each file is checked against the hub's
+hash for it (sha256 for LFS files, git's blob id for the rest) before the version is
+published. Local: files are copied (or hard-linked) and hashed in the same pass; symbolic
+links are followed only inside the source tree (or, with `follow_symlinks`, anywhere), and a
+broken one (dangling, a loop) or anything that is not a regular file is stored as a finding
+that fails the version instead of being copied.
+Either way the version id is derived from the content, so a second fetch of the same thing
+does no transfer: for a commit already in the store, no network call either when the
+revision is given as a full commit hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlm.cli.store.hashing import ByteProgress, NoProgress, copy_hashing, git_blob_sha1, parallel_map, sha256_file
+from dlm.cli.store.releases import transaction
+from dlm.cli.store.store import (
+    FILES,
+    FileEntry,
+    Manifest,
+    Store,
+    check_name,
+    content_hash,
+    iter_files,
+    local_path,
+    now,
+)
+from dlm.cli.store.verify import VerifyReport, check_structure
+from dlm.engine.errors import DlmError, UsageError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
+COMMIT = re.compile(r"[0-9a-f]{40}\Z")
+
+
+@dataclass
+class FetchResult:
+    manifest: Manifest
+    path: Path
+    already_present: bool
+    bytes_transferred: int
+    report: VerifyReport | None  # structural checks of a newly published version
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "name": m.name,
+            "version": m.version,
+            "ref": f"{m.name}@{m.version}",
+            "path": str(self.path),
+            "source": m.source,
+            "files": len(m.files),
+            "total_size": m.total_size,
+            "content_sha256": m.content_sha256,
+            "already_present": self.already_present,
+            "bytes_transferred": self.bytes_transferred,
+            "state": m.state,
+            "verification": m.verification,
+        }
+
+
+def _select(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> list[str]:
+    """The hub's own --include/--exclude semantics, for hub and local sources alike."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    return list(filter_repo_objects(paths, allow_patterns=list(include) or None, ignore_patterns=list(exclude) or None))
+
+
+def _filter_tag(include: Sequence[str], exclude: Sequence[str]) -> str:
+    if not include and not exclude:
+        return ""
+    blob = json.dumps([sorted(include), sorted(exclude)]).encode()
+    return "-" + hashlib.sha256(blob).hexdigest()[:6]
+
+
+def _publish(
+    store: Store, staging: Path, manifest: Manifest, transferred: int, unusable: dict[str, str] | None = None
+) -> FetchResult:
+    """Structural checks on the staged files (plus the source entries that could not be
+    copied, as failures), then the atomic rename into the store."""
+    report = VerifyReport(path=str(staging / FILES), model=manifest.name, version=manifest.version)
+    report.files = len(manifest.files)
+    for rel, problem in sorted((unusable or {}).items()):
+        report.fail(rel, "source", problem)
+    check_structure(staging / FILES, report)
+    manifest.verification = report.record(hashed=True)
+    with transaction(store):
+        published = store.commit(staging, manifest)
+        if not published:
+            manifest = store.manifest(manifest.name, manifest.version)
+    path = store.files_dir(manifest.name, manifest.version)
+    report.path = str(path)
+    return FetchResult(manifest, path, not published, transferred, report if published else None)
+
+
+# -- local directories and mounted mirrors --------------------------------------------------
+def _unchanged_copy(
+    store: Store, name: str, source: dict[str, Any], stats: dict[str, dict[str, int]]
+) -> Manifest | None:
+    """A version copied from this very path whose files all still have the size and mtime
+    they had then: re-fetching it would read everything to learn nothing."""
+    for manifest in reversed(store.manifests(name)):
+        if manifest.source != source or manifest.state == "failed":  # a failed one is fetched again
+            continue
+        if {f.path: f.source_stat for f in manifest.files} == stats:
+            return manifest
+    return None
+
+
+def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, Path], dict[str, str]]:
+    """Walk a local source: (relative path -> file to read, relative path -> why it cannot
+    be copied). Dot-directories (.git, .cache) are skipped, as in `iter_files`. A symbolic
+    link is read through when its target lies inside `src`; one leaving it is refused unless
+    `follow_symlinks`; links to an enclosing directory (loops) and dangling links are unusable."""
+    files: dict[str, Path] = {}
+    unusable: dict[str, str] = {}
+    pending: list[tuple[Path, str, frozenset[Path]]] = [(src, "", frozenset({src}))]
+    while pending:
+        directory, prefix, ancestors = pending.pop()
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            rel, path = prefix + entry.name, Path(entry.path)
+            real = path
+            if entry.is_symlink():
+                try:
+                    real = path.resolve(strict=True)
+                except (OSError, RuntimeError):
+                    unusable[rel] = "a broken symbolic link (dangling, or a loop)"
+                    continue
+                if not real.is_relative_to(src) and not follow_symlinks:
+                    raise DlmError(
+                        f"{path} is a symbolic link to {real}, outside {src}: refused "
+                        "(`dlm fetch --follow-symlinks` copies what such links point to)"
+                    )
+            if real.is_dir():
+                if entry.name.startswith("."):
+                    continue
+                if real in ancestors:
+                    unusable[rel] = f"a symbolic link to its own enclosing directory {real} (a loop)"
+                    continue
+                pending.append((real, rel + "/", ancestors | {real}))
+            elif real.is_file():
+                files[rel] = real
+            else:
+                unusable[rel] = "not a regular file (a socket, FIFO or device)"
+    return files, unusable
+
+
+def fetch_local(
+    directory: Path,
+    store: Store,
+    name: str | None,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    link: bool,
+    progress: ByteProgress,
+    workers: int | None,
+    follow_symlinks: bool = False,
+) -> FetchResult:
+    src = directory.expanduser().resolve()
+    name = check_name(src.name if name is None else name)
+    found, unusable = _source_files(src, follow_symlinks)
+    selected = set(_select(sorted({*found, *unusable}), include, exclude))
+    if not selected:
+        raise UsageError(
+            f"no files to fetch from {src}" + (" (after --include/--exclude)" if include or exclude else "")
+        )
+    unusable = {rel: why for rel, why in unusable.items() if rel in selected}
+    sources = {rel: path for rel, path in found.items() if rel in selected}
+    rels = sorted(sources)
+    stats = {}
+    for rel in rels:
+        st = sources[rel].stat()
+        stats[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    source = {"kind": "local", "path": str(src), "include": list(include), "exclude": list(exclude), "link": link}
+    with store.staging_lock(name):
+        existing = None if unusable else _unchanged_copy(store, name, source, stats)
+        if existing is not None:
+            return FetchResult(existing, store.files_dir(name, existing.version), True, 0, None)
+        store.clear_stale_staging(name)
+        staging = store.staging(name)
+        try:
+
+            def transfer(rel: str, advance: Any) -> str:
+                path, dst = sources[rel], staging / FILES / rel
+                if link:
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(path, dst)
+                    except OSError:  # another filesystem: fall back to a copy
+                        pass
+                    else:
+                        return sha256_file(dst, advance)
+                return copy_hashing(path, dst, advance)
+
+            total = sum(stat["size"] for stat in stats.values())
+            digests = parallel_map(transfer, rels, progress, "linking" if link else "copying", workers, total)
+            failed = {rel: d for rel, d in digests.items() if isinstance(d, OSError)}
+            if failed:
+                rel, exc = next(iter(failed.items()))
+                raise DlmError(f"could not copy {sources[rel]}: {exc}")
+            for rel in rels:
+                st = sources[rel].stat()
+                if {"size": st.st_size, "mtime_ns": st.st_mtime_ns} != stats[rel]:
+                    raise DlmError(f"{src / rel} changed while it was being copied; fetch again")
+            files = [FileEntry(rel, stats[rel]["size"], str(digests[rel]), source_stat=stats[rel]) for rel in rels]
+            digest = content_hash(files)
+            manifest = Manifest(name, digest[:12], source, files, now(), digest)
+            return _publish(store, staging, manifest, sum(f.size for f in files), unusable)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- the hub (or a mirror speaking its API: HF_ENDPOINT) ----------------------------------
+def _hub_error(repo_id: str, exc: Exception) -> DlmError:
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(exc, RevisionNotFoundError):
+        return UsageError(f"{repo_id}: revision not found on the hub ({exc.__class__.__name__})")
+    if isinstance(exc, GatedRepoError):
+        return DlmError(f"{repo_id} is gated: accept its terms on the hub and set HF_TOKEN")
+    if isinstance(exc, RepositoryNotFoundError):
+        return UsageError(f"{repo_id}: no such repository on the hub (or it is private: set HF_TOKEN)")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+    return DlmError(f"fetching {repo_id} from the hub failed: {first}")
+
+
+def _existing(store: Store, name: str, version: str) -> Manifest | None:
+    """The stored version, unless absent or failed (a failed one is fetched again)."""
+    try:
+        manifest = store.manifest(name, version)
+    except UsageError:
+        return None
+    return None if manifest.state == "failed" else manifest
+
+
+def fetch_hub(
+    repo_id: str,
+    store: Store,
+    name: str | None,
+    revision: str | None,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    progress: ByteProgress,
+    workers: int | None,
+) -> FetchResult:
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.hf_api import RepoFile
+
+    name = check_name(repo_id.split("/")[-1] if name is None else name)
+    revision = revision or "main"
+    tag = _filter_tag(include, exclude)
+    if COMMIT.match(revision):  # immutable: no need to ask the hub what it resolves to
+        found = _existing(store, name, revision[:12] + tag)
+        if found is not None:
+            return FetchResult(found, store.files_dir(name, found.version), True, 0, None)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    api = HfApi(endpoint=endpoint)
+    try:
+        commit = api.repo_info(repo_id, revision=revision).sha
+        if commit is None:
+            raise DlmError(f"the hub did not resolve {repo_id}@{revision} to a commit")
+        version = commit[:12] + tag
+        found = _existing(store, name, version)
+        if found is not None:
+            return FetchResult(found, store.files_dir(name, version), True, 0, None)
+        tree = {
+            f.path: f for f in api.list_repo_tree(repo_id, revision=commit, recursive=True) if isinstance(f, RepoFile)
+        }
+    except DlmError:
+        raise
+    except Exception as exc:  # the hub client raises many kinds: name the repo and the cause
+        raise _hub_error(repo_id, exc) from exc
+    wanted = _select(sorted(tree), include, exclude)
+    if not wanted:
+        raise UsageError(f"{repo_id}@{commit[:12]} has no files matching --include/--exclude")
+    source = {
+        "kind": "hub",
+        "repo_id": repo_id,
+        "revision": revision,
+        "commit": commit,
+        "endpoint": endpoint,
+        "include": list(include),
+        "exclude": list(exclude),
+    }
+    with store.staging_lock(name):
+        staging = store.staging(name, key=f"hub-{version}")
+        target = staging / FILES
+        before = sum(p.stat().st_size for p in iter_files(target)) if target.exists() else 0
+        try:
+            snapshot_download(
+                repo_id,
+                revision=commit,
+                local_dir=target,
+                allow_patterns=list(include) or None,
+                ignore_patterns=list(exclude) or None,
+                endpoint=endpoint,
+                max_workers=workers or 8,
+            )
+        except Exception as exc:
+            raise _hub_error(repo_id, exc) from exc
+        shutil.rmtree(target / ".cache", ignore_errors=True)  # huggingface_hub's resume metadata
+
+        def check(path: Path, advance: Any) -> str:
+            digest = sha256_file(path, advance)
+            with open(path, "rb") as handle:  # durable before the version is published
+                os.fsync(handle.fileno())
+            return digest
+
+        missing = [rel for rel in wanted if not (target / rel).is_file()]
+        if missing:
+            raise DlmError(f"the hub download of {repo_id} lacks {', '.join(missing)}; fetch again to resume")
+        digests = parallel_map(check, [target / rel for rel in wanted], progress, "hashing", workers)
+        files, bad = [], []
+        for rel in wanted:
+            info, digest = tree[rel], digests[target / rel]
+            if isinstance(digest, OSError):
+                raise DlmError(f"could not read {target / rel}: {digest}")
+            expected = {"sha256": info.lfs.sha256} if info.lfs is not None else {"git_sha1": info.blob_id}
+            actual = digest if info.lfs is not None else git_blob_sha1(target / rel)
+            files.append(FileEntry(rel, (target / rel).stat().st_size, digest, expected))
+            if actual != next(iter(expected.values())):
+                bad.append(rel)
+                (target / rel).unlink()  # so that the next run downloads it again
+        if bad:
+            raise DlmError(
+                f"{', '.join(bad)} from {repo_id}@{commit[:12]} did not match the hub's hash; "
+                "removed, fetch again to retry"
+            )
+        manifest = Manifest(name, version, source, files, now(), content_hash(files))
+        after = sum(f.size for f in files)
+        return _publish(store, staging, manifest, max(0, after - before))
+
+
+def fetch(
+    source: str,
+    store: Store,
+    *,
+    name: str | None = None,
+    revision: str | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    link: bool = False,
+    follow_symlinks: bool = False,
+    progress: ByteProgress | None = None,
+    workers: int | None = None,
+) -> FetchResult:
+    """Fetch SOURCE (a directory, or a hub repo id) into the store."""
+    progress = progress or NoProgress()
+    path = local_path(source)
+    if path is not None:
+        if not path.is_dir():
+            raise UsageError(f"{source} is a file; SOURCE must be a directory or a hub repo id")
+        if revision is not None:
+            raise UsageError("--revision applies to hub sources, not to a local directory")
+        return fetch_local(path, store, name, include, exclude, link, progress, workers, follow_symlinks)
+    if link or follow_symlinks:
+        raise UsageError(f"{'--link' if link else '--follow-symlinks'} applies to local sources only")
+    if not HUB_ID.match(source):
+        raise UsageError(f"no directory at {source!r}, and it is not a hub repo id (org/name)")
+    return fetch_hub(source, store, name, revision, include, exclude, progress, workers)

@@ -1,0 +1,351 @@
+"""Deployments: which store version each one serves, and the history of how it got there.
+
+One JSON file per deployment (`<store>/deployments/NAME.json`) holds `current`, the
+append-only `history`, and, while a hot swap is under way, `pending`: the swap journal. It is
+replaced atomically, so a release or rollback killed at any instant leaves the old state or
+the new one, never neither.
+
+Locking: every change to the store (publishing a version, recording a verification, `rm`,
+release, rollback, a server registering) runs in `transaction`: under the one store-wide
+lock, taken before anything it protects is read. `rm` therefore sees the releases as they are
+when it deletes, never as they were before a concurrent release.
+
+The swap journal: before asking a running server to switch, a release writes `pending`
+(an intent id, the target, the server's pid). The server acts only on a request whose intent
+matches the journal, and notes in its own record (dlm/cli/store/admin.py) what it is loading
+and then what it serves. The release clears `pending` as it records the outcome. If the
+release dies first, the next transaction (any store command, or a server starting) settles
+it from the server's record: the release counts as done if and only if the server switched.
+
+Rollback semantics: successful events form a stack. A release pushes its version; a rollback
+to a version on the stack pops back to it. So after releasing v1, v2, v3, two rollbacks
+return to v2 and then v1 (not back and forth between v2 and v3).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlm.cli.store import admin
+from dlm.cli.store.atomic import read_json, write_json_atomic
+from dlm.cli.store.store import NAME_RE, Manifest, Store, check_name, now
+from dlm.engine.errors import DlmError, UsageError
+
+DEFAULT_DEPLOYMENT = "default"
+SETTLE_POLL_S = 0.1
+
+
+def state_path(store: Store, deployment: str) -> Path:
+    return store.deployments_dir / f"{check_name(deployment, 'deployment name')}.json"
+
+
+def load_state(store: Store, deployment: str) -> dict[str, Any]:
+    path = state_path(store, deployment)
+    if not path.exists():
+        return {"deployment": deployment, "current": None, "history": []}
+    try:
+        state = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise DlmError(f"deployment file {path} is unreadable: {exc}") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("history"), list) or "current" not in state:
+        raise DlmError(f"deployment file {path} is not a deployment record")
+    return state
+
+
+def _save(store: Store, deployment: str, state: dict[str, Any]) -> None:
+    write_json_atomic(state_path(store, deployment), state)
+
+
+def deployments(store: Store) -> list[str]:
+    if not store.deployments_dir.is_dir():
+        return []
+    return sorted(p.stem for p in store.deployments_dir.glob("*.json") if NAME_RE.match(p.stem))
+
+
+@contextmanager
+def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
+    """Hold the store-wide lock, with interrupted hot swaps settled and the temporaries of
+    killed writers cleared (no other writer can be running). `blocking=False` raises
+    `atomic.Busy` at once when another command holds the lock."""
+    with store.lock(blocking):
+        if store.deployments_dir.is_dir():
+            for torn in store.deployments_dir.glob(".*.tmp"):
+                torn.unlink(missing_ok=True)
+        for deployment in deployments(store):
+            if load_state(store, deployment).get("pending"):
+                _settle(store, deployment)
+        yield
+
+
+def _ref(entry: dict[str, Any]) -> str:
+    return f"{entry['model']}@{entry['version']}"
+
+
+def _settle(store: Store, deployment: str) -> None:
+    """Resolve the journal entry of a release that died during its hot swap: wait while the
+    server is still switching (up to the swap timeout), then record what the server did."""
+    deadline = time.monotonic() + admin.SWAP_TIMEOUT_S
+    while True:
+        with admin.record_lock(store, deployment):
+            state = load_state(store, deployment)
+            pending = state.get("pending")
+            if not pending:
+                return
+            record = admin.read_record(store, deployment)
+            server = record if record is not None and record.pid == pending["server_pid"] else None
+            switching = server is not None and admin.alive(server.pid) and server.swap_intent == pending["id"]
+            if not switching or time.monotonic() > deadline:
+                applied = server is not None and server.serving == _ref(pending)
+                event = {
+                    "action": pending["action"],
+                    "model": pending["model"],
+                    "version": pending["version"],
+                    "from": pending["from"],
+                    "at": pending["at"],
+                    "status": "ok" if applied else "failed",
+                    "hot_swap": {"server_pid": pending["server_pid"], "admin_url": pending["admin_url"]},
+                    "settled_at": now(),
+                }
+                if not applied:
+                    still = server.serving if server is not None and server.serving else "its previous version"
+                    event["error"] = f"the {pending['action']} ended before its server switched; it kept {still}"
+                state["history"].append(event)
+                if applied:
+                    state["current"] = {
+                        "model": pending["model"],
+                        "version": pending["version"],
+                        "since": event["settled_at"],
+                        "action": pending["action"],
+                    }
+                del state["pending"]
+                _save(store, deployment, state)
+                return
+        time.sleep(SETTLE_POLL_S)
+
+
+def release_stack(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(model, version) of the successful releases still in force, oldest first."""
+    stack: list[tuple[str, str]] = []
+    for event in history:
+        if event.get("status") != "ok":
+            continue
+        ref = (event["model"], event["version"])
+        if event["action"] == "rollback" and ref in stack:
+            while stack[-1] != ref:
+                stack.pop()
+        else:
+            stack.append(ref)
+    return stack
+
+
+def protected_versions(store: Store) -> dict[tuple[str, str], str]:
+    """Versions `rm` must keep, with the reason: each deployment's current and previous
+    release, both ends of a swap in progress, and whatever a live server serves or loads."""
+    kept: dict[tuple[str, str], str] = {}
+    for name in deployments(store):
+        state = load_state(store, name)
+        stack = release_stack(state["history"])
+        for ref, role in zip(reversed(stack), ("current", "previous")):
+            kept.setdefault(ref, f"the {role} release of deployment {name}")
+        pending = state.get("pending")
+        if pending:
+            kept.setdefault((pending["model"], pending["version"]), f"being swapped in by deployment {name}")
+    for record in admin.server_records(store):
+        for served in (record.serving, record.swapping):
+            if served:
+                model, _, version = served.partition("@")
+                kept.setdefault((model, version), f"served by the server of deployment {record.deployment}")
+    return kept
+
+
+def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tuple[Manifest, Path]:
+    """What `dlm serve --deployment NAME` should load."""
+    current = load_state(store, deployment)["current"]
+    if current is None:
+        raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")
+    manifest = store.manifest(current["model"], current["version"])
+    return manifest, store.files_dir(manifest.name, manifest.version)
+
+
+# -- the server's side ---------------------------------------------------------------------
+def register(store: Store, deployment: str, admin_url: str, admin_key: str) -> tuple[Manifest, Path]:
+    """A server of `deployment` starts: in one transaction, settle what an earlier server
+    left pending, read the current release and register as serving it. Returns what to load;
+    a release from now on hot-swaps this server (once it has loaded)."""
+    with transaction(store):
+        manifest, path = current_checkpoint(store, deployment)
+        admin.register_server(store, deployment, admin_url, admin_key, serving=f"{manifest.name}@{manifest.version}")
+    return manifest, path
+
+
+def claim_swap(store: Store, deployment: str, intent: str | None, target: str, serving: str | None) -> None:
+    """The server accepts a swap only for the release pending in the journal, and notes
+    that it is switching before it loads anything."""
+    with admin.record_lock(store, deployment):
+        pending = load_state(store, deployment).get("pending")
+        if intent is None or not pending or pending["id"] != intent or _ref(pending) != target:
+            raise UsageError(
+                f"no release of {target} is pending for deployment {deployment}: swaps go through `dlm release`"
+            )
+        admin.note_serving(store, deployment, serving=serving, swapping=target, intent=intent)
+
+
+def swap_ended(store: Store, deployment: str, serving: str | None) -> None:
+    """The server finished (or gave up) a swap: record what it serves now."""
+    with admin.record_lock(store, deployment):
+        admin.note_serving(store, deployment, serving=serving, swapping=None, intent=None)
+
+
+# -- releases and rollbacks ----------------------------------------------------------------
+@dataclass
+class Outcome:
+    deployment: str
+    action: str
+    event: dict[str, Any]
+    current: dict[str, Any] | None
+    changed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "deployment": self.deployment,
+            "action": self.action,
+            "changed": self.changed,
+            "current": self.current,
+            "event": self.event,
+        }
+
+
+def _usable(store: Store, manifest: Manifest) -> None:
+    """A release needs a verified version whose files are all still there at their size."""
+    ref = f"{manifest.name}@{manifest.version}"
+    if not manifest.verified:
+        raise DlmError(f"{ref} is {manifest.state}; run `dlm verify {ref}` first")
+    root = store.files_dir(manifest.name, manifest.version)
+    for entry in manifest.files:
+        path = root / entry.path
+        if not path.is_file() or path.stat().st_size != entry.size:
+            raise DlmError(
+                f"{ref}: {entry.path} is missing or changed size since it was verified; run `dlm verify {ref}`"
+            )
+
+
+def _switch(store: Store, deployment: str, action: str, manifest: Manifest, state: dict[str, Any]) -> Outcome:
+    """Hot-swap a running server (if any, through the journal), then record the event and,
+    on success, the new current version, in one atomic write (inside a transaction)."""
+    previous = state["current"]
+    target = {"model": manifest.name, "version": manifest.version}
+    if previous and {"model": previous["model"], "version": previous["version"]} == target:
+        return Outcome(deployment, action, {}, previous, changed=False)
+    event: dict[str, Any] = {
+        "action": action,
+        **target,
+        "from": previous and {"model": previous["model"], "version": previous["version"]},
+        "at": now(),
+        "status": "ok",
+        "hot_swap": None,
+    }
+    server = admin.running_server(store, deployment)
+    failure: admin.SwapFailed | None = None
+    if server is not None:
+        intent = secrets.token_hex(8)
+        state["pending"] = {
+            "id": intent,
+            **{k: event[k] for k in ("action", "model", "version", "from", "at")},
+            "server_pid": server.pid,
+            "admin_url": server.admin_url,
+        }
+        _save(store, deployment, state)  # the intent is on disk before the server hears of it
+        try:
+            admin.hot_swap(
+                server,
+                model=manifest.name,
+                version=manifest.version,
+                path=store.files_dir(manifest.name, manifest.version),
+                content_sha256=manifest.content_sha256,
+                intent=intent,
+            )
+            event["hot_swap"] = {"server_pid": server.pid, "admin_url": server.admin_url}
+        except admin.SwapFailed as exc:
+            failure = exc
+            event.update(status="failed", error=str(exc))
+        del state["pending"]
+    state["history"].append(event)
+    if failure is None:
+        state["current"] = {**target, "since": event["at"], "action": action}
+    _save(store, deployment, state)
+    if failure is not None:
+        prior = f"{previous['model']}@{previous['version']}" if previous else "nothing"
+        raise DlmError(f"{action} of {manifest.name}@{manifest.version} failed, still serving {prior}: {failure}")
+    return Outcome(deployment, action, event, state["current"], changed=True)
+
+
+def release(store: Store, spec: str, deployment: str = DEFAULT_DEPLOYMENT) -> Outcome:
+    """Make MODEL@VERSION (or MODEL: its newest verified version) the deployment's current one."""
+    check_name(deployment, "deployment name")
+    with transaction(store):
+        manifest = store.find(spec)
+        _usable(store, manifest)
+        return _switch(store, deployment, "release", manifest, load_state(store, deployment))
+
+
+def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None = None) -> Outcome:
+    """Return to the previous good release, or to `to` (VERSION of the current model, or
+    MODEL@VERSION)."""
+    check_name(deployment, "deployment name")
+    with transaction(store):
+        state = load_state(store, deployment)
+        current = state["current"]
+        if current is None:
+            raise UsageError(f"deployment {deployment!r} has no release to roll back from")
+        if to is not None:
+            manifest = store.find(to if "@" in to else f"{current['model']}@{to}")
+            _usable(store, manifest)
+            return _switch(store, deployment, "rollback", manifest, state)
+        reasons = []
+        for model, version in reversed(release_stack(state["history"])[:-1]):
+            try:
+                manifest = store.manifest(model, version)
+                _usable(store, manifest)
+            except DlmError as exc:
+                reasons.append(str(exc))
+                continue
+            return _switch(store, deployment, "rollback", manifest, state)
+        detail = f" ({'; '.join(reasons)})" if reasons else ""
+        raise DlmError(f"deployment {deployment!r} has no earlier good release to roll back to{detail}")
+
+
+def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], list[str]]:
+    """Delete one version (`version`), or all but the newest `keep`; never a version that
+    `protected_versions` names. Returns (removed, kept-because-released)."""
+    if (version is None) == (keep is None):
+        raise UsageError("give MODEL@VERSION, or MODEL with --keep N")
+    if keep is not None and keep < 0:
+        raise UsageError("--keep must be >= 0")
+    with transaction(store):
+        protected = protected_versions(store)
+        if version is not None:
+            manifest = store.find(f"{name}@{version}")
+            role = protected.get((manifest.name, manifest.version))
+            if role:
+                raise DlmError(f"refusing to remove {manifest.name}@{manifest.version}: it is {role}")
+            targets = [manifest]
+        else:
+            manifests = store.manifests(name)
+            if not manifests:
+                raise UsageError(f"no model named {name!r} in the store at {store.root}")
+            targets = manifests[: max(0, len(manifests) - (keep or 0))]
+        removed, kept = [], []
+        for manifest in targets:
+            ref = f"{manifest.name}@{manifest.version}"
+            if (manifest.name, manifest.version) in protected:
+                kept.append(ref)
+                continue
+            store.remove(manifest.name, manifest.version)
+            removed.append(ref)
+    return removed, kept

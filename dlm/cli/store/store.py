@@ -1,0 +1,285 @@
+"""The versioned model store: `<root>/models/<name>/<version>/{manifest.json, files/}`.
+
+A version directory is built under `<name>/.staging/` and appears under its final name by
+one `rename` once every file is written, fsynced and hashed and its manifest is on disk, so
+a fetch killed at any point never leaves a listed, half-written version. Versions are
+immutable afterwards except for the manifest's `verification` record, which is rewritten
+atomically, and a `failed` version, which a fetch of the same content that passes the checks
+replaces whole. Version ids are derived from what was fetched (the hub commit, or the content
+hash of a local copy), so fetching the same thing twice lands on the same version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from dlm.cli.store.atomic import fsync_dir, locked, read_json, write_json_atomic
+from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.home import dlm_home
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no trailing newline
+MANIFEST = "manifest.json"
+FILES = "files"
+STAGING = ".staging"
+
+
+def default_store_root() -> Path:
+    """`DLM_STORE`, else `$DLM_HOME/store`."""
+    env = os.environ.get("DLM_STORE")
+    return Path(env).expanduser() if env else dlm_home() / "store"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def check_name(name: str, what: str = "model name") -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise UsageError(
+            f"invalid {what} {name!r}: use letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def split_ref(spec: str) -> tuple[str, str | None]:
+    """'name@version' -> (name, version); 'name' -> (name, None)."""
+    name, sep, version = spec.partition("@")
+    check_name(name)
+    if sep:
+        check_name(version, "version")
+        return name, version
+    return name, None
+
+
+def local_path(spec: str) -> Path | None:
+    """SPEC as an existing file system path, else None (also when it cannot be one: a
+    component longer than the file system allows, a NUL byte, a link loop; and the empty
+    string, which Path would read as the current directory)."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    try:
+        return path if path.exists() else None
+    except (OSError, ValueError):
+        return None
+
+
+def content_hash(files: list[FileEntry]) -> str:
+    """One sha256 naming a version's content: its sorted (path, sha256) pairs."""
+    digest = hashlib.sha256()
+    for entry in sorted(files, key=lambda f: f.path):
+        digest.update(f"{entry.path}\t{entry.sha256}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class FileEntry:
+    path: str  # relative, '/'-separated
+    size: int
+    sha256: str
+    expected: dict[str, str] = field(default_factory=dict)  # hashes the source promised
+    source_stat: dict[str, int] | None = None  # local sources: size and mtime_ns when copied
+
+
+@dataclass
+class Manifest:
+    name: str
+    version: str
+    source: dict[str, Any]
+    files: list[FileEntry]
+    fetched_at: str
+    content_sha256: str
+    verification: dict[str, Any] | None = None
+    format: int = 1
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.verification and self.verification.get("ok"))
+
+    @property
+    def state(self) -> str:
+        if self.verification is None:
+            return "unverified"
+        return "verified" if self.verification.get("ok") else "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Manifest:
+        data = dict(raw)
+        data["files"] = [FileEntry(**f) for f in raw["files"]]
+        return cls(**data)
+
+
+class Store:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root).expanduser() if root else default_store_root()
+
+    # -- layout -------------------------------------------------------------------------
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def deployments_dir(self) -> Path:
+        return self.root / "deployments"
+
+    def model_dir(self, name: str) -> Path:
+        return self.models_dir / check_name(name)
+
+    def version_dir(self, name: str, version: str) -> Path:
+        return self.model_dir(name) / check_name(version, "version")
+
+    def files_dir(self, name: str, version: str) -> Path:
+        return self.version_dir(name, version) / FILES
+
+    def lock(self, blocking: bool = True) -> Any:
+        """The store-wide lock: every change to what the store lists or serves (publishing,
+        verification records, removal, releases, server registration) happens under it,
+        and reads what it protects only once it is held. Callers normally take it through
+        `dlm.cli.store.releases.transaction`, which also settles interrupted hot swaps."""
+        return locked(self.root / ".lock", blocking)
+
+    def staging_lock(self, name: str) -> Any:
+        """Serialises the (long) transfers of one model's fetches into its staging area;
+        taken before, never inside, the store-wide lock."""
+        return locked(self.model_dir(name) / ".lock")
+
+    # -- reading ------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        if not self.models_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.models_dir.iterdir() if p.is_dir() and NAME_RE.match(p.name))
+
+    def manifests(self, name: str) -> list[Manifest]:
+        """Usable versions of `name`, oldest fetch first. Staging and torn entries are skipped."""
+        directory = self.model_dir(name)
+        if not directory.is_dir():
+            return []
+        found = []
+        for entry in directory.iterdir():
+            if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+                continue
+            try:
+                found.append(Manifest.from_json(read_json(entry / MANIFEST)))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return sorted(found, key=lambda m: (m.fetched_at, m.version))
+
+    def manifest(self, name: str, version: str) -> Manifest:
+        path = self.version_dir(name, version) / MANIFEST
+        try:
+            return Manifest.from_json(read_json(path))
+        except FileNotFoundError:
+            raise UsageError(f"no version {version!r} of {name!r} in the store at {self.root}") from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise DlmError(f"manifest {path} is unreadable: {exc}") from exc
+
+    def find(self, spec: str) -> Manifest:
+        """Resolve 'name@version' (a unique prefix of the version is enough) or 'name' (its
+        newest verified version)."""
+        name, version = split_ref(spec)
+        manifests = self.manifests(name)
+        if not manifests:
+            raise UsageError(f"no model named {name!r} in the store at {self.root}")
+        if version is None:
+            verified = [m for m in manifests if m.verified]
+            if not verified:
+                raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
+            return verified[-1]
+        exact = [m for m in manifests if m.version == version]
+        matches = exact or [m for m in manifests if m.version.startswith(version)]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(m.version for m in manifests)
+        if not matches:
+            raise UsageError(f"{name!r} has no version {version!r} (versions: {known})")
+        raise UsageError(f"version {version!r} of {name!r} is ambiguous (versions: {known})")
+
+    # -- writing ------------------------------------------------------------------------
+    def staging(self, name: str, key: str | None = None) -> Path:
+        """A staging directory: named by `key` when a rerun should resume it (hub downloads),
+        fresh otherwise."""
+        base = self.model_dir(name) / STAGING
+        base.mkdir(parents=True, exist_ok=True)
+        if key is not None:
+            path = base / key
+            path.mkdir(exist_ok=True)
+            return path
+        return Path(tempfile.mkdtemp(prefix="local-", dir=base))
+
+    def clear_stale_staging(self, name: str, keep: Path | None = None) -> None:
+        """Remove abandoned fresh staging directories (callers hold the model lock)."""
+        base = self.model_dir(name) / STAGING
+        if base.is_dir():
+            for entry in base.iterdir():
+                if entry.name.startswith("local-") and entry != keep:
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    def commit(self, staging: Path, manifest: Manifest) -> bool:
+        """Publish a staged version: write its manifest, then rename it into place (the
+        caller holds the store lock).
+
+        Returns False (and discards the staging copy) when that version already exists,
+        unless the stored one failed verification and the staged one passed: then the
+        staged copy replaces it (a fetch repairs a failed version).
+        """
+        target = self.version_dir(manifest.name, manifest.version)
+        if (target / MANIFEST).is_file():
+            stored = self.manifest(manifest.name, manifest.version)
+            if stored.state != "failed" or not manifest.verified:
+                shutil.rmtree(staging, ignore_errors=True)
+                return False
+            self._unlist(target)
+        if target.exists():  # a torn leftover from an older, non-atomic tool: not listed, replace
+            shutil.rmtree(target)
+        for directory, _, _ in os.walk(staging / FILES):
+            fsync_dir(Path(directory))
+        write_json_atomic(staging / MANIFEST, manifest.to_json())
+        os.rename(staging, target)
+        fsync_dir(target.parent)
+        return True
+
+    def record_verification(self, name: str, version: str, verification: dict[str, Any]) -> Manifest:
+        """Rewrite the version's verification record (the caller holds the store lock)."""
+        if not (self.version_dir(name, version) / MANIFEST).is_file():
+            raise DlmError(f"{name}@{version} was removed while it was being verified")
+        manifest = self.manifest(name, version)
+        manifest.verification = verification
+        write_json_atomic(self.version_dir(name, version) / MANIFEST, manifest.to_json())
+        return manifest
+
+    def remove(self, name: str, version: str) -> None:
+        """Unlist the version atomically, then delete its files (the caller holds the store lock)."""
+        self._unlist(self.version_dir(name, version))
+
+    def _unlist(self, target: Path) -> None:
+        """Rename a version directory to a dot name (no longer listed), then delete it."""
+        for leftover in target.parent.glob(".trash-*"):  # from a removal killed midway
+            shutil.rmtree(leftover, ignore_errors=True)
+        trash = target.parent / f".trash-{target.name}-{os.getpid()}"
+        os.rename(target, trash)
+        fsync_dir(target.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def iter_files(root: Path) -> Iterator[Path]:
+    """Regular files under `root`, sorted, skipping dot-directories (.git, .cache)."""
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            yield Path(directory) / name

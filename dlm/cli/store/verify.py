@@ -1,0 +1,241 @@
+"""Verify a checkpoint: hashes against its manifest, safetensors structure, the shard index,
+config.json's family, and the tokenizer.
+
+Every check runs and every problem is reported with the file it concerns, because a
+verification that stops at the first problem makes the operator fix them one rerun at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlm.cli.store.hashing import ByteProgress, NoProgress, parallel_map, sha256_file
+from dlm.cli.store.safetensors_format import check_safetensors
+from dlm.cli.store.store import Manifest, Store, iter_files, local_path, now, split_ref
+from dlm.engine.errors import DlmError, UsageError
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Finding:
+    file: str
+    check: str  # manifest | size | sha256 | safetensors | index | config | tokenizer
+    problem: str
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    model: str | None = None
+    version: str | None = None
+    files: int = 0
+    bytes_hashed: int = 0
+    hash_seconds: float = 0.0
+    seconds: float = 0.0
+    family: str | None = None
+    failures: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, file: str, check: str, problem: str) -> None:
+        self.failures.append(Finding(file, check, problem))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def record(self, hashed: bool) -> dict[str, Any]:
+        """What the manifest keeps of this verification."""
+        return {
+            "ok": self.ok,
+            "at": now(),
+            "hashed": hashed,
+            "family": self.family,
+            "failures": [asdict(f) for f in self.failures],
+            "warnings": [asdict(f) for f in self.warnings],
+        }
+
+
+def check_hashes(
+    directory: Path, manifest: Manifest, report: VerifyReport, progress: ByteProgress, workers: int | None
+) -> None:
+    """Every manifest file exists with its size and sha256; no file is unaccounted for."""
+    listed = {f.path: f for f in manifest.files}
+    present = {p.relative_to(directory).as_posix(): p for p in iter_files(directory)}
+    for rel in sorted(set(present) - set(listed)):
+        report.fail(rel, "manifest", "file is not in the manifest")
+    to_hash: list[Path] = []
+    for rel, entry in sorted(listed.items()):
+        path = present.get(rel)
+        if path is None:
+            report.fail(rel, "manifest", "file is missing")
+            continue
+        size = path.stat().st_size
+        if size != entry.size:
+            report.fail(rel, "size", f"{size} bytes, the manifest says {entry.size} (truncated or replaced)")
+            continue
+        to_hash.append(path)
+    start = time.perf_counter()
+    results = parallel_map(lambda p, adv: sha256_file(p, adv), to_hash, progress, "hashing", workers)
+    report.hash_seconds = time.perf_counter() - start
+    for path, digest in results.items():
+        rel = path.relative_to(directory).as_posix()
+        report.bytes_hashed += listed[rel].size
+        if isinstance(digest, OSError):
+            report.fail(rel, "sha256", f"unreadable: {digest}")
+        elif digest != listed[rel].sha256:
+            report.fail(
+                rel, "sha256", f"sha256 {digest[:16]}... differs from the manifest's {listed[rel].sha256[:16]}..."
+            )
+
+
+def _load_index(path: Path, report: VerifyReport) -> dict[str, str] | None:
+    duplicates: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                duplicates.append(key)
+            seen[key] = value
+        return seen
+
+    try:
+        raw = json.loads(path.read_text(), object_pairs_hook=pairs)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report.fail(INDEX, "index", f"not valid JSON: {exc}")
+        return None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        report.fail(INDEX, "index", "has no weight_map of tensor name -> shard file")
+        return None
+    for name in duplicates:
+        report.fail(INDEX, "index", f"names tensor {name} more than once")
+    return weight_map
+
+
+def check_weights(directory: Path, report: VerifyReport) -> None:
+    """safetensors structure of every shard, and the index against the shards' headers."""
+    shards = {p.relative_to(directory).as_posix(): p for p in iter_files(directory) if p.suffix == ".safetensors"}
+    if not shards:
+        report.fail(".", "safetensors", "no *.safetensors weights")
+        return
+    holders: dict[str, list[str]] = {}
+    for rel, path in sorted(shards.items()):
+        try:
+            result = check_safetensors(path)
+        except OSError as exc:  # a dangling link or a looping one, an unreadable file
+            report.fail(rel, "safetensors", f"unreadable: {exc.strerror or exc}")
+            continue
+        for problem in result.problems:
+            report.fail(rel, "safetensors", problem)
+        for tensor in result.tensors:
+            holders.setdefault(tensor, []).append(rel)
+    for tensor, files in sorted(holders.items()):
+        if len(files) > 1:
+            report.fail(files[1], "safetensors", f"tensor {tensor} is also in {files[0]}")
+    index = directory / INDEX
+    if not index.is_file():
+        return
+    weight_map = _load_index(index, report)
+    if weight_map is None:
+        return
+    for tensor, shard in sorted(weight_map.items()):
+        if shard not in shards:
+            report.fail(INDEX, "index", f"names shard {shard} (for {tensor}), which is missing")
+        elif shard not in holders.get(tensor, []):
+            report.fail(INDEX, "index", f"maps tensor {tensor} to {shard}, which does not hold it")
+    for tensor, files in sorted(holders.items()):
+        if tensor not in weight_map:
+            report.fail(files[0], "index", f"holds tensor {tensor}, which the index does not name")
+
+
+def check_config(directory: Path, report: VerifyReport) -> None:
+    from dlm.engine.config import config_from_dict, read_config_json
+
+    try:
+        report.family = config_from_dict(read_config_json(directory)).family
+    except DlmError as exc:
+        report.fail("config.json", "config", str(exc))
+
+
+def check_tokenizer(directory: Path, report: VerifyReport) -> None:
+    from dlm.engine.tokenizer import has_tokenizer, load_tokenizer
+
+    if not has_tokenizer(directory):
+        report.warnings.append(Finding(".", "tokenizer", "no tokenizer files: only token-id prompts will work"))
+        return
+    try:
+        load_tokenizer(directory)
+    except DlmError as exc:
+        report.fail("tokenizer", "tokenizer", str(exc))
+
+
+STRUCTURE_CHECKS = (
+    ("safetensors", ".", check_weights),
+    ("config", "config.json", check_config),
+    ("tokenizer", "tokenizer", check_tokenizer),
+)
+
+
+def check_structure(directory: Path, report: VerifyReport) -> None:
+    """The checks that need no manifest. Each parses files of unknown origin, so whatever a
+    parser raises (bad encodings, nesting deeper than the parser's recursion limit, a
+    directory where a file belongs, wrong JSON types) is a finding against that check, not a
+    crash: verification always produces a report."""
+    for check, file, run in STRUCTURE_CHECKS:
+        try:
+            run(directory, report)
+        except Exception as exc:  # noqa: BLE001 - the boundary with untrusted files, see above
+            report.fail(file, check, f"could not be read: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def verify_directory(
+    directory: Path,
+    manifest: Manifest | None = None,
+    progress: ByteProgress | None = None,
+    workers: int | None = None,
+) -> VerifyReport:
+    """All checks on a checkpoint directory; hashes only when there is a manifest to hold
+    them against."""
+    start = time.perf_counter()
+    report = VerifyReport(path=str(directory))
+    report.files = sum(1 for _ in iter_files(directory))
+    if manifest is not None:
+        report.model, report.version = manifest.name, manifest.version
+        check_hashes(directory, manifest, report, progress or NoProgress(), workers)
+    else:
+        report.warnings.append(Finding(".", "manifest", "not a store version: hashes not checked"))
+    check_structure(directory, report)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def verify_model(
+    spec: str, store: Store, progress: ByteProgress | None = None, workers: int | None = None
+) -> VerifyReport:
+    """Verify MODEL: a checkpoint directory, or a store version (whose manifest then records
+    the result, so `release` knows whether it may use it)."""
+    from dlm.cli.store.releases import transaction
+
+    path = local_path(spec)
+    if path is not None and path.is_dir():
+        return verify_directory(path, None, progress, workers)
+    if path is not None:
+        raise UsageError(f"{spec} is a file; MODEL is a checkpoint directory or a store NAME[@VERSION]")
+    try:
+        split_ref(spec)
+    except UsageError:
+        raise UsageError(f"no such directory: {spec} (nor is it a store NAME[@VERSION])") from None
+    manifest = store.find(spec)
+    report = verify_directory(store.files_dir(manifest.name, manifest.version), manifest, progress, workers)
+    with transaction(store):
+        store.record_verification(manifest.name, manifest.version, report.record(hashed=True))
+    return report

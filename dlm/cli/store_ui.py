@@ -1,0 +1,87 @@
+"""What the weights commands share: the --store option, a byte progress bar on stderr, and
+the table of verification problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dlm.cli.output import err_console
+
+STORE_OPTION: Any = typer.Option(
+    None,
+    "--store",
+    envvar="DLM_STORE",
+    help="Store directory (default: $DLM_HOME/store).",
+)
+JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
+
+
+def open_store(path: Path | None) -> Any:
+    from dlm.cli.store.store import Store
+
+    return Store(path)
+
+
+class ByteBar:
+    """dlm.cli.store.hashing.ByteProgress drawn with rich on stderr."""
+
+    def __init__(self) -> None:
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, description: str, total_bytes: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        self._progress.advance(self._task, nbytes)
+
+    def stop(self) -> None:
+        self._progress.stop()
+
+
+def render_findings(report: Any) -> None:
+    """Failures (and warnings) of a VerifyReport as a table on stderr."""
+    from rich.table import Table
+
+    rows = [("FAIL", f) for f in report.failures] + [("warn", f) for f in report.warnings]
+    if not rows:
+        return
+    table = Table(title=f"verification of {report.path}", title_justify="left")
+    table.add_column("")
+    table.add_column("file", no_wrap=True)  # whole, so it can be copied and grepped
+    table.add_column("check")
+    table.add_column("problem", overflow="fold")
+    for level, finding in rows:
+        style = "red" if level == "FAIL" else "yellow"
+        table.add_row(f"[{style}]{level}[/]", finding.file, finding.check, finding.problem)
+    err_console.print(table)
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"

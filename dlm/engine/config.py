@@ -1,0 +1,475 @@
+"""ModelConfig: one normalised, typed view of any supported checkpoint's `config.json`.
+
+Every family spells the same idea differently (LLaDA's `d_model`/`n_layers`, Qwen's
+`hidden_size`/`num_hidden_layers`, LLaDA2's `first_k_dense_replace` beside SDAR's
+`decoder_sparse_step`, ...). The family's registry record (dlm/engine/registry.py) says which
+spelling its config uses and declares its own facts (MASK id, biases, MoE placement, block
+size, logit shift); the readers here turn the file into `ModelConfig`, computed once. The
+engine's models and `dlm estimate` read only this normalised form, never the raw file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlm.engine.errors import UsageError
+
+if TYPE_CHECKING:
+    from dlm.engine.registry import BlockRules, Family
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture of experts of the layers listed in `layers` (the others are dense)."""
+
+    layers: tuple[int, ...]  # indices of the decoder layers whose MLP is a mixture of experts
+    num_experts: int
+    top_k: int
+    expert_ffn: int  # intermediate size of one routed expert
+    shared_ffn: int = 0  # intermediate size of the shared expert(s) together; 0 when none
+    shared_gate: bool = False  # Qwen-style sigmoid gate [1, d] on the shared expert
+    router: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid_group" (LLaDA2, group-limited)
+    norm_topk_prob: bool = True
+    router_bias: bool = False  # LLaDA2's expert_bias [E] (selection only)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers of the Qwen3.5/Qwen3-Next hybrids (Clover's base)."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, act_bytes: int, tp: int = 1) -> int:
+        """Bytes of DeltaNet state one sequence holds on one rank, whatever its length: per
+        layer the recurrent matrix of each value head (dk x dv, always fp32) and the conv
+        ring (kernel-1 pre-conv rows of conv_dim channels, activation dtype), heads split
+        over TP. This is what dlm/engine/runtime/hybrid_cache.py allocates (tests/test_hybrid_memory.py)."""
+        recurrent = self.value_heads // tp * self.key_dim * self.value_dim * 4  # fp32
+        conv = self.conv_dim // tp * (self.conv_kernel - 1) * act_bytes
+        return self.layers * (recurrent + conv)
+
+
+@dataclass(frozen=True)
+class CanvasSpec:
+    """DiffusionGemma's encoder/decoder facts beyond a plain layer stack: the full-attention
+    layers' own head shape and RoPE (proportional: only `rope_fraction` of the rotary
+    frequencies turn, divided by `rope_factor`, the rest stay 0), the sliding-window layers'
+    window, the logit soft-cap, the canvas the decoder refines, and the checkpoint's sampler
+    defaults (generation_config.json)."""
+
+    canvas_length: int
+    sliding_window: int
+    global_head_dim: int
+    global_kv_heads: int
+    global_rope_theta: float
+    global_rope_fraction: float
+    global_rope_factor: float  # the turning frequencies are divided by it
+    logit_softcap: float
+    expert_ffn: int
+    num_experts: int
+    top_k: int
+    sampler_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the dense SwiGLU MLP's (0 when every layer is a mixture of experts)
+    vocab_size: int  # tokenizer vocabulary
+    logits_size: int  # rows of the LM head (>= vocab_size when the embedding is padded)
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    mask_token_id: int
+    eos_token_id: int | None
+    pad_token_id: int | None
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    q_gate: bool = False  # gated attention: q_proj also emits a per-head output gate
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    moe: MoESpec | None = None
+    linear: LinearAttentionSpec | None = None
+    block_length: int | None = None  # the trained block size of a block-diffusion family
+    logits_shift: int = 0  # row i of the logits predicts token i + logits_shift
+    block_rules: BlockRules | None = None  # block-causal families' decoding rules
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (never run)
+    canvas: CanvasSpec | None = None  # DiffusionGemma's encoder/decoder facts
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.num_layers - (self.linear.layers if self.linear is not None else 0)
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - (len(self.moe.layers) if self.moe is not None else 0)
+
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else FULL_ATTENTION
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def require(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise UsageError(f"config.json has no field {key!r}, which its model family needs")
+    return raw[key]
+
+
+def _mask(raw: dict[str, Any], family: Family) -> int:
+    mask = raw.get("mask_token_id", family.mask_token_id)
+    if mask is None:
+        raise UsageError(f"config.json has no mask_token_id, which {family.name} needs: add it there")
+    return int(mask)
+
+
+def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The fields every spelling shares, and the family's declared facts."""
+    block_length = raw.get(family.block_length_field) if family.block_length_field else None
+    return dict(
+        family=family.name,
+        mask_token_id=_mask(raw, family),
+        eos_token_id=_first_int(raw.get("eos_token_id")),
+        pad_token_id=_first_int(raw.get("pad_token_id")),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        block_length=int(block_length or 0) or family.block_length,
+        logits_shift=family.logits_shift,
+        block_rules=None
+        if family.block_rules is None
+        else replace(family.block_rules, logit_shift=family.logits_shift),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """LLaDA's OLMo-style names; `include_bias` puts biases on every linear,
+    `include_qkv_bias` on q/k/v only."""
+    d_model = int(require(raw, "d_model"))
+    n_heads = int(require(raw, "n_heads"))
+    n_kv = raw.get("n_kv_heads")
+    if n_kv is None:  # OLMo convention: multi_query_attention means one KV head
+        n_kv = 1 if raw.get("multi_query_attention") else n_heads
+    vocab = int(require(raw, "vocab_size"))
+    bias = bool(raw.get("include_bias", False))
+    return ModelConfig(
+        model_type=str(raw.get("model_type", family.name)),
+        hidden_size=d_model,
+        num_layers=int(require(raw, "n_layers")),
+        num_heads=n_heads,
+        num_kv_heads=int(n_kv),
+        head_dim=d_model // n_heads,
+        intermediate_size=int(raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model),
+        vocab_size=vocab,
+        logits_size=int(raw.get("embedding_size") or vocab),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(raw.get("max_sequence_length", 4096)),
+        tie_word_embeddings=bool(raw.get("weight_tying", False)),
+        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)),
+        o_bias=bias,
+        mlp_bias=bias,
+        **_common(raw, family),
+    )
+
+
+def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
+    """Qwen3-MoE placement: every `decoder_sparse_step`-th layer not in `mlp_only_layers`;
+    a softmax router; Qwen3.5's gated shared expert when `shared_expert_intermediate_size`."""
+    experts = int(raw.get("num_experts") or 0)
+    if not experts:
+        return None
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense_only = set(raw.get("mlp_only_layers") or ())
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    return MoESpec(
+        layers=tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
+        num_experts=experts,
+        top_k=int(require(raw, "num_experts_per_tok")),
+        expert_ffn=int(require(raw, "moe_intermediate_size")),
+        shared_ffn=shared,
+        shared_gate=shared > 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+    )
+
+
+def _bailing_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
+    """LLaDA2 (Bailing-MoE): the first `first_k_dense_replace` layers dense, the rest a
+    sigmoid, group-limited router over the routed experts plus `num_shared_experts`."""
+    experts = int(raw.get("num_experts") or 0)
+    if not experts:
+        return None
+    if raw.get("score_function", "sigmoid") != "sigmoid":
+        raise UsageError(f"LLaDA2 score_function {raw.get('score_function')!r} is not supported (only sigmoid)")
+    ffn = int(require(raw, "moe_intermediate_size"))
+    return MoESpec(
+        layers=tuple(range(min(int(raw.get("first_k_dense_replace", 0)), layers), layers)),
+        num_experts=experts,
+        top_k=int(require(raw, "num_experts_per_tok")),
+        expert_ffn=ffn,
+        shared_ffn=ffn * int(raw.get("num_shared_experts") or 0),
+        router="sigmoid_group",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        router_bias=bool(raw.get("moe_router_enable_expert_bias", False)),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+    )
+
+
+MOE_READERS: dict[str, Callable[[dict[str, Any], int], MoESpec | None]] = {"qwen": _qwen_moe, "bailing": _bailing_moe}
+
+
+def _qwen(raw: dict[str, Any], family: Family, **overrides: Any) -> ModelConfig:
+    """transformers' standard field names (Qwen/Llama/Bailing style): Dream, LLaDA2, SDAR,
+    openPangu, and (flattened) the Qwen3.5 hybrids."""
+    hidden = int(require(raw, "hidden_size"))
+    heads = int(require(raw, "num_attention_heads"))
+    layers = int(require(raw, "num_hidden_layers"))
+    vocab = int(require(raw, "vocab_size"))
+    fields: dict[str, Any] = dict(
+        model_type=str(raw.get("model_type", family.name)),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        vocab_size=vocab,
+        logits_size=vocab,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        qkv_bias=family.qkv_bias.read(raw),
+        o_bias=family.o_bias.read(raw),
+        qk_norm=family.qk_norm.read(raw),
+        moe=MOE_READERS[family.moe](raw, layers) if family.moe else None,
+        **_common(raw, family),
+    )
+    fields.update(overrides)
+    if fields["moe"] is None or fields["moe"].layers != tuple(range(layers)):
+        fields["intermediate_size"] = int(require(raw, "intermediate_size"))  # some layer is dense
+    return ModelConfig(**fields)
+
+
+def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5/3.6-MoE text fields as one flat dict.
+
+    Multimodal checkpoints (`qwen3_5_moe`) nest them under `text_config`; text-only ones
+    (`qwen3_5_moe_text`, presumably Clover) are flat. transformers 5 writes rope settings
+    under `rope_parameters`, older files at the top level; both are lifted to the top.
+    """
+    # The outer model_type names the family (a nested text_config says `..._text`).
+    flat = {**raw, **(raw.get("text_config") or {}), "model_type": raw.get("model_type")}
+    rope = flat.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            flat[key] = rope[key]
+    return flat
+
+
+def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """Qwen3.5-MoE / Qwen3-Next hybrids: Gated DeltaNet layers interleaved with gated full
+    attention (`layer_types`, else every `full_attention_interval`-th layer full)."""
+    flat = hybrid_text_config(raw)
+    layers = int(require(flat, "num_hidden_layers"))
+    interval = int(flat.get("full_attention_interval", 4))
+    types = tuple(flat.get("layer_types") or ())[:layers] or tuple(
+        FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
+    )
+    if set(types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise UsageError(f"config.json layer_types holds an unknown type: {sorted(set(types))}")
+    linear = LinearAttentionSpec(
+        layers=types.count(LINEAR_ATTENTION),
+        key_heads=int(require(flat, "linear_num_key_heads")),
+        value_heads=int(require(flat, "linear_num_value_heads")),
+        key_dim=int(require(flat, "linear_key_head_dim")),
+        value_dim=int(require(flat, "linear_value_head_dim")),
+        conv_kernel=int(flat.get("linear_conv_kernel_dim", 4)),
+    )
+    return _qwen(
+        flat,
+        family,
+        max_position_embeddings=int(flat.get("max_position_embeddings", 32768)),
+        q_gate=bool(flat.get("attn_output_gate", True)),
+        layer_types=types,
+        linear=linear,
+    )
+
+
+SLIDING_ATTENTION = "sliding_attention"
+# generation_config.json field -> the request field it gives DiffusionGemma's default for.
+SAMPLER_FIELDS = {
+    "max_denoising_steps": "refinement_steps",
+    "t_min": "min_temperature",
+    "t_max": "max_temperature",
+    "stability_threshold": "stability_threshold",
+    "confidence_threshold": "confidence_threshold",
+}
+
+
+def _sampler_defaults(generation: dict[str, Any]) -> dict[str, float]:
+    """The checkpoint's own sampler settings (what transformers' `generate` uses when a call
+    gives none), as request fields."""
+    found = {name: generation[key] for key, name in SAMPLER_FIELDS.items() if generation.get(key) is not None}
+    sampler = generation.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        found["entropy_bound"] = sampler["entropy_bound"]
+    return found
+
+
+def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """DiffusionGemma: the text fields nested under `text_config`; sliding-window layers use
+    `head_dim`/`num_key_value_heads` and default RoPE, full-attention layers their own
+    `global_head_dim`/`num_global_key_value_heads` (written per layer in `per_layer_config`)
+    and proportional RoPE; every layer has a dense MLP beside its mixture of experts."""
+    text = dict(require(raw, "text_config"))
+    layers = int(require(text, "num_hidden_layers"))
+    types = tuple(text.get("layer_types") or ())[:layers]
+    if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
+    rope = text.get("rope_parameters") or {}
+    full_rope, sliding_rope = rope.get(FULL_ATTENTION) or {}, rope.get(SLIDING_ATTENTION) or {}
+    for kind, params, expected in (
+        (FULL_ATTENTION, full_rope, "proportional"),
+        (SLIDING_ATTENTION, sliding_rope, "default"),
+    ):
+        if params.get("rope_type", expected) != expected:
+            raise UsageError(
+                f"DiffusionGemma {kind} rope_type {params['rope_type']!r} is not supported (only {expected!r})"
+            )
+    per_layer = text.get("per_layer_config") or {}
+    global_layer: dict[str, Any] = next(
+        (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
+    )
+    head_dim = int(require(text, "head_dim"))
+    kv_heads = int(require(text, "num_key_value_heads"))
+    canvas = CanvasSpec(
+        canvas_length=int(raw.get("canvas_length") or 256),
+        sampler_defaults=_sampler_defaults(raw.get(GENERATION_CONFIG) or {}),
+        sliding_window=int(require(text, "sliding_window")),
+        global_head_dim=int(global_layer.get("head_dim") or text.get("global_head_dim") or head_dim),
+        global_kv_heads=int(
+            global_layer.get("num_key_value_heads") or text.get("num_global_key_value_heads") or kv_heads
+        ),
+        global_rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
+        global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
+        global_rope_factor=float(full_rope.get("factor", 1.0)),
+        logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
+        expert_ffn=int(require(text, "moe_intermediate_size")),
+        num_experts=int(require(text, "num_experts")),
+        top_k=int(require(text, "top_k_experts")),
+    )
+    flat = {**text, "model_type": raw.get("model_type"), "rope_theta": sliding_rope.get("rope_theta", 10_000.0)}
+    return _qwen(
+        flat,
+        family,
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=True,
+        layer_types=types,
+        block_length=canvas.canvas_length,
+        canvas=canvas,
+    )
+
+
+LAYOUTS: dict[str, Callable[[dict[str, Any], Family], ModelConfig]] = {
+    "llada": _llada,
+    "qwen": _qwen,
+    "hybrid": _hybrid,
+    "diffusion_gemma": _diffusion_gemma,
+}
+
+
+def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
+    """`raw` read as `family` declares: its spelling, its refusals, its facts."""
+    try:
+        if family.check is not None:
+            family.check(raw)
+        return LAYOUTS[family.layout](raw, family)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    from dlm.engine.registry import family_for  # the registry's records name this module's readers
+
+    return parse_config(raw, family_for(raw))
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """Read a checkpoint directory's (or a bare file's) config.json with clear errors."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise UsageError(f"no config.json at {path}")
+    if not file.is_file():
+        raise UsageError(f"{file} is not a file")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{file} is not valid UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{file} nests deeper than any config.json does") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{file} does not hold a JSON object")
+    return raw
+
+
+GENERATION_CONFIG = "dlm_generation_config"  # where load_config puts generation_config.json for the readers
+
+
+def load_config(path: Path) -> ModelConfig:
+    raw = read_config_json(path)
+    generation = Path(path) / "generation_config.json"
+    generation_config = None
+    if generation.is_file():
+        try:
+            generation_config = json.loads(generation.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
+            generation_config = None
+    if isinstance(generation_config, dict):
+        # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json;
+        # DiffusionGemma keeps its sampler's defaults there.
+        raw = {**raw, GENERATION_CONFIG: generation_config}
+        if "mask_token_id" not in raw and generation_config.get("mask_token_id") is not None:
+            raw["mask_token_id"] = generation_config["mask_token_id"]
+    return config_from_dict(raw)

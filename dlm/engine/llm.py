@@ -1,0 +1,167 @@
+"""LLM: the Python API. `LLM(model).generate(prompts, **params)` returns one output per prompt
+(`n` per prompt with `n=`, prompt by prompt)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlm.engine.decoding.logprobs import TokenLogprob
+from dlm.engine.device import resolve_device
+from dlm.engine.dtype import checkpoint_dtype, choose_dtype
+from dlm.engine.errors import UsageError
+from dlm.engine.params import GenerationParams
+from dlm.engine.resolve import resolve_model
+from dlm.engine.runtime.engine import cap_device_memory, load_engine
+from dlm.engine.runtime.interface import Engine
+from dlm.engine.runtime.request import RequestState
+from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from dlm.engine.parallel.distributed import ParallelConfig
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated ids only
+    completion_ids: list[int]  # output_ids up to and including the first EOS (what a server returns)
+    text: str | None
+    nfe: int  # model forwards spent on this request
+    seconds: float
+    tokens_per_second: float
+    finish_reason: str  # "stop" (EOS generated) or "length"
+    query_lengths: list[int]  # tokens fed to each forward
+    cache: str = "none"  # approximate K/V cache used: its cost shows in nfe and query_lengths
+    index: int = 0  # which of the prompt's `n` samples (seed + index)
+    # with `logprobs=`: per completion token, its log-probability at the step that committed it
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        on_load: Callable[[str], None] | None = None,
+        backend: str = "native",
+        trust_remote_code: bool = False,
+        parallel: ParallelConfig | None = None,
+        gpu_memory_utilization: float | None = None,
+    ) -> None:
+        """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
+        process is then rank 0 and drives the others until `close()`.
+        `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
+        `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
+        self.model_dir = resolve_model(model)
+        self.device = resolve_device(device)
+        self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir))
+        self.dtype = self.dtype_choice.dtype
+        self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
+        self._tokenizer: Any = None
+        self.backend = backend
+        self.engine: Engine
+        if backend == "transformers":
+            if parallel is not None and parallel.resolved().parallel:
+                raise UsageError("--tensor-parallel-size needs the native backend")
+            from dlm.engine.transformers_backend import load_transformers_engine
+
+            tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
+            self.engine = load_transformers_engine(
+                self.model_dir, self.dtype, self.device, trust_remote_code, tokenizer
+            )
+        elif backend == "native":
+            if trust_remote_code:
+                raise UsageError("--trust-remote-code only applies to --backend transformers")
+            if parallel is not None and parallel.resolved().parallel:
+                from dlm.engine.parallel.distributed import EngineSpec, start_driver
+
+                # The resolved dtype: every rank runs in the one this process chose.
+                spec = EngineSpec(str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization)
+                self.engine = start_driver(spec, parallel)
+                self.device = self.engine.loaded.device
+            else:
+                self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load)
+        else:
+            raise UsageError(f"backend must be native or transformers, got {backend!r}")
+        self.config = self.engine.config
+
+    def close(self) -> None:
+        """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+    def encode(self, prompt: str | Seq[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            return encode(self.tokenizer, prompt, chat=chat)
+        if chat:
+            raise UsageError("chat templates apply to text prompts, not token ids")
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        params: GenerationParams | None = None,
+        *,
+        chat: bool = False,
+        on_step: Callable[[list[RequestState]], None] | None = None,
+        **overrides: Any,
+    ) -> list[GenerationOutput]:
+        """Decode one prompt or a list of prompts (text or token ids) together. `suffix`
+        (text or ids) is infilled after the answer; `n` samples per prompt come back prompt
+        by prompt (`GenerationOutput.index`). `on_step` is called after every denoising step
+        with the sequences; `seq.canvas_view()` is the canvas then (committed, provisional and
+        masked positions), as the server streams it to clients that ask (docs/serve.md,
+        "Canvas streaming")."""
+        batch: Seq[str | Seq[int]]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
+        else:
+            batch = prompts  # type: ignore[assignment]  # a list of prompts
+        if isinstance(overrides.get("suffix"), str):  # infilling text: its ids, as a completion's prompt
+            overrides["suffix"] = tuple(self.encode(overrides["suffix"]))
+        if params is None or overrides:  # resolved parameters pass through unchanged
+            given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
+            params = GenerationParams(**{**given, **overrides})
+        ids = [self.encode(p, chat=chat) for p in batch]
+        start = time.perf_counter()
+        seqs = self.engine.generate(ids, params, on_step=on_step)
+        seconds = time.perf_counter() - start
+        decodable = has_tokenizer(self.model_dir)
+        return [
+            GenerationOutput(
+                prompt_ids=s.prompt_ids,
+                output_ids=s.output_ids,
+                completion_ids=s.completion_ids,
+                text=decode(self.tokenizer, s.output_ids, s.stop_ids) if decodable else None,
+                nfe=s.nfe,
+                seconds=seconds,
+                tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,
+                finish_reason=s.finish_reason or "length",
+                query_lengths=s.query_lengths,
+                cache=s.params.cache,
+                index=i % params.n,
+                logprobs=s.token_logprobs(s.completion_ids),
+            )
+            for i, s in enumerate(seqs)
+        ]

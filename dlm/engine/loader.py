@@ -1,0 +1,154 @@
+"""Load safetensors checkpoints (single file or sharded index) into a model built on `meta`.
+
+Why meta: the model is created without storage, and each parameter is materialised exactly
+once from the checkpoint (read, cast, placed), so peak memory is the model plus one tensor,
+never two copies of the weights. Models name their parameters as the checkpoint does, except
+packed projections: a model may declare `packed_modules = {"qkv_proj": ("q_proj", "k_proj",
+"v_proj")}`, and such a parameter is the concatenation (dim 0) of its sources, so one matmul
+replaces three. A parameter may also carry a `weight_loader(param, tensor) -> tensor`
+attribute when it needs a transform (a reshape). A tensor-parallel shard carries a `shard`
+(`Shard`): which ranges of each source tensor it holds; those ranges are read with
+safetensors' `get_slice`, so a rank never reads (or holds) more than its part. A model whose
+checkpoints come in several layouts (one tensor per expert or stacked experts, a text model
+nested under `model.language_model.`) may define `tensor_sources(name, available)` returning
+the source names for a parameter, or None for the default rule.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dlm.engine.errors import UsageError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def tensor_locations(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it.
+
+    Prefers the sharded index when present (that is what transformers does); otherwise
+    every `*.safetensors` file in the directory is scanned.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise UsageError(f"{index} is not a valid safetensors index: {exc}") from exc
+        locations: dict[str, Path] = {name: model_dir / file for name, file in weight_map.items()}
+        for file in set(locations.values()):
+            if not file.exists():
+                raise UsageError(f"{index} names shard {file.name}, which is missing")
+        return locations
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"no safetensors weights in {model_dir}")
+    locations = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                locations[name] = file
+    return locations
+
+
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What part of its checkpoint sources a parameter holds on this rank.
+
+    `reads(i, shape)` gives, for source i (in `checkpoint_sources` order) of full shape
+    `shape`, the index tuples to read from it; every piece read, over all sources in order,
+    is concatenated along `cat_dim` (or `cat_dim(shape of the first source)` when the
+    checkpoint may come in layouts of different ranks)."""
+
+    reads: Callable[[int, tuple[int, ...]], list[Index]]
+    cat_dim: int | Callable[[tuple[int, ...]], int] = 0
+
+
+def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """Checkpoint tensor names that make up model parameter `name`, in concatenation order."""
+    module_path, _, attr = name.rpartition(".")
+    owner, _, leaf = module_path.rpartition(".")
+    if leaf in packed:
+        prefix = f"{owner}." if owner else ""
+        return [f"{prefix}{part}.{attr}" for part in packed[leaf]]
+    return [name]
+
+
+def load_weights(
+    model: torch.nn.Module,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[str], None] | None = None,
+) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    locations = tensor_locations(model_dir)
+    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
+    custom = getattr(model, "tensor_sources", None)
+    sources = {
+        name: (custom(name, locations) if custom is not None else None) or checkpoint_sources(name, packed)
+        for name, _ in model.named_parameters()
+    }
+    missing = [src for srcs in sources.values() for src in srcs if src not in locations]
+    if missing:
+        raise UsageError(
+            f"checkpoint {model_dir} lacks tensor {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    params = dict(model.named_parameters())
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def handle(src: str) -> Any:
+            file = locations[src]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return handles[file]
+
+        for name, srcs in sources.items():
+            param = params[name]
+            shard: Shard | None = getattr(param, "shard", None)
+            dim = 0
+            if shard is None:
+                parts = [handle(src).get_tensor(src) for src in srcs]
+            else:
+                parts, cat_dim = [], shard.cat_dim
+                for i, src in enumerate(srcs):
+                    view = handle(src).get_slice(src)
+                    shape = tuple(view.get_shape())
+                    parts += [view[index] for index in shard.reads(i, shape)]
+                    if i == 0:  # a callable cat_dim reads the first source's shape
+                        dim = cat_dim(shape) if callable(cat_dim) else cat_dim
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+            del parts
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                tensor = loader(param, tensor)
+            if tuple(tensor.shape) != tuple(param.shape):
+                shown = srcs[0] if len(srcs) == 1 else f"{name} (from {', '.join(srcs)})"
+                raise UsageError(
+                    f"tensor {shown} in {locations[srcs[0]].name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+            if on_tensor is not None:
+                on_tensor(name)

@@ -1,0 +1,668 @@
+"""GenerationParams: what a request asks of the denoiser, declared and validated in one place.
+
+Every decoding parameter is one field below, with its default and a `Param` record: its
+help text, its range or choices, and its names on the command line (`dlm generate`) and in
+the HTTP body (`dlm serve`). The CLI options and the HTTP schema are built from these
+records (dlm/cli/params.py, dlm/cli/server/protocol.py), so a parameter is written once.
+
+`validate()` is the one check: it fills the defaults that depend on other fields and on the
+model family, applies the ranges and the family's rules, and returns a `ResolvedParams`,
+which the engine, its scheduler and the tensor-parallel ranks accept as it is. Every
+refusal is a `UsageError` naming its field (`error.field`).
+
+Step semantics: `steps` is an upper bound on the denoising steps of every commit rule but
+one. It is split evenly over the blocks; the schedule rule spends exactly a block's share,
+while the threshold and factor rules (and Dream's `confidence_threshold` with a cache) may
+finish a block sooner, and the last step of a block's share commits whatever is left in it.
+The exception is Dream's `confidence_threshold` without a cache, which follows Fast-dLLM's
+whole-sequence rule: a block's share of `steps` is its schedule, and steps are added after
+it until every position clears the threshold (dlm/engine/decoding/dream.py), so its bound is
+one forward per position.
+`refinement_steps` gives the same budget per block instead of in all. Some families spend
+forwards besides the denoising steps (`Forwards`, derived from the family's record and
+config by dlm/engine/family_rules.py, which calls `validate()` for every entry point);
+`ResolvedParams.max_forwards` bounds them all, which is what a server's `--max-steps` caps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dlm.engine.capabilities import require
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.registry import FAMILIES, Family
+from dlm.engine.structured import FIELD, compile_response_format
+
+P = TypeVar("P", bound="GenerationParams")
+
+REMASKING = ("low_confidence", "random")
+CACHES = ("auto", "none", "prefix", "dual", "block")
+MODES = ("diffusion", "ar")
+# Dream's diffusion_generate algorithms, plus Fast-dLLM's threshold rule.
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+DREAM_ONLY = ("alg", "alg_temp", "top_p", "top_k")
+RANKING_ALGS = ("maskgit_plus", "topk_margin", "entropy")  # commit the top-n by a confidence
+DREAM_DEFAULT_ALG = "entropy"  # deterministic at temperature 0; DiffuCoder's recommendation
+DEFAULT_THRESHOLD = 0.9  # Fast-dLLM's default for `confidence_threshold`
+SEED_LIMIT = 2**63  # torch.Generator's seeds are below this
+# LLaDA2.1's draft-and-edit presets (model card): (threshold, edit_threshold). Speed mode drafts
+# boldly and lets edits repair; quality mode drafts conservatively.
+EDIT_PRESETS = {"speed": (0.5, 0.0), "quality": (0.7, 0.5)}
+DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode's
+DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_logprobs
+MAX_N = 64  # samples per prompt
+
+
+@dataclass(frozen=True)
+class Param:
+    """How one GenerationParams field is offered and checked.
+
+    `cli` and `http` are its names outside ("" = derived from the field name, None = not
+    offered there); the bounds are inclusive unless `*_open`; `choices` lists the accepted
+    strings."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    cli: str | None = ""
+    http: str | None = ""
+
+    def check(self, name: str, value: Any) -> None:
+        """Refuse a value outside the range or choices (None means "not given")."""
+        if value is None:
+            return
+        if self.choices is not None:
+            if value not in self.choices:
+                raise UsageError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}", field=name)
+            return
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if too_low or too_high:
+            raise UsageError(f"{name} must be {self.range()}, got {value}", field=name)
+
+    def range(self) -> str:
+        """The accepted range in words: `at least 1`, `positive`, `in (0, 1]`."""
+        low, high = _num(self.low), _num(self.high)
+        if self.high is None:
+            if self.low_open:
+                return "positive" if self.low == 0 else f"greater than {low}"
+            return f"at least {low}" if self.low != 0 else ">= 0"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _num(value: float | None) -> str:
+    return str(int(value)) if value is not None and float(value).is_integer() else str(value)
+
+
+def _param(default: Any, help: str, **spec: Any) -> Any:
+    return field(default=default, metadata={"param": Param(help, **spec)})
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """How a model spends forwards on its blocks beyond one per denoising step: what turns
+    `steps` into a bound on the forwards a request spends. Derived from the family's
+    record and config (dlm/engine/family_rules.py)."""
+
+    aligned_grid: bool = False  # blocks at multiples of block_length (LLaDA2, SDAR): one more may straddle the prompt
+    sub_blocks: int = 1  # a block is denoised in this many sub-blocks, at least a forward each (openPangu)
+    per_block: int = 0  # forwards per block besides its steps (openPangu's commit forward, Clover's commit pass)
+    # With the exact block cache, context beyond this many tokens is first fed in chunks (0: never);
+    # chunks of `prefill_chunk` tokens when the context attends causally, else of whole blocks.
+    prefill_chunk: int = 0
+    causal_context: bool = False
+
+    def blocks(self, prompt_length: int, gen_length: int, block: int) -> int:
+        """Blocks decoded for this prompt."""
+        if not self.aligned_grid:
+            return gen_length // block
+        return -(-(prompt_length + gen_length) // block) - prompt_length // block
+
+    def units(self, block: int) -> int:
+        """Sub-blocks a block of `block` tokens is denoised in (a forward each at least): blocks
+        shorter than `sub_blocks` tokens have one a token (dlm/engine/runtime/block_sequence.py)."""
+        return block // max(1, block // self.sub_blocks)
+
+    def prefill(self, prompt_length: int, block: int) -> int:
+        """Forwards that only fill the block cache before the first block is decoded
+        (dlm/engine/runtime/block_sequence.py, `plan`)."""
+        start = prompt_length // block * block if self.aligned_grid else prompt_length
+        if not self.prefill_chunk or start <= self.prefill_chunk:
+            return 0
+        step = self.prefill_chunk if self.causal_context else max(block, self.prefill_chunk // block * block)
+        return -(-(start - self.prefill_chunk) // step)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    gen_length: int = _param(128, "Tokens to generate.", low=1, http="max_tokens")
+    steps: int | None = _param(
+        None,
+        "Upper bound on denoising steps in all, split evenly over the blocks: every rule (schedule, threshold, "
+        "factor) finishes a block within its share, the share's last step committing what is left "
+        "(default: gen_length, one token per step). Dream's confidence_threshold without a cache is "
+        "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
+        low=1,
+    )
+    refinement_steps: int | None = _param(
+        None,
+        "Denoising steps per block (at most the block length) instead of --steps in all.",
+        low=1,
+    )
+    block_length: int | None = _param(
+        None, "Semi-autoregressive block size (default: the family's, else 32 if it divides gen_length).", low=1
+    )
+    remasking: str = _param("low_confidence", "Which positions a step commits.", choices=REMASKING)
+    temperature: float = _param(0.0, "Sampling temperature (0: greedy).", low=0)
+    cfg_scale: float = _param(0.0, "Classifier-free guidance scale (0: off; LLaDA family, no cache).", low=0)
+    threshold: float | None = _param(
+        None,
+        "Fast-dLLM parallel decoding: commit every masked token with confidence >= T, at least one per step.",
+        low=0,
+        high=1,
+        low_open=True,
+    )
+    factor: float | None = _param(
+        None, "Fast-dLLM factor rule instead of a threshold (LLaDA family).", low=0, low_open=True
+    )
+    seed: int | None = _param(
+        None, "Random seed for sampling and random remasking.", low=0, high=SEED_LIMIT, high_open=True
+    )
+    cache: str = _param(
+        "auto",
+        "auto (the family's exact cache, if any)|none|prefix|dual (Fast-dLLM approximate K/V cache, refreshed "
+        "per block; LLaDA, Dream)|block (exact KV cache of block-causal models).",
+        choices=CACHES,
+    )
+    mode: str = _param(
+        "diffusion", "diffusion|ar (ar: one token per forward, block-causal models).", choices=MODES, http="decode_mode"
+    )
+    # Draft-and-edit (LLaDA2.1; dlm/engine/decoding/draft_edit.py):
+    edit_threshold: float | None = _param(
+        None,
+        "Draft-and-edit (LLaDA2.x): also replace a committed token of the current block when the model's top "
+        "token differs with probability > E (0: any change); turns editing on (default: off).",
+        low=0,
+        high=1,
+    )
+    edit_mode: str | None = _param(
+        None,
+        "Draft-and-edit preset (LLaDA2.x), turns editing on: speed (threshold 0.5, edit threshold 0) or quality "
+        "(threshold 0.7, edit threshold 0.5); an explicit --threshold or --edit-threshold overrides it.",
+        choices=tuple(EDIT_PRESETS),
+    )
+    max_post_edit_steps: int | None = _param(
+        None,
+        f"Draft-and-edit: steps that may still edit a block once its masks are filled "
+        f"(default {DEFAULT_MAX_POST_EDIT_STEPS}).",
+        low=0,
+    )
+    stop_token_ids: tuple[int, ...] | None = _param(
+        None,
+        "Token ids that end the answer besides EOS, as EOS does: the answer ends at the first one committed "
+        "(finish_reason stop) and decoding stops after the block holding it (a list; on the command line, "
+        "comma-separated or the flag repeated).",
+        cli="--stop-token-ids",
+    )
+    early_stop: bool = _param(
+        True,
+        "Stop once a finished block holds EOS (the rest is filled with EOS).",
+        cli="--early-stop/--no-early-stop",
+        http=None,
+    )
+    n: int = _param(
+        1,
+        "Samples per prompt, decoded together; sample i uses seed + i (with a seed), so each equals a request "
+        "with that seed. Greedy decoding gives n equal samples.",
+        low=1,
+        high=MAX_N,
+        cli="--n",
+    )
+    logprobs: int | None = _param(
+        None,
+        "Report each generated token's log-probability at the denoising step that committed it (not an "
+        "autoregressive next-token probability), with this many most likely alternatives (0: none).",
+        low=0,
+        high=MAX_TOP_LOGPROBS,
+        http=None,  # the OpenAI endpoints spell it differently (completions vs chat): the request layer maps it
+    )
+    # Infilling: token ids the answer is decoded in front of (the canvas is prompt, answer, suffix).
+    # Text reaches it through the request layer (`suffix` on /v1/completions, `dlm generate --suffix`).
+    suffix: tuple[int, ...] = _param((), "Token ids after the answer (infilling).", cli=None, http=None)
+    drafts: int = _param(
+        0,
+        "Lossless multi-token steps: candidate canvases of the following step verified in each forward "
+        "(0: off; LLaDA family, greedy low-confidence rules, no guidance). The ids are those of the plain "
+        "rule; forwards drop while each costs up to 1+N canvases of compute.",
+        low=0,
+        high=64,
+    )
+    # Dream family (diffusion_generate):
+    alg: str | None = _param(
+        None,
+        "Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold "
+        "(default: confidence_threshold with a threshold, else entropy).",
+        choices=DREAM_ALGS,
+    )
+    alg_temp: float | None = _param(
+        None, "Dream family: sample committed positions from softmax(confidence/alg_temp).", low=0, low_open=True
+    )
+    top_p: float | None = _param(
+        None, "Dream family: nucleus filtering of the token distribution.", low=0, high=1, low_open=True
+    )
+    top_k: int | None = _param(None, "Dream family: keep the k most likely tokens.", low=1)
+    eps: float = _param(
+        1e-3,
+        "Dream family: last timestep of linspace(1, eps, steps + 1).",
+        low=0,
+        high=1,
+        low_open=True,
+        high_open=True,
+        cli=None,
+        http=None,
+    )
+    # DiffusionGemma (entropy-bound sampler; the canvas length is `block_length`, the
+    # denoising steps per canvas `refinement_steps`):
+    entropy_bound: float | None = _param(
+        None,
+        "DiffusionGemma: a step accepts the lowest-entropy tokens while their summed entropy, "
+        "less the largest, stays within this bound (default 0.1).",
+        low=0,
+        low_open=True,
+    )
+    min_temperature: float | None = _param(
+        None, "DiffusionGemma: temperature at the last denoising step of a canvas (default 0.4).", low=0, low_open=True
+    )
+    max_temperature: float | None = _param(
+        None, "DiffusionGemma: temperature at the first denoising step, falling linearly (default 0.8).", low=0
+    )
+    stability_threshold: int | None = _param(
+        None,
+        "DiffusionGemma: a canvas may stop once its argmax has not changed for this many steps (default 1).",
+        low=0,
+    )
+    confidence_threshold: float | None = _param(
+        None,
+        "DiffusionGemma: ... and the mean entropy of its tokens is below this (default 0.005).",
+        low=0,
+        low_open=True,
+    )
+    response_format: str | None = _param(
+        None,
+        "Answer as JSON: an OpenAI response_format object as JSON text, "
+        '\'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\'. '
+        "The schema's skeleton is laid on the canvas and only its values are decoded (bidirectional families; "
+        "docs/structured-output.md).",
+    )
+    # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
+    # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.
+    max_steps: int | None = _param(
+        None, "Largest step count a default may take (a server's limit).", low=1, cli=None, http=None
+    )
+
+    @property
+    def edits(self) -> bool:
+        """The request asks for draft-and-edit decoding (dlm/engine/decoding/draft_edit.py)."""
+        return self.edit_threshold is not None or self.edit_mode is not None
+
+    def validate(
+        self,
+        prompt_length: int,
+        max_length: int,
+        family: Family | None = None,
+        *,
+        fixed_block: int | None = None,
+        forwards: Forwards | None = None,
+        vocab: int | None = None,
+    ) -> ResolvedParams:
+        """Return the resolved parameters or raise UsageError naming the bad field.
+
+        `family` (default: LLaDA) decides which decoding fields apply, which caches exist
+        and the defaults that depend on it. Block-causal families (LLaDA2, SDAR, openPangu)
+        take the exact `block` cache and `ar` mode, and no classifier-free guidance or factor
+        rule. `fixed_block`: the model decodes blocks of exactly this size and nothing else
+        (Clover), so no other block length and no guidance. `forwards`: how the model spends
+        forwards on blocks (default: one per denoising step). `vocab`: the model emits token ids
+        below it (stop ids outside are refused)."""
+        family = family or FAMILIES[0]
+        for name, spec in PARAMS.items():
+            spec.check(name, getattr(self, name))
+        _validate_stop_token_ids(self.stop_token_ids, vocab)
+        if self.steps is not None and self.refinement_steps is not None:
+            raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
+        if self.threshold is not None and self.factor is not None:
+            raise UsageError("threshold and factor are alternative commit rules: give one", field="factor")
+        p = self._resolved(family, prompt_length, forwards or Forwards())
+        _validate_edits(self, p, family)  # first: the presets fill a threshold other rules would judge
+        if p.cache not in family.caches and p.cache != "none":
+            choices = ", ".join(family.caches)
+            raise UsageError(
+                f"cache {p.cache!r} is for bidirectional models; block-causal models take --cache block "
+                "(exact KV cache) or none (recompute the prefix every step)"
+                if family.block_causal
+                else f"cache {p.cache!r} is not available for {family.name} models; use one of {choices}",
+                field="cache",
+            )
+        if p.remasking == "random" and (p.threshold is not None or p.factor is not None):
+            raise UsageError(
+                "threshold and factor rank positions by model confidence; "
+                "they cannot be combined with random remasking",
+                field="remasking",
+            )
+        if family.block_causal:
+            _validate_block_causal(p)
+        if fixed_block is not None:
+            _validate_fixed_block(p, family, fixed_block)
+        if p.cfg_scale > 0 and p.cache != "none":
+            raise UsageError(
+                "classifier-free guidance is not available with a cache; use --cache none", field="cfg_scale"
+            )
+        _validate_sampler(p, family)
+        if p.drafts:
+            _validate_drafts(p, family, fixed_block)
+        if p.response_format is not None:
+            _validate_structured(p, family)
+        if p.mode != "diffusion" and not family.block_causal:
+            raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
+        if p.suffix:
+            require(family, "suffix")
+        if p.logprobs is not None:
+            require(family, "logprobs")
+        if p.seed is not None and p.seed + p.n > SEED_LIMIT:
+            raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
+        if prompt_length < 1:
+            raise UsageError("the prompt is empty", field="prompt")
+        if prompt_length + p.gen_length + len(p.suffix) > max_length:
+            suffix = f" + suffix ({len(p.suffix)})" if p.suffix else ""
+            raise UsageError(
+                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}){suffix} exceeds "
+                f"the model's maximum length of {max_length} tokens",
+                field="prompt",
+            )
+        return p
+
+    def samples(self: P) -> list[P]:
+        """The `n` samples this request asks for, each a request of its own (n = 1): sample i
+        has seed `seed + i`, so it equals a separate request with that seed (unseeded: each
+        draws its own noise)."""
+        if self.n == 1:
+            return [self]
+        seeds = [None if self.seed is None else self.seed + i for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
+    def _resolved(self, family: Family, prompt_length: int, forwards: Forwards) -> ResolvedParams:
+        """Fill the defaults that depend on other fields and on the family; check the block
+        layout the steps are split over."""
+        gen = self.gen_length
+        block = self.block_length
+        if block is None:
+            block = 32 if gen % 32 == 0 else gen
+        if gen % block:
+            raise UsageError(f"gen_length ({gen}) must be a multiple of block_length ({block})", field="gen_length")
+        blocks = gen // block
+        decoded = forwards.blocks(prompt_length, gen, block)
+        cache = family.default_cache if self.cache == "auto" else self.cache
+        prefill = forwards.prefill(prompt_length, block) if cache == "block" else 0
+        if self.refinement_steps is not None:
+            steps = min(self.refinement_steps, block) * decoded  # a block takes at most one step per token
+        else:
+            steps = self.steps or block * decoded  # default: one token per step
+        if self.steps is None and self.max_steps is not None and steps > self.max_steps:
+            # The default would exceed the limit: the most steps within it, evenly over the
+            # blocks, besides the forwards a block costs anyway (at least one step per block;
+            # `max_forwards` above the limit is the caller's to refuse).
+            steps = max(1, (self.max_steps - prefill) // decoded - forwards.per_block) * decoded
+        if self.steps is not None and steps % blocks:
+            raise UsageError(
+                f"steps ({steps}) must be divisible by the number of blocks (gen_length/block_length = {blocks})",
+                field="steps",
+            )
+        if steps < decoded:
+            raise UsageError(f"steps ({steps}) must be at least one per block decoded ({decoded})", field="steps")
+        given = "refinement_steps" if self.refinement_steps is not None else "steps" if self.steps else None
+        units = forwards.units(block)
+        if given and steps < decoded * units:
+            # Each sub-block takes a forward of its own: fewer steps could not bound the forwards.
+            raise UsageError(
+                f"{given} ({getattr(self, given)}) must allow at least one step per sub-block: "
+                f"{decoded} block(s) decoded x {units} sub-blocks = {decoded * units} steps",
+                field=given,
+            )
+        alg, threshold = self.alg, self.threshold
+        if family.sampler == "dream":
+            alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
+            if alg == "confidence_threshold" and threshold is None:
+                threshold = DEFAULT_THRESHOLD
+        values = {name: getattr(self, name) for name in PARAMS}
+        values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
+        if isinstance(self.response_format, dict):  # so is the response_format object: kept as its text
+            values["response_format"] = json.dumps(self.response_format)
+        if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
+            values["stop_token_ids"] = tuple(self.stop_token_ids)
+        per_block = max(steps // decoded, units) + forwards.per_block
+        if alg == "confidence_threshold" and cache == "none":
+            # Fast-dLLM's whole-sequence rule adds steps until every position clears the
+            # threshold, committing at least one per forward: a block's length bounds it.
+            per_block = max(per_block, block)
+        if compile_response_format(self.response_format) is not None:
+            # Value slots are written left to right, at least one token per step: a block
+            # may take one forward per position when its share of the steps is smaller.
+            per_block = max(per_block, block)
+        if self.edits:
+            # Draft-and-edit: the preset fills what is not given; a block takes at most
+            # block + max_post_edit_steps + 1 steps (dlm/engine/decoding/draft_edit.py).
+            preset_threshold, preset_edit = EDIT_PRESETS[self.edit_mode or DEFAULT_EDIT_PRESET]
+            threshold = preset_threshold if threshold is None else threshold
+            post = DEFAULT_MAX_POST_EDIT_STEPS if self.max_post_edit_steps is None else self.max_post_edit_steps
+            values.update(
+                edit_threshold=preset_edit if self.edit_threshold is None else self.edit_threshold,
+                max_post_edit_steps=post,
+            )
+            per_block = block + post + 1 + forwards.per_block
+        values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
+        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
+
+
+@dataclass(frozen=True)
+class ResolvedParams(GenerationParams):
+    """Parameters `GenerationParams.validate()` accepted for one model and prompt length:
+    defaults filled (`steps` and `block_length` set, `cache` never `auto`), every rule
+    checked. Engines take them without checking again."""
+
+    # Blocks the model decodes: gen_length / block_length, or one more when an absolute block
+    # grid straddles the prompt's end. `steps` is split evenly over them.
+    decoded_blocks: int = 1
+    # The most forwards the request can spend (its `usage.denoising_steps`): `steps`, plus
+    # what the model's block layout costs beyond them (`Forwards`).
+    max_forwards: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        assert self.block_length is not None
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        """Each block's share of `steps`: no rule spends more forwards on a block."""
+        assert self.steps is not None
+        return self.steps // self.decoded_blocks
+
+
+PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(GenerationParams)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(GenerationParams)}
+
+
+def cli_flag(name: str) -> str | None:
+    """The `dlm generate` option of field `name` (None: not offered there)."""
+    cli = PARAMS[name].cli
+    return cli if cli != "" else "--" + name.replace("_", "-")
+
+
+def http_name(name: str) -> str | None:
+    """The HTTP body field of GenerationParams field `name` (None: not offered there)."""
+    http = PARAMS[name].http
+    return http if http != "" else name
+
+
+ENTROPY_BOUND_FIELDS = (
+    "entropy_bound",
+    "min_temperature",
+    "max_temperature",
+    "stability_threshold",
+    "confidence_threshold",
+)
+# What the entropy-bound sampler (DiffusionGemma) does not take: its own fields replace them.
+NOT_ENTROPY_BOUND = ("remasking", "temperature", "cfg_scale", "threshold", "factor", "early_stop")
+
+
+def _validate_sampler(p: ResolvedParams, family: Family) -> None:
+    """Fields that belong to one decoding family only, and Dream's own constraints."""
+    if family.sampler == "entropy_bound":
+        _validate_entropy_bound(p, family)
+        return
+    given = [name for name in ENTROPY_BOUND_FIELDS if getattr(p, name) is not None]
+    if given:
+        raise UsageError(f"{given[0]} applies to DiffusionGemma models, not {family.name}", field=given[0])
+    if family.sampler != "dream":
+        given = [name for name in DREAM_ONLY if getattr(p, name) is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to Dream-family models, not {family.name}", field=given[0])
+        return
+    if p.remasking != "low_confidence":
+        raise UsageError(
+            "remasking applies to LLaDA-family models; for Dream choose --alg (e.g. origin)", field="remasking"
+        )
+    if p.factor is not None:
+        raise UsageError("the factor rule applies to LLaDA-family models; for Dream use --threshold", field="factor")
+    if p.cfg_scale > 0:
+        raise UsageError("classifier-free guidance applies to LLaDA-family models, not Dream", field="cfg_scale")
+    if p.threshold is not None and p.alg != "confidence_threshold":
+        raise UsageError(f"threshold goes with alg confidence_threshold, not {p.alg!r}", field="threshold")
+    if p.alg_temp is not None and p.alg not in RANKING_ALGS:
+        raise UsageError(
+            f"alg_temp samples among ranked positions; it needs alg {', '.join(RANKING_ALGS)}", field="alg_temp"
+        )
+    if p.cache != "none" and p.steps_per_block < 2:
+        raise UsageError(
+            "with a cache, Dream's first step of each block only commits the block's first token: "
+            f"steps per block must be at least 2, got {p.steps_per_block}",
+            field="steps",
+        )
+
+
+def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) -> None:
+    """Draft-and-edit decoding: only for families trained to edit, greedy, in diffusion mode,
+    with its own step bound instead of `steps`."""
+    given = [
+        name for name in ("edit_mode", "edit_threshold", "max_post_edit_steps") if getattr(asked, name) is not None
+    ]
+    if not given:
+        return
+    if not asked.edits:
+        raise UsageError(
+            "max_post_edit_steps goes with edit_threshold or edit_mode (draft-and-edit decoding)",
+            field="max_post_edit_steps",
+        )
+    if family.block_rules is None or not family.block_rules.token_edits:
+        editing = ", ".join(f.name for f in FAMILIES if f.block_rules is not None and f.block_rules.token_edits)
+        raise UsageError(
+            f"{given[0]} (draft-and-edit decoding) applies to {editing} models, not {family.name}", field=given[0]
+        )
+    if p.mode != "diffusion":
+        raise UsageError(f"{given[0]} (draft-and-edit decoding) needs mode diffusion, not {p.mode!r}", field="mode")
+    if p.temperature > 0:
+        raise UsageError("draft-and-edit decoding is greedy: temperature must be 0", field="temperature")
+    for name in ("steps", "refinement_steps"):
+        if getattr(asked, name) is not None:
+            raise UsageError(
+                f"draft-and-edit decoding runs a block until no token changes (at most block_length + "
+                f"max_post_edit_steps + 1 steps): {name} does not apply",
+                field=name,
+            )
+
+
+def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
+    """A list of token ids the model can emit (any number, none counts as none)."""
+    if ids is None:
+        return
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise UsageError(f"stop_token_ids must be a list of token ids, got {ids!r}", field="stop_token_ids")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise UsageError(f"stop_token_ids must be token ids (integers), got {token!r}", field="stop_token_ids")
+        if token < 0 or (vocab is not None and token >= vocab):
+            bound = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+            raise UsageError(
+                f"stop_token_ids: {token} is outside the vocabulary ({bound})",
+                field="stop_token_ids",
+            )
+
+
+def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
+    """DiffusionGemma: its own sampler fields, none of the masked-diffusion ones."""
+    given = [n for n in (*NOT_ENTROPY_BOUND, *DREAM_ONLY) if getattr(p, n) != DEFAULTS[n]]
+    if given:
+        raise UsageError(
+            f"{given[0]} does not apply to {family.name} models (entropy-bound sampler: "
+            f"use {', '.join(ENTROPY_BOUND_FIELDS)})",
+            field=given[0],
+        )
+    low, high = p.min_temperature, p.max_temperature
+    if low is not None and high is not None and high <= low:
+        raise UsageError(f"max_temperature ({high}) must exceed min_temperature ({low})", field="max_temperature")
+
+
+def _validate_drafts(p: ResolvedParams, family: Family, fixed_block: int | None) -> None:
+    """Drafted steps are verified against LLaDA's deterministic rules only (dlm/engine/decoding/drafts.py)."""
+    if family.sampler != "llada" or family.block_causal or fixed_block is not None:
+        raise UsageError(f"drafts (lossless multi-token steps) are not available for {family.name}", field="drafts")
+    if p.temperature > 0 or p.remasking != "low_confidence" or p.cfg_scale > 0:
+        raise UsageError(
+            "drafts (lossless multi-token steps) need the deterministic rules: temperature 0, "
+            "low_confidence remasking, no classifier-free guidance",
+            field="drafts",
+        )
+
+
+def _validate_structured(p: ResolvedParams, family: Family) -> None:
+    """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
+    family decodes a canvas whose later positions are already committed: bidirectional
+    attention, no fixed block, and not Dream's cached first-token rule."""
+    if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
+        return
+    if p.suffix:
+        raise Unsupported(
+            "response_format and suffix cannot be combined: the skeleton fills the answer", field="suffix"
+        )
+    require(family, FIELD)  # bidirectional families only (dlm/engine/capabilities.py)
+    if family.sampler == "dream" and p.cache != "none":
+        raise Unsupported(
+            "response_format with Dream's cached decoding is not supported (its first step of each block "
+            "commits the block's first position, which may be a fixed skeleton token); use cache none",
+            field="cache",
+        )
+
+
+def _validate_block_causal(p: ResolvedParams) -> None:
+    if p.cfg_scale > 0:
+        raise UsageError("classifier-free guidance is not available for block-causal models", field="cfg_scale")
+    if p.factor is not None:
+        raise UsageError("the factor rule is not available for block-causal models; use --threshold", field="factor")
+
+
+def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
+    if p.block_length != block:
+        raise UsageError(
+            f"{family.name} decodes {block}-token blocks: use block_length {block} "
+            "and a gen_length that is a multiple of it",
+            field="block_length",
+        )
+    if p.cfg_scale > 0:
+        raise UsageError(f"classifier-free guidance is not available for {family.name}", field="cfg_scale")

@@ -1,0 +1,243 @@
+"""LLMEngine: owns the model and runs denoising steps over a set of sequences.
+
+`step()` is the unit of work: one batched forward for every unfinished sequence, then one
+commit decision per sequence. `generate()` steps until all given sequences are done; the
+server's scheduler (continuous batching) drives `step()` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dlm.engine.capabilities import supported
+from dlm.engine.config import ModelConfig, load_config
+from dlm.engine.decoding.constrain import Vocabulary, layout
+from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.family_rules import validate
+from dlm.engine.layers.linear import lm_head_shard
+from dlm.engine.loader import load_weights
+from dlm.engine.params import GenerationParams, ResolvedParams
+from dlm.engine.registry import family_for, family_named
+from dlm.engine.runtime.block_runner import BlockRunner
+from dlm.engine.runtime.interface import Engine, Runner
+from dlm.engine.runtime.prefix_cache import PrefixCache, PrefixCacheStats
+from dlm.engine.runtime.request import RequestState
+from dlm.engine.runtime.runner import MIN_ROWS, ModelRunner
+from dlm.engine.runtime.sequence import Sequence
+from dlm.engine.runtime.step_graphs import ShapeBuckets, StepGraphs, graph_mode
+from dlm.engine.structured import FIELD, compile_response_format
+
+
+def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
+    """Cap this process's share of `device`'s memory (weights, caches, activations) at
+    `fraction` of its capacity, so a server sharing a GPU gets an out-of-memory error rather
+    than taking what other processes need. dlm allocates caches per request, so, unlike
+    vLLM's `gpu_memory_utilization`, nothing is reserved up front: this is a ceiling. CUDA
+    only; returns whether a cap was applied."""
+    if fraction is None:
+        return False
+    if not 0.0 < fraction <= 1.0:
+        raise UsageError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+    if device.type != "cuda":
+        return False
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return True
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: torch.nn.Module
+    dtype: torch.dtype
+    device: torch.device
+    model_dir: Path | None = None  # where its tokenizer is, for response formats
+
+
+def build_on_meta(config: ModelConfig) -> torch.nn.Module:
+    """The family's model without storage, shaped for this process's tensor-parallel shard;
+    a split the layers cannot make raises `UsageError` (one line, not a traceback)."""
+    cls = family_named(config.family).model_class()
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except ValueError as exc:  # the parallel layers refuse an uneven split
+        raise UsageError(str(exc)) from exc
+
+
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise UsageError(f"model directory {model_dir} does not exist")
+    config = load_config(model_dir)
+    model = build_on_meta(config)
+    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
+    return LoadedModel(config, model.eval(), dtype, device, model_dir)
+
+
+def load_engine(
+    model_dir: Path | str,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[str], None] | None = None,
+) -> LLMEngine:
+    """The family's native engine over the checkpoint in `model_dir` (this rank's shard
+    under tensor parallelism). Which engine decodes a family is known before any weight
+    is read."""
+    from dlm.engine.config import read_config_json
+
+    engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
+    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
+
+
+class LLMEngine(Engine):
+    """The native engine: the family's runner over one running set (satisfies `Engine`)."""
+
+    # The serving warm-up request (dlm/engine/runtime/async_engine.py): the family picks the block
+    # length; a tiny threshold commits each block in one forward.
+    warmup_params = GenerationParams(gen_length=32, threshold=1e-6)
+    path: str | None = None  # native: not the transformers backend
+    max_num_seqs: int | None = None  # batches as many sequences as the caller admits
+    tensor_parallel_size = 1
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.config = loaded.config
+        self.family = family_named(loaded.config.family)
+        self.runner = self.make_runner()
+        self._running: list[RequestState] = []
+        self._vocabulary: Vocabulary | Unsupported | None = None
+
+    def make_runner(self) -> Runner:
+        """Block-causal families (exact KV cache, AR mode) have their own runner."""
+        loaded = self.loaded
+        if self.family.block_causal:
+            return BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
+        shard = lm_head_shard(loaded.config.logits_size)
+        return ModelRunner(loaded.model, loaded.config, loaded.device, self.family.sampler, shard)
+
+    @property
+    def running(self) -> list[RequestState]:
+        return self._running
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        return supported(self.family)
+
+    def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
+        """Resolve the family's defaults and validate: what every entry point should call.
+        The same check as before loading (dlm/engine/family_rules.py), from the loaded config.
+        Parameters already resolved (this call at the boundary) pass as they are."""
+        if isinstance(params, ResolvedParams):
+            return params
+        return validate(params, prompt_length, self.config)
+
+    def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
+        """Validate a request and build its sequence without running it: the serving
+        scheduler (dlm/engine/runtime/scheduler.py) decides when it joins `running`."""
+        resolved = self.validate(params, len(prompt_ids))
+        self.check_prompt(prompt_ids)
+        self.check_prompt(list(resolved.suffix), "suffix")
+        seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        skeleton = compile_response_format(resolved.response_format)
+        if skeleton is not None:
+            if not isinstance(seq, Sequence):
+                raise Unsupported("response_format is not available on this decoding path", field=FIELD)
+            answer, constraint = layout(
+                skeleton,
+                self.vocabulary(),
+                resolved.gen_length,
+                self.config.mask_token_id,
+                self.config.eos_token_id,
+                len(prompt_ids),
+            )
+            seq.lay(answer, constraint)
+        if resolved.seed is not None:
+            seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
+        return seq
+
+    def add(self, seq: RequestState) -> None:
+        self._running.append(seq)
+
+    def vocabulary(self) -> Vocabulary:
+        """The token classes response formats are decoded under, built on first use from
+        the checkpoint's tokenizer (every tensor-parallel rank builds the same); a tokenizer
+        that cannot carry them is refused once and remembered."""
+        if isinstance(self._vocabulary, Unsupported):
+            raise self._vocabulary
+        if self._vocabulary is None:
+            from dlm.engine.tokenizer import has_tokenizer, load_tokenizer
+
+            model_dir = self.loaded.model_dir
+            if model_dir is None or not has_tokenizer(model_dir):
+                raise Unsupported(
+                    "response_format needs the checkpoint's tokenizer, which this model lacks", field=FIELD
+                )
+            config = self.config
+            excluded = {config.mask_token_id} | ({config.eos_token_id} if config.eos_token_id is not None else set())
+            try:
+                self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
+            except Unsupported as exc:
+                self._vocabulary = exc
+                raise
+        return self._vocabulary
+
+    def check_prompt(self, prompt_ids: list[int], field: str = "prompt") -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
+        if bad:
+            raise UsageError(
+                f"{field} token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})", field=field
+            )
+
+    def cache_bytes(self) -> int:
+        """Bytes of K/V cache (and recurrent state) the running requests hold on this
+        process: what grows with concurrency and context besides the weights."""
+        return sum(seq.cache_bytes for seq in list(self._running))  # a snapshot: scrapes run beside steps
+
+    def enable_prefix_cache(self, budget_bytes: int) -> bool:
+        """Block-causal families only: their context K/V is exact across requests; the
+        bidirectional runner's prompt K/V depends on the answer (dlm/engine/runtime/prefix_cache.py)."""
+        if budget_bytes <= 0 or not isinstance(self.runner, BlockRunner):
+            return False
+        self.runner.prefix_cache = PrefixCache(budget_bytes)
+        return True
+
+    def enable_step_graphs(self, choice: str, max_batch: int) -> str | None:
+        """Bidirectional native families: static-shape forwards (dlm/engine/runtime/step_graphs.py),
+        CUDA graphs on CUDA. The block runner's rows read per-request caches of growing
+        length, which a graph cannot hold yet; the transformers backend runs foreign code."""
+        mode = graph_mode(choice, self.loaded.device)
+        runner = self.runner
+        if mode is None or self.path is not None or type(runner) is not ModelRunner:
+            return None
+        cfg = self.config
+        block = cfg.block_length or cfg.max_position_embeddings
+        buckets = ShapeBuckets(2 * max_batch, cfg.max_position_embeddings, MIN_ROWS, block)  # CFG: 2 rows each
+        runner.graphs = StepGraphs(runner.model, buckets, self.loaded.device, mode, cfg.mask_token_id)
+        return mode
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        runner = self.runner
+        cache = runner.prefix_cache if isinstance(runner, BlockRunner) else None
+        return PrefixCacheStats() if cache is None else cache.stats()
+
+    def abort(self, seq: RequestState, reason: str = "abort") -> None:
+        seq.finish(reason)
+        self._running = [s for s in self._running if s is not seq]
+
+    def step(self) -> list[RequestState]:
+        """Advance every running sequence by one denoising step; return those that finished."""
+        active = [s for s in self._running if not s.finished]
+        if active:
+            self.runner.step(active)
+        done = [s for s in self._running if s.finished]
+        self._running = [s for s in self._running if not s.finished]
+        return done

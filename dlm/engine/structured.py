@@ -1,0 +1,420 @@
+"""Structured output: a JSON schema compiled into a skeleton for the canvas (torch-free).
+
+An autoregressive server enforces a schema by masking logits left to right. A diffusion
+model can do better: everything the schema fixes (braces, keys, quotes, colons, commas) is
+laid on the canvas as committed tokens before the first forward, and only the value slots
+are denoised, each under a token mask of its type (dlm/engine/decoding/constrain.py). So the
+answer always parses and validates, and the forwards are spent on the values alone.
+
+`compile_response_format` turns an OpenAI `response_format` into a `Skeleton`: a list of
+`Literal` text pieces and value `Slot`s. Each slot is a small automaton over token classes,
+decided left to right inside the slot (slots advance in parallel), so a slot of variable
+length ends with JSON whitespace the decoder chooses (a pad after the value):
+- `StringSlot`: content tokens (no quote, backslash or control character), then the closing
+  quote once `min_tokens` are written, then pads; with `maxLength`, one character per token;
+- `NumberSlot`: an optional minus, digits without a leading zero, an optional fraction,
+  then pads; bounds are kept by digit counts (`NumberSide`, conservative: always inside them);
+- `EnumSlot`: one of the JSON texts of `enum` (booleans are `[true, false]`), then pads.
+
+Rules that make a bounded, always-valid skeleton (documented in docs/structured-output.md):
+every declared property is written, in declaration order (required or optional); an array
+has `DEFAULT_ITEMS` items, clamped to [minItems, maxItems]; a string has at most
+`STRING_TOKENS` content tokens (at least `minLength`); an integer or number has at most
+`MAX_DIGITS` integer digits and `FRACTION_DIGITS` decimals; a range with both bounds is
+an enumeration of its integers (at most `ENUM_SPAN` + 1, evenly spread). `json_object` is a generic object of
+`OBJECT_KEYS` string keys with string values. A keyword dlm cannot enforce is refused with a
+`UsageError` naming it (field `response_format`), never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from dlm.engine.errors import Unsupported, UsageError
+
+if TYPE_CHECKING:
+    from dlm.engine.registry import Family
+
+FIELD = "response_format"
+STRING_TOKENS = 12  # content tokens of a string without maxLength
+MAX_DIGITS = 9  # integer digits of an unbounded number
+FRACTION_DIGITS = 3  # decimals of a `number`
+DEFAULT_ITEMS = 3  # items of an array, clamped to [minItems, maxItems]
+MAX_ITEMS = 64  # minItems above this is refused
+ENUM_SPAN = 64  # a range with both bounds is an enumeration of at most this many + 1 integers
+OBJECT_KEYS = 3  # pairs of a json_object
+MAX_DEPTH = 12  # nesting deeper than this is refused
+
+# Keywords that only annotate, or that the skeleton satisfies by construction.
+ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions", "strict"}
+)
+HANDLED = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",  # only declared properties are written
+        "items",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "enum",
+        "const",
+        "$ref",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Literal:
+    """Text the schema fixes: committed on the canvas before decoding."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class StringSlot:
+    """A string's content after its (fixed) opening quote: `min_tokens` to `max_tokens`
+    content tokens, then the closing quote, then pads. `single_char`: one character per
+    token (so `maxLength` counts tokens)."""
+
+    min_tokens: int
+    max_tokens: int
+    single_char: bool
+
+    @property
+    def length(self) -> int:
+        return self.max_tokens + 1  # the closing quote always fits
+
+
+@dataclass(frozen=True)
+class NumberSide:
+    """The magnitudes one sign may take: `min_digits`..`max_digits` integer digits, the
+    first in [first_min, first_max]; `zero`: the integer part may be a lone 0;
+    `fraction`: decimals may follow (only where they cannot cross a bound)."""
+
+    zero: bool
+    first_min: int
+    first_max: int
+    min_digits: int
+    max_digits: int
+    fraction: bool
+
+    @property
+    def nonzero(self) -> bool:
+        return self.max_digits >= self.min_digits and self.first_min <= self.first_max
+
+
+@dataclass(frozen=True)
+class NumberSlot:
+    positive: NumberSide | None  # values >= 0
+    negative: NumberSide | None  # values <= -1 (after a minus)
+
+    @property
+    def length(self) -> int:
+        digits = max(s.max_digits for s in (self.positive, self.negative) if s is not None)
+        return 1 + max(digits, 1) + 1 + FRACTION_DIGITS
+
+
+@dataclass(frozen=True)
+class EnumSlot:
+    """One of `values` (JSON texts), then pads."""
+
+    values: tuple[str, ...]
+
+
+Piece = Literal | StringSlot | NumberSlot | EnumSlot
+Slot = StringSlot | NumberSlot | EnumSlot
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    pieces: tuple[Piece, ...]  # consecutive literals merged
+
+    @property
+    def slots(self) -> int:
+        return sum(not isinstance(p, Literal) for p in self.pieces)
+
+
+def supported(family: Family) -> bool:
+    """Whether a family can decode a skeleton: the one fact behind both the refusal and the
+    capability listing (dlm/engine/capabilities.py). Its attention must reach the skeleton laid
+    after the current block: bidirectional (not block-causal, not Clover's hybrid, not
+    DiffusionGemma's canvas decoder, which resamples every position)."""
+    return family.attention == "bidirectional"
+
+
+def compile_response_format(text: str | dict[str, Any] | None) -> Skeleton | None:
+    """The skeleton of a `response_format` given as JSON text, or as the object itself from
+    the Python API (None: plain text)."""
+    if text is None:
+        return None
+    if isinstance(text, dict):
+        text = json.dumps(text)
+    if not isinstance(text, str):
+        raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
+    return _compile_cached(text)
+
+
+@lru_cache(maxsize=256)
+def _compile_cached(text: str) -> Skeleton | None:
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"response_format is not valid JSON: {exc}", field=FIELD) from None
+    if not isinstance(spec, dict):
+        raise UsageError("response_format must be an object with a type", field=FIELD)
+    kind = spec.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return _Compiler({}).skeleton(None)
+    if kind != "json_schema":
+        raise UsageError(f"response_format type must be text, json_object or json_schema, got {kind!r}", field=FIELD)
+    wrapper = spec.get("json_schema")
+    if not isinstance(wrapper, dict) or "schema" not in wrapper:
+        raise UsageError(
+            "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}", field=FIELD
+        )
+    schema = wrapper["schema"]
+    if not isinstance(schema, dict | bool):
+        raise UsageError("response_format json_schema.schema must be an object", field=FIELD)
+    return _Compiler(schema if isinstance(schema, dict) else {}).skeleton(schema)
+
+
+def refuse(keyword: str, why: str) -> Unsupported:
+    return Unsupported(f"response_format: the schema keyword {keyword!r} is not supported: {why}", field=FIELD)
+
+
+class _Compiler:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.pieces: list[Piece] = []
+
+    def skeleton(self, schema: dict[str, Any] | bool | None) -> Skeleton:
+        if schema is None:  # json_object: a generic object of string pairs
+            self.text("{")
+            for i in range(OBJECT_KEYS):
+                self.text(", " if i else "")
+                self.text('"')
+                self.pieces.append(StringSlot(1, STRING_TOKENS, False))
+                self.text(': "')
+                self.pieces.append(StringSlot(0, STRING_TOKENS, False))
+            self.text("}")
+        else:
+            self.value(schema, 0, ())
+        return Skeleton(tuple(self.pieces))
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        if self.pieces and isinstance(self.pieces[-1], Literal):
+            self.pieces[-1] = Literal(self.pieces[-1].text + text)
+        else:
+            self.pieces.append(Literal(text))
+
+    def value(self, schema: dict[str, Any] | bool, depth: int, refs: tuple[str, ...]) -> None:
+        if schema is True:
+            schema = {}
+        if schema is False:
+            raise refuse("false", "a schema that accepts nothing has no answer")
+        if not isinstance(schema, dict):
+            raise UsageError("response_format: every subschema must be an object", field=FIELD)
+        if depth > MAX_DEPTH:
+            raise refuse("properties", f"nesting deeper than {MAX_DEPTH} levels")
+        for keyword in schema:
+            if keyword not in HANDLED and keyword not in ANNOTATIONS:
+                raise refuse(keyword, "dlm cannot enforce it on the canvas")
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            if ref in refs:
+                raise refuse("$ref", f"{ref} refers to itself (unbounded recursion)")
+            self.value(self.resolve(ref), depth + 1, (*refs, ref))
+            return
+        if "const" in schema:
+            self.text(_dump(schema["const"]))
+            return
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise UsageError("response_format: enum must be a non-empty list", field=FIELD)
+            self.choice(values)
+            return
+        kind = _type(schema)
+        if kind == "object":
+            self.object(schema, depth, refs)
+        elif kind == "array":
+            self.array(schema, depth, refs)
+        elif kind == "string":
+            self.string(schema)
+        elif kind in ("integer", "number"):
+            self.number(schema, kind == "integer")
+        elif kind == "boolean":
+            self.choice([True, False])
+        elif kind == "null":
+            self.text("null")
+        else:
+            raise refuse("type", f"unknown type {kind!r}")
+
+    def resolve(self, ref: Any) -> dict[str, Any] | bool:
+        prefixes = ("#/$defs/", "#/definitions/")
+        if not isinstance(ref, str) or not ref.startswith(prefixes):
+            raise refuse("$ref", "only local references into #/$defs or #/definitions are followed")
+        section, _, name = ref[2:].partition("/")
+        target = self.root.get(section, {}).get(name) if isinstance(self.root.get(section), dict) else None
+        if target is None:
+            raise UsageError(f"response_format: $ref {ref} names no definition", field=FIELD)
+        return target  # type: ignore[no-any-return]
+
+    def choice(self, values: list[Any]) -> None:
+        texts = tuple(dict.fromkeys(_dump(v) for v in values))
+        if len(texts) == 1:
+            self.text(texts[0])
+        else:
+            self.pieces.append(EnumSlot(texts))
+
+    def object(self, schema: dict[str, Any], depth: int, refs: tuple[str, ...]) -> None:
+        properties = schema.get("properties", {})
+        if not isinstance(properties, dict):
+            raise UsageError("response_format: properties must be an object", field=FIELD)
+        missing = [k for k in schema.get("required", []) if k not in properties]
+        if missing:
+            raise refuse("required", f"{missing[0]!r} is required but not among the properties")
+        self.text("{")
+        for i, (key, sub) in enumerate(properties.items()):
+            self.text((", " if i else "") + json.dumps(key, ensure_ascii=False) + ": ")
+            self.value(sub, depth + 1, refs)
+        self.text("}")
+
+    def array(self, schema: dict[str, Any], depth: int, refs: tuple[str, ...]) -> None:
+        low = _int(schema, "minItems", 0)
+        high = _int(schema, "maxItems", max(low, DEFAULT_ITEMS))
+        if low > MAX_ITEMS:
+            raise refuse("minItems", f"more than {MAX_ITEMS} items")
+        if high < low:
+            raise UsageError("response_format: maxItems is below minItems", field=FIELD)
+        items = schema.get("items", {})
+        if isinstance(items, list):
+            raise refuse("items", "tuple validation (a list of schemas)")
+        count = min(max(DEFAULT_ITEMS, low), high)
+        self.text("[")
+        for i in range(count):
+            self.text(", " if i else "")
+            self.value(items, depth + 1, refs)
+        self.text("]")
+
+    def string(self, schema: dict[str, Any]) -> None:
+        low = _int(schema, "minLength", 0)
+        high = schema.get("maxLength")
+        if high is not None:
+            high = _int(schema, "maxLength", 0)
+            if high < low:
+                raise UsageError("response_format: maxLength is below minLength", field=FIELD)
+        if low > 256:
+            raise refuse("minLength", "strings longer than 256 characters")
+        top = max(STRING_TOKENS, low) if high is None else min(high, max(STRING_TOKENS, low))
+        self.text('"')
+        self.pieces.append(StringSlot(low, top, high is not None))
+
+    def number(self, schema: dict[str, Any], integer: bool) -> None:
+        lo, hi = _bounds(schema)
+        if lo is not None and hi is not None:
+            if hi < lo:
+                raise refuse("maximum", "the range is empty for the values dlm writes")
+            # A bounded range: its integers, or ENUM_SPAN + 1 of them evenly spread over it.
+            step = max(1, -(-(hi - lo) // ENUM_SPAN))
+            self.choice(sorted({*range(lo, hi + 1, step), hi}))
+            return
+        positive = _side(max(lo, 0) if lo is not None else 0, hi, not integer) if hi is None or hi >= 0 else None
+        negative = None
+        if lo is None or lo <= -1:
+            negative = _side(max(1, -hi) if hi is not None else 1, -lo if lo is not None else None, not integer)
+        sides = [s for s in (positive, negative) if s is not None and (s.zero or s.nonzero)]
+        if not sides:
+            raise refuse("minimum", "dlm cannot write a value inside these bounds")
+        self.pieces.append(
+            NumberSlot(
+                positive if positive is not None and (positive.zero or positive.nonzero) else None,
+                negative if negative is not None and negative.nonzero else None,
+            )
+        )
+
+
+def _side(low: int, high: int | None, fraction: bool) -> NumberSide:
+    """Digit rules for magnitudes in [low, high] (high None: unbounded): conservative, so
+    every number written is inside."""
+    if high is None:
+        max_digits = MAX_DIGITS
+    else:
+        max_digits = min(MAX_DIGITS, len(str(high + 1)) - 1)  # 10**d - 1 <= high
+    first_max = 9
+    if high is not None and 1 <= high <= 9:
+        max_digits, first_max = 1, high
+    first_min, min_digits = (max(low, 1), 1) if low <= 9 else (1, len(str(low)) + 1)
+    # Decimals only where the integer part's bound leaves room for them: below 10**d <= high.
+    frac = fraction and (high is None or (max_digits >= 1 and 10**max_digits <= high and first_max == 9))
+    return NumberSide(low == 0, first_min, first_max, min_digits, max_digits, frac)
+
+
+def _bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The integer bounds every written value keeps (inclusive)."""
+    lo = hi = None
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        if key in schema:
+            value = schema[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise UsageError(f"response_format: {key} must be a number", field=FIELD)
+    if "minimum" in schema:
+        lo = math.ceil(schema["minimum"])
+    if "exclusiveMinimum" in schema:
+        bound = math.floor(schema["exclusiveMinimum"]) + 1
+        lo = bound if lo is None else max(lo, bound)
+    if "maximum" in schema:
+        hi = math.floor(schema["maximum"])
+    if "exclusiveMaximum" in schema:
+        bound = math.ceil(schema["exclusiveMaximum"]) - 1
+        hi = bound if hi is None else min(hi, bound)
+    for value in (lo, hi):
+        if value is not None and abs(value) >= 10**MAX_DIGITS:
+            raise refuse("minimum" if value is lo else "maximum", f"bounds beyond {MAX_DIGITS} digits")
+    return lo, hi
+
+
+def _type(schema: dict[str, Any]) -> str:
+    """The schema's type; a list of types takes its first; untyped schemas by their keywords
+    (anything else: a string, which an untyped schema accepts)."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        if not kind:
+            raise UsageError("response_format: type must not be an empty list", field=FIELD)
+        kind = kind[0]
+    if kind is None:
+        if "properties" in schema or "required" in schema:
+            return "object"
+        if "items" in schema or "minItems" in schema or "maxItems" in schema:
+            return "array"
+        return "string"
+    if not isinstance(kind, str):
+        raise UsageError("response_format: type must be a string", field=FIELD)
+    return kind
+
+
+def _int(schema: dict[str, Any], key: str, default: int) -> int:
+    value = schema.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"response_format: {key} must be a non-negative integer", field=FIELD)
+    return value
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)

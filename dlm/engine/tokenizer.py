@@ -1,0 +1,75 @@
+"""Text <-> ids through the checkpoint's own tokenizer (and its chat template)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from dlm.engine.errors import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """A transformers tokenizer for `model_dir`; never runs remote code."""
+    if not has_tokenizer(model_dir):
+        raise UsageError(f"{model_dir} has no tokenizer files; pass token ids instead (--prompt-ids)")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # transformers warns that dLLM model types are unknown to it; the tokenizer is fine.
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            # It parses config.json only to pick the tokenizer class, and warns about the
+            # config fields of model types it does not know (Dream's `rope_scaling: null`):
+            # nothing the tokenizer uses, and nothing the user can act on.
+            warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
+            return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"could not load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Prompt ids of a conversation through the checkpoint's own chat template (which also
+    decides how `tools` are shown to the model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    except Exception as exc:  # jinja2 errors: the template rejected these messages
+        if type(exc).__module__.startswith("jinja2"):
+            raise UsageError(f"the chat template rejected the messages: {exc}") from exc
+        raise
+    return list(ids)
+
+
+def decode(tokenizer: Any, ids: list[int], stops: Collection[int]) -> str:
+    """Text of the generated ids up to (not including) the first stop id (EOS, the
+    request's stop_token_ids), as the text of a `stop` string excludes it."""
+    from dlm.engine.runtime.request import first_stop
+
+    end = first_stop(ids, stops)
+    return tokenizer.decode(ids if end is None else ids[:end], skip_special_tokens=True)

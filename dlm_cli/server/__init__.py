@@ -1,4 +1,0 @@
-"""The HTTP layer: an OpenAI-compatible FastAPI app over engine.runtime.async_engine.
-
-Depends on the engine; the engine never imports this package.
-"""

@@ -1,5 +1,0 @@
-"""Compute kernels for the denoising hot path.
-
-Each kernel has a pure-torch reference with the same signature; `kernels.dispatch` is the
-one place that decides which implementation runs. Nothing here imports the engine.
-"""
