@@ -52,6 +52,9 @@ def serve(
         None, "--max-num-batched-tokens", help="Canvas tokens in one forward [16384]."
     ),
     max_queue: int | None = typer.Option(None, "--max-queue", help="Waiting requests before 429 [64]."),
+    max_queue_per_key: int | None = typer.Option(
+        None, "--max-queue-per-key", help="Waiting requests one API key may hold [half the queue with 2+ keys]."
+    ),
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="Largest max_tokens per request [1024]."),
     default_max_tokens: int | None = typer.Option(
         None, "--default-max-tokens", help="max_tokens when a request gives none [min(128, max-tokens)]."
@@ -79,6 +82,11 @@ def serve(
         "--prefix-cache-mib",
         help="MiB of prompt K/V reused across requests sharing a prefix (block-causal families; "
         "exact, LRU); 0 turns it off [1024].",
+    ),
+    prefix_cache_shared: bool | None = typer.Option(
+        None,
+        "--prefix-cache-shared/--prefix-cache-per-key",
+        help="Share cached prompts between API keys (only for keys that trust each other) [per key].",
     ),
     request_timeout: float | None = typer.Option(
         None, "--request-timeout", help="Seconds before a request is stopped [300]."

@@ -78,6 +78,12 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="sequences sharing one forward")
     max_num_batched_tokens: int = Field(16384, ge=1, description="canvas tokens in one forward")
     max_queue: int = Field(64, ge=0, description="waiting requests; beyond: 429")
+    max_queue_per_key: int | None = Field(
+        None,
+        ge=0,
+        description="waiting requests one API key may hold; default: half of max_queue (rounded up) with two or "
+        "more keys, so one key cannot fill the queue, else max_queue",
+    )
     max_tokens: int = Field(1024, ge=1, description="largest max_tokens (gen_length) per request")
     default_max_tokens: int | None = Field(
         None, ge=1, description="when a request gives none; default: min(128, max_tokens)"
@@ -102,6 +108,9 @@ class ServeConfig(BaseModel):
         1024.0,
         ge=0,
         description="MiB of prompt K/V shared across requests (block-causal families; LRU); 0: off",
+    )
+    prefix_cache_shared: bool = Field(
+        False, description="share cached prompts between API keys (trusting tenants); default: a partition per key"
     )
     request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
     shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
@@ -148,6 +157,12 @@ class ServeConfig(BaseModel):
                 f"({self.max_num_batched_tokens}): such a request could never run"
             )
         return self.max_model_len or min(model_max, self.max_num_batched_tokens)
+
+    def queue_share(self) -> int:
+        """Waiting requests one API key may hold (`max_queue_per_key`, or its default)."""
+        if self.max_queue_per_key is not None:
+            return min(self.max_queue_per_key, self.max_queue)
+        return -(-self.max_queue // 2) if len(set(self.keys())) >= 2 else self.max_queue
 
     @property
     def default_gen_length(self) -> int:
