@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.serving import app_client
 
 KEY = "sk-structured-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,15 +37,7 @@ CHAT = {"messages": [{"role": "user", "content": "Describe someone."}], "max_tok
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    from dlm.cli.server.app import create_app
-    from dlm.cli.server.config import load_config
-
-    app = create_app(load_config(None, {"model": "tiny:llada", "api_keys": [KEY], "warmup": False}, environ={}))
-    with TestClient(app) as test_client:
-        end = time.monotonic() + 300
-        while test_client.get("/ready").status_code != 200:
-            assert time.monotonic() < end, test_client.get("/health").json()
-            time.sleep(0.1)
+    with app_client({"model": "tiny:llada", "api_keys": [KEY], "warmup": False}) as test_client:
         yield test_client
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+
+from tests.serving import app_client
 
 A, B, ADMIN = "sk-tenant-a-1234", "sk-tenant-b-5678", "sk-operator-9012"
 PROMPT = list(range(10, 90))  # 80 token ids: several whole prefix-cache pages
@@ -23,16 +24,7 @@ def _auth(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    from dlm.cli.server.app import create_app
-    from dlm.cli.server.config import load_config
-
-    settings = {"model": "tiny:sdar", "api_keys": [A, B], "admin_key": ADMIN, "warmup": False}
-    app = create_app(load_config(None, settings, environ={}))
-    with TestClient(app) as test_client:
-        end = time.monotonic() + 300
-        while test_client.get("/ready").status_code != 200:
-            assert time.monotonic() < end, test_client.get("/health").json()
-            time.sleep(0.1)
+    with app_client({"model": "tiny:sdar", "api_keys": [A, B], "admin_key": ADMIN, "warmup": False}) as test_client:
         yield test_client
 
 

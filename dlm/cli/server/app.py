@@ -36,7 +36,7 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.com
 
 def create_app(config: ServeConfig) -> FastAPI:
     service = Service(config)
-    preparer = Preparer(config.max_queue + config.max_num_seqs, config.queue_share() + config.max_num_seqs)
+    preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
     admin = AdminEndpoint(service) if config.admin_enabled else None
     operators = KeyRing([admin.key] if admin is not None else [])
 

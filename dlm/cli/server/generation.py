@@ -10,11 +10,12 @@ the same deltas. When the client leaves
 (connection closed), the request is cancelled and leaves the batch before the next step.
 
 Every answer is handed over under the request's deadline (`_Delivery`): its log line says
-`answered` only once every byte of it has left the process. A client that does not read (its
-socket's buffers full, the server's writes paused) holds at most a few snapshots of its
-request (dlm/engine/runtime/async_engine.py) and one SSE event; `DELIVERY_GRACE_S` after the
-deadline, once the engine has ended the request, its connection is closed without waiting
-and the request is logged `undelivered` (408), whatever the engine's finish reason.
+`answered` only once the client has acknowledged every byte of it (dlm/cli/server/connections.py).
+A client that does not read (its socket's buffers full, the server's writes paused) holds at
+most a few snapshots of its request (dlm/engine/runtime/async_engine.py) and one output in
+the SSE pump; `DELIVERY_GRACE_S` after the deadline, once the engine has ended the request,
+its connection is closed without waiting and the request is logged `undelivered` (408),
+whatever the engine's finish reason.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
 from dlm.engine.runtime.request import canvas_json
 
 DELIVERY_GRACE_S = 2.0  # after the deadline, for an answer's last bytes to reach a client that reads
-FLUSH_POLL_S = 0.05  # how often a written answer's unsent bytes are looked at (slow readers only)
+# How often a written answer's unacknowledged bytes are looked at: soon after the last write
+# (an ACK takes a round trip, or a delayed-ACK timer), then less and less often (slow readers).
+FLUSH_POLLS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 UNDELIVERED = 408  # the status logged for an answer its client did not read by the deadline
 
 # How the engine's non-success finish reasons reach the client.
@@ -95,7 +98,6 @@ class Responder:
         self.connection: Connection | None = request.scope.get("extensions", {}).get(CONNECTION)
         # What the log line says once the answer (or the error answered) is delivered.
         self.pending: tuple[str, int, Outcome] | None = None
-        self.texts: list[str] = []
         self.cut = False  # the client did not read the answer by the deadline: its connection was closed
         self.logged = False
 
@@ -152,6 +154,7 @@ class Responder:
             await send(message)
             last = message["type"] == "http.response.body" and not message.get("more_body", False)
             if last and (connection is None or not connection.lost):
+                self.job.written = time.monotonic()  # its latency ends here, not at the client's ACK
                 written.set()
 
         sending = asyncio.ensure_future(response(scope, receive, watched))
@@ -160,6 +163,9 @@ class Responder:
         finally:
             if not sending.done():
                 sending.cancel()
+        error = sending.exception() if sending.done() and not sending.cancelled() else None
+        if error is not None:  # a failure of the response itself: the app's handler answers it
+            raise error
         if outcome != "undelivered" and self.pending is not None:  # (else: logged already)
             reason, status, received = self.pending
             if outcome == "answered":
@@ -169,7 +175,9 @@ class Responder:
 
     async def _watch(self, sending: asyncio.Future[None], written: asyncio.Event) -> Outcome:
         connection = self.connection
-        await asyncio.wait({sending}, timeout=max(0.0, self.cutoff - time.monotonic()))
+        until_cutoff = self.cutoff - time.monotonic()
+        await asyncio.wait({sending}, timeout=max(0.0, until_cutoff) if until_cutoff < math.inf else None)
+        polls = 0
         while True:
             if sending.done():
                 if connection is None:  # an in-process client (tests): nothing is buffered
@@ -187,7 +195,8 @@ class Responder:
                 connection.close_now()  # the stream's task sees the disconnect and ends
                 await asyncio.wait({sending}, timeout=DELIVERY_GRACE_S)
                 return "undelivered"
-            await asyncio.wait({sending}, timeout=FLUSH_POLL_S)
+            await asyncio.wait({sending}, timeout=FLUSH_POLLS_S[min(polls, len(FLUSH_POLLS_S) - 1)])
+            polls += 1
 
     def _engine_done(self) -> bool:
         """Every choice has ended in the engine (past the deadline it ends them by timeout)."""

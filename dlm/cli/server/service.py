@@ -5,9 +5,10 @@ Loading runs in a worker thread after the socket is open, so `/health` answers w
 weights load and `/ready` turns 200 only once a warm-up forward has run.
 
 The served model is one `LoadedModel` that a hot swap (dlm/cli/server/hotswap.py) replaces
-on the event loop. A request's prompt is encoded off the loop with the tokenizer of
-`self.served` (dlm/cli/server/prepare.py encodes it again if a swap happened meanwhile); from
-there to `submit()` the handler does not await, so tokenizer, limits and engine belong to one
+on the event loop. A request's prompt is encoded, its parameters resolved (`params`) and its
+sequences built (`build`) off the loop, for the version `self.served` names then
+(dlm/cli/server/prepare.py does it all again if a swap happened meanwhile); from there to
+`submit()` the handler does not await, so tokenizer, limits and engine belong to one
 version, and the request keeps that version (`Job.served`) to the end.
 """
 
@@ -58,6 +59,7 @@ class Job:
     key: str = "-"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
+    written: float | None = None  # when its answer's last byte was written (its latency's end)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] = field(default_factory=list)
     suffix_ids: tuple[int, ...] = ()  # infilling: the ids after the answer
@@ -85,6 +87,7 @@ class Service:
         self.metrics = ServerMetrics()
         self.keys = KeyRing(config.keys())
         self.tenants = len(set(config.keys()))  # API keys: each one a tenant the others must not observe
+        self.queue_share = config.queue_share()  # waiting requests one key may hold
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self.model_name = config.served_model_name or _default_name(config)
         self.served: LoadedModel | None = None
@@ -181,7 +184,7 @@ class Service:
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(
-            self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue, cfg.queue_share()
+            self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue, self.queue_share
         )
         graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
         log.info("step graphs: %s", graphs)
@@ -345,8 +348,11 @@ class Service:
             resolved = served.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
-        if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
-            raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
+        if resolved.n > 1 and resolved.n > self.queue_share:  # its choices are queued together or not at all
+            raise bad_request(
+                f"n ({resolved.n}) exceeds the {self.queue_share} requests one API key may queue on this server",
+                param="n",
+            )
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             # Named after the field that set the step count: the request's own, else its length.
             param = next((name for name in ("refinement_steps", "steps") if name in given), "max_tokens")
@@ -425,7 +431,7 @@ class Service:
         else:
             m.success.labels(finish_reason).inc()
             m.generation_tokens.inc(len(job.completion_ids))
-            m.e2e.observe(time.monotonic() - job.arrival)
+            m.e2e.observe((job.written or time.monotonic()) - job.arrival)
         self.record(job)
 
     def record(self, job: Job) -> None:
@@ -437,7 +443,7 @@ class Service:
             "key": job.key,
             "status": job.status,
             "outcome": job.outcome,
-            "latency_s": round(time.monotonic() - job.arrival, 4),
+            "latency_s": round((job.written or time.monotonic()) - job.arrival, 4),
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(job.completion_ids),
             "denoising_steps": job.steps,
