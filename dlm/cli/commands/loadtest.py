@@ -26,11 +26,12 @@ def loadtest(
     out: Path | None = typer.Option(
         None, "--out", help="Output directory (default: $DLM_HOME/loadtest/<time>, outside any checkout)."
     ),
-    prompts: Path | None = typer.Option(
-        None,
+    prompts: str = typer.Option(
+        "auto",
         "--prompts",
-        help="JSONL of {prompt|messages, fields...}, or `tasks`: the default model's task prompts "
-        "(default: built-in prompts).",
+        help="JSONL of {prompt|messages, fields...}, or a named set: tasks (the default model's task "
+        "prompts), builtin (general questions), auto (tasks when the server serves the default model, "
+        "else builtin).",
     ),
     model: str | None = typer.Option(None, "--model", help="Model id (default: the first of /v1/models)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server."),
@@ -69,7 +70,7 @@ def loadtest(
         from dlm.cli.loadtest.stats import GATE_METRICS
         from dlm.cli.loadtest.sweep import parse_levels
         from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
-        from dlm.cli.loadtest.workload import Workload, builtin_requests, named_or_file
+        from dlm.cli.loadtest.workload import from_prompts
         from dlm.engine.errors import DlmError, UsageError
 
         if result_format not in ("dlm", "vllm"):
@@ -97,7 +98,7 @@ def loadtest(
             "temperature": temperature,
             **{k: v for k, v in dllm.items() if v is not None},
         }
-        workload = Workload(named_or_file(prompts) if prompts else builtin_requests(), fields, model)
+        workload = from_prompts(prompts, fields, model)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         verify = tls_verify(cacert, insecure)
         plan = LoadPlan(

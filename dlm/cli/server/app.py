@@ -113,8 +113,10 @@ def create_app(config: ServeConfig) -> FastAPI:
             "max_model_len": service.max_model_len or None,
         }
         served = service.served
-        if served is not None and served.ref is not None:  # a deployment: which release serves
-            card.update(root=served.ref, version=served.version)
+        if served is not None:  # what was loaded (vLLM's `root`): a deployment's release, else the checkpoint's name
+            card["root"] = served.ref or served.model_dir.name
+        if served is not None and served.ref is not None:
+            card["version"] = served.version
         if served is not None:  # the request features the loaded family honours (dlm/engine/capabilities.py)
             card["capabilities"] = list(served.engine.engine.capabilities)
         return JSONResponse({"object": "list", "data": [card]})
