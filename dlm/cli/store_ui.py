@@ -14,7 +14,8 @@ STORE_OPTION: Any = typer.Option(
     None,
     "--store",
     envvar="DLM_STORE",
-    help="Store directory (default: $DLM_HOME/store).",
+    help="Store directory.",
+    show_default="$DLM_HOME/store",
 )
 JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
 
