@@ -205,3 +205,37 @@ def test_safetensors_header_length_and_json(tmp_path: Path) -> None:
     assert "not valid UTF-8 JSON" in check_safetensors(path).problems[0]
     path.write_bytes(b"\1\2")
     assert "shorter than the 8-byte header length" in check_safetensors(path).problems[0]
+
+
+def test_a_damaged_store_record_is_a_failed_operation_everywhere(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged manifest is the store's failure, not a name the user got wrong: every command
+    that reads the version exits 1 naming it (it once read as "no model named", exit 2);
+    `dlm models` lists it as damaged, and `dlm rm` removes it."""
+    store, ref, files = stored
+    name, version = ref.split("@")
+    (files.parent / "manifest.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    for args in (["estimate", name], ["estimate", ref], ["verify", name], ["release", ref, "-d", "prod"]):
+        code, _, err = cli(*args)
+        assert code == 1 and err.startswith("error: the store's record of " + ref + " is damaged"), (args, err)
+    code, out, _ = cli("models", "--json")
+    assert code == 0 and json.loads(out)["models"][0]["versions"][0]["state"] == "damaged"
+    code, _, err = cli("rm", ref)
+    assert code == 0 and f"removed {ref}" in err and not files.parent.exists()
+    code, _, err = cli("estimate", name)
+    assert code == 2 and "no model named" in err  # now the name is the user's mistake
+
+
+def test_a_damaged_config_in_the_store_is_a_failed_operation(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config.json every command reads first is checked against the manifest when a store
+    name is resolved: damage is exit 1 pointing at `dlm verify`, not exit 2 for bad JSON."""
+    store, ref, files = stored
+    (files / "config.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, _, err = cli("estimate", ref)
+    assert code == 1 and err.startswith(f"error: {ref}'s config.json does not match the sha256"), err
+    assert f"dlm verify {ref}" in err

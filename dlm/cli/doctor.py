@@ -235,6 +235,7 @@ def check_store() -> Check:
         for name in store.models():
             for manifest in store.manifests(name):
                 states[manifest.state].append(f"{name}@{manifest.version}")
+            states["failed"] += [f"{name}@{version} (damaged)" for version in store.damaged(name)]
     except (DlmError, OSError) as exc:
         return Check("store", "warn", f"unreadable store at {store.root}: {exc}", {"root": str(store.root)})
     data = {"root": str(store.root), **states}

@@ -51,6 +51,8 @@ def _listing(store: Any) -> dict[str, Any]:
                     "release_role": roles.get((name, m.version)),
                 }
             )
+        for version, why in store.damaged(name).items():  # listed, not hidden: `dlm rm` them
+            versions.append({"version": version, "ref": f"{name}@{version}", "state": "damaged", "error": why})
         models.append({"name": name, "versions": versions})
     return {
         "store": str(store.root),
@@ -66,6 +68,7 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
         if json_out:
             emit_json(listing)
             return
+        from rich.markup import escape
         from rich.table import Table
 
         out = listing_console()
@@ -76,7 +79,10 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
             table.add_column(column, overflow="fold")
         for model in listing["models"]:
             for v in model["versions"]:
-                color = {"verified": "green", "failed": "red"}.get(v["state"], "yellow")
+                color = {"verified": "green", "failed": "red", "damaged": "red"}.get(v["state"], "yellow")
+                if v["state"] == "damaged":
+                    table.add_row(v["ref"], f"[{color}]damaged[/]", "", "", escape(v["error"]), "")
+                    continue
                 table.add_row(
                     v["ref"],
                     f"[{color}]{v['state']}[/]",
@@ -108,7 +114,9 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
 
 def rm(
     model: str = typer.Argument(..., help="NAME@VERSION to delete, or NAME with --keep N."),
-    keep: int | None = typer.Option(None, "--keep", help="Keep only the newest N versions of NAME."),
+    keep: int | None = typer.Option(
+        None, "--keep", help="Keep only the newest N versions of NAME.", show_default="none: delete NAME@VERSION"
+    ),
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:

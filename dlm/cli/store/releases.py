@@ -329,6 +329,11 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
         raise UsageError("--keep must be >= 0")
     with transaction(store):
         protected = protected_versions(store)
+        if version is not None and version in store.damaged(name):  # no manifest to read: the version goes
+            if (name, version) in protected:
+                raise DlmError(f"refusing to remove {name}@{version}: it is {protected[(name, version)]}")
+            store.remove(name, version)
+            return [f"{name}@{version}"], []
         if version is not None:
             manifest = store.find(f"{name}@{version}")
             role = protected.get((manifest.name, manifest.version))

@@ -166,19 +166,32 @@ class Store:
         return sorted(p.name for p in self.models_dir.iterdir() if p.is_dir() and NAME_RE.match(p.name))
 
     def manifests(self, name: str) -> list[Manifest]:
-        """Usable versions of `name`, oldest fetch first. Staging and torn entries are skipped."""
-        directory = self.model_dir(name)
-        if not directory.is_dir():
-            return []
+        """Usable versions of `name`, oldest fetch first. Staging and torn entries (no manifest
+        yet) are skipped, and so are damaged ones, which `damaged` names."""
         found = []
-        for entry in directory.iterdir():
-            if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
-                continue
+        for entry in self._versions(name):
             try:
                 found.append(Manifest.from_json(read_json(entry / MANIFEST)))
             except (ValueError, TypeError, KeyError):
                 continue
         return sorted(found, key=lambda m: (m.fetched_at, m.version))
+
+    def damaged(self, name: str) -> dict[str, str]:
+        """Versions of `name` whose manifest is there but unreadable (a damaged disk or a hand
+        edit: a commit writes it atomically), with the reason. Their files cannot be trusted."""
+        found = {}
+        for entry in self._versions(name):
+            try:
+                Manifest.from_json(read_json(entry / MANIFEST))
+            except (ValueError, TypeError, KeyError) as exc:
+                found[entry.name] = f"{MANIFEST}: {type(exc).__name__}: {exc}"
+        return found
+
+    def _versions(self, name: str) -> list[Path]:
+        directory = self.model_dir(name)
+        if not directory.is_dir():
+            return []
+        return [e for e in directory.iterdir() if not e.name.startswith(".") and (e / MANIFEST).is_file()]
 
     def manifest(self, name: str, version: str) -> Manifest:
         path = self.version_dir(name, version) / MANIFEST
@@ -194,6 +207,13 @@ class Store:
         newest verified version)."""
         name, version = split_ref(spec)
         manifests = self.manifests(name)
+        damaged = {v: why for v, why in self.damaged(name).items() if version is None or v.startswith(version)}
+        if damaged and (not manifests or (version is not None and not any(m.version == version for m in manifests))):
+            v, why = next(iter(damaged.items()))
+            raise DlmError(
+                f"the store's record of {name}@{v} is damaged ({why}); its files cannot be trusted: "
+                f"remove it (`dlm rm {name}@{v}`) and fetch it again"
+            )
         if not manifests:
             raise UsageError(f"no model named {name!r} in the store at {self.root}")
         if version is None:
