@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from dlm.cli.output import err_console
+from dlm.cli.output import err_console, progress
 
 STORE_OPTION: Any = typer.Option(
     None,
@@ -34,22 +34,15 @@ class ByteBar:
         self._task: Any = None
 
     def start(self, description: str, total_bytes: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-        self._progress = Progress(
+        self._progress = progress(
             TextColumn("{task.description}"),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
-            console=err_console,
+            transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task(description, total=total_bytes)

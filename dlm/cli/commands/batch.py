@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, progress
 from dlm.cli.setting_options import default, setting_option
 
 
@@ -33,8 +33,6 @@ def batch(
     with cli_errors():
         import asyncio
 
-        from rich.progress import Progress
-
         from dlm.cli.batch import answered, read_requests, run_batch
         from dlm.cli.server.config import load_config
         from dlm.cli.store.resolve import resolve_model
@@ -58,11 +56,9 @@ def batch(
 
             config.check_model(model_config(model_dir))
         done = len(answered(output_file) & {r.custom_id for r in requests})
-        with Progress(console=err_console, transient=True) as progress:
-            task = progress.add_task("batch", total=len(requests), completed=done)
-            summary = asyncio.run(
-                run_batch(config, requests, output_file, max_concurrency, lambda: progress.advance(task))
-            )
+        with progress() as bar:
+            task = bar.add_task("batch", total=len(requests), completed=done)
+            summary = asyncio.run(run_batch(config, requests, output_file, max_concurrency, lambda: bar.advance(task)))
         counts = {
             "total": summary.total,
             "skipped": summary.skipped,

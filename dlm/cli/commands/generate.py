@@ -9,7 +9,7 @@ import typer
 from dlm.cli import parallel as tp
 from dlm.cli import params as dp
 from dlm.cli.model_options import MODEL_ARGUMENT
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, progress
 from dlm.cli.setting_options import setting_option
 
 
@@ -33,7 +33,7 @@ def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN00
 
 def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
     """Decode (the `n` samples) with a progress bar of committed tokens on stderr."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     columns = (
         TextColumn("denoising"),
@@ -43,12 +43,12 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
         TextColumn("{task.fields[nfe]} forwards"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task("denoising", total=params.gen_length * params.n, nfe=0)
+    with progress(*columns) as bar:
+        task = bar.add_task("denoising", total=params.gen_length * params.n, nfe=0)
 
         def on_step(seqs) -> None:  # noqa: ANN001
             left = sum(seq.masks_left for seq in seqs)
-            progress.update(task, completed=params.gen_length * params.n - left, nfe=max(s.nfe for s in seqs))
+            bar.update(task, completed=params.gen_length * params.n - left, nfe=max(s.nfe for s in seqs))
 
         return llm.generate(prompt_tokens, params, on_step=on_step)
 
