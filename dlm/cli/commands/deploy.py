@@ -57,7 +57,9 @@ def kubernetes(
         cluster = k8s.kubernetes_settings(source=source, **settings)
         flags = given(ctx, ("tensor_parallel_size", "nnodes", "device"))  # the rest: the settings file's
         config, serve_settings = k8s.serve_settings(config_file, flags)
-        report = k8s.plan_report(config, estimate_from or source, cluster.gpu)
+        report = k8s.plan_report(
+            config, estimate_from or source, cluster.gpu, None if estimate_from else cluster.revision
+        )
         objects = k8s.render(config, cluster, report, serve_settings)
         if out is not None:
             for path in k8s.write_base(objects, out):

@@ -217,9 +217,11 @@ def sizing(config: ServeConfig, report: dict[str, Any], settings: KubernetesSett
     )
 
 
-def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None) -> dict[str, Any]:
-    """`dlm estimate`'s report for the server's shape: its TP, batch and generation length."""
-    from dlm.cli.estimate.plan import Serving, estimate
+def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revision: str | None) -> dict[str, Any]:
+    """`dlm estimate`'s report for the server's shape: its TP, batch and generation length,
+    from `estimate_from` (a hub SOURCE at the pinned `revision`). A hub out of reach is fixed
+    by --estimate-from, not by another SOURCE: SOURCE is what the pods fetch."""
+    from dlm.cli.estimate.plan import HubUnreachable, Serving, estimate
 
     block = config.block_length or Serving.block_length
     serving = Serving(
@@ -230,7 +232,13 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None) -> dic
         gen_length=math.ceil(config.max_tokens / block) * block,
         block_length=block,
     )
-    return estimate(estimate_from, serving, gpu=gpu)
+    try:
+        return estimate(estimate_from, serving, gpu=gpu, revision=revision)
+    except HubUnreachable as exc:
+        raise DlmError(
+            f"cannot read {exc.repo_id!r} from the Hugging Face hub ({exc.why}) to size the pods; give "
+            "--estimate-from with the checkpoint's directory or its config.json (SOURCE stays what the pods fetch)"
+        ) from None
 
 
 # --------------------------------------------------------------------------- objects
