@@ -240,12 +240,13 @@ class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    # "required" and a named function force a tool call, which dlm cannot: refused as unsupported.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if isinstance(self.tool_choice, dict):
-            return "tool_choice", "forcing a specific tool is not supported; use auto or none"
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            return "tool_choice", "forcing a tool call is not supported; use auto or none"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
