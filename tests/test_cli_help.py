@@ -123,3 +123,13 @@ def test_the_tensor_parallel_defaults_agree_with_the_engines() -> None:
     for name in ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"):
         assert default(name) == engine[name], name
     assert default("moe_parallel") == engine["moe"]
+
+
+def test_every_serve_setting_is_documented() -> None:
+    """docs/serve.md names every setting (its key or its flag): a new field is documented."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()
+    for name in ServeConfig.model_fields:
+        flags = [o for spelling in names(name) for o in spelling.split("/")] if name in settings() else []
+        assert f"`{name}`" in doc or any(flag in doc for flag in flags), f"docs/serve.md never names {name}"

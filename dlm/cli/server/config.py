@@ -179,6 +179,9 @@ class ServeConfig(BaseModel):
     )
     admin_key_file: Annotated[Path | None, Cli(shown="none")] = Field(None, description="File holding the admin key.")
     # operations
+    openapi: bool = Field(
+        True, description="Serve the API's description at /openapi.json and /docs (no key needed, as /health)."
+    )
     warmup: bool = Field(True, description="Run a warm-up forward before /ready.")
     log_prompts: bool = Field(False, description="Put prompt and output text in request logs.")
     log_level: str = Field("info", description="critical, error, warning, info, debug.")
