@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from dlm.engine.errors import UsageError
+from dlm.engine.params import DEFAULTS
+
+GEN_LENGTH = DEFAULTS["gen_length"]  # a request's length when neither it nor the server says
 
 if TYPE_CHECKING:
     from dlm.engine.config import ModelConfig
@@ -127,7 +130,7 @@ class ServeConfig(BaseModel):
     max_num_batched_tokens: int = Field(16384, ge=1, description="Canvas tokens in one forward.")
     max_queue: int = Field(64, ge=0, description="Waiting requests before 429.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")
-    default_max_tokens: Annotated[int | None, Cli(shown="min(128, max-tokens)")] = Field(
+    default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)")] = Field(
         None, ge=1, description="max_tokens when a request gives none."
     )
     max_steps: int = Field(
@@ -381,7 +384,7 @@ def load_config(
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
     if config.default_max_tokens is None:
-        config.default_max_tokens = min(128, config.max_tokens)
+        config.default_max_tokens = min(GEN_LENGTH, config.max_tokens)
     elif config.default_max_tokens > config.max_tokens:
         raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
     config.keys()  # a missing key file is a start-up error, not a runtime one
