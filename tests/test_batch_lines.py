@@ -144,3 +144,29 @@ def test_a_second_run_on_the_same_output_is_refused(tmp_path: Path) -> None:
     assert code == 1 and summary is None
     assert f"another dlm batch (pid {os.getpid()}) is writing" in stderr.replace("\n", " ")
     assert out.read_bytes() == b""
+
+
+def test_a_run_that_fails_midway_shuts_its_engine_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that ends the run (here OUTPUT's disk filling up) is one `error:` line and
+    exit 1, and the engine is shut down on the way out, never left decoding into the
+    interpreter's exit (where it aborted the process: SIGABRT, exit 134)."""
+    from dlm.cli.batch import BatchOutput
+    from dlm.cli.server.service import Service
+
+    shut: list[Service] = []
+    real_shutdown = Service.shutdown
+
+    def shutdown(self: Service) -> None:
+        shut.append(self)
+        real_shutdown(self)
+
+    def full(self: BatchOutput, record: dict) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Service, "shutdown", shutdown)
+    monkeypatch.setattr(BatchOutput, "append", full)
+    source = write(tmp_path / "in.jsonl", [request(f"q{i}", f"line {i}") for i in range(4)])
+    code, summary, stderr = run(source, tmp_path / "out.jsonl")
+    assert code == 1 and summary is None
+    assert "error: [Errno 28] No space left on device" in stderr and "Traceback" not in stderr
+    assert len(shut) == 1
