@@ -4,9 +4,9 @@ atomic under SIGKILL, idempotent, and resolvable as MODEL afterwards."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +46,7 @@ def test_fetch_copies_hashes_and_publishes(source: Path, tmp_path: Path) -> None
         assert entry.sha256 == hashlib.sha256(data).hexdigest()
         assert (Path(out["path"]) / entry.path).read_bytes() == data
     assert out["version"] == manifest.content_sha256[:12]
-    assert manifest.verification["family"] == "llada"
+    assert manifest.verification is not None and manifest.verification.family == "llada"
 
 
 def test_second_fetch_reads_nothing(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,12 +92,14 @@ def test_include_exclude_and_link(source: Path, tmp_path: Path) -> None:
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
-    assert result.manifest.verification["warnings"][0]["check"] == "tokenizer"
+    assert result.manifest.verification is not None
+    assert result.manifest.verification.warnings[0].check == "tokenizer"
     shard = "model-00001-of-00002.safetensors"
     assert (result.path / shard).stat().st_ino == (source / shard).stat().st_ino  # hard link
     only = fetch(str(source), store, name="cfg", include=["*.json"])
     assert not only.manifest.verified  # no weights: stored, but never usable
-    assert any("no *.safetensors" in f["problem"] for f in only.manifest.verification["failures"])
+    assert only.manifest.verification is not None
+    assert any("no *.safetensors" in f.problem for f in only.manifest.verification.failures)
 
 
 def test_bad_usage(source: Path, tmp_path: Path) -> None:
@@ -206,7 +208,9 @@ RACES = {
     "directory swapped for a link out": lambda src, outside: _swap_for_link(src / "extra", outside),
     "file swapped for another file": lambda src, outside: _swap_for_other_file(src / "config.json", outside),
     "file swapped for a FIFO": lambda src, outside: (src / "config.json").unlink() or os.mkfifo(src / "config.json"),
-    "linked target swapped for a link": lambda src, outside: _swap_for_link(outside / "linked.txt", outside / "config.json"),
+    "linked target swapped for a link": lambda src, outside: _swap_for_link(
+        outside / "linked.txt", outside / "config.json"
+    ),
 }
 
 

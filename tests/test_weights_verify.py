@@ -121,7 +121,7 @@ def test_healthy_version_verifies_and_records(stored: tuple[Store, str, Path]) -
     assert report["ok"] and report["family"] == "llada" and report["bytes_hashed"] > 0
     assert "hashing" in stderr  # the progress bar
     manifest = store.manifest(*ref.split("@"))
-    assert manifest.verification["hashed"] and manifest.state == "verified"
+    assert manifest.verification is not None and manifest.verification.hashed and manifest.state == "verified"
 
 
 def test_missing_and_extra_files(stored: tuple[Store, str, Path]) -> None:

@@ -114,7 +114,9 @@ def claim_output(path: Path) -> Iterator[BatchOutput]:
         except BlockingIOError:
             holder = _flock_holder(handle.fileno())
             by = f" (pid {holder})" if holder is not None else ""
-            raise DlmError(f"another dlm batch{by} is writing {path}; wait for it to end, or give another OUTPUT") from None
+            raise DlmError(
+                f"another dlm batch{by} is writing {path}; wait for it to end, or give another OUTPUT"
+            ) from None
         handle.seek(0)
         raw = handle.read()
         whole, _, tail = raw.rpartition(b"\n")

@@ -60,9 +60,7 @@ def batch(
         ):
             done = len(output.answered & {r.custom_id for r in requests})
             task = progress.add_task("batch", total=len(requests), completed=done)
-            summary = asyncio.run(
-                run_batch(config, requests, output, max_concurrency, lambda: progress.advance(task))
-            )
+            summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: progress.advance(task)))
         counts = {
             "total": summary.total,
             "skipped": summary.skipped,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from dlm.cli.store.hashing import (
     ByteProgress,
@@ -39,11 +40,10 @@ from dlm.cli.store.hashing import (
     sha256_file,
     sha256_stream,
 )
+from dlm.cli.store.records import CorruptRecord, FileEntry, HubSource, LocalSource, Manifest
 from dlm.cli.store.releases import transaction
 from dlm.cli.store.store import (
     FILES,
-    FileEntry,
-    Manifest,
     Store,
     check_name,
     content_hash,
@@ -73,14 +73,14 @@ class FetchResult:
             "version": m.version,
             "ref": f"{m.name}@{m.version}",
             "path": str(self.path),
-            "source": m.source,
+            "source": m.source.to_json(),
             "files": len(m.files),
             "total_size": m.total_size,
             "content_sha256": m.content_sha256,
             "already_present": self.already_present,
             "bytes_transferred": self.bytes_transferred,
             "state": m.state,
-            "verification": m.verification,
+            "verification": m.verification.to_json() if m.verification else None,
         }
 
 
@@ -119,9 +119,7 @@ def _publish(
 
 
 # -- local directories and mounted mirrors --------------------------------------------------
-def _unchanged_copy(
-    store: Store, name: str, source: dict[str, Any], stats: dict[str, dict[str, int]]
-) -> Manifest | None:
+def _unchanged_copy(store: Store, name: str, source: LocalSource, stats: dict[str, dict[str, int]]) -> Manifest | None:
     """A version copied from this very path whose files all still have the size and mtime
     they had then: re-fetching it would read everything to learn nothing."""
     for manifest in reversed(store.manifests(name)):
@@ -197,12 +195,14 @@ def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFil
 NO_FOLLOW_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW  # O_PATH: search, not read
 
 
-def _open_scanned(file: SourceFile) -> BinaryIO:
+def _open_scanned(file: SourceFile) -> io.FileIO:
     """Open the file the scan saw, following no symbolic link on the way (each directory of
     its resolved path is opened below the previous one with O_NOFOLLOW), and check that it is
     that same regular file. A link, a FIFO or another file put in its place since the scan
     is refused (DlmError), so nothing but the source's own bytes can be copied."""
-    replaced = f"{file.path} was replaced or removed after the source was scanned (a link or another file in its place?)"
+    replaced = (
+        f"{file.path} was replaced or removed after the source was scanned (a link or another file in its place?)"
+    )
     parent = os.open("/", NO_FOLLOW_DIR)
     try:
         for part in file.path.parts[1:-1]:
@@ -220,7 +220,7 @@ def _open_scanned(file: SourceFile) -> BinaryIO:
     if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (file.device, file.inode):
         os.close(fd)
         raise DlmError(f"{replaced}: refused; fetch again")
-    return os.fdopen(fd, "rb", buffering=0)
+    return io.FileIO(fd, "rb")
 
 
 def _transfer(file: SourceFile, dst: Path, link: bool, advance: Any) -> str:
@@ -236,7 +236,7 @@ def _transfer(file: SourceFile, dst: Path, link: bool, advance: Any) -> str:
     return digest
 
 
-def _link_hashing(file: SourceFile, source: BinaryIO, dst: Path, advance: Any) -> str | None:
+def _link_hashing(file: SourceFile, source: io.RawIOBase, dst: Path, advance: Any) -> str | None:
     """Hard-link the scanned file at `dst` and hash it through `source` (the same inode);
     None when it cannot be linked (another file system), for the caller to copy it. The link
     is made to the path itself, never to what a link there points to, and kept only if it is
@@ -276,7 +276,7 @@ def fetch_local(
     sources = {rel: file for rel, file in found.items() if rel in selected}
     rels = sorted(sources)
     stats = {rel: sources[rel].source_stat for rel in rels}
-    source = {"kind": "local", "path": str(src), "include": list(include), "exclude": list(exclude), "link": link}
+    source = LocalSource(path=str(src), include=list(include), exclude=list(exclude), link=link)
     with store.staging_lock(name):
         existing = None if unusable else _unchanged_copy(store, name, source, stats)
         if existing is not None:
@@ -297,9 +297,14 @@ def fetch_local(
             if failed:
                 rel, exc = next(iter(failed.items()))
                 raise DlmError(f"could not copy {sources[rel].path}: {exc}")
-            files = [FileEntry(rel, stats[rel]["size"], str(digests[rel]), source_stat=stats[rel]) for rel in rels]
+            files = [
+                FileEntry(path=rel, size=stats[rel]["size"], sha256=str(digests[rel]), source_stat=stats[rel])
+                for rel in rels
+            ]
             digest = content_hash(files)
-            manifest = Manifest(name, digest[:12], source, files, now(), digest)
+            manifest = Manifest(
+                name=name, version=digest[:12], source=source, files=files, fetched_at=now(), content_sha256=digest
+            )
             return _publish(store, staging, manifest, sum(f.size for f in files), unusable)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -320,10 +325,10 @@ def _hub_error(repo_id: str, exc: Exception) -> DlmError:
 
 
 def _existing(store: Store, name: str, version: str) -> Manifest | None:
-    """The stored version, unless absent or failed (a failed one is fetched again)."""
+    """The stored version, unless absent, failed or corrupt (those are fetched again)."""
     try:
         manifest = store.manifest(name, version)
-    except UsageError:
+    except (UsageError, CorruptRecord):
         return None
     return None if manifest.state == "failed" else manifest
 
@@ -368,15 +373,14 @@ def fetch_hub(
     wanted = _select(sorted(tree), include, exclude)
     if not wanted:
         raise UsageError(f"{repo_id}@{commit[:12]} has no files matching --include/--exclude")
-    source = {
-        "kind": "hub",
-        "repo_id": repo_id,
-        "revision": revision,
-        "commit": commit,
-        "endpoint": endpoint,
-        "include": list(include),
-        "exclude": list(exclude),
-    }
+    source = HubSource(
+        repo_id=repo_id,
+        revision=revision,
+        commit=commit,
+        endpoint=endpoint,
+        include=list(include),
+        exclude=list(exclude),
+    )
     with store.staging_lock(name):
         staging = store.staging(name, key=f"hub-{version}")
         target = staging / FILES
@@ -412,7 +416,7 @@ def fetch_hub(
                 raise DlmError(f"could not read {target / rel}: {digest}")
             expected = {"sha256": info.lfs.sha256} if info.lfs is not None else {"git_sha1": info.blob_id}
             actual = digest if info.lfs is not None else git_blob_sha1(target / rel)
-            files.append(FileEntry(rel, (target / rel).stat().st_size, digest, expected))
+            files.append(FileEntry(path=rel, size=(target / rel).stat().st_size, sha256=digest, expected=expected))
             if actual != next(iter(expected.values())):
                 bad.append(rel)
                 (target / rel).unlink()  # so that the next run downloads it again
@@ -421,7 +425,14 @@ def fetch_hub(
                 f"{', '.join(bad)} from {repo_id}@{commit[:12]} did not match the hub's hash; "
                 "removed, fetch again to retry"
             )
-        manifest = Manifest(name, version, source, files, now(), content_hash(files))
+        manifest = Manifest(
+            name=name,
+            version=version,
+            source=source,
+            files=files,
+            fetched_at=now(),
+            content_sha256=content_hash(files),
+        )
         after = sum(f.size for f in files)
         return _publish(store, staging, manifest, max(0, after - before))
 

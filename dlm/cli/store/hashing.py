@@ -8,12 +8,13 @@ in bytes through a small protocol so the engine never depends on a UI library.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 CHUNK = 8 << 20
 K = TypeVar("K")
@@ -40,7 +41,7 @@ class NoProgress:
         pass
 
 
-def _chunks(handle: BinaryIO, advance: Callable[[int], None]) -> Iterable[memoryview]:
+def _chunks(handle: io.RawIOBase, advance: Callable[[int], None]) -> Iterable[memoryview]:
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
     while True:
@@ -56,7 +57,7 @@ def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> 
         return sha256_stream(handle, advance)
 
 
-def sha256_stream(handle: BinaryIO, advance: Callable[[int], None] = lambda n: None) -> str:
+def sha256_stream(handle: io.RawIOBase, advance: Callable[[int], None] = lambda n: None) -> str:
     """The sha256 of what is left to read from an open file."""
     digest = hashlib.sha256()
     for chunk in _chunks(handle, advance):
@@ -73,7 +74,7 @@ def git_blob_sha1(path: Path) -> str:
     return digest.hexdigest()
 
 
-def copy_hashing(source: BinaryIO, dst: Path, advance: Callable[[int], None] = lambda n: None) -> str:
+def copy_hashing(source: io.RawIOBase, dst: Path, advance: Callable[[int], None] = lambda n: None) -> str:
     """Copy what is left to read from `source` to `dst` and return the sha256 of exactly the
     bytes copied, in one pass; fsyncs `dst`. The caller opens `source`, so the bytes hashed
     are those of the file it checked, whatever its path names by now."""
