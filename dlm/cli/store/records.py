@@ -99,7 +99,7 @@ Source = Annotated[HubSource | LocalSource, Field(discriminator="kind")]
 
 class Finding(Record):
     file: str
-    check: str  # source | manifest | size | sha256 | safetensors | index | config | tokenizer
+    check: str  # source | manifest | size | sha256 | safetensors | index | config | tensors | tokenizer
     problem: str
 
 

@@ -180,9 +180,40 @@ def check_tokenizer(directory: Path, report: VerifyReport) -> None:
         report.fail("tokenizer", "tokenizer", str(exc))
 
 
+def check_tensors(directory: Path, report: VerifyReport) -> None:
+    """The weights hold tensors, and, for the family config.json names, every tensor its
+    model reads: the engine's own model is built on the meta device (no storage, no weight
+    read) and its loader says which checkpoint names it needs (`missing_tensors`), so a
+    checkpoint that verifies is one `dlm serve` can load, not one that fails at the first
+    request to start."""
+    shards = [p for p in iter_files(directory) if p.suffix == ".safetensors"]
+    if not shards:
+        return  # check_weights has said so
+    names: set[str] = set()
+    for shard in shards:
+        try:
+            names.update(check_safetensors(shard).tensors)
+        except OSError:
+            continue  # check_weights has said so
+    if not names:
+        report.fail(".", "tensors", "the safetensors files hold no tensors")
+        return
+    if report.family is None:
+        return  # no family to hold them against; check_config has said why
+    from dlm.engine.config import load_config
+    from dlm.engine.loader import missing_tensors
+    from dlm.engine.runtime.engine import build_on_meta
+
+    missing = missing_tensors(build_on_meta(load_config(directory)), names)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        report.fail(".", "tensors", f"lacks tensor {missing[0]}{more}, which the {report.family} model reads")
+
+
 STRUCTURE_CHECKS = (
     ("safetensors", ".", check_weights),
     ("config", "config.json", check_config),
+    ("tensors", ".", check_tensors),  # after config: it needs the family
     ("tokenizer", "tokenizer", check_tokenizer),
 )
 
