@@ -17,7 +17,7 @@ from dlm.cli.store import records
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.releases import release
 from dlm.cli.store.store import Store
-from tests.weights_helpers import cli, make_checkpoint
+from tests.weights_helpers import cli, make_checkpoints
 
 DEEP = "[" * 100_000 + "]" * 100_000  # far deeper than Python's recursion limit
 SMALL_LIMIT = 1 << 20
@@ -25,8 +25,7 @@ SMALL_LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("sources")
-    return [make_checkpoint(root / f"v{i}", shards=1, seed=i, tokenizer=False) for i in range(3)]
+    return make_checkpoints(tmp_path_factory.mktemp("sources"))
 
 
 @pytest.fixture

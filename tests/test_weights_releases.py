@@ -20,13 +20,12 @@ from dlm.cli.store.fetch import fetch
 from dlm.cli.store.releases import Outcome, current_checkpoint, load_state, release, remove_versions, rollback
 from dlm.cli.store.store import Store
 from dlm.engine.errors import DlmError, UsageError
-from tests.weights_helpers import ROOT, cli, make_checkpoint
+from tests.weights_helpers import ROOT, cli, make_checkpoints
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    base = tmp_path_factory.mktemp("rel")
-    return [make_checkpoint(base / f"v{i}", shards=1, seed=i, tokenizer=False) for i in range(3)]
+    return make_checkpoints(tmp_path_factory.mktemp("rel"))
 
 
 @pytest.fixture

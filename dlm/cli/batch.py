@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from dlm.cli.jsonl import JSON_WHITESPACE, json_object, lines, read_objects
+from dlm.cli.jsonl import LineError, lines, objects, read_objects
 from dlm.cli.server.config import ServeConfig
 from dlm.engine.errors import DlmError, UsageError
 
@@ -139,19 +139,14 @@ def _answered(path: Path, whole: bytes) -> set[str]:
     except UnicodeDecodeError:
         raise UsageError(f"OUTPUT {path} is not a dlm batch output (not UTF-8); refusing to append to it") from None
     done = set()
-    for number, line in enumerate(lines(text), start=1):
-        if not line.strip(JSON_WHITESPACE):
-            continue
-        try:
-            item = json_object(line)
-        except ValueError as exc:
-            problem = str(exc)
-        else:
-            if isinstance(item.get("custom_id"), str) and {"response", "error"} <= item.keys():
-                done.add(item["custom_id"])
-                continue
-            problem = "not a result (custom_id, response, error)"
-        raise UsageError(f"{path}:{number}: {problem}: OUTPUT is not a dlm batch output, refusing to append to it")
+    refusal = "OUTPUT is not a dlm batch output, refusing to append to it"
+    try:
+        for number, item in objects(text):
+            if not isinstance(item.get("custom_id"), str) or not {"response", "error"} <= item.keys():
+                raise UsageError(f"{path}:{number}: not a result (custom_id, response, error): {refusal}")
+            done.add(item["custom_id"])
+    except LineError as exc:
+        raise UsageError(f"{path}:{exc.number}: {exc.problem}: {refusal}") from None
     return done
 
 

@@ -43,6 +43,26 @@ def json_object(text: str) -> dict[str, Any]:
     return item
 
 
+class LineError(ValueError):
+    """A JSONL line that is not a JSON object: its number and what it is instead."""
+
+    def __init__(self, number: int, problem: str) -> None:
+        super().__init__(f"line {number}: {problem}")
+        self.number, self.problem = number, problem
+
+
+def objects(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of JSONL `text`; LineError at the
+    first line that is not a JSON object."""
+    for number, line in enumerate(lines(text), start=1):
+        if not line.strip(JSON_WHITESPACE):
+            continue
+        try:
+            yield number, json_object(line)
+        except ValueError as exc:
+            raise LineError(number, str(exc)) from None
+
+
 def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-empty line; a file without any is an error."""
     try:
@@ -50,14 +70,11 @@ def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}") from None
     found = False
-    for number, line in enumerate(lines(text), start=1):
-        if not line.strip(JSON_WHITESPACE):
-            continue
-        try:
-            item = json_object(line)
-        except ValueError as exc:
-            raise UsageError(f"{path}:{number}: {exc}") from None
-        found = True
-        yield number, item
+    try:
+        for number, item in objects(text):
+            found = True
+            yield number, item
+    except LineError as exc:
+        raise UsageError(f"{path}:{exc.number}: {exc.problem}") from None
     if not found:
         raise UsageError(f"{path} holds no {what}")
