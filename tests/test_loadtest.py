@@ -155,6 +155,9 @@ def test_jsonl_prompts(tmp_path: Path) -> None:
     path.write_text('{"prompt": "a", "colour": "red"}\n')
     with pytest.raises(UsageError, match="colour"):
         load_jsonl(path)
+    separators = "\u2028\u2029\u0085"  # raw inside JSON strings: not line ends
+    path.write_text(f'{{"prompt": "a{separators}b"}}\n', encoding="utf-8")
+    assert [body["prompt"] for _, body in load_jsonl(path)] == [f"a{separators}b"]
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess:

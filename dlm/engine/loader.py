@@ -17,7 +17,7 @@ the source names for a parameter, or None for the default rule.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +102,23 @@ def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list
     return [name]
 
 
+def parameter_sources(model: torch.nn.Module, available: Collection[str]) -> dict[str, list[str]]:
+    """For each parameter of `model`, the checkpoint tensors it is read from, given the
+    tensor names the checkpoint holds (a model with several layouts picks by them)."""
+    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
+    custom = getattr(model, "tensor_sources", None)
+    return {
+        name: (custom(name, available) if custom is not None else None) or checkpoint_sources(name, packed)
+        for name, _ in model.named_parameters()
+    }
+
+
+def missing_tensors(model: torch.nn.Module, available: Collection[str]) -> list[str]:
+    """The tensors `model` needs that a checkpoint holding `available` lacks (what loading
+    it would refuse; `dlm verify` asks this of a model built on meta, reading no weight)."""
+    return [src for srcs in parameter_sources(model, available).values() for src in srcs if src not in available]
+
+
 def load_weights(
     model: torch.nn.Module,
     model_dir: Path,
@@ -111,13 +128,8 @@ def load_weights(
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     locations = tensor_locations(model_dir)
-    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
-    custom = getattr(model, "tensor_sources", None)
-    sources = {
-        name: (custom(name, locations) if custom is not None else None) or checkpoint_sources(name, packed)
-        for name, _ in model.named_parameters()
-    }
-    missing = [src for srcs in sources.values() for src in srcs if src not in locations]
+    sources = parameter_sources(model, locations)
+    missing = missing_tensors(model, locations)
     if missing:
         raise UsageError(
             f"checkpoint {model_dir} lacks tensor {missing[0]}"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -33,7 +36,7 @@ def batch(
     with cli_errors():
         import asyncio
 
-        from dlm.cli.batch import answered, read_requests, run_batch
+        from dlm.cli.batch import claim_output, read_requests, run_batch
         from dlm.cli.server.config import load_config
         from dlm.cli.store.resolve import resolve_model
         from dlm.engine.errors import UsageError
@@ -55,10 +58,14 @@ def batch(
             from dlm.engine.config import load_config as model_config
 
             config.check_model(model_config(model_dir))
-        done = len(answered(output_file) & {r.custom_id for r in requests})
-        with progress() as bar:
+        with (
+            claim_output(output_file) as output,
+            _server_log_lines(),
+            progress() as bar,
+        ):
+            done = len(output.answered & {r.custom_id for r in requests})
             task = bar.add_task("batch", total=len(requests), completed=done)
-            summary = asyncio.run(run_batch(config, requests, output_file, max_concurrency, lambda: bar.advance(task)))
+            summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
         counts = {
             "total": summary.total,
             "skipped": summary.skipped,
@@ -72,3 +79,27 @@ def batch(
             err_console.print(
                 f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in {output_file}"
             )
+
+
+class _OneLine(logging.Formatter):
+    """A server log record as one line: what failed and why, without the traceback (the
+    failing line's result holds the same cause)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.name} {record.levelname.lower()}: {record.getMessage()}"
+        exc = record.exc_info[1] if record.exc_info else None
+        return f"{text}: {type(exc).__name__}: {exc}" if exc is not None else text
+
+
+@contextmanager
+def _server_log_lines() -> Iterator[None]:
+    """The in-process server's warnings and errors on stderr, one line each, for the run."""
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_OneLine())
+    logger = logging.getLogger("dlm")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)

@@ -70,7 +70,7 @@ def fetch(
             soft_wrap=True,
         )
         if not m.verified:
-            problems = len((m.verification or {}).get("failures", []))
+            problems = len(m.verification.failures) if m.verification else 0
             raise DlmError(
                 f"{m.name}@{m.version} is stored but failed verification ({problems} problems); "
                 "fix the source and fetch it again to replace it"

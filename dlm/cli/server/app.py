@@ -42,13 +42,15 @@ def create_app(config: ServeConfig) -> FastAPI:
         # 200 when loading ends, and generation requests that arrive meanwhile wait for it
         # (within `ready_wait`) rather than get 503 right after the server said it listens.
         loading = app.state.loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
-        yield
-        service.draining = True
-        if admin is not None:
-            await admin.stop()
-        await loading
-        service.shutdown()
-        preparer.close()
+        try:
+            yield
+        finally:  # also when the block raises (`dlm batch` runs the lifespan around its own work)
+            service.draining = True
+            if admin is not None:
+                await admin.stop()
+            await loading
+            service.shutdown()
+            preparer.close()
 
     # /openapi.json and /docs are FastAPI's, with the bodies the handlers read (openapi.py).
     app = FastAPI(

@@ -511,8 +511,8 @@ def _default_name(config: ServeConfig) -> str:
         from dlm.cli.store.releases import load_state
         from dlm.cli.store.store import Store
 
-        current = load_state(Store(config.store), config.deployment)["current"]
-        return current["model"] if current else config.deployment
+        current = load_state(Store(config.store), config.deployment).current
+        return current.model if current else config.deployment
     if config.model is None:
         from dlm.engine.default_model import NAME
 
