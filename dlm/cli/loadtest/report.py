@@ -80,10 +80,11 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 
 def _ms(value: float | None) -> str:
-    """Seconds as whole milliseconds; from 100 s on, as seconds with an `s`."""
+    """Seconds as milliseconds (a decimal below 10 ms: a diffusion model's TPOT is often under
+    one); from 100 s on, as seconds with an `s`."""
     if value is None:
         return "-"
-    return f"{value * 1000:.0f}" if value < 100 else f"{value:.0f}s"
+    return _compact(value * 1000, 1) if value < 100 else f"{value:.0f}s"
 
 
 def level_row(level: dict[str, Any]) -> list[str]:
