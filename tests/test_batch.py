@@ -133,3 +133,29 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_pat
     assert f"another dlm batch (pid {first.pid}) is writing" in " ".join(stderr.split())
     assert first.wait(timeout=600) == 0, first.communicate()[1]
     assert set(results(out)) == {f"req-{i}" for i in range(200)} | {"bad"}
+
+
+@pytest.mark.parametrize("command", ["batch", "generate"])
+def test_damaged_weights_are_one_error_line(command: str, tmp_path: Path) -> None:
+    """A checkpoint whose weights safetensors cannot read: exit 1 and stderr is one `error:`
+    line, as a script reads it: no traceback, no log line repeating it, and no empty line
+    before it (rich ends a progress display on a non-terminal with one)."""
+    model = tmp_path / "damaged"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "dlm/engine/assets/dlm-tiny-tasks-llada/config.json").read_text())
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    if command == "batch":
+        args = [str(write(tmp_path / "in.jsonl", requests(1))), str(tmp_path / "out.jsonl"), "--model", str(model)]
+    else:
+        args = [str(model), "--prompt-ids", "1,2,3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlm", command, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DLM_HOME": str(tmp_path / "home")},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: cannot read the weights in"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr

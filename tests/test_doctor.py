@@ -130,3 +130,13 @@ def test_table_names_the_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 1
     assert "blocked by: disk" in result.stdout
     assert "0.0 GiB free" in result.stdout
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_serve_would_refuse_is_bad_usage(port: str) -> None:
+    """`dlm doctor --port` takes a port as `dlm serve --port` does (one validation, one error):
+    exit 2 and one `error:` line, never a traceback."""
+    result = CliRunner().invoke(app, ["doctor", "--port", port])
+    assert result.exit_code == 2 and not isinstance(result.exception, OverflowError), result.exception
+    assert result.stderr.startswith("error: invalid setting port:"), result.stderr
+    assert len(result.stderr.splitlines()) == 1

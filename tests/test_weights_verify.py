@@ -274,3 +274,32 @@ def test_a_checkpoint_without_tensors_is_not_verified(source: Path, tmp_path: Pa
     assert [(f["check"], f["problem"]) for f in json.loads(stdout)["failures"]] == [
         ("tensors", "the safetensors files hold no tensors")
     ]
+
+
+def test_a_store_name_whose_versions_are_all_corrupt_is_a_failed_operation(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare NAME whose only version has a corrupt manifest: the store failed, not the user
+    (exit 1, naming the version and `dlm rm`), where "run `dlm verify`" (exit 2) misled:
+    verify refuses a corrupt version too."""
+    store, ref, files = stored
+    name = ref.split("@")[0]
+    (files.parent / "manifest.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    for args in (["estimate", name], ["estimate", ref], ["verify", name]):
+        code, _, err = cli(*args)
+        assert code == 1 and err.startswith("error: ") and "is corrupt" in err, (args, err)
+        assert f"dlm rm {ref}" in err, (args, err)
+
+
+def test_a_damaged_config_in_the_store_is_a_failed_operation(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config.json every command reads first is checked against the manifest when a store
+    name is resolved: damage is exit 1 pointing at `dlm verify`, not exit 2 for bad JSON."""
+    store, ref, files = stored
+    (files / "config.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, _, err = cli("estimate", ref)
+    assert code == 1 and err.startswith(f"error: {ref}'s config.json does not match the sha256"), err
+    assert f"dlm verify {ref}" in err

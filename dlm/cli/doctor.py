@@ -214,11 +214,10 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def check_port(port: int | None) -> Check:
+def check_port(port: int) -> Check:
     from dlm.cli.server.config import ServeConfig
 
     host = ServeConfig.model_fields["host"].default
-    port = ServeConfig.model_fields["port"].default if port is None else port
     busy = port_in_use(host, port)
     data = {"host": host, "port": port, "free": busy is None}
     if busy:
@@ -266,7 +265,7 @@ def check_support_matrix() -> Check:
     return Check("tested with", "info", tested, {"matrix": SUPPORT_MATRIX})
 
 
-def diagnose(port: int | None = None) -> Report:
+def diagnose(port: int) -> Report:
     """Run every check; the hub request runs beside the local ones."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         hub: Future[Check] = pool.submit(probe_hub)

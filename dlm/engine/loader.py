@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import DlmError, UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -55,10 +55,19 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
         raise UsageError(f"no safetensors weights in {model_dir}")
     locations = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                locations[name] = file
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    locations[name] = file
+        except SafetensorError as exc:
+            raise _damaged(model_dir, exc) from None
     return locations
+
+
+def _damaged(model_dir: Path, exc: SafetensorError) -> DlmError:
+    """A weight file safetensors cannot read (truncated, overwritten): reading the checkpoint
+    failed, an operation's failure (exit 1), as a disk error would be."""
+    return DlmError(f"cannot read the weights in {model_dir}: {exc}; `dlm verify` checks every file of a checkpoint")
 
 
 Index = tuple[slice, ...]
@@ -127,6 +136,22 @@ def load_weights(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     params = dict(model.named_parameters())
+    try:
+        _read(model, locations, sources, params, dtype, device, on_tensor)
+    except SafetensorError as exc:
+        raise _damaged(model_dir, exc) from None
+
+
+def _read(
+    model: torch.nn.Module,
+    locations: dict[str, Path],
+    sources: dict[str, list[str]],
+    params: dict[str, torch.nn.Parameter],
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[str], None] | None,
+) -> None:
+    """Read each parameter's sources, shape-check, cast and place it."""
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 

@@ -137,7 +137,9 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
 
 def rm(
     model: str = typer.Argument(..., help="NAME@VERSION to delete, or NAME with --keep N."),
-    keep: int | None = typer.Option(None, "--keep", help="Keep only the newest N versions of NAME."),
+    keep: int | None = typer.Option(
+        None, "--keep", help="Keep only the newest N versions of NAME.", show_default="none: delete NAME@VERSION"
+    ),
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:

@@ -45,7 +45,10 @@ def release(
 
 def rollback(
     to: str | None = typer.Option(
-        None, "--to", help="VERSION (of the current model) or MODEL@VERSION; default: the previous good release."
+        None,
+        "--to",
+        help="VERSION (of the current model) or MODEL@VERSION.",
+        show_default="the previous good release",
     ),
     deployment: str = DEPLOYMENT_OPTION,
     store: Path | None = STORE_OPTION,

@@ -98,8 +98,7 @@ class Service:
         except Exception as exc:  # surfaced by /health and the exit code, never swallowed
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
-        if self.load_error:
-            log.error("error: %s", self.load_error)
+        # The entry point reports load_error once: `dlm serve` in its log, `dlm batch` as its error line.
 
     def _load(self) -> None:
         model, ref = self.initial_checkpoint()

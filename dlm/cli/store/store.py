@@ -180,13 +180,16 @@ class Store:
 
     def lookup(self, spec: str) -> Manifest | CorruptVersion:
         """Resolve 'name@version' (a unique prefix of the version is enough), corrupt versions
-        included, or 'name' (its newest verified version)."""
+        included, or 'name' (its newest verified version; a corrupt one when no version reads,
+        which `find` then refuses as the store's failure)."""
         name, version = split_ref(spec)
         manifests, corrupt = self.versions(name)
         if not manifests and not corrupt:
             raise UsageError(f"no model named {name!r} in the store at {self.root}")
         if version is None:
             verified = [m for m in manifests if m.verified]
+            if not verified and corrupt and not manifests:  # the store's failure, not the user's
+                return corrupt[-1]
             if not verified:
                 raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
             return verified[-1]
