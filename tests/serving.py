@@ -115,6 +115,22 @@ def ready_server(
         assert proc.terminate() == 0, "\n".join(proc.lines)
 
 
+@contextmanager
+def app_client(settings: dict[str, Any]) -> Iterator[Any]:
+    """The app of `settings` in process (Starlette's TestClient), once its model is ready."""
+    from fastapi.testclient import TestClient
+
+    from dlm.cli.server.app import create_app
+    from dlm.cli.server.config import load_config
+
+    with TestClient(create_app(load_config(None, settings, environ={}))) as client:
+        end = time.monotonic() + 300
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < end, client.get("/health").json()
+            time.sleep(0.1)
+        yield client
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
     """Poll `predicate` (bounded) until it is true."""
     end = time.monotonic() + timeout

@@ -5,7 +5,7 @@ bounds the denoising forwards whatever the commit rule; refusals name their fiel
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import pytest
 import typer.main
@@ -60,6 +60,61 @@ def test_every_request_field_is_declared_or_listed() -> None:
     for name in PARAMS:
         if http_name(name) is not None:
             assert http_name(name) in CompletionRequest.model_fields, name
+
+
+def _http_type(name: str) -> Any:
+    """GenerationParams field `name`'s type as the body carries it: optional (absent: the
+    default), a tuple as a JSON array, response_format as the object."""
+    if name == "response_format":
+        return dict[str, Any] | None
+    hint = get_type_hints(GenerationParams)[name]
+    (base,) = [a for a in get_args(hint) if a is not type(None)] or [hint]
+    if get_args(base)[1:] == (Ellipsis,):  # tuple[int, ...]
+        base = list[get_args(base)[0]]  # type: ignore[misc]
+    return base | None
+
+
+def test_every_decoding_field_has_its_declared_type_strictly() -> None:
+    """A decoding parameter's HTTP type is its declaration's, and every body is validated
+    strictly: nothing is coerced (`"8"` is no max_tokens), as OpenAI types its fields."""
+    for field, name in PARAM_FIELDS.items():
+        assert DiffusionFields.model_fields[field].annotation == _http_type(name), field
+    assert CompletionRequest.model_config.get("strict") and ChatRequest.model_config.get("strict")
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "param"),
+    [
+        (CompletionRequest, {"max_tokens": "8"}, "max_tokens"),
+        (CompletionRequest, {"max_tokens": 8.0}, "max_tokens"),
+        (CompletionRequest, {"logprobs": True}, "logprobs"),  # a count on /v1/completions
+        (ChatRequest, {"logprobs": 1}, "logprobs"),  # a boolean on chat
+        (ChatRequest, {"top_logprobs": "2"}, "top_logprobs"),
+        (CompletionRequest, {"seed": "1"}, "seed"),
+        (CompletionRequest, {"temperature": "0.5"}, "temperature"),
+        (CompletionRequest, {"temperature": True}, "temperature"),
+        (CompletionRequest, {"n": True}, "n"),
+        (CompletionRequest, {"stream": "true"}, "stream"),
+        (CompletionRequest, {"echo": 1}, "echo"),
+        (CompletionRequest, {"stop_token_ids": ["1"]}, "stop_token_ids.0"),
+        (ChatRequest, {"max_completion_tokens": "5"}, "max_completion_tokens"),
+        (ChatRequest, {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_field_never_coerced(model: Any, fields: dict, param: str) -> None:
+    from pydantic import ValidationError
+
+    from dlm.cli.server.errors import validation_error
+
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate({**base, **fields})
+    error = validation_error(list(caught.value.errors()))
+    assert (error.status, error.param, error.code) == (400, param, "invalid_value")
+    ok = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "logprobs": 2, "top_p": 1})
+    assert (ok.temperature, ok.logprobs) == (1.0, 2)  # a JSON integer is a number
+    chat = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    assert chat.top_logprobs_count() == 0
 
 
 def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:

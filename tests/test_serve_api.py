@@ -18,11 +18,12 @@ import pytest
 from dlm.engine.default_model import NAME, default_model_dir
 from dlm.engine.tokenizer import load_tokenizer
 from tests.conftest import session_home
-from tests.serving import ROOT, ServerProcess, ready_server
+from tests.serving import ROOT, ServerProcess, ready_server, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 KEY, OTHER_KEY = "sk-test-alpha-1234", "sk-test-beta-5678"
+ADMIN = "sk-test-operator-9012"  # two tenant keys: /metrics is the operator's
 MODEL = NAME
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -49,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "8192",
         ],
         session_home(tmp_path_factory),
-        env={"DLM_MAX_STEPS": "128"},
+        env={"DLM_MAX_STEPS": "128", "DLM_ADMIN_KEY": ADMIN},
     ) as proc:
         yield proc
 
@@ -373,7 +374,7 @@ def _forwards(requests: list[dict], server: ServerProcess, concurrent: bool) -> 
         response = post(server, "/v1/completions", body)
         assert response.status_code == 200, response.text
 
-    before = server.metrics(KEY)
+    before = server.metrics(ADMIN)
     if concurrent:
         threads = [threading.Thread(target=one, args=(b,)) for b in requests]
         for t in threads:
@@ -383,7 +384,7 @@ def _forwards(requests: list[dict], server: ServerProcess, concurrent: bool) -> 
     else:
         for b in requests:
             one(b)
-    after = server.metrics(KEY)
+    after = server.metrics(ADMIN)
     count, total = ("dlm_batch_size_count", "dlm_batch_size_sum")
     return after[count] - before[count], after[total] - before[total]
 
@@ -401,15 +402,44 @@ def test_continuous_batching_shares_forwards(server: ServerProcess) -> None:
     assert seq_forwards == seq_steps  # alone, every forward holds one sequence
     assert con_steps == seq_steps  # the same work: each request takes its own number of steps
     assert con_forwards < 0.75 * seq_forwards, (seq_forwards, con_forwards)
-    m = server.metrics(KEY)
+    m = server.metrics(ADMIN)
     assert m['dlm_batch_size_bucket{le="4.0"}'] == m["dlm_batch_size_count"]  # never more than --max-num-seqs 4
+
+
+def test_one_key_filling_the_queue_does_not_turn_the_other_away(server: ServerProcess) -> None:
+    """Two keys, a queue of 16: one key flooding it holds at most its share (8 waiting
+    besides what runs) and gets 429 beyond it; the other key's request is still queued and
+    answered, between the first key's waiting requests (round-robin)."""
+    body = {"prompt": "flood", "max_tokens": 128, "steps": 128, "block_length": 128}
+    statuses: list[int] = []
+
+    def flood() -> None:
+        statuses.append(post(server, "/v1/completions", body).status_code)
+
+    threads = [threading.Thread(target=flood) for _ in range(20)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: statuses.count(429) >= 8, timeout=120), statuses
+    other = post(
+        server,
+        "/v1/completions",
+        {**body, "max_tokens": 8, "steps": 8, "block_length": 8},
+        headers={"Authorization": f"Bearer {OTHER_KEY}"},
+    )
+    for t in threads:
+        t.join(timeout=600)
+    assert other.status_code == 200, other.text
+    assert statuses.count(429) == 8 and statuses.count(200) == 12, statuses  # 4 running + its share of 8
 
 
 def test_metrics_names_and_auth(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/metrics").status_code == 401
+    for key in (KEY, OTHER_KEY):  # a tenant's key: every tenant's traffic is not its to read
+        refused = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
     post(server, "/v1/completions", {"prompt": "count me", "max_tokens": 8})
     assert post(server, "/v1/completions", {"prompt": "no key"}, headers={}).status_code == 401
-    names = {k.split("{")[0] for k in server.metrics(KEY)}
+    names = {k.split("{")[0] for k in server.metrics(ADMIN)}
     for name in (
         "dlm_num_requests_running",
         "dlm_num_requests_waiting",
@@ -430,7 +460,7 @@ def test_metrics_names_and_auth(server: ServerProcess) -> None:
         "dlm_http_requests_client_disconnected_total",
     ):
         assert name in names, name
-    m = server.metrics(KEY)
+    m = server.metrics(ADMIN)
     assert m['dlm_request_rejections_total{reason="invalid_api_key"}'] >= 1
     assert m["dlm_tokens_per_step_sum"] > 0 and m["dlm_prompt_tokens_total"] > 0
     assert m["dlm_kv_cache_bytes"] == 0  # every request is done: no cache is held

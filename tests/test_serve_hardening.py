@@ -85,6 +85,21 @@ CORPUS = [
     # sizes refused before tokenising
     (COMPLETIONS, json.dumps({"prompt": "ab " * 300_000}).encode(), "context_length_exceeded"),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}] * 12_000}).encode(), "context_length_exceeded"),
+    # a response_format whose schema is not a JSON Schema (a TypeError, a 500, unlogged, before)
+    (
+        CHAT,
+        chat(
+            "hi",
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+                },
+            },
+        ),
+        "invalid_value",
+    ),
     # token ids no model has
     (COMPLETIONS, b'{"prompt": [99999999999999999999], "max_tokens": 2}', "invalid_value"),
     (COMPLETIONS, b'{"prompt": [-1], "max_tokens": 2}', "invalid_value"),
@@ -207,6 +222,37 @@ def test_idle_and_slow_clients_are_closed(server: ServerProcess) -> None:
         answer = receive_until_closed(kept_alive)  # answered, then closed when idle
         assert answer.startswith(b"HTTP/1.1 200 ") and b'{"status":"ok"' in answer
     assert server.metrics()['dlm_request_rejections_total{reason="body_timeout"}'] >= 1
+    no_tracebacks(server)
+
+
+def test_request_heads_over_16_kib_are_refused_however_they_arrive(server: ServerProcess) -> None:
+    """The documented 16 KiB cap on a request head holds for a head sent whole (h11 checks
+    only one still arriving): 431, counted and logged; a 15 KiB head is served."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "x", "max_tokens": 2}'
+
+    def ask(padding: int, split: bool = False) -> bytes:
+        pad = f"Host: x\r\nConnection: close\r\nX-Pad: {'a' * padding}\r\n"
+        head = head_of(len(body)).replace("Host: x\r\n", pad)
+        with socket.create_connection((host, int(port))) as sock:
+            raw = head.encode() + body
+            if split:  # the head in pieces: h11's own bound
+                for i in range(0, len(raw), 4096):
+                    sock.sendall(raw[i : i + 4096])
+            else:
+                sock.sendall(raw)
+            return receive_until_closed(sock).split(b"\r\n")[0]
+
+    before = len(server.request_logs())
+    assert b" 431 " in ask(100_000)
+    try:  # h11 refuses a head growing past 16 KiB with a 400 and closes, maybe while we still send
+        split = ask(100_000, split=True)
+    except (ConnectionResetError, BrokenPipeError):
+        split = b"reset"
+    assert split == b"reset" or split.split(b" ")[1] in (b"400", b"431"), split
+    assert b" 200 " in ask(15_000)
+    assert wait_until(lambda: any(line["status"] == 431 for line in server.request_logs()[before:]))
+    assert server.metrics()['dlm_request_rejections_total{reason="request_header_fields_too_large"}'] >= 1
     no_tracebacks(server)
 
 

@@ -7,7 +7,9 @@ position, so tool-call parsing is checked end to end on real model output.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -189,3 +191,36 @@ def test_a_streamed_request_that_times_out_ends_with_an_error_event(server: Serv
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])["error"]
     assert error["type"] == "timeout" and error["code"] == "request_timeout"
+
+
+def test_a_stream_whose_client_never_reads_is_closed_at_its_deadline(server: ServerProcess) -> None:
+    """A canvas stream whose client reads nothing (a tiny receive buffer, never drained)
+    stops at the request timeout like any other: the engine ends it, its connection is
+    closed without waiting for the unread bytes, and its log line says `undelivered` (408),
+    not a 200 (or a delivered error) for an answer nobody received. The server answers meanwhile."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({**LONG, "stream": True, "stream_options": {"include_canvas": True}})
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+
+    def undelivered() -> list[dict]:
+        return [line for line in server.request_logs() if line.get("outcome") == "undelivered"]
+
+    before = len(undelivered())
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window stays small
+        sock.connect((host, int(port)))
+        sock.sendall((head + body).encode())
+        assert wait_until(lambda: len(undelivered()) > before, timeout=60), server.request_logs()[-3:]
+        assert httpx.get(server.url + "/health").status_code == 200
+        received = b""
+        sock.settimeout(30)
+        with contextlib.suppress(ConnectionResetError):  # closed without a graceful flush
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+    (line,) = undelivered()[before:]
+    assert f"x-request-id: {line['id']}".encode() in received.split(b"\r\n\r\n")[0]
+    assert (line["status"], line["stream"]) == (408, True), line
+    assert server.metrics()["dlm_request_undelivered_total"] >= 1

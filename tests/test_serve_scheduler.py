@@ -250,3 +250,54 @@ def test_dream_with_caches_serves_through_the_same_loop(tiny_dream: Path) -> Non
     finally:
         torch.set_num_threads(threads)
     assert_batched_match_solo(solo, outs, dream.config.eos_token_id)
+
+
+def tenant_request(engine: LLMEngine, tenant: str, n: int) -> ScheduledRequest:
+    seq = engine.make_sequence([5], GenerationParams(gen_length=8, block_length=8))
+    return ScheduledRequest(f"{tenant}{n}", seq, time.monotonic(), None, tenant=tenant)
+
+
+def test_one_tenant_cannot_fill_the_queue_and_tenants_take_turns(engine: LLMEngine) -> None:
+    """A tenant holds at most its share of the waiting queue (the others still get in), and
+    waiting requests join round-robin over tenants, each tenant's in arrival order."""
+    engine.running.clear()
+    scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=1, max_queue=8, max_queue_per_tenant=3))
+    for i in range(3):
+        scheduler.add(tenant_request(engine, "a", i))
+    with pytest.raises(QueueFull, match="share"):
+        scheduler.add(tenant_request(engine, "a", 3))
+    scheduler.add(tenant_request(engine, "b", 0))  # another tenant still gets in
+    scheduler.add(tenant_request(engine, "c", 0))
+    with pytest.raises(QueueFull, match="share"):  # a request's samples: all of them or none
+        scheduler.add(tenant_request(engine, "c", 1), tenant_request(engine, "c", 2), tenant_request(engine, "c", 3))
+    assert len(scheduler.waiting) == 5
+    order = []
+    while scheduler.waiting:
+        (admitted,) = scheduler.admit(time.monotonic())
+        order.append(admitted.request_id)
+        scheduler.remove(admitted, "abort")
+    assert order == ["a0", "b0", "c0", "a1", "a2"]
+    engine.running.clear()
+
+
+def test_a_stream_its_reader_does_not_read_keeps_a_bounded_number_of_outputs(engine: LLMEngine) -> None:
+    """A canvas stream posts an output at every step; unread, the stream keeps MAX_UNREAD of
+    them (the newest) and the final one, so memory does not grow with the steps."""
+    from dlm.engine.runtime.async_engine import MAX_UNREAD
+
+    engine.running.clear()
+
+    async def main() -> None:
+        async with started(engine, SchedulerLimits()) as aengine:
+            stream = aengine.submit("unread", [5, 6], LONG, timeout=None, updates=True, canvas=True)
+            while stream.finished_at is None:  # the engine runs all 256 steps; nobody reads
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # the last outputs reach the loop
+            assert stream.seq.nfe == 256 and len(stream.unread) == MAX_UNREAD + 1
+            assert stream.dropped == 255 - MAX_UNREAD  # a snapshot after each step but the last, then the final
+            outputs = [out async for out in stream.outputs()]
+            assert outputs[-1].finished and outputs[-1].canvas is not None
+            steps = [out.nfe for out in outputs]
+            assert steps == sorted(steps) and steps[-1] == 256  # the newest, in order
+
+    run(main())

@@ -6,14 +6,19 @@ clients that opt in, and no change for those that do not."""
 from __future__ import annotations
 
 import json
-import time
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.serving import app_client
 
 KEY = "sk-structured-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,15 +37,7 @@ CHAT = {"messages": [{"role": "user", "content": "Describe someone."}], "max_tok
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    from dlm.cli.server.app import create_app
-    from dlm.cli.server.config import load_config
-
-    app = create_app(load_config(None, {"model": "tiny:llada", "api_keys": [KEY], "warmup": False}, environ={}))
-    with TestClient(app) as test_client:
-        end = time.monotonic() + 300
-        while test_client.get("/ready").status_code != 200:
-            assert time.monotonic() < end, test_client.get("/health").json()
-            time.sleep(0.1)
+    with app_client({"model": "tiny:llada", "api_keys": [KEY], "warmup": False}) as test_client:
         yield test_client
 
 
@@ -148,3 +145,160 @@ def test_dlm_validate_checks_both_capabilities(client: TestClient) -> None:
     ctx = Context(api, ValidateOptions(max_tokens=32), model="tiny:llada")
     results = run_checks(ctx, chat + CAPABILITY_CHECKS)
     assert {r.name: r.status for r in results} == {r.name: PASSED for r in results}, [r.detail for r in results]
+
+
+@dataclass
+class Work:
+    """What the server did for the structured requests sent: subschemas compiled, layouts
+    made (and on which threads), request log lines written."""
+
+    visits: int = 0
+    layouts: int = 0
+    threads: set[str] = field(default_factory=set)
+    logged: int = 0
+
+    def reset(self) -> None:
+        self.visits = self.layouts = self.logged = 0
+        self.threads.clear()
+
+
+@pytest.fixture(scope="module")
+def work(client: TestClient) -> Iterator[Work]:
+    from dlm.cli.server.service import Service
+    from dlm.engine import structured
+    from dlm.engine.runtime import engine
+
+    counted = Work()
+    visit, lay, record = structured._Compiler.value, engine.layout, Service.record
+
+    def value(self: Any, *args: Any) -> None:
+        counted.visits += 1
+        counted.threads.add(threading.current_thread().name)
+        visit(self, *args)
+
+    def layout(*args: Any) -> Any:
+        counted.layouts += 1
+        counted.threads.add(threading.current_thread().name)
+        return lay(*args)
+
+    def logged(self: Any, job: Any) -> None:
+        counted.logged += 1
+        record(self, job)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(structured._Compiler, "value", value)
+        patch.setattr(engine, "layout", layout)
+        patch.setattr(Service, "record", logged)
+        yield counted
+
+
+def _schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "drawn", "schema": schema}}
+
+
+def test_schemas_are_compiled_and_laid_out_off_the_event_loop_once_per_request(client: TestClient, work: Work) -> None:
+    """n samples of a 2,000-value enum: one layout, on the preparation thread (the event loop
+    only queues the request), and one log line."""
+    work.reset()
+    enum = {"type": "array", "items": {"enum": [f"value-{i}" for i in range(2000)]}, "minItems": 2, "maxItems": 2}
+    body = {**CHAT, "max_tokens": 32, "steps": 8, "n": 8, "response_format": _schema_format(enum)}
+    answer = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 8
+    assert work.layouts == 1 and work.visits == 3 and work.logged == 1  # the array, its two items
+    assert work.threads == {"dlm-prepare_0"}, work.threads
+
+
+def test_an_exponential_schema_is_refused_after_bounded_work(client: TestClient, work: Work) -> None:
+    from dlm.engine.structured import MAX_SKELETON
+
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(6):
+        schema = {"type": "array", "items": schema, "minItems": 64, "maxItems": 64}  # 64**6 integers
+    for max_tokens, param in ((64, "max_tokens"), (None, "max_tokens")):
+        work.reset()
+        body = {**CHAT, "max_tokens": max_tokens, "response_format": _schema_format(schema)}
+        refused = client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert work.visits <= MAX_SKELETON and work.layouts == 0 and work.logged == 1
+
+
+ODD = st.none() | st.booleans() | st.integers(-3, 70) | st.text(max_size=4) | st.just([]) | st.just({})
+NAME = st.sampled_from(["a", "b", "c", "d"])
+TYPE = st.sampled_from(["string", "integer", "number", "boolean", "null", "object", "array", "tuple"])
+
+
+@st.composite
+def _node(draw: st.DrawFn, children: st.SearchStrategy[Any]) -> dict[str, Any]:
+    """A subschema whose keywords are mostly well-typed and sometimes anything at all."""
+    keywords = {
+        "type": TYPE | st.lists(TYPE, max_size=2) | ODD,
+        "properties": st.dictionaries(NAME, children, max_size=3) | ODD,
+        "required": st.lists(NAME | ODD, max_size=3) | ODD,
+        "items": children | ODD,
+        "minItems": st.integers(0, 64) | ODD,
+        "maxItems": st.integers(0, 64) | ODD,
+        "minLength": st.integers(0, 300) | ODD,
+        "maxLength": st.integers(0, 30) | ODD,
+        "minimum": st.integers(-(10**10), 10**10) | ODD,
+        "maximum": st.integers(-(10**10), 10**10) | ODD,
+        "enum": st.lists(ODD, max_size=4) | st.integers(0, 3000).map(lambda k: list(range(k))) | ODD,
+        "const": ODD,
+        "$ref": st.sampled_from(["#/$defs/a", "#/$defs/b", "#/definitions/a", "#/x", "http://x"]) | ODD,
+        "pattern": st.just("a+"),
+        "additionalProperties": st.booleans() | ODD,
+    }
+    chosen = draw(st.lists(st.sampled_from(sorted(keywords)), max_size=4, unique=True))
+    return {key: draw(keywords[key]) for key in chosen}
+
+
+@st.composite
+def _repeated(draw: st.DrawFn, children: st.SearchStrategy[Any]) -> dict[str, Any]:
+    """Repetition: arrays of exactly N items of a child, the way exponential skeletons grow."""
+    count = draw(st.integers(1, 64))
+    return {"type": "array", "items": draw(children), "minItems": count, "maxItems": count}
+
+
+SUBSCHEMAS = st.recursive(
+    st.booleans() | st.just({"type": "integer"}) | st.just({"enum": ["x", "y"]}) | _node(st.nothing()),
+    lambda c: _node(c) | _repeated(c),
+    max_leaves=12,
+)
+
+
+@st.composite
+def _response_format(draw: st.DrawFn) -> Any:
+    root = draw(SUBSCHEMAS)
+    if isinstance(root, dict) and draw(st.booleans()):
+        root["$defs"] = draw(st.dictionaries(NAME, SUBSCHEMAS, max_size=2) | ODD)
+    return draw(
+        st.sampled_from(
+            [
+                _schema_format(root),
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": root},
+                {"type": "json_schema"},
+                {"type": root},
+            ]
+        )
+    )
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(_response_format(), st.sampled_from([16, 48, None]), st.sampled_from([1, 3]))
+def test_drawn_response_formats_never_get_a_5xx_and_their_work_is_bounded(
+    client: TestClient, work: Work, response_format: Any, max_tokens: int | None, n: int
+) -> None:
+    """Any response_format (valid, malformed, exponential) is answered 200 or 400, never a
+    5xx, with one log line, at most MAX_SKELETON subschemas compiled and one layout, on the
+    preparation thread."""
+    from dlm.engine.structured import MAX_SKELETON
+
+    work.reset()
+    body = {**CHAT, "max_tokens": max_tokens, "steps": 8, "n": n, "response_format": response_format}
+    answer = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert answer.status_code in (200, 400), answer.text
+    if answer.status_code == 400:
+        assert answer.json()["error"]["param"] in ("response_format", "max_tokens"), answer.text
+    assert work.visits <= MAX_SKELETON and work.layouts <= 1 and work.logged == 1
+    assert work.threads <= {"dlm-prepare_0"}

@@ -320,6 +320,122 @@ def _vocabulary(path: Any) -> Any:
     return Vocabulary.from_tokenizer(_tokenizer(path), size, {mask, eos})
 
 
+def _nested_arrays(items: int, depth: int) -> dict[str, Any]:
+    """Arrays of exactly `items` items nested `depth` deep: items**depth integers."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "minItems": items, "maxItems": items}
+    return schema
+
+
+def _refs(uses: int, depth: int, leaf: dict[str, Any]) -> dict[str, Any]:
+    """Each definition uses the one below it `uses` times: uses**depth expansions of `leaf`."""
+    defs = {"d0": leaf}
+    for level in range(1, depth + 1):
+        defs[f"d{level}"] = {
+            "type": "object",
+            "properties": {f"k{i}": {"$ref": f"#/$defs/d{level - 1}"} for i in range(uses)},
+        }
+    return {"$defs": defs, "$ref": f"#/$defs/d{depth}"}
+
+
+@pytest.mark.parametrize(
+    ("schema", "max_tokens", "field"),
+    [
+        (_nested_arrays(64, 5), None, "response_format"),  # 10**9 integers: beyond the documented cap
+        (_nested_arrays(64, 5), 1024, "gen_length"),  # ... and beyond max_tokens first
+        (_refs(40, 5, {"const": 1}), None, "response_format"),  # 40**5 uses of one definition
+        (_refs(30, 4, {"type": "boolean"}), 4096, "gen_length"),
+    ],
+    ids=["arrays-cap", "arrays-max-tokens", "refs-cap", "refs-max-tokens"],
+)
+def test_a_skeleton_cannot_grow_without_bound_while_compiling(
+    monkeypatch: pytest.MonkeyPatch, schema: dict[str, Any], max_tokens: int | None, field: str
+) -> None:
+    """Repetition makes a few hundred bytes of schema describe billions of pieces: compiling
+    stops as soon as the skeleton cannot fit max_tokens or the documented cap, having
+    visited at most `MAX_SKELETON` subschemas (counted, never timed)."""
+    from dlm.engine import structured
+
+    visits = 0
+    visit = structured._Compiler.value
+
+    def counted(self: Any, *args: Any) -> None:
+        nonlocal visits
+        visits += 1
+        assert visits <= structured.MAX_SKELETON + 1, "the compile visits subschemas without bound"
+        visit(self, *args)
+
+    monkeypatch.setattr(structured._Compiler, "value", counted)
+    with pytest.raises(UsageError) as caught:
+        compile_response_format(_format(schema), max_tokens)
+    assert caught.value.field == field, caught.value
+    assert ("max_tokens" if field == "gen_length" else str(structured.MAX_SKELETON)) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": 5}, "required"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": [{"a": 1}]}, "required/0"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": [["a"]]}, "required/0"),
+        ({"type": "object", "properties": {"1": {"type": "string"}}, "required": [1]}, "required/0"),
+        ({"type": "array", "items": {"type": "string"}, "minItems": -1}, "minItems"),
+        ({"type": "array", "items": {"type": "string"}, "maxItems": "3"}, "maxItems"),
+        ({"type": 5}, "type"),
+        ({"type": "object", "properties": [{"a": 1}]}, "properties"),
+        ({"enum": "red"}, "enum"),
+        ({"$defs": {"a": 5}, "$ref": "#/$defs/a"}, "$defs/a"),
+    ],
+)
+def test_a_schema_that_is_not_a_json_schema_is_a_usage_error(schema: dict[str, Any], where: str) -> None:
+    """The metaschema check at the boundary: whatever the fuzzer sends is refused naming the
+    place (`required` that is not a list of strings used to raise TypeError: a 500)."""
+    with pytest.raises(UsageError) as caught:
+        GenerationParams(response_format=_format(schema)).validate(4, 1024)
+    assert caught.value.field == "response_format" and f"at {where}:" in str(caught.value)
+
+
+def test_the_samples_of_a_request_share_one_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's n samples are laid out once (one skeleton, one tokenizing of a large enum),
+    and an enum repeated by an array is tokenized once: the work does not grow with n or
+    with the repetition."""
+    from dlm.engine.decoding import constrain
+    from dlm.engine.runtime import engine as engine_module
+
+    llm = _llm("tiny:llada")
+    layouts, encoded = [], []
+    lay, encode = engine_module.layout, llm.engine.vocabulary().encode
+    monkeypatch.setattr(engine_module, "layout", lambda *a: layouts.append(1) or lay(*a))
+    monkeypatch.setattr(llm.engine.vocabulary(), "encode", lambda texts: encoded.append(len(texts)) or encode(texts))
+    values = [f"v{i}" for i in range(500)]
+    schema = {"type": "array", "items": {"enum": values}, "minItems": 4, "maxItems": 4}
+    params = GenerationParams(gen_length=64, n=6, seed=1, response_format=_format(schema), steps=8)
+    seqs = llm.engine.make_sequences(llm.encode("x"), params)
+    assert len(seqs) == 6 and len(layouts) == 1 and {id(s.constraint) for s in seqs} == {id(seqs[0].constraint)}
+    assert sorted(encoded) == [3, 500]  # the literals "[", ", " and "]" in one batch, the enum once
+    assert constrain.END not in {t for region in seqs[0].constraint.regions for t in (region.choices or {})}
+    done = llm.engine.generate([llm.encode("x")], params)
+    assert len(layouts) == 2 and all(json.loads(_text(s))[0] in values for s in done)
+
+
+def _text(seq: Any) -> str:
+    from dlm.engine.tokenizer import decode
+
+    return str(decode(_llm("tiny:llada").tokenizer, seq.output_ids, seq.stop_ids))
+
+
+def test_dlm_generate_refuses_a_malformed_schema_with_one_error_line(tiny_llada: Any) -> None:
+    """The command line's boundary is the same check: exit 2 and one `error:` line naming
+    the place, never a traceback (it used to raise TypeError)."""
+    from tests.weights_helpers import cli
+
+    fmt = _format({"type": "object", "properties": {"a": {"type": "string"}}, "required": 5})
+    code, out, err = cli("generate", str(tiny_llada), "-p", "x", "--gen-length", "8", "--response-format", fmt)
+    assert code == 2 and err.startswith("error: ") and "at required" in err, (code, out, err)
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1
+
+
 def test_the_docs_json_object_length_is_the_codes() -> None:
     """docs/structured-output.md states how many positions `{"type": "json_object"}` takes with
     the default model's tokenizer (why its example asks 128, and 64 is refused): the skeleton

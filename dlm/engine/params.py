@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from dlm.engine.capabilities import require
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.registry import FAMILIES, Family
-from dlm.engine.structured import FIELD, compile_response_format
+from dlm.engine.structured import FIELD, Skeleton, compile_response_format
 
 P = TypeVar("P", bound="GenerationParams")
 
@@ -347,6 +347,14 @@ class GenerationParams:
     max_steps: int | None = _param(
         None, "Largest step count a default may take (a server's limit).", low=1, cli=None, http=None
     )
+    # Set by a server (the caller's API key), never by a request: prompts are looked up in and
+    # published to this partition of the prefix cache only, so no tenant hits another's pages.
+    prefix_cache_partition: str | None = _param(
+        None,
+        "The prefix-cache partition the request reads and fills (a server's: the API key's); None: the shared one.",
+        cli=None,
+        http=None,
+    )
 
     @property
     def edits(self) -> bool:
@@ -492,7 +500,10 @@ class GenerationParams:
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
             # threshold, committing at least one per forward: a block's length bounds it.
             per_block = max(per_block, block)
-        if compile_response_format(self.response_format) is not None:
+        # The schema compiled once, here at the boundary: what the engine lays on the canvas.
+        # Compiling stops as soon as the skeleton cannot fit `gen_length` (dlm/engine/structured.py).
+        skeleton = compile_response_format(self.response_format, gen)
+        if skeleton is not None:
             # Value slots are written left to right, at least one token per step: a block
             # may take one forward per position when its share of the steps is smaller.
             per_block = max(per_block, block)
@@ -508,7 +519,9 @@ class GenerationParams:
             )
             per_block = block + post + 1 + forwards.per_block
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
-        return ResolvedParams(**values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill)
+        return ResolvedParams(
+            **values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill, skeleton=skeleton
+        )
 
 
 @dataclass(frozen=True)
@@ -523,6 +536,8 @@ class ResolvedParams(GenerationParams):
     # The most forwards the request can spend (its `usage.denoising_steps`): `steps`, plus
     # what the model's block layout costs beyond them (`Forwards`).
     max_forwards: int = 0
+    # The response format compiled (None: plain text), laid out by the engine.
+    skeleton: Skeleton | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_blocks(self) -> int:
@@ -676,7 +691,7 @@ def _validate_structured(p: ResolvedParams, family: Family) -> None:
     """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
     family decodes a canvas whose later positions are already committed: bidirectional
     attention, no fixed block, and not Dream's cached first-token rule."""
-    if compile_response_format(p.response_format) is None:  # plain text: nothing to enforce
+    if p.skeleton is None:  # plain text: nothing to enforce
         return
     if p.suffix:
         raise Unsupported(

@@ -24,14 +24,24 @@ has `DEFAULT_ITEMS` items, clamped to [minItems, maxItems]; a string has at most
 an enumeration of its integers (at most `ENUM_SPAN` + 1, evenly spread). `json_object` is a generic object of
 `OBJECT_KEYS` string keys with string values. A keyword dlm cannot enforce is refused with a
 `UsageError` naming it (field `response_format`), never ignored.
+
+The input is untrusted (an HTTP body), so the work is bounded before it is done: the schema
+is first checked against JSON Schema's own metaschema (draft 2020-12), so the compiler only
+ever meets well-typed keywords (`required` a list of strings, `minItems` an integer, ...);
+then compiling stops as soon as the skeleton cannot fit, either the request's `max_tokens`
+(each slot takes its positions and each run of fixed text at least one) or `MAX_SKELETON`
+(characters of fixed text plus value positions, and subschemas visited). Repetition makes a
+small schema large (arrays of `minItems` items nested, a `$ref` used many times): without the
+bound a 400-byte schema would compile billions of pieces. An enum repeated by an array is
+compiled once (one `EnumSlot` for every copy).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from dlm.engine.errors import Unsupported, UsageError
@@ -48,6 +58,10 @@ MAX_ITEMS = 64  # minItems above this is refused
 ENUM_SPAN = 64  # a range with both bounds is an enumeration of at most this many + 1 integers
 OBJECT_KEYS = 3  # pairs of a json_object
 MAX_DEPTH = 12  # nesting deeper than this is refused
+# The largest skeleton compiled: characters of fixed text plus value positions; subschemas
+# visited are bounded by it too. Far above what any max_tokens holds (a token of JSON spans
+# a few characters); it bounds the work when max_tokens is not known or huge.
+MAX_SKELETON = 32768
 
 # Keywords that only annotate, or that the skeleton satisfies by construction.
 ANNOTATIONS = frozenset(
@@ -126,11 +140,17 @@ class NumberSlot:
         return 1 + max(digits, 1) + 1 + FRACTION_DIGITS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EnumSlot:
-    """One of `values` (JSON texts), then pads."""
+    """One of `values` (JSON texts), then pads. Compared by identity: an enum repeated by an
+    array is one slot object, laid out once (dlm/engine/decoding/constrain.py)."""
 
     values: tuple[str, ...]
+
+    @cached_property
+    def chars(self) -> int:
+        """The longest value's characters: an upper bound on its tokens."""
+        return max(len(v) for v in self.values)
 
 
 Piece = Literal | StringSlot | NumberSlot | EnumSlot
@@ -140,6 +160,7 @@ Slot = StringSlot | NumberSlot | EnumSlot
 @dataclass(frozen=True)
 class Skeleton:
     pieces: tuple[Piece, ...]  # consecutive literals merged
+    visited: int = field(default=0, compare=False)  # subschemas the compile visited (its work)
 
     @property
     def slots(self) -> int:
@@ -154,20 +175,23 @@ def supported(family: Family) -> bool:
     return family.attention == "bidirectional"
 
 
-def compile_response_format(text: str | dict[str, Any] | None) -> Skeleton | None:
+def compile_response_format(text: str | dict[str, Any] | None, max_tokens: int | None = None) -> Skeleton | None:
     """The skeleton of a `response_format` given as JSON text, or as the object itself from
-    the Python API (None: plain text)."""
+    the Python API (None: plain text). `max_tokens`: refuse (field `gen_length`) as soon as
+    the skeleton cannot fit that many positions."""
     if text is None:
         return None
     if isinstance(text, dict):
         text = json.dumps(text)
     if not isinstance(text, str):
         raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
-    return _compile_cached(text)
+    try:
+        return _compile(text, max_tokens)
+    except RecursionError:  # a schema nested thousands deep (the command line has no body limits)
+        raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
 
-@lru_cache(maxsize=256)
-def _compile_cached(text: str) -> Skeleton | None:
+def _compile(text: str, max_tokens: int | None) -> Skeleton | None:
     try:
         spec = json.loads(text)
     except ValueError as exc:
@@ -178,7 +202,7 @@ def _compile_cached(text: str) -> Skeleton | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return _Compiler({}).skeleton(None)
+        return _Compiler({}, max_tokens).skeleton(None)
     if kind != "json_schema":
         raise UsageError(f"response_format type must be text, json_object or json_schema, got {kind!r}", field=FIELD)
     wrapper = spec.get("json_schema")
@@ -189,7 +213,23 @@ def _compile_cached(text: str) -> Skeleton | None:
     schema = wrapper["schema"]
     if not isinstance(schema, dict | bool):
         raise UsageError("response_format json_schema.schema must be an object", field=FIELD)
-    return _Compiler(schema if isinstance(schema, dict) else {}).skeleton(schema)
+    check_schema(schema)
+    return _Compiler(schema if isinstance(schema, dict) else {}, max_tokens).skeleton(schema)
+
+
+def check_schema(schema: dict[str, Any] | bool) -> None:
+    """A `UsageError` naming the first place where `schema` is not a JSON Schema (draft
+    2020-12's metaschema, whatever `$schema` says: the dialect OpenAI's structured outputs
+    speak), so the compiler meets only well-typed keywords."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    error = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA).iter_errors(schema))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "the root"
+        raise UsageError(
+            f"response_format: the schema is not a valid JSON Schema at {where}: {error.message}", field=FIELD
+        )
 
 
 def refuse(keyword: str, why: str) -> Unsupported:
@@ -197,9 +237,18 @@ def refuse(keyword: str, why: str) -> Unsupported:
 
 
 class _Compiler:
-    def __init__(self, root: dict[str, Any]) -> None:
+    """Builds the pieces, counting as it goes: `size` (characters of fixed text plus value
+    positions), `positions` (a lower bound on the tokens: each slot's positions, at least one
+    per run of fixed text) and `visited` subschemas; it stops as soon as one is over its bound."""
+
+    def __init__(self, root: dict[str, Any], max_tokens: int | None) -> None:
         self.root = root
+        self.max_tokens = max_tokens
         self.pieces: list[Piece] = []
+        self.literal: list[str] = []  # fixed text not yet closed into a Literal (joined once)
+        self.size = self.positions = self.visited = 0
+        # an enum's piece by the identity of its value list (kept alive here, so an id is never reused)
+        self.choices: dict[int, tuple[list[Any], Piece]] = {}
 
     def skeleton(self, schema: dict[str, Any] | bool | None) -> Skeleton:
         if schema is None:  # json_object: a generic object of string pairs
@@ -207,21 +256,47 @@ class _Compiler:
             for i in range(OBJECT_KEYS):
                 self.text(", " if i else "")
                 self.text('"')
-                self.pieces.append(StringSlot(1, STRING_TOKENS, False))
+                self.slot(StringSlot(1, STRING_TOKENS, False))
                 self.text(': "')
-                self.pieces.append(StringSlot(0, STRING_TOKENS, False))
+                self.slot(StringSlot(0, STRING_TOKENS, False))
             self.text("}")
         else:
             self.value(schema, 0, ())
-        return Skeleton(tuple(self.pieces))
+        self.close()
+        return Skeleton(tuple(self.pieces), self.visited)
+
+    def grow(self, size: int, positions: int) -> None:
+        """Count a piece; refuse the schema as soon as its skeleton cannot fit."""
+        self.size += size
+        self.positions += positions
+        if self.size > MAX_SKELETON:
+            raise UsageError(
+                f"response_format: the schema's skeleton exceeds {MAX_SKELETON} characters of fixed text and "
+                "value positions (arrays of many items nested, or a $ref used many times)",
+                field=FIELD,
+            )
+        if self.max_tokens is not None and self.positions > self.max_tokens:
+            raise UsageError(
+                f"response_format: this schema's skeleton needs more tokens than max_tokens ({self.max_tokens})",
+                field="gen_length",
+            )
 
     def text(self, text: str) -> None:
         if not text:
             return
-        if self.pieces and isinstance(self.pieces[-1], Literal):
-            self.pieces[-1] = Literal(self.pieces[-1].text + text)
-        else:
-            self.pieces.append(Literal(text))
+        self.grow(len(text), 0 if self.literal else 1)
+        self.literal.append(text)
+
+    def close(self) -> None:
+        if self.literal:
+            self.pieces.append(Literal("".join(self.literal)))
+            self.literal = []
+
+    def slot(self, piece: Slot) -> None:
+        length = piece.chars if isinstance(piece, EnumSlot) else piece.length
+        self.grow(length, 1 if isinstance(piece, EnumSlot) else length)
+        self.close()
+        self.pieces.append(piece)
 
     def value(self, schema: dict[str, Any] | bool, depth: int, refs: tuple[str, ...]) -> None:
         if schema is True:
@@ -230,6 +305,11 @@ class _Compiler:
             raise refuse("false", "a schema that accepts nothing has no answer")
         if not isinstance(schema, dict):
             raise UsageError("response_format: every subschema must be an object", field=FIELD)
+        self.visited += 1
+        if self.visited > MAX_SKELETON:
+            raise UsageError(
+                f"response_format: the schema has more than {MAX_SKELETON} subschemas to compile", field=FIELD
+            )
         if depth > MAX_DEPTH:
             raise refuse("properties", f"nesting deeper than {MAX_DEPTH} levels")
         for keyword in schema:
@@ -277,11 +357,15 @@ class _Compiler:
         return target  # type: ignore[no-any-return]
 
     def choice(self, values: list[Any]) -> None:
-        texts = tuple(dict.fromkeys(_dump(v) for v in values))
-        if len(texts) == 1:
-            self.text(texts[0])
+        known = self.choices.get(id(values))
+        if known is None:
+            texts = tuple(dict.fromkeys(_dump(v) for v in values))
+            known = self.choices[id(values)] = (values, Literal(texts[0]) if len(texts) == 1 else EnumSlot(texts))
+        piece = known[1]
+        if isinstance(piece, Literal):
+            self.text(piece.text)
         else:
-            self.pieces.append(EnumSlot(texts))
+            self.slot(piece)
 
     def object(self, schema: dict[str, Any], depth: int, refs: tuple[str, ...]) -> None:
         properties = schema.get("properties", {})
@@ -324,7 +408,7 @@ class _Compiler:
             raise refuse("minLength", "strings longer than 256 characters")
         top = max(STRING_TOKENS, low) if high is None else min(high, max(STRING_TOKENS, low))
         self.text('"')
-        self.pieces.append(StringSlot(low, top, high is not None))
+        self.slot(StringSlot(low, top, high is not None))
 
     def number(self, schema: dict[str, Any], integer: bool) -> None:
         lo, hi = _bounds(schema)
@@ -342,7 +426,7 @@ class _Compiler:
         sides = [s for s in (positive, negative) if s is not None and (s.zero or s.nonzero)]
         if not sides:
             raise refuse("minimum", "dlm cannot write a value inside these bounds")
-        self.pieces.append(
+        self.slot(
             NumberSlot(
                 positive if positive is not None and (positive.zero or positive.nonzero) else None,
                 negative if negative is not None and negative.nonzero else None,

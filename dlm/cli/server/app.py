@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI routes, health, readiness and metrics.
 
 Bodies are read and validated inside the handlers (not by FastAPI's signature parsing) so
-the order is always: API key, readiness, request rate, body size, JSON, fields, model,
-prompt size, limits, queue. An unauthenticated caller learns nothing about the body, and
+the order is always: head size, API key, readiness, request rate, body size, JSON, fields,
+model, prompt size, limits, queue. An unauthenticated caller learns nothing about the body, and
 every refusal is counted and logged the same way. Parsing and tokenising run on a bounded
 pool (dlm/cli/server/prepare.py), so no body, however large, delays `/health`.
 """
@@ -16,23 +16,29 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dlm.cli.server import errors, heap, openapi
 from dlm.cli.server.admin import AdminEndpoint
+from dlm.cli.server.auth import KeyRing
 from dlm.cli.server.body import read_body
 from dlm.cli.server.config import ServeConfig
-from dlm.cli.server.errors import APIError, bad_request
+from dlm.cli.server.connections import MAX_HEAD_BYTES, head_bytes
+from dlm.cli.server.errors import APIError
 from dlm.cli.server.generation import Responder
 from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.cli.server.service import Job, Service
 from dlm.cli.version import dlm_version
 
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}  # path -> log name
+
 
 def create_app(config: ServeConfig) -> FastAPI:
     service = Service(config)
-    preparer = Preparer(config.max_queue + config.max_num_seqs)
+    preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
     admin = AdminEndpoint(service) if config.admin_enabled else None
+    operators = KeyRing([admin.key] if admin is not None else [])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,6 +71,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.state.admin = admin
     app.state.loading = None  # the loading task, once the lifespan starts it
     errors.install(app)
+    app.add_middleware(HeadLimit, service=service)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -84,8 +91,20 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if not config.public_metrics:
-            service.keys.identify(request.headers.get("authorization"))
+        """The server's own counters. They sum every API key's traffic, so with several keys
+        (tenants) they tell one about the others: then they are the operator's, read with the
+        admin key (a tenant's key is a 403), unless --public-metrics; with one key or none,
+        that key reads them."""
+        authorization = request.headers.get("authorization")
+        if not config.public_metrics and not operators.knows(authorization):
+            service.keys.identify(authorization)  # 401 for a missing or wrong key
+            if service.tenants > 1:
+                raise APIError(
+                    403,
+                    "/metrics covers every API key's traffic: it needs the admin key (or --public-metrics)",
+                    type="permission_error",
+                    code="admin_key_required",
+                )
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
@@ -93,24 +112,26 @@ def create_app(config: ServeConfig) -> FastAPI:
         """dlm's version, as vLLM's `/version` answers (no key needed: it says nothing of the model)."""
         return JSONResponse({"version": dlm_version()})
 
-    async def utility(request: Request) -> bytes:
+    async def utility(request: Request) -> tuple[str, bytes]:
         """The preamble of `/tokenize` and `/detokenize`: key, readiness, body."""
-        service.keys.identify(request.headers.get("authorization"))
+        key = service.keys.identify(request.headers.get("authorization"))
         if not service.ready:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
-        return await read_body(request, config.max_body_bytes, config.read_timeout)
+        return key, await read_body(request, config.max_body_bytes, config.read_timeout)
 
     @app.post("/tokenize", openapi_extra=openapi.body(CompletionRequest, ChatRequest))
     async def tokenize(request: Request) -> JSONResponse:
         """A completion's `prompt` or a chat's `messages` (template applied) as the token ids
         the server would decode from, as vLLM's `/tokenize` answers."""
-        prepared = await preparer.prepare(service, await utility(request), None)
+        key, raw = await utility(request)
+        prepared = await preparer.prepare(service, raw, None, key=key)
         ids = prepared.prompt_ids
         return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids})
 
     @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(request: Request) -> JSONResponse:
-        return JSONResponse({"prompt": await preparer.detokenize(service, await utility(request))})
+        _, raw = await utility(request)
+        return JSONResponse({"prompt": await preparer.detokenize(service, raw)})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -133,9 +154,10 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     async def generate(request: Request, job: Job, model: type[CompletionRequest | ChatRequest]) -> Response:
         """What both generation routes do, in the contract's order: API key, readiness and
-        request rate (`admit`), body; then, on the preparation pool, fields, model and the
-        prompt's size and tokens; then options, limits, queue. A refusal anywhere is counted
-        and logged once (`reject`)."""
+        request rate (`admit`), body; then, on the preparation pool, fields, model, the
+        prompt's size and tokens, options, limits and the sequences (a response format laid
+        out); then the queue. A refusal anywhere is counted and logged once (`reject`), and so
+        is a failure nobody anticipated (a 500, never a request without its log line)."""
         try:
             service.authenticate(job, request.headers.get("authorization"))
             loading: asyncio.Task[None] | None = request.app.state.loading
@@ -144,40 +166,52 @@ def create_app(config: ServeConfig) -> FastAPI:
                     await asyncio.wait_for(asyncio.shield(loading), config.ready_wait)
             service.admit(job)
             raw = await read_body(request, config.max_body_bytes, config.read_timeout)
-            prepared = await preparer.prepare(service, raw, model)
-            body = prepared.body
-            job.prompt_ids, job.prompt_text, job.tools = prepared.prompt_ids, prepared.prompt_text, prepared.tools
-            job.suffix_ids, job.echo = prepared.suffix_ids, prepared.echo
-            _options(job, body)
-            params = service.params(job, body, prepared.max_tokens)
-            streams = service.submit(job, params)
+            prepared = await preparer.prepare(service, raw, model, job)
+            assert prepared.params is not None
+            streams = service.submit(job, prepared.params, prepared.seqs)
         except APIError as exc:
             service.reject(job, exc)
             raise
-        responder = Responder(service, job, streams)
-        return responder.streaming() if body.stream else await responder.respond(request)
+        except Exception:
+            service.reject(job, errors.INTERNAL)
+            raise
+        responder = Responder(service, job, streams, request)
+        return responder.streaming() if job.stream else await responder.respond()
 
     @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await generate(request, Job("completions"), CompletionRequest)
+        return await generate(request, Job(ENDPOINTS["/v1/completions"]), CompletionRequest)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatRequest))
     async def chat(request: Request) -> Response:
-        return await generate(request, Job("chat.completions"), ChatRequest)
+        return await generate(request, Job(ENDPOINTS["/v1/chat/completions"]), ChatRequest)
 
     return app
 
 
-def _options(job: Job, body: CompletionRequest | ChatRequest) -> None:
-    job.stops = body.stop_strings()
-    job.stream = body.stream
-    job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
-    if job.include_canvas and not body.stream:
-        raise bad_request(
-            "stream_options.include_canvas needs stream: true", param="stream_options", code="invalid_value"
+class HeadLimit:
+    """431 for a request whose head (request line and headers) exceeds `MAX_HEAD_BYTES`:
+    h11 bounds a head still arriving, but not one that arrives whole. Counted and, on the
+    generation routes, logged like every refusal."""
+
+    def __init__(self, app: ASGIApp, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or head_bytes(scope) <= MAX_HEAD_BYTES:
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            431,
+            f"the request head (request line and headers) exceeds {MAX_HEAD_BYTES} bytes",
+            code="request_header_fields_too_large",
         )
-    job.return_token_ids = body.return_token_ids
+        endpoint = ENDPOINTS.get(scope["path"])
+        if endpoint is not None:
+            self.service.reject(Job(endpoint), error)
+        else:
+            self.service.metrics.rejections.labels(error.code).inc()
+        await error.response()(scope, receive, send)
 
 
 def _load_then_freeze(service: Service) -> None:

@@ -24,6 +24,13 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self._digests)
 
+    def knows(self, authorization: str | None) -> bool:
+        """Whether `Authorization: Bearer KEY` names one of these keys (never raises)."""
+        try:
+            return self.enabled and self.identify(authorization) is not None
+        except APIError:
+            return False
+
     def identify(self, authorization: str | None) -> str:
         """The caller's key id from an `Authorization: Bearer KEY` header, or 401."""
         if not self.enabled:

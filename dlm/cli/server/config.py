@@ -106,7 +106,7 @@ class ServeConfig(BaseModel):
         None, description="File with one API key per line (# comments)."
     )
     public_metrics: Annotated[bool, Cli(names=("--public-metrics/--private-metrics",))] = Field(
-        False, description="Serve /metrics without an API key."
+        False, description="Serve /metrics without a key (with 2+ API keys it needs the admin key)."
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body cap in bytes; beyond: 413.")
     requests_per_minute: float = Field(0, ge=0, description="Per-key request rate (0: unlimited).")
@@ -129,6 +129,9 @@ class ServeConfig(BaseModel):
     )
     max_num_batched_tokens: int = Field(16384, ge=1, description="Canvas tokens in one forward.")
     max_queue: int = Field(64, ge=0, description="Waiting requests before 429.")
+    max_queue_per_key: Annotated[int | None, Cli(shown="half the queue with 2+ keys, else all of it")] = Field(
+        None, ge=0, description="Waiting requests one API key may hold, so one key cannot fill the queue."
+    )
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")
     default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)")] = Field(
         None, ge=1, description="max_tokens when a request gives none."
@@ -159,6 +162,9 @@ class ServeConfig(BaseModel):
         ge=0,
         description="MiB of prompt K/V reused across requests sharing a prefix (block-causal families; "
         "exact, LRU); 0 turns it off.",
+    )
+    prefix_cache_shared: Annotated[bool, Cli(names=("--prefix-cache-shared/--prefix-cache-per-key",))] = Field(
+        False, description="Share cached prompts between API keys (only keys that trust each other); else one per key."
     )
     request_timeout: float = Field(300.0, gt=0, description="Seconds from a request's arrival before it is stopped.")
     shutdown_grace: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
@@ -218,6 +224,12 @@ class ServeConfig(BaseModel):
                 f"({self.max_num_batched_tokens}): such a request could never run"
             )
         return self.max_model_len or min(model_max, self.max_num_batched_tokens)
+
+    def queue_share(self) -> int:
+        """Waiting requests one API key may hold (`max_queue_per_key`, or its default)."""
+        if self.max_queue_per_key is not None:
+            return min(self.max_queue_per_key, self.max_queue)
+        return -(-self.max_queue // 2) if len(set(self.keys())) >= 2 else self.max_queue
 
     @property
     def default_gen_length(self) -> int:

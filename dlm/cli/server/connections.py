@@ -1,5 +1,5 @@
 """The listening socket and the HTTP connections: bound before the model loads, idle and
-slow clients closed.
+slow clients closed, request heads bounded, and responses able to see their connection.
 
 The socket is bound first, so a busy port is one `error:` line at once instead of a failure
 after the weights have loaded. Connections use uvicorn's h11 protocol with one addition: a
@@ -11,13 +11,68 @@ its headers a byte at a time, would otherwise hold its connection forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import struct
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dlm.engine.errors import DlmError
+
+# The largest request head (request line and headers) accepted: h11's bound on a head still
+# arriving, which h11 does not apply to one that arrives whole (`head_bytes` then does).
+MAX_HEAD_BYTES = 16 * 1024
+CONNECTION = "dlm.connection"  # the ASGI scope extension holding the request's `Connection`
+
+
+class Connection:
+    """What a response may know and do of its connection: the bytes written that the client
+    has not received (a client that does not read leaves them here, and its connection open),
+    and a close that does not wait for them."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.lost = False
+        self._unsent_at_loss = 0
+
+    @property
+    def unsent(self) -> int:
+        """Bytes written and not yet acknowledged by the client: those the transport still
+        holds, and those in the kernel's send queue (which holds megabytes: without them a
+        client that reads nothing would seem to have received a small answer). Once the
+        connection is lost: what was unacknowledged then."""
+        if self.lost:
+            return self._unsent_at_loss
+        return self._transport.get_write_buffer_size() + _unacknowledged(self._transport.get_extra_info("socket"))
+
+    def on_lost(self) -> None:
+        """The connection ended (its socket still open): remember what the client never got."""
+        self._unsent_at_loss = self.unsent
+        self.lost = True
+
+    def close_now(self) -> None:
+        """Close at once, dropping what is unsent (a graceful close would wait for a peer that
+        does not read, forever)."""
+        self._transport.abort()
+
+
+def _unacknowledged(sock: Any) -> int:
+    """The socket's send queue not yet acknowledged by the peer (Linux's SIOCOUTQ; 0 where
+    the system cannot tell)."""
+    with contextlib.suppress(ImportError, AttributeError, OSError, ValueError):
+        import fcntl
+        import termios
+
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    return 0
+
+
+def head_bytes(scope: Any) -> int:
+    """The size of a request's head as it arrived: request line and header lines."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 12
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
@@ -57,7 +112,13 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.connection = Connection(transport)
         self._arm(self.head_timeout)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.scope is not None:  # before the request's task first runs: it is only scheduled
+            self.scope.setdefault("extensions", {})[CONNECTION] = self.connection  # type: ignore[index]
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -71,6 +132,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.connection.on_lost()
         super().connection_lost(exc)
 
     def _arm(self, seconds: float) -> None:

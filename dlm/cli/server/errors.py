@@ -42,6 +42,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+INTERNAL = APIError(500, "internal server error", type="server_error")  # what nobody anticipated
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -79,4 +82,4 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, "internal server error", type="server_error").response()
+        return INTERNAL.response()

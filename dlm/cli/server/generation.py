@@ -8,12 +8,21 @@ becomes one delta, and every OpenAI client can read the stream. A client that op
 (`stream_options.include_canvas`) also gets one canvas event per denoising step, beside
 the same deltas. When the client leaves
 (connection closed), the request is cancelled and leaves the batch before the next step.
+
+Every answer is handed over under the request's deadline (`_Delivery`): its log line says
+`answered` only once the client has acknowledged every byte of it (dlm/cli/server/connections.py).
+A client that does not read (its socket's buffers full, the server's writes paused) holds at
+most a few snapshots of its request (dlm/engine/runtime/async_engine.py) and one output in
+the SSE pump; `DELIVERY_GRACE_S` after the deadline, once the engine has ended the request,
+its connection is closed without waiting and the request is logged `undelivered` (408),
+whatever the engine's finish reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,13 +30,21 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
+from dlm.cli.server.connections import CONNECTION, Connection
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError
 from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
-from dlm.cli.server.service import Job, Service
+from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
 from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
 from dlm.engine.runtime.request import canvas_json
+
+DELIVERY_GRACE_S = 2.0  # after the deadline, for an answer's last bytes to reach a client that reads
+# How often a written answer's unacknowledged bytes are looked at: soon after the last write
+# (an ACK takes a round trip, or a delayed-ACK timer), then less and less often (slow readers).
+FLUSH_POLLS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+UNDELIVERED = 408  # the status logged for an answer its client did not read by the deadline
 
 # How the engine's non-success finish reasons reach the client.
 _FAILURES = {
@@ -65,16 +82,24 @@ class Choice:
 
 class Responder:
     """Builds the bodies of one request for its endpoint (completions or chat), one choice
-    per stream (`n`)."""
+    per stream (`n`), and writes its log line once what became of the answer is known."""
 
-    def __init__(self, service: Service, job: Job, streams: list[RequestStream]) -> None:
+    def __init__(self, service: Service, job: Job, streams: list[RequestStream], request: Request) -> None:
         self.service, self.job = service, job
         self.choices = [Choice(i, stream) for i, stream in enumerate(streams)]
         assert job.served is not None, "submitted requests know their model"
         self.served = job.served  # the version it runs on, even after a hot swap
+        self.request = request
         self.chat = job.endpoint == "chat.completions"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + job.id
         self.patience = service.config.request_timeout + 30
+        deadlines = [s.request.deadline for s in streams if s.request.deadline is not None]
+        self.cutoff = max(deadlines) + DELIVERY_GRACE_S if deadlines else math.inf
+        self.connection: Connection | None = request.scope.get("extensions", {}).get(CONNECTION)
+        # What the log line says once the answer (or the error answered) is delivered.
+        self.pending: tuple[str, int, Outcome] | None = None
+        self.cut = False  # the client did not read the answer by the deadline: its connection was closed
+        self.logged = False
 
     @property
     def streams(self) -> list[RequestStream]:
@@ -83,6 +108,12 @@ class Responder:
     def abort(self) -> None:
         for choice in self.choices:
             self.served.engine.abort(choice.stream, "abort")
+
+    def log(self, finish_reason: str, status: int, outcome: Outcome) -> None:
+        """Metrics and the log line, once (the first account of the request wins)."""
+        if not self.logged:
+            self.logged = True
+            self.service.finish(self.job, self.streams, finish_reason, status, outcome)
 
     # ---- text --------------------------------------------------------------------------
 
@@ -102,11 +133,74 @@ class Responder:
         return "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
 
     def account(self, texts: list[str], reasons: list[str]) -> None:
-        """Metrics and the log line, once every choice has finished."""
+        """The answer is complete (every choice finished): what its log line will say once
+        it is delivered (`deliver`)."""
         job = self.job
         job.completion_ids = [t for c in self.choices for t in c.completion_ids]
         job.output_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
-        self.service.finish(job, self.streams, reasons[0], 200)
+        self.pending = (reasons[0], 200, "answered")
+
+    # ---- delivery ----------------------------------------------------------------------
+
+    async def deliver(self, response: Response, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send `response` and log what became of the answer (`pending`): as it says once the
+        client has received every byte; `client_closed` (499) if it left first; `undelivered`
+        (408) if it had not received it by the deadline (+ grace), when its connection is
+        closed at once."""
+        connection = self.connection
+        written = asyncio.Event()  # the last byte was written while the client was connected
+
+        async def watched(message: Message) -> None:
+            await send(message)
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last and (connection is None or not connection.lost):
+                self.job.written = time.monotonic()  # its latency ends here, not at the client's ACK
+                written.set()
+
+        sending = asyncio.ensure_future(response(scope, receive, watched))
+        try:
+            outcome = await self._watch(sending, written)
+        finally:
+            if not sending.done():
+                sending.cancel()
+        error = sending.exception() if sending.done() and not sending.cancelled() else None
+        if error is not None:  # a failure of the response itself: the app's handler answers it
+            raise error
+        if outcome != "undelivered" and self.pending is not None:  # (else: logged already)
+            reason, status, received = self.pending
+            if outcome == "answered":
+                self.log(reason, status, received)
+            else:
+                self.log(reason, CLIENT_CLOSED, outcome)
+
+    async def _watch(self, sending: asyncio.Future[None], written: asyncio.Event) -> Outcome:
+        connection = self.connection
+        until_cutoff = self.cutoff - time.monotonic()
+        await asyncio.wait({sending}, timeout=max(0.0, until_cutoff) if until_cutoff < math.inf else None)
+        polls = 0
+        while True:
+            if sending.done():
+                if connection is None:  # an in-process client (tests): nothing is buffered
+                    return "answered"
+                if not written.is_set():
+                    return "client_closed"
+                if not connection.unsent:
+                    return "answered"
+                if connection.lost:
+                    return "client_closed"
+            if time.monotonic() >= self.cutoff and connection is not None and self._engine_done():
+                self.cut = True  # logged first: the events still queued are never sent
+                reason = self.pending[0] if self.pending else self.streams[0].seq.finish_reason or "abort"
+                self.log(reason, UNDELIVERED, "undelivered")
+                connection.close_now()  # the stream's task sees the disconnect and ends
+                await asyncio.wait({sending}, timeout=DELIVERY_GRACE_S)
+                return "undelivered"
+            await asyncio.wait({sending}, timeout=FLUSH_POLLS_S[min(polls, len(FLUSH_POLLS_S) - 1)])
+            polls += 1
+
+    def _engine_done(self) -> bool:
+        """Every choice has ended in the engine (past the deadline it ends them by timeout)."""
+        return all(stream.finished_at is not None for stream in self.streams)
 
     def usage(self) -> dict[str, int]:
         prompt, completion = len(self.job.prompt_ids), len(self.job.completion_ids)
@@ -140,22 +234,22 @@ class Responder:
 
     # ---- one JSON body -----------------------------------------------------------------
 
-    async def respond(self, request: Request) -> Response:
+    async def respond(self) -> Response:
         waiter = asyncio.create_task(self._finals())
-        watcher = asyncio.create_task(_disconnected(request))
+        watcher = asyncio.create_task(_disconnected(self.request))
         done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if waiter not in done:
             waiter.cancel()
             self.abort()
-            self.service.finish(self.job, self.streams, "abort", CLIENT_CLOSED)
+            self.log("abort", CLIENT_CLOSED, "client_closed")
             return Response(status_code=CLIENT_CLOSED)
         watcher.cancel()
         finals = waiter.result()
         for out, _, _ in finals:
             error = _failure(self.service, out)
             if error is not None:
-                self.service.finish(self.job, self.streams, out.finish_reason or "error", error.status)
-                return error.response()
+                self.pending = (out.finish_reason or "error", error.status, "failed")
+                return _Delivery(self, error.response())
         bodies, texts, reasons = [], [], []
         for choice, (out, text, stopped) in zip(self.choices, finals):
             body: dict[str, Any] = {"index": choice.index, "logprobs": self.logprobs(choice, out, text, stopped)}
@@ -178,9 +272,8 @@ class Responder:
             texts.append(text)
             reasons.append(body["finish_reason"])
         self.account(texts, reasons)
-        return JSONResponse(
-            {**self._head(), "choices": bodies, "usage": self.usage()}, headers={"X-Request-Id": self.job.id}
-        )
+        body = {**self._head(), "choices": bodies, "usage": self.usage()}
+        return _Delivery(self, JSONResponse(body, headers={"X-Request-Id": self.job.id}))
 
     async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
         return list(await asyncio.gather(*(self._final(c) for c in self.choices)))
@@ -194,12 +287,13 @@ class Responder:
 
     # ---- server-sent events ------------------------------------------------------------
 
-    def streaming(self) -> StreamingResponse:
-        return StreamingResponse(
+    def streaming(self) -> Response:
+        events = StreamingResponse(
             self._events(),
             media_type="text/event-stream",
             headers={"X-Request-Id": self.job.id, "Cache-Control": "no-cache"},
         )
+        return _Delivery(self, events)
 
     def _chunk(
         self,
@@ -219,8 +313,9 @@ class Responder:
         return _sse(payload)
 
     async def _outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-        """Every choice's outputs as they come, until each has finished."""
-        queue: asyncio.Queue[tuple[Choice, RequestOutput]] = asyncio.Queue()
+        """Every choice's outputs as they come, until each has finished. One waits here at
+        most: while the client does not read, the streams keep (and drop) the rest."""
+        queue: asyncio.Queue[tuple[Choice, RequestOutput]] = asyncio.Queue(maxsize=1)
 
         async def pump(choice: Choice) -> None:
             async for out in choice.stream.outputs(self.patience):
@@ -280,7 +375,7 @@ class Responder:
                 if error is not None:
                     completed = True
                     self.abort()
-                    self.service.finish(self.job, self.streams, out.finish_reason or "error", error.status)
+                    self.pending = (out.finish_reason or "error", error.status, "failed")
                     yield _sse(error.body())
                     yield "data: [DONE]\n\n"
                     return
@@ -314,9 +409,22 @@ class Responder:
                 )
             yield "data: [DONE]\n\n"
         finally:
-            if not completed:  # the client went away (the response task was cancelled)
+            if not completed:  # the client went away, or was cut off (the response task was cancelled)
                 self.abort()
-                self.service.finish(self.job, self.streams, "abort", CLIENT_CLOSED)
+                if not self.cut:
+                    self.log("abort", CLIENT_CLOSED, "client_closed")
+
+
+class _Delivery(Response):
+    """A response sent under its request's deadline, logged once its fate is known
+    (`Responder.deliver`)."""
+
+    def __init__(self, responder: Responder, response: Response) -> None:
+        super().__init__(status_code=response.status_code)
+        self.responder, self.response = responder, response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.responder.deliver(self.response, scope, receive, send)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -71,6 +71,9 @@ class ServerMetrics:
             "dlm_http_requests_client_disconnected", "Requests cancelled because the client left."
         )
         self.failures = counter("dlm_request_failures", "Requests ended by an engine error or shutdown.", "reason")
+        self.undelivered = counter(
+            "dlm_request_undelivered", "Answers a client did not read by the request's deadline (connection closed)."
+        )
         # Export the common series from the start, so rates and alerts work before the first event.
         for reason in ("stop", "length", "tool_calls"):
             self.success.labels(reason)

@@ -1,9 +1,12 @@
-"""Request preparation off the event loop: parse, validate, size-check and tokenise a body.
+"""Request preparation off the event loop: parse, validate, size-check and tokenise a body,
+then resolve its decoding parameters and build its sequences.
 
-Tokenising a long prompt or rendering a chat template over thousands of messages takes
-seconds of CPU. On the event loop that would stall every route, `/health` and `/ready`
-included, so a liveness probe would restart a healthy server. Here that work runs on a
-one-thread pool (`Preparer`) with a bounded backlog, and sizes are checked before any of it:
+Tokenising a long prompt, rendering a chat template over thousands of messages, compiling a
+response format's schema and laying its skeleton out (once for all `n` samples) take CPU,
+seconds of it for hostile bodies. On the event loop that would stall every route, `/health`
+and `/ready` included, so a liveness probe would restart a healthy server. Here that work
+runs on a one-thread pool (`Preparer`) with a bounded backlog (and a share of it per API key,
+so one key cannot fill it), and sizes are checked before any of it:
 a prompt cannot fit in `max_model_len` tokens when it has more than `CHARS_PER_TOKEN`
 characters per token of it, or more than one message per `TOKENS_PER_MESSAGE` tokens;
 either is refused with a 400 `context_length_exceeded` before tokenising.
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -27,7 +31,9 @@ from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRe
 from dlm.engine.errors import UsageError
 
 if TYPE_CHECKING:
-    from dlm.cli.server.service import Service
+    from dlm.cli.server.service import Job, Service
+    from dlm.engine.params import ResolvedParams
+    from dlm.engine.runtime.request import RequestState
 
 CHARS_PER_TOKEN = 32  # no tokenizer's token spans more characters in ordinary text
 TOKENS_PER_MESSAGE = 2  # a chat template marks at least a message's role and its end
@@ -49,22 +55,32 @@ class Prepared:
     tools: bool = False
     suffix_ids: tuple[int, ...] = ()  # infilling: what follows the answer
     echo: str | None = None  # a completion's `echo`: the prompt's text, answered before the completion
+    params: ResolvedParams | None = None  # a generation request's, resolved for the served model
+    seqs: list[RequestState] = field(default_factory=list)  # and its `n` sequences, built
 
 
 class Preparer:
-    """A bounded pool for request preparation: at most `backlog` bodies wait or run in it;
-    beyond that a request is refused with 429 at once, as the engine's queue does."""
+    """A bounded pool for request preparation: at most `backlog` bodies wait or run in it, and
+    at most `share` of one API key; beyond that a request is refused with 429 at once, as the
+    engine's queue does."""
 
-    def __init__(self, backlog: int) -> None:
+    def __init__(self, backlog: int, share: int | None = None) -> None:
         self.backlog = max(1, backlog)
+        self.share = max(1, min(share, self.backlog)) if share is not None else self.backlog
         self.pending = 0
+        self.by_key: Counter[str] = Counter()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="dlm-prepare")
 
-    async def prepare(self, service: Service, raw: bytes, model: type[Body] | None) -> Prepared:
+    async def prepare(
+        self, service: Service, raw: bytes, model: type[Body] | None, job: Job | None = None, key: str = ""
+    ) -> Prepared:
         """The body parsed and encoded by the model served when it is done: after a hot swap
         in between, it is encoded again with the new version's tokenizer. `model` None: a
-        chat body when it has `messages`, else a completion body (`/tokenize`)."""
-        if self.pending >= self.backlog:
+        chat body when it has `messages`, else a completion body (`/tokenize`). With `job` (a
+        generation request, whose key counts against its share), its options are read into
+        it, its parameters resolved and its sequences built, all for that same version."""
+        key = job.key if job is not None else key
+        if self.pending >= self.backlog or self.by_key[key] >= self.share:
             raise APIError(
                 429,
                 f"{self.pending} requests are being prepared; retry shortly",
@@ -73,17 +89,23 @@ class Preparer:
                 headers={"Retry-After": "1"},
             )
         self.pending += 1
+        self.by_key[key] += 1
         loop = asyncio.get_running_loop()
         try:
             while True:
                 served = service.served
                 if served is None:
                     raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
-                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model)
+                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model, job)
                 if service.served is served:
                     return prepared
+                for seq in prepared.seqs:  # built for the version a swap replaced
+                    seq.finish("abort")
         finally:
             self.pending -= 1
+            self.by_key[key] -= 1
+            if not self.by_key[key]:
+                del self.by_key[key]
 
     async def detokenize(self, service: Service, raw: bytes) -> str:
         """`/detokenize`: token ids back to text with the served model's tokenizer."""
@@ -97,8 +119,11 @@ class Preparer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _prepare(service: Service, served: LoadedModel, raw: bytes, model: type[Body] | None) -> Prepared:
-    """In the contract's order: JSON, fields, supported options, model, then the prompt."""
+def _prepare(
+    service: Service, served: LoadedModel, raw: bytes, model: type[Body] | None, job: Job | None = None
+) -> Prepared:
+    """In the contract's order: JSON, fields, supported options, model, then the prompt; for
+    a generation request then its options, parameters and sequences."""
     data = parse_json(raw)
     if model is None:
         model = ChatRequest if "messages" in data else CompletionRequest
@@ -110,9 +135,26 @@ def _prepare(service: Service, served: LoadedModel, raw: bytes, model: type[Body
     if refused is not None:
         raise bad_request(refused[1], param=refused[0], code="unsupported")
     service.check_model(body.model)
-    if isinstance(body, ChatRequest):
-        return _chat(served, body)
-    return _completion(served, body)
+    prepared = _chat(served, body) if isinstance(body, ChatRequest) else _completion(served, body)
+    if job is not None:
+        job.prompt_ids, job.prompt_text, job.tools = prepared.prompt_ids, prepared.prompt_text, prepared.tools
+        job.suffix_ids, job.echo = prepared.suffix_ids, prepared.echo
+        _options(job, body)
+        prepared.params = service.params(job, body, prepared.max_tokens, served)
+        prepared.seqs = service.build(job, prepared.params, served)
+    return prepared
+
+
+def _options(job: Job, body: Body) -> None:
+    job.stops = body.stop_strings()
+    job.stream = body.stream
+    job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
+    if job.include_canvas and not body.stream:
+        raise bad_request(
+            "stream_options.include_canvas needs stream: true", param="stream_options", code="invalid_value"
+        )
+    job.return_token_ids = body.return_token_ids
 
 
 def _detokenize(service: Service, served: LoadedModel, raw: bytes) -> str:

@@ -13,8 +13,15 @@ OpenAI API answers. Fields fall in four groups:
 - fields OpenAI SDKs and frameworks send that change nothing here (`IGNORED`): accepted;
 - fields dlm cannot honour (`NEUTRAL`): accepted only with a value that asks for nothing,
   else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
-Nested objects (messages, tools) stay lenient: clients echo assistant messages back with
-fields of their own (refusal, annotations, ...).
+Nested objects (messages, tools) stay lenient about extra fields: clients echo assistant
+messages back with fields of their own (refusal, annotations, ...).
+
+Types are strict everywhere (pydantic's strict mode), as OpenAI's API types them: `"8"` is
+not a `max_tokens`, `true` is not a count (`logprobs` is a count on /v1/completions and a
+boolean on chat), `1` is a `temperature` (a number) but `1.0` is not a `seed`. A decoding
+parameter's HTTP type is its GenerationParams type, optional (a tuple is a JSON array;
+`response_format` is the object whose JSON text GenerationParams takes), which
+tests/test_params_declaration.py checks field by field.
 """
 
 from __future__ import annotations
@@ -86,7 +93,7 @@ def _documented(field: str) -> Callable[[dict[str, Any]], None]:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -104,24 +111,24 @@ class DiffusionFields(_Body):
     steps: int | None = _param("steps")
     refinement_steps: int | None = _param("refinement_steps")  # the deployment guides' name
     block_length: int | None = _param("block_length")
-    remasking: StrictStr | None = _param("remasking")
+    remasking: str | None = _param("remasking")
     threshold: float | None = _param("threshold")
     factor: float | None = _param("factor")
     cfg_scale: float | None = _param("cfg_scale")
     drafts: int | None = _param("drafts")
-    cache: StrictStr | None = _param("cache")
-    decode_mode: StrictStr | None = _param("decode_mode")
+    cache: str | None = _param("cache")
+    decode_mode: str | None = _param("decode_mode")
     # Draft-and-edit (LLaDA2.x).
     edit_threshold: float | None = _param("edit_threshold")
-    edit_mode: StrictStr | None = _param("edit_mode")
+    edit_mode: str | None = _param("edit_mode")
     max_post_edit_steps: int | None = _param("max_post_edit_steps")
     # Dream family (diffusion_generate).
-    alg: StrictStr | None = _param("alg")
+    alg: str | None = _param("alg")
     alg_temp: float | None = _param("alg_temp")
     top_k: int | None = _param("top_k")
     top_p: float | None = _param("top_p")
     # Stop ids besides EOS (vLLM's name), with each family's own stop rule.
-    stop_token_ids: list[StrictInt] | None = _param("stop_token_ids")
+    stop_token_ids: list[int] | None = _param("stop_token_ids")
     # DiffusionGemma (entropy-bound sampler).
     entropy_bound: float | None = _param("entropy_bound")
     min_temperature: float | None = _param("min_temperature")

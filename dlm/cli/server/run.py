@@ -28,7 +28,7 @@ import uvicorn
 
 from dlm.cli.server.app import create_app
 from dlm.cli.server.config import ServeConfig
-from dlm.cli.server.connections import listen, protocol
+from dlm.cli.server.connections import MAX_HEAD_BYTES, listen, protocol
 from dlm.cli.server.service import Service
 
 log = logging.getLogger("dlm.server")
@@ -159,6 +159,7 @@ def serve(config: ServeConfig) -> int:
         http=protocol(config.read_timeout),
         timeout_keep_alive=config.keep_alive_timeout,
         limit_concurrency=config.max_connections,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,  # a head still arriving; whole ones: app.HeadLimit
         log_level=config.log_level,
         access_log=False,
         log_config=None,

@@ -5,9 +5,10 @@ Loading runs in a worker thread after the socket is open, so `/health` answers w
 weights load and `/ready` turns 200 only once a warm-up forward has run.
 
 The served model is one `LoadedModel` that a hot swap (dlm/cli/server/hotswap.py) replaces
-on the event loop. A request's prompt is encoded off the loop with the tokenizer of
-`self.served` (dlm/cli/server/prepare.py encodes it again if a swap happened meanwhile); from
-there to `submit()` the handler does not await, so tokenizer, limits and engine belong to one
+on the event loop. A request's prompt is encoded, its parameters resolved (`params`) and its
+sequences built (`build`) off the loop, for the version `self.served` names then
+(dlm/cli/server/prepare.py does it all again if a swap happened meanwhile); from there to
+`submit()` the handler does not await, so tokenizer, limits and engine belong to one
 version, and the request keeps that version (`Job.served`) to the end.
 """
 
@@ -19,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dlm.cli.server.auth import KeyRing
 from dlm.cli.server.config import ServeConfig
@@ -37,9 +38,17 @@ from dlm.engine.runtime.scheduler import QueueFull, SchedulerLimits
 if TYPE_CHECKING:
     from dlm.engine.llm import LLM
     from dlm.engine.runtime.interface import Engine
+    from dlm.engine.runtime.request import RequestState
 
 log = logging.getLogger("dlm.server")
 request_log = logging.getLogger("dlm.requests")
+
+# What became of a request, its log line's `outcome` (docs/serve.md, "Logs"): the answer left
+# the process whole (answered); it was refused before decoding (refused); decoding ended by a
+# timeout, an engine error or shutdown and that error was answered (failed); the client left
+# first (client_closed, status 499); the client did not read the answer by its deadline and the
+# connection was closed (undelivered, status 408).
+Outcome = Literal["answered", "refused", "failed", "client_closed", "undelivered"]
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Job:
     key: str = "-"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
+    written: float | None = None  # when its answer's last byte was written (its latency's end)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] = field(default_factory=list)
     suffix_ids: tuple[int, ...] = ()  # infilling: the ids after the answer
@@ -62,6 +72,7 @@ class Job:
     return_token_ids: bool = False
     echo: str | None = None  # completions with `echo`: the prompt's text, sent before the answer
     status: int = 200
+    outcome: Outcome = "answered"
     finish_reason: str | None = None
     completion_ids: list[int] = field(default_factory=list)  # every choice's, one after another
     steps: int = 0
@@ -75,6 +86,8 @@ class Service:
         self.config = config
         self.metrics = ServerMetrics()
         self.keys = KeyRing(config.keys())
+        self.tenants = len(set(config.keys()))  # API keys: each one a tenant the others must not observe
+        self.queue_share = config.queue_share()  # waiting requests one key may hold
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self.model_name = config.served_model_name or _default_name(config)
         self.served: LoadedModel | None = None
@@ -169,7 +182,9 @@ class Service:
         cfg = self.config
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
-        limits = SchedulerLimits(self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue)
+        limits = SchedulerLimits(
+            self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue, self.queue_share
+        )
         graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
         log.info("step graphs: %s", graphs)
         budget = int(cfg.prefix_cache_mib * 2**20)
@@ -272,7 +287,7 @@ class Service:
         if wait:
             raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
         try:  # refuse overload before reading the body or tokenizing
-            self.engine.scheduler.check_room()
+            self.engine.scheduler.check_room(job.key)
         except QueueFull as exc:
             raise _queue_full(self.engine, exc) from None
 
@@ -288,10 +303,11 @@ class Service:
                 code="model_not_found",
             )
 
-    def params(self, job: Job, body: GenerationRequest, max_tokens: int | None) -> ResolvedParams:
-        """The request's decoding parameters, resolved and validated once for the served model
-        and checked against the server's limits. Each body field maps onto its GenerationParams
-        field; the server's defaults (block length, per-block steps, --max-steps) fill in."""
+    def params(self, job: Job, body: GenerationRequest, max_tokens: int | None, served: LoadedModel) -> ResolvedParams:
+        """The request's decoding parameters, resolved and validated once for the model
+        `served` and checked against the server's limits. Each body field maps onto its
+        GenerationParams field; the server's defaults (block length, per-block steps,
+        --max-steps) fill in, and the caller's key names its prefix-cache partition."""
         cfg = self.config
         gen = max_tokens if max_tokens is not None else cfg.default_gen_length
         if gen > cfg.max_tokens:
@@ -300,11 +316,11 @@ class Service:
                 param="max_tokens",
                 code="max_tokens_exceeded",
             )
-        if len(job.prompt_ids) + gen + len(job.suffix_ids) > self.max_model_len:
+        if len(job.prompt_ids) + gen + len(job.suffix_ids) > served.max_model_len:
             suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
             raise bad_request(
                 f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}){suffix} exceeds the "
-                f"maximum context of {self.max_model_len} tokens",
+                f"maximum context of {served.max_model_len} tokens",
                 param=_prompt_param(job),
                 code="context_length_exceeded",
             )
@@ -322,16 +338,20 @@ class Service:
         if given.get("top_p") == 1.0:
             del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
         given.update(gen_length=gen, suffix=job.suffix_ids)
+        if not cfg.prefix_cache_shared:
+            given["prefix_cache_partition"] = job.key
         top = body.top_logprobs_count()
         if top is not None:
             given["logprobs"] = top
-        assert self.engine is not None
         try:  # the family's defaults and rules, as `dlm generate` applies them
-            resolved = self.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
+            resolved = served.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
-        if resolved.n > 1 and resolved.n > cfg.max_queue:  # its choices are queued together or not at all
-            raise bad_request(f"n ({resolved.n}) exceeds this server's queue of {cfg.max_queue} requests", param="n")
+        if resolved.n > 1 and resolved.n > self.queue_share:  # its choices are queued together or not at all
+            raise bad_request(
+                f"n ({resolved.n}) exceeds the {self.queue_share} requests one API key may queue on this server",
+                param="n",
+            )
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             # Named after the field that set the step count: the request's own, else its length.
             param = next((name for name in ("refinement_steps", "steps") if name in given), "max_tokens")
@@ -342,47 +362,56 @@ class Service:
             )
         return resolved
 
-    def submit(self, job: Job, params: ResolvedParams) -> list[RequestStream]:
-        """Charge the token rate, then queue the request's `n` samples on the served model
-        (429 at once when the queue cannot take them all); they stay on that model to their
-        end. One stream per choice, choice i seeded `seed + i` (`GenerationParams.samples`)."""
-        wait = self.limiter.check(job.key, "tokens", params.gen_length * params.n)
-        if wait:
-            raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
-        job.params = params
-        assert self.served is not None
-        job.served = self.served
-        engine = self.served.engine
-        streams: list[RequestStream] = []
+    def build(self, job: Job, params: ResolvedParams, served: LoadedModel) -> list[RequestState]:
+        """The request's `n` sequences on the model `served`, built (a response format laid
+        out once for all of them) on the preparation thread, never on the event loop."""
         try:
-            for i, sample in enumerate(params.samples()):
-                streams.append(
-                    engine.submit(
-                        job.id if params.n == 1 else f"{job.id}-{i}",
-                        job.prompt_ids,
-                        sample,
-                        timeout=self.config.request_timeout,
-                        updates=job.stream or bool(job.stops),
-                        canvas=job.include_canvas,
-                    )
+            return served.engine.engine.make_sequences(job.prompt_ids, params)
+        except UsageError as exc:
+            raise _refused(exc, job) from None
+
+    def submit(self, job: Job, params: ResolvedParams, seqs: list[RequestState]) -> list[RequestStream]:
+        """Charge the token rate, then queue the request's `n` sequences (built by `build` for
+        the model served now) on that model, all of them or none (429 at once when the queue
+        cannot take them); they stay on that model to their end. One stream per choice,
+        choice i seeded `seed + i` (`GenerationParams.samples`). Sequences refused are ended,
+        so nothing keeps them."""
+        assert self.served is not None
+        engine = self.served.engine
+        try:
+            wait = self.limiter.check(job.key, "tokens", params.gen_length * params.n)
+            if wait:
+                raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
+            ids = [job.id] if len(seqs) == 1 else [f"{job.id}-{i}" for i in range(len(seqs))]
+            try:
+                streams = engine.enqueue(
+                    ids,
+                    seqs,
+                    timeout=self.config.request_timeout,
+                    updates=job.stream or bool(job.stops),
+                    canvas=job.include_canvas,
+                    tenant=job.key,
                 )
-        except (QueueFull, Draining, EngineFailed, UsageError) as exc:
-            for stream in streams:  # all the choices or none
-                engine.abort(stream, "abort")
-            raise _submit_refused(engine, exc, job) from None
+            except (QueueFull, Draining, EngineFailed, UsageError) as exc:
+                raise _submit_refused(engine, exc, job) from None
+        except APIError:
+            for seq in seqs:
+                seq.finish("abort")
+            raise
+        job.params, job.served = params, self.served
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         return streams
 
     # ---- accounting --------------------------------------------------------------------
 
     def reject(self, job: Job, error: APIError) -> None:
-        job.status = error.status
+        job.status, job.outcome = error.status, "refused"
         self.metrics.rejections.labels(error.code or error.type).inc()
         self.record(job)
 
-    def finish(self, job: Job, streams: list[RequestStream], finish_reason: str, status: int) -> None:
+    def finish(self, job: Job, streams: list[RequestStream], finish_reason: str, status: int, outcome: Outcome) -> None:
         """Metrics and the log line of a request the engine ran (its choices' streams)."""
-        job.finish_reason, job.status = finish_reason, status
+        job.finish_reason, job.status, job.outcome = finish_reason, status, outcome
         job.steps = sum(stream.seq.nfe for stream in streams)
         m = self.metrics
         for stream in streams:
@@ -390,7 +419,9 @@ class Service:
             if req.admitted is not None:
                 m.queue_time.observe(req.admitted - req.arrival)
         m.steps.observe(job.steps)
-        if finish_reason == "timeout":
+        if outcome == "undelivered":
+            m.undelivered.inc()
+        elif finish_reason == "timeout":
             m.timeouts.inc()
         elif finish_reason == "abort":
             m.disconnects.inc()
@@ -399,7 +430,7 @@ class Service:
         else:
             m.success.labels(finish_reason).inc()
             m.generation_tokens.inc(len(job.completion_ids))
-            m.e2e.observe(time.monotonic() - job.arrival)
+            m.e2e.observe((job.written or time.monotonic()) - job.arrival)
         self.record(job)
 
     def record(self, job: Job) -> None:
@@ -410,7 +441,8 @@ class Service:
             "endpoint": job.endpoint,
             "key": job.key,
             "status": job.status,
-            "latency_s": round(time.monotonic() - job.arrival, 4),
+            "outcome": job.outcome,
+            "latency_s": round((job.written or time.monotonic()) - job.arrival, 4),
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(job.completion_ids),
             "denoising_steps": job.steps,

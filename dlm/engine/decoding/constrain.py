@@ -10,6 +10,10 @@ sequence keeps. At each step the constraint says which positions may be decided 
 leftmost MASK of every slot: a slot is written left to right, slots in parallel) and the
 tokens each may take (its automaton's state after the slot's committed tokens), so every
 answer parses and validates by construction.
+
+`layout` runs once per request (its `n` samples share the result, which nothing writes),
+and an enum repeated in the skeleton is tokenized once, in one batch, into a trie of its
+alternatives, so deciding an enum position costs the slot's length, not the enum's size.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Vocabulary:
     minus: int
     point: int
     quote: int
-    encode: Callable[[str], list[int]]
+    encode: Callable[[list[str]], list[list[int]]]  # texts to their ids, in one batch
 
     @staticmethod
     def from_tokenizer(tokenizer: Any, size: int, excluded: set[int]) -> Vocabulary:
@@ -75,14 +79,18 @@ class Vocabulary:
                 f"response_format needs single tokens for {absent!r}, which this tokenizer lacks", field=FIELD
             )
 
-        def encode(text: str) -> list[int]:
+        def encode(texts: list[str]) -> list[list[int]]:
             # A key or value that spells a special token ("<|endoftext|>") is text here.
-            return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+            if not texts:
+                return []
+            return [
+                list(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ]
 
         # The answer's text must be its tokens' texts put end to end (byte-level BPE): a
         # tokenizer that joins tokens with spaces (WordPiece) would change keys and values.
         pieces = ['{"key": "', "va", "lue", '", "n": ', "-", "1", "2", ".", "5", " ", "]}"]
-        ids = [t for piece in pieces for t in encode(piece)] + [exact[" "], exact['"'], exact["7"]]
+        ids = [t for piece in encode(pieces) for t in piece] + [exact[" "], exact['"'], exact["7"]]
         expected = "".join(pieces) + ' "7'
         if tokenizer.decode(ids, skip_special_tokens=True) != expected:
             raise Unsupported(
@@ -111,6 +119,11 @@ def _cleaned(text: str) -> bool:
     )
 
 
+END = -1  # a trie key (token ids are >= 0): an alternative ends here
+
+Trie = dict[int, "Trie"]  # token id -> the alternatives that continue with it
+
+
 @dataclass
 class _Region:
     """One slot's span of answer positions."""
@@ -118,7 +131,7 @@ class _Region:
     start: int
     end: int
     slot: StringSlot | NumberSlot | EnumSlot
-    alternatives: list[list[int]] | None = None  # EnumSlot: each value's ids
+    choices: Trie | None = None  # EnumSlot: its values' ids
 
 
 @dataclass
@@ -156,8 +169,8 @@ class Constraint:
         """The tokens the slot's next position may take, and whether a pad may."""
         v, slot = self.vocab, region.slot
         if isinstance(slot, EnumSlot):
-            assert region.alternatives is not None
-            return _enum_next(region.alternatives, done, v)
+            assert region.choices is not None
+            return _enum_next(region.choices, done, v)
         if isinstance(slot, StringSlot):
             if v.quote in done:
                 return set(), True
@@ -172,20 +185,30 @@ class Constraint:
         return _number_next(slot, done, v)
 
 
-def _enum_next(alternatives: list[list[int]], done: list[int], v: Vocabulary) -> tuple[set[int], bool]:
-    """Tokens that keep some alternative consistent: its next id, or a pad once it is whole."""
-    i = len(done)
-    out: set[int] = set()
-    pad = False
-    for alt in alternatives:
-        head, tail = done[: len(alt)], done[len(alt) :]
-        if head != alt[: len(head)] or not all(bool(v.space[t]) for t in tail):
-            continue
-        if i < len(alt):
-            out.add(alt[i])
-        else:
-            pad = True
-    return out, pad
+def _enum_next(choices: Trie, done: list[int], v: Vocabulary) -> tuple[set[int], bool]:
+    """Tokens that keep some alternative consistent: its next id, or a pad once it is whole
+    (followed only by pads). The walk follows `done` down the trie: its length, not the enum's."""
+    node: Trie | None = choices
+    padding = False  # some alternative ended, and only pads came after it
+    for t in done:
+        space = bool(v.space[t])
+        padding = space and (padding or (node is not None and END in node))
+        node = node.get(t) if node is not None else None
+        if node is None and not padding:
+            return set(), False
+    if node is None:
+        return set(), True
+    return {t for t in node if t != END}, padding or END in node
+
+
+def _trie(alternatives: list[list[int]]) -> Trie:
+    root: Trie = {}
+    for ids in alternatives:
+        node = root
+        for t in ids:
+            node = node.setdefault(t, {})
+        node[END] = {}
+    return root
 
 
 def _number_next(slot: NumberSlot, done: list[int], v: Vocabulary) -> tuple[set[int], bool]:
@@ -224,20 +247,23 @@ def layout(
     skeleton: Skeleton, vocab: Vocabulary, gen_length: int, mask_id: int, eos_id: int | None, offset: int
 ) -> tuple[list[int], Constraint]:
     """The answer's ids (literals' tokens, MASK at slot positions, EOS or pads after) and the
-    constraint over them. A skeleton longer than `gen_length` is refused (max_tokens)."""
+    constraint over them. A skeleton longer than `gen_length` is refused (max_tokens). Each
+    distinct text and enum is tokenized once (one batch call), however often it repeats."""
+    texts = {p.text for p in skeleton.pieces if isinstance(p, Literal)}
+    literal = dict(zip(texts, vocab.encode(list(texts))))
+    enums: dict[EnumSlot, tuple[Trie, int]] = {}  # by identity: a repeated enum is one object
+    for piece in skeleton.pieces:
+        if isinstance(piece, EnumSlot) and piece not in enums:
+            alternatives = vocab.encode(list(piece.values))
+            enums[piece] = (_trie(alternatives), max(len(a) for a in alternatives))
     ids: list[int] = []
     regions: list[_Region] = []
     for piece in skeleton.pieces:
         if isinstance(piece, Literal):
-            ids += vocab.encode(piece.text)
+            ids += literal[piece.text]
             continue
-        alternatives = None
-        if isinstance(piece, EnumSlot):
-            alternatives = [vocab.encode(text) for text in piece.values]
-            length = max(len(a) for a in alternatives)
-        else:
-            length = piece.length
-        regions.append(_Region(len(ids), len(ids) + length, piece, alternatives))
+        choices, length = enums[piece] if isinstance(piece, EnumSlot) else (None, piece.length)
+        regions.append(_Region(len(ids), len(ids) + length, piece, choices))
         ids += [mask_id] * length
     if len(ids) > gen_length:
         raise UsageError(

@@ -452,14 +452,19 @@ class DistributedEngine(Engine):
         return self.engine.validate(params, prompt_length)
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
-        if params.seed is None:  # every rank must draw the same sampling noise
-            params = replace(params, seed=secrets.randbits(31))
-        seq = self.engine.make_sequence(prompt_ids, params)  # validates before anything is sent
+        return self._register(prompt_ids, [self.engine.make_sequence(prompt_ids, _seeded(params))])[0]
+
+    def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
+        return self._register(prompt_ids, self.engine.make_sequences(prompt_ids, _seeded(params)))
+
+    def _register(self, prompt_ids: list[int], seqs: list[RequestState]) -> list[RequestState]:
+        """Sequences built (and validated) here, announced to the ranks with the next step."""
         with self._lock:
-            rid = self._next_id = self._next_id + 1
-            self._ids[id(seq)] = (rid, seq)
-            self._pending.append((rid, list(prompt_ids), seq.params))  # resolved: ranks do not re-validate
-        return seq
+            for seq in seqs:
+                rid = self._next_id = self._next_id + 1
+                self._ids[id(seq)] = (rid, seq)
+                self._pending.append((rid, list(prompt_ids), seq.params))  # resolved: ranks do not re-validate
+        return seqs
 
     def add(self, seq: RequestState) -> None:
         self.engine.add(seq)
@@ -553,6 +558,11 @@ class DistributedEngine(Engine):
                 self.spawned.terminate()
             leave(self.group)
             self._deadline.disarm()
+
+
+def _seeded(params: GenerationParams) -> GenerationParams:
+    """Every rank must draw the same sampling noise: an unseeded request gets a seed here."""
+    return params if params.seed is not None else replace(params, seed=secrets.randbits(31))
 
 
 def _down(death: str) -> EngineFailed:

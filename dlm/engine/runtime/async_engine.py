@@ -5,9 +5,14 @@ past their deadline, admit waiting requests (dlm/engine/runtime/scheduler.py), r
 for the whole running set. Because deadlines and cancellations are applied between steps, a
 timed-out or abandoned request stops denoising within one step and frees its slot at once.
 
-Callers on the event loop `submit()` a request and read its `RequestStream`: snapshots of the
-committed left-to-right prefix (what can be streamed: a dLLM commits tokens anywhere in the
-block, but only the prefix before the first MASK is final text) and a final output.
+Callers on the event loop `submit()` a request (or `enqueue()` the sequences they built with
+the engine's `make_sequences` beforehand, off the loop) and read its `RequestStream`:
+snapshots of the committed left-to-right prefix (what can be streamed: a dLLM commits tokens
+anywhere in the block, but only the prefix before the first MASK is final text) and a final
+output. A stream keeps at most `MAX_UNREAD` outputs its reader has not taken: each snapshot
+holds the whole prefix (and canvas), so when the reader falls behind (a client that does not
+read) the oldest snapshots are dropped, never queued without bound; the final output is
+always kept.
 
 A step that fails fails its batch; an engine that fails (`EngineFailed`: a tensor-parallel
 rank died or hung) fails every request it holds, refuses new ones and ends the loop, so no
@@ -23,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +42,8 @@ from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
 
 log = logging.getLogger("dlm.engine")
+
+MAX_UNREAD = 8  # outputs a stream keeps for its reader; beyond, the oldest snapshot is dropped
 
 
 class Draining(DlmError):
@@ -66,13 +74,17 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class RequestStream:
-    """The consumer's side of one request: outputs arrive on an asyncio queue."""
+    """The consumer's side of one request: outputs arrive on the event loop, at most
+    `MAX_UNREAD` of them kept unread (snapshots are cumulative: a reader that falls behind
+    misses intermediate ones, never the final one)."""
 
     request: ScheduledRequest
     wants_updates: bool
     loop: asyncio.AbstractEventLoop
     wants_canvas: bool = False  # a snapshot of the canvas after every step
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unread: deque[RequestOutput] = field(default_factory=deque)  # event-loop side
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    dropped: int = 0  # snapshots dropped because the reader was behind
     finished_at: float | None = None
     last_prefix: int = -1  # length of the last prefix sent (loop-thread side)
 
@@ -87,20 +99,32 @@ class RequestStream:
     def post(self, output: RequestOutput) -> None:
         """Hand an output to the event loop (called from the engine thread)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+            self.loop.call_soon_threadsafe(self._arrive, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _arrive(self, output: RequestOutput) -> None:
+        if not output.finished and len(self.unread) >= MAX_UNREAD:
+            self.unread.popleft()  # a snapshot: the newer ones hold all it held
+            self.dropped += 1
+        self.unread.append(output)
+        self.arrived.set()
 
     async def outputs(self, patience: float | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs until the final one. If the engine stays silent for `patience` seconds
         (its loop died), end with an error output instead of waiting forever."""
         while True:
-            try:
-                output = await asyncio.wait_for(self.queue.get(), patience)
-            except asyncio.TimeoutError:
-                output = RequestOutput(
-                    self.request_id, [], self.seq.nfe, finish_reason="error", error="the engine did not answer"
-                )
+            if not self.unread:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), patience)
+                except asyncio.TimeoutError:
+                    yield RequestOutput(
+                        self.request_id, [], self.seq.nfe, finish_reason="error", error="the engine did not answer"
+                    )
+                    return
+                continue
+            output = self.unread.popleft()
             yield output
             if output.finished:
                 return
@@ -201,26 +225,49 @@ class AsyncEngine:
         timeout: float | None,
         updates: bool = False,
         canvas: bool = False,
+        tenant: str = "",
     ) -> RequestStream:
         """Validate and queue a request (UsageError on bad input, QueueFull, Draining).
 
         With `updates`, every step that extends the committed prefix posts a snapshot; with
         `canvas`, every step posts one carrying the canvas (`RequestOutput.canvas`).
         """
+        self._check_open()
+        self.scheduler.check_room(tenant)  # refuse before building the canvas: overload answers fast
+        seq = self.engine.make_sequence(prompt_ids, params)
+        return self.enqueue([request_id], [seq], timeout=timeout, updates=updates, canvas=canvas, tenant=tenant)[0]
+
+    def enqueue(
+        self,
+        request_ids: list[str],
+        seqs: list[RequestState],
+        *,
+        timeout: float | None,
+        updates: bool = False,
+        canvas: bool = False,
+        tenant: str = "",
+    ) -> list[RequestStream]:
+        """Queue sequences built by the engine's `make_sequences` (a request's samples), all
+        of them or none (QueueFull, Draining, EngineFailed; those refused are left unqueued)."""
+        self._check_open()
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        streams = []
+        for request_id, seq in zip(request_ids, seqs):
+            request = ScheduledRequest(request_id, seq, now, now + timeout if timeout else None, tenant=tenant)
+            stream = RequestStream(request, updates, loop, wants_canvas=canvas)
+            request.context = stream
+            streams.append(stream)
+        with self._cv:
+            self.scheduler.add(*(stream.request for stream in streams))
+            self._cv.notify_all()
+        return streams
+
+    def _check_open(self) -> None:
         if self.failure is not None:
             raise EngineFailed(self.failure)
         if not self.accepting:
             raise Draining("the server is shutting down and admits no new requests")
-        self.scheduler.check_room()  # refuse before building the canvas: overload answers fast
-        seq = self.engine.make_sequence(prompt_ids, params)
-        now = time.monotonic()
-        request = ScheduledRequest(request_id, seq, now, now + timeout if timeout else None)
-        stream = RequestStream(request, updates, asyncio.get_running_loop(), wants_canvas=canvas)
-        request.context = stream
-        with self._cv:
-            self.scheduler.add(request)
-            self._cv.notify_all()
-        return stream
 
     def abort(self, stream: RequestStream, reason: str = "abort") -> None:
         """Ask the loop to drop the request before the next forward."""

@@ -127,7 +127,7 @@ class BlockSequence(RequestState):
         position predicts the block's first token, so it is never taken from the cache."""
         assert self.cache is not None and self.cached == 0
         limit = self.block_start - (1 if self.rules.logit_shift else 0)
-        found = prefix.lookup(self.prompt_ids, self.visibility_unit, max(0, limit))
+        found = prefix.lookup(self.prompt_ids, self.visibility_unit, max(0, limit), self.params.prefix_cache_partition)
         for layer, (k, v) in enumerate(zip(found.k, found.v)):
             self.cache.store(layer, k, v)
         self.cache.advance(found.length)

@@ -15,7 +15,7 @@ import torch
 
 from dlm.engine.capabilities import supported
 from dlm.engine.config import ModelConfig, load_config
-from dlm.engine.decoding.constrain import Vocabulary, layout
+from dlm.engine.decoding.constrain import Constraint, Vocabulary, layout
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
@@ -29,7 +29,7 @@ from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.runner import MIN_ROWS, ModelRunner
 from dlm.engine.runtime.sequence import Sequence
 from dlm.engine.runtime.step_graphs import ShapeBuckets, StepGraphs, graph_mode
-from dlm.engine.structured import FIELD, compile_response_format
+from dlm.engine.structured import FIELD
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -144,22 +144,40 @@ class LLMEngine(Engine):
         """Validate a request and build its sequence without running it: the serving
         scheduler (dlm/engine/runtime/scheduler.py) decides when it joins `running`."""
         resolved = self.validate(params, len(prompt_ids))
+        return self._build(prompt_ids, resolved, self._laid(prompt_ids, resolved))
+
+    def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
+        """The request's `n` samples, validated and laid out once (a response format's
+        skeleton is tokenized once, however many samples share it)."""
+        resolved = self.validate(params, len(prompt_ids))
+        laid = self._laid(prompt_ids, resolved)
+        return [self._build(prompt_ids, sample, laid) for sample in resolved.samples()]
+
+    def _laid(self, prompt_ids: list[int], resolved: ResolvedParams) -> tuple[list[int], Constraint] | None:
+        """Check the ids; the answer's skeleton and its constraint, when the request has a
+        response format (read-only: every sample of the request shares them)."""
         self.check_prompt(prompt_ids)
         self.check_prompt(list(resolved.suffix), "suffix")
+        if resolved.skeleton is None:
+            return None
+        config = self.config
+        return layout(
+            resolved.skeleton,
+            self.vocabulary(),
+            resolved.gen_length,
+            config.mask_token_id,
+            config.eos_token_id,
+            len(prompt_ids),
+        )
+
+    def _build(
+        self, prompt_ids: list[int], resolved: ResolvedParams, laid: tuple[list[int], Constraint] | None
+    ) -> RequestState:
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
-        skeleton = compile_response_format(resolved.response_format)
-        if skeleton is not None:
+        if laid is not None:
             if not isinstance(seq, Sequence):
                 raise Unsupported("response_format is not available on this decoding path", field=FIELD)
-            answer, constraint = layout(
-                skeleton,
-                self.vocabulary(),
-                resolved.gen_length,
-                self.config.mask_token_id,
-                self.config.eos_token_id,
-                len(prompt_ids),
-            )
-            seq.lay(answer, constraint)
+            seq.lay(*laid)
         if resolved.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(resolved.seed)
         return seq

@@ -83,6 +83,11 @@ class Engine(Protocol):
         """Validate a request and build its sequence without running it."""
         ...
 
+    def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
+        """The request's `n` samples (`GenerationParams.samples`: sample i seeded `seed + i`),
+        built without running them; what they share (a response format's layout) is made once."""
+        return [self.make_sequence(prompt_ids, sample) for sample in params.samples()]
+
     def add(self, seq: RequestState) -> None:
         """`seq` (from `make_sequence`) joins the running set: it is in the next `step`."""
         ...
@@ -110,7 +115,9 @@ class Engine(Protocol):
         """Add `prompts` and step until each has ended (others in the running set take part
         in the same steps). Returns `params.n` sequences per prompt, prompt by prompt, sample
         i seeded `seed + i` (`GenerationParams.samples`)."""
-        seqs = [self.add_request(p, sample) for p in prompts for sample in params.samples()]
+        seqs = [seq for p in prompts for seq in self.make_sequences(p, params)]
+        for seq in seqs:
+            self.add(seq)
         while any(not s.finished for s in seqs):
             self.step()
             if on_step is not None:

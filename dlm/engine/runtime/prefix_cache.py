@@ -13,6 +13,10 @@ collisions can make a hit inexact).
 Pages are whole visibility units (a multiple of the block length, or any length for causal
 context), so a page holds K/V that no later token can change. Nodes of different visibility
 (block lengths) live under different roots: `--mode ar` (causal) never reads a block-mode page.
+So do nodes of different partitions (a server's API keys): a hit reveals that a prompt was
+seen before, and how fast a request starts reveals a hit, so tenants must never share pages
+unless they trust each other (`dlm serve --prefix-cache-shared`). The byte budget and its LRU
+are shared by all partitions.
 
 Memory is bounded: each page's K/V is a copy owned by the cache (made when the request that
 computed it publishes it), and the least recently used page is evicted when the bytes held
@@ -88,7 +92,7 @@ class PrefixCache:
         self._pages: OrderedDict[tuple[int, tuple[int, ...]], _Page] = OrderedDict()  # LRU first
         self._by_id: dict[int, _Page] = {}
         self._ids = itertools.count(1)
-        self._roots: dict[int, int] = {}  # visibility unit -> root id (negative, never a page)
+        self._roots: dict[tuple[str | None, int], int] = {}  # (partition, unit) -> root id (negative, never a page)
         self._bytes = 0
         self._queries = self._hits = self._evictions = 0
         self._lock = threading.Lock()  # metrics read the counters from another thread
@@ -98,17 +102,17 @@ class PrefixCache:
         """Positions per page for a visibility unit (block length; 1: causal context)."""
         return -(-PAGE_TOKENS // unit) * unit
 
-    def root(self, unit: int) -> int:
-        """The root node id of pages made under visibility `unit`."""
-        return self._roots.setdefault(unit, -len(self._roots) - 1)
+    def root(self, unit: int, partition: str | None = None) -> int:
+        """The root node id of pages made under visibility `unit` in `partition`."""
+        return self._roots.setdefault((partition, unit), -len(self._roots) - 1)
 
-    def lookup(self, tokens: list[int], unit: int, limit: int) -> Reuse:
-        """The longest run of cached pages that `tokens` start with, covering at most `limit`
-        positions; counts `limit` queried tokens and the hit."""
+    def lookup(self, tokens: list[int], unit: int, limit: int, partition: str | None = None) -> Reuse:
+        """The longest run of cached pages of `partition` that `tokens` start with, covering
+        at most `limit` positions; counts `limit` queried tokens and the hit."""
         page = self.page_size(unit)
-        parent = self.root(unit)
         found: list[_Page] = []
         with self._lock:
+            parent = self.root(unit, partition)
             for start in range(0, limit - page + 1, page):
                 node = self._pages.get((parent, tuple(tokens[start : start + page])))
                 if node is None:
