@@ -109,8 +109,9 @@ class Engine(Protocol):
     ) -> list[RequestState]:
         """Add `prompts` and step until each has ended (others in the running set take part
         in the same steps). Returns `params.n` sequences per prompt, prompt by prompt, sample
-        i seeded `seed + i` (`GenerationParams.samples`)."""
-        seqs = [self.add_request(p, sample) for p in prompts for sample in params.samples()]
+        i seeded `seed + i` (`GenerationParams.samples`, of the resolved parameters: the family
+        may fill the seed, as a server's request does)."""
+        seqs = [self.add_request(p, sample) for p in prompts for sample in self.validate(params, len(p)).samples()]
         while any(not s.finished for s in seqs):
             self.step()
             if on_step is not None:
