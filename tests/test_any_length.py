@@ -24,11 +24,10 @@ from dlm.engine.errors import Unsupported
 from dlm.engine.llm import LLM
 from dlm.engine.params import GenerationParams
 from dlm.engine.runtime.request import stop_ids
-from tests.tiny_families import cannot, tiny_names
+from tests.tiny_families import MAX_TOKENS, cannot, tiny_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LENGTHS = (1, 7, DLLM_TOKENS, 50, 100)
 FIELD_SETS: tuple[dict, ...] = ({}, *DLLM_REQUESTS)
 
 
@@ -39,6 +38,7 @@ def test_the_matrix_holds_every_family_the_registry_decodes() -> None:
 
     covered = {load_config(ensure_tiny_model(f"tiny:{name}")).family for name in tiny_names()}
     assert covered == {f.name for f in FAMILIES if f.engine}
+    assert DLLM_TOKENS in MAX_TOKENS  # the length dlm validate's dLLM checks use
 
 
 @pytest.mark.parametrize("name", tiny_names())
@@ -47,7 +47,7 @@ def test_any_max_tokens_with_the_fields_validate_sends(name: str) -> None:
         engine, family = llm.engine, llm.engine.family
         prompt = llm.tokenizer.encode(PROMPT)
         problems: list[str] = []
-        for gen in LENGTHS:
+        for gen in MAX_TOKENS:
             for fields in FIELD_SETS:
                 case = f"max_tokens={gen} {fields}"
                 refusable = cannot(family) & set(fields)

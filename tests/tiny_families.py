@@ -12,6 +12,10 @@ from dlm.engine.params import NOT_ENTROPY_BOUND
 from dlm.engine.registry import FAMILIES, Family
 from dlm.engine.tiny_models import BUILDERS
 
+# Representative max_tokens of the family matrices: one token, odd lengths, less and more
+# than a block of 32, and dlm validate's 16.
+MAX_TOKENS = (1, 7, 16, 50, 100)
+
 
 def tiny_names() -> list[str]:
     """`tiny:NAME` names: every natively decoded family, plus the tiny variants."""
