@@ -84,15 +84,22 @@ def test_batch_answers_as_the_server_does(tmp_path: Path) -> None:
         server.terminate()
 
 
-def test_a_killed_batch_resumes_without_gaps_or_duplicates(tmp_path: Path) -> None:
+def started(tmp_path: Path, lines: int) -> tuple[Path, Path, Path, subprocess.Popen]:
+    """A 200-request batch running in its own process, once its OUTPUT holds `lines` lines
+    (home, INPUT, OUTPUT, the process)."""
     home = tmp_path / "home"
     source = write(tmp_path / "in.jsonl", requests(200))
     out = tmp_path / "out.jsonl"
     first = batch(str(source), str(out), home=home)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 40):
+    while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < lines):
         assert first.poll() is None, first.communicate()[1]
-        time.sleep(0.05)
+        time.sleep(0.01)
+    return home, source, out, first
+
+
+def test_a_killed_batch_resumes_without_gaps_or_duplicates(tmp_path: Path) -> None:
+    home, source, out, first = started(tmp_path, 40)
     first.send_signal(signal.SIGKILL)
     first.wait()
     partial = results_tolerating_a_cut_line(out)
@@ -111,3 +118,44 @@ def results_tolerating_a_cut_line(path: Path) -> set[str]:
     """custom_ids of the whole lines (the kill may have cut the last one)."""
     whole = path.read_bytes().decode().split("\n")[:-1]
     return {json.loads(line)["custom_id"] for line in whole}
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    home, source, out, first = started(tmp_path, 1)
+    first.send_signal(signal.SIGSTOP)  # frozen mid-run, holding OUTPUT
+    try:
+        assert first.poll() is None, "the first run ended before it could be held"
+        second = batch(str(source), str(out), "--json", home=home)
+        stdout, stderr = second.communicate(timeout=600)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 1 and stdout == "", stderr
+    assert f"another dlm batch (pid {first.pid}) is writing" in " ".join(stderr.split())
+    assert first.wait(timeout=600) == 0, first.communicate()[1]
+    assert set(results(out)) == {f"req-{i}" for i in range(200)} | {"bad"}
+
+
+@pytest.mark.parametrize("command", ["batch", "generate"])
+def test_damaged_weights_are_one_error_line(command: str, tmp_path: Path) -> None:
+    """A checkpoint whose weights safetensors cannot read: exit 1 and stderr is one `error:`
+    line, as a script reads it: no traceback, no log line repeating it, and no empty line
+    before it (rich ends a progress display on a non-terminal with one)."""
+    model = tmp_path / "damaged"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "dlm/engine/assets/dlm-tiny-tasks-llada/config.json").read_text())
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    if command == "batch":
+        args = [str(write(tmp_path / "in.jsonl", requests(1))), str(tmp_path / "out.jsonl"), "--model", str(model)]
+    else:
+        args = [str(model), "--prompt-ids", "1,2,3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlm", command, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DLM_HOME": str(tmp_path / "home")},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: cannot read the weights in"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr

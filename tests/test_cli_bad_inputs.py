@@ -201,12 +201,13 @@ def test_deployment_names_cannot_collide_with_server_records(good: Path, tmp_pat
     admin.register_server(store, "X", "http://127.0.0.1:9", "k", serving=f"m@{version}")
     try:
         release(store, f"m@{version}", "X.server")
-        assert load_state(store, "X")["history"] and load_state(store, "X.server")["history"]
+        assert load_state(store, "X").history and load_state(store, "X.server").history
         code, stdout, _ = cli("models", "--store", str(store.root), "--json")
         assert [d["deployment"] for d in json.loads(stdout)["deployments"]] == ["X", "X.server"]
     finally:
         admin.unregister_server(store, "X")
-    assert load_state(store, "X.server")["current"]["version"] == version
+    current = load_state(store, "X.server").current
+    assert current is not None and current.version == version
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from dlm.cli.checks.suite import DEFAULT_MODEL_SUITE, Suite, load_suite
-from dlm.cli.loadtest.workload import named_or_file
+from dlm.cli.loadtest.workload import named
 from dlm.engine import default_model
 from dlm.engine.errors import DlmError
 
@@ -83,7 +83,7 @@ def test_the_known_answer_subset_still_passes(decoded: Decoded) -> None:
 
 
 def test_the_task_prompt_set_is_the_suites_prompts() -> None:
-    requests = named_or_file("tasks")
+    requests = named("tasks")
     suite = load_suite(DEFAULT_MODEL_SUITE)
     assert [body["messages"] for _, body in requests] == [case.messages for case in suite.cases]
     assert {path for path, _ in requests} == {"/v1/chat/completions"}

@@ -173,20 +173,35 @@ def test_resources_drain_and_probes_follow_the_plan(big_config: Path) -> None:
     assert volumes["store"]["persistentVolumeClaim"]["claimName"] == "dlm-store"
 
 
-def test_cpu_replicas_ask_for_memory_not_gpus(tmp_path: Path, big_config: Path) -> None:
+@pytest.mark.parametrize("how", ["--device", "--config"])
+def test_cpu_replicas_ask_for_memory_not_gpus(how: str, tmp_path: Path, big_config: Path) -> None:
+    """A CPU rendering (`--device cpu`, or `device = "cpu"` in the serve settings) requests no
+    GPU, runs the CPU image, and its pods serve on the CPU."""
     from dlm.cli.estimate.plan import Serving, estimate
 
     settings = tmp_path / "serve.toml"
     settings.write_text('device = "cpu"\n')
-    objects = by_kind(
-        render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "--config", str(settings))
-    )
+    cpu = ["--device", "cpu"] if how == "--device" else ["--config", str(settings)]
+    objects = by_kind(render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), *cpu))
+    assert yaml.safe_load(objects["ConfigMap"]["data"]["serve.yaml"]) == {"device": "cpu"}
     container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in container["resources"]["requests"] and "limits" not in container["resources"]
     assert container["image"].endswith("-cpu")
     plan = estimate(str(big_config), Serving(batch=8, gen_length=1024))
     memory = int(container["resources"]["requests"]["memory"].removesuffix("Gi")) * 1024**3
     assert memory >= plan["memory_per_gpu"]["total_bytes"]  # the whole plan lives in host memory
+
+
+def test_an_unreachable_hub_names_estimate_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, the plan cannot read a hub SOURCE's config.json: the fix is --estimate-from
+    (SOURCE is what the pods fetch), not another SOURCE."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    result = runner.invoke(app, ["deploy", "kubernetes", "org/not-in-any-cache", "--revision", COMMIT_A])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: cannot read 'org/not-in-any-cache'"), result.stderr
+    assert "give --estimate-from" in result.stderr and "pass a local checkpoint directory" not in result.stderr
 
 
 def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> None:

@@ -94,25 +94,34 @@ def test_bad_kernel_choice_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None
     assert code == 1 and report["blockers"] == ["kernel dispatch"]
 
 
-def test_store_reports_failed_and_unverified_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_reports_failed_unverified_and_corrupt_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLM_STORE", str(tmp_path))
-    for version, verification in (("v1", {"ok": True}), ("v2", {"ok": False}), ("v3", None)):
+    source = {"kind": "local", "path": "/src", "include": [], "exclude": [], "link": False}
+    for version, ok in (("v1", True), ("v2", False), ("v3", None)):
         directory = tmp_path / "models" / "m" / version
         directory.mkdir(parents=True)
+        verification = {"ok": ok, "at": "2026-01-01", "hashed": True, "family": None, "failures": [], "warnings": []}
         manifest = {
             "name": "m",
             "version": version,
-            "source": {},
+            "source": source,
             "files": [],
             "fetched_at": f"2026-01-0{version[1]}",
             "content_sha256": "0",
-            "verification": verification,
+            "verification": None if ok is None else verification,
         }
         (directory / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "models" / "m" / "v4").mkdir()
+    (tmp_path / "models" / "m" / "v4" / "manifest.json").write_text('{"name": "m", "version": ')
     code, report = run_doctor("--port", str(free_port()))
     store = report["checks"]["store"]
     assert code == 0 and store["status"] == "warn"
-    assert (store["verified"], store["failed"], store["unverified"]) == (["m@v1"], ["m@v2"], ["m@v3"])
+    assert (store["verified"], store["failed"], store["unverified"], store["corrupt"]) == (
+        ["m@v1"],
+        ["m@v2"],
+        ["m@v3"],
+        ["m@v4"],
+    )
 
 
 def test_table_names_the_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,3 +130,13 @@ def test_table_names_the_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 1
     assert "blocked by: disk" in result.stdout
     assert "0.0 GiB free" in result.stdout
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_serve_would_refuse_is_bad_usage(port: str) -> None:
+    """`dlm doctor --port` takes a port as `dlm serve --port` does (one validation, one error):
+    exit 2 and one `error:` line, never a traceback."""
+    result = CliRunner().invoke(app, ["doctor", "--port", port])
+    assert result.exit_code == 2 and not isinstance(result.exception, OverflowError), result.exception
+    assert result.stderr.startswith("error: invalid setting port:"), result.stderr
+    assert len(result.stderr.splitlines()) == 1

@@ -4,19 +4,22 @@ against a fake server whose capacity is known, so the knee is known too."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from dlm.cli.loadtest.report import finalize
+from dlm.cli.loadtest.report import finalize, level_row, levels_table
 from dlm.cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
 from dlm.cli.loadtest.sweep import find_knee, parse_levels
 from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
 from dlm.cli.loadtest.vllm_format import VLLM_KEYS
-from dlm.cli.loadtest.workload import load_jsonl
+from dlm.cli.loadtest.workload import from_prompts, load_jsonl, named
+from dlm.engine.default_model import NAME
 from dlm.engine.errors import UsageError
 from tests.cli_process import dlm
 from tests.fake_openai import Behaviour, serve
@@ -46,6 +49,7 @@ def level(users: int, tokens_per_s: float, p50: float, ok: int = 50) -> dict:
         "output_tokens_per_s": tokens_per_s,
         "rps": 0.0,
         "p50_e2e": p50,
+        "empty_answers": 0,
     }
 
 
@@ -64,6 +68,65 @@ def test_no_knee_is_named_from_levels_too_thin_to_measure() -> None:
     assert find_knee(thin, min_samples=2)["users"] == 2
     summary = finalize({"levels": thin, "server_metrics": {}}, [], [])
     assert summary["knee"]["users"] is None and len(summary["warnings"]) == 3
+
+
+def test_mostly_empty_answers_are_a_warning_first() -> None:
+    """Answers that are EOS at once have no first token: TTFT and TPOT are blank and a knee
+    would describe nothing, so the summary says so, ahead of any other warning."""
+
+    def answers(texts: list[str]) -> dict[str, Any]:
+        records = [
+            RequestRecord(0, float(i), 0.2, 200, None, 0.1 if t else None, 1 + len(t), 5, 8, text=t)
+            for i, t in enumerate(texts)
+        ]
+        return {"users": 1, **summarize(records, 1.0, [])}
+
+    empty = finalize({"levels": [answers(["", "", "", "119"])], "server_metrics": {}}, [], [], min_samples=1)
+    assert empty["levels"][0]["empty_answers"] == 3
+    assert empty["warnings"][0].startswith("3 of 4 answers were empty"), empty["warnings"]
+    half = finalize({"levels": [answers(["", "", "85", "119"])], "server_metrics": {}}, [], [], min_samples=1)
+    assert half["warnings"] == []
+
+
+def test_the_default_model_gets_its_task_prompts_by_default() -> None:
+    """`--prompts auto` (the default) sends the default model's task prompts when the server's
+    /v1/models card says it loaded that model, whatever name it serves it under."""
+    auto = from_prompts("auto", {"max_tokens": 8}, None)
+    renamed = auto.for_model({"id": "my-name", "root": NAME})
+    assert (renamed.prompts, renamed.model, renamed.requests) == ("tasks", "my-name", named("tasks"))
+    assert auto.for_model({"id": NAME}).prompts == "tasks"  # a server that sends no root
+    other = auto.for_model({"id": "llada", "root": "LLaDA-8B-Instruct"})
+    assert other.prompts == "builtin" and other.requests == named("builtin")
+    chosen = from_prompts("builtin", {}, None).for_model({"id": "x", "root": NAME})
+    assert chosen.prompts == "builtin"  # a set given by name is kept
+
+
+def test_the_levels_table_fits_80_columns_and_cuts_no_cell() -> None:
+    """Large values in every column (a big GPU server's sweep) at 80 columns: every line fits
+    and every cell is whole; narrower, cells fold onto a second line but are never cut."""
+    worst = {
+        "users": 1024,
+        "ok": 12345,
+        "rps": 1234.56,
+        "output_tokens_per_s": 12345.6,
+        "p50_e2e": 99.9994,
+        "p95_e2e": 123.4,
+        "p99_e2e": 1234.5,
+        "p50_ttft": 99.99,
+        "p50_tpot": 9.99,
+        "mean_denoising_steps": 10240.0,
+        "error_rate": 1.0,
+        "goodput_rps": 1234.56,
+    }
+    small = {**worst, "users": 1, "ok": 3, "p50_ttft": None, "p50_tpot": None, "error_rate": 0.125}
+    for width in (80, 50):
+        console = Console(width=width, file=io.StringIO(), record=True)
+        console.print(levels_table([small, worst], "dlm loadtest https://a-long-host-name.example.com:8443 (model)"))
+        text = console.export_text()
+        assert "…" not in text, text
+        assert max(map(len, text.splitlines())) <= width, text
+        if width == 80:
+            assert set(level_row(worst)) | set(level_row(small)) <= set(text.split()), text
 
 
 def test_thresholds_and_quantities() -> None:
@@ -92,6 +155,9 @@ def test_jsonl_prompts(tmp_path: Path) -> None:
     path.write_text('{"prompt": "a", "colour": "red"}\n')
     with pytest.raises(UsageError, match="colour"):
         load_jsonl(path)
+    separators = "\u2028\u2029\u0085"  # raw inside JSON strings: not line ends
+    path.write_text(f'{{"prompt": "a{separators}b"}}\n', encoding="utf-8")
+    assert [body["prompt"] for _, body in load_jsonl(path)] == [f"a{separators}b"]
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess:

@@ -107,3 +107,13 @@ def test_a_hot_swap_during_preparation_encodes_again_with_the_new_model(monkeypa
     run(service, {"prompt": "hello", "model": "m"})
     assert (old.tokenizer.calls, new.tokenizer.calls) == (1, 1)
     assert service.models == ["m", "m"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forcing_a_tool_is_unsupported_as_documented(choice: Any) -> None:
+    """docs/serve.md lists forcing a tool among the fields refused with code `unsupported`
+    (a value dlm understands but cannot honour), not `invalid_value`."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": choice}
+    with pytest.raises(APIError) as caught:
+        run(FakeService(Served()), body, ChatRequest)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "unsupported", "tool_choice")

@@ -64,12 +64,12 @@ def _check(store: Store, server_url: str, events_before: int) -> list[str]:
     with transaction(store):  # what any next store command does first: settle
         state = load_state(store, DEPLOYMENT)
     found = []
-    if state.get("pending"):
-        found.append(f"pending swap left after a transaction: {state['pending']}")
-    current = state["current"]
-    stack = release_stack(state["history"])
-    new = state["history"][events_before:]
-    rolled_back = any(e["action"] == "rollback" and e["status"] == "ok" for e in new)
+    if state.pending is not None:
+        found.append(f"pending swap left after a transaction: {state.pending}")
+    current = state.current
+    stack = release_stack(state.history)
+    new = state.history[events_before:]
+    rolled_back = any(e.action == "rollback" and e.status == "ok" for e in new)
     for model, version in stack[-1:] if rolled_back else stack[-2:]:
         files = store.files_dir(model, version)
         manifest = store.version_dir(model, version) / "manifest.json"
@@ -80,7 +80,7 @@ def _check(store: Store, server_url: str, events_before: int) -> list[str]:
         if missing:
             found.append(f"release {model}@{version} lost files {missing}")
     served = httpx.get(server_url + "/served", timeout=10).json()["serving"]
-    if current is None or served != f"{current['model']}@{current['version']}":
+    if current is None or served != current.ref:
         found.append(f"diverged: the server serves {served}, the deployment record says {current}")
     problems = store.root / "race-problems.log"
     if problems.exists():
@@ -112,7 +112,8 @@ def test_raced_and_killed_commands_never_lose_or_diverge_a_release(tmp_path: Pat
         for run in range(runs):
             versions = _restock(store, sources)
             before = load_state(store, DEPLOYMENT)
-            current, events_before = before["current"]["version"], len(before["history"])
+            assert before.current is not None
+            current, events_before = before.current.version, len(before.history)
             target = rng.choice([v for v in versions if v != current])
             doomed = rng.choice([target, current, *versions])
             commands = [
@@ -148,9 +149,9 @@ def test_raced_and_killed_commands_never_lose_or_diverge_a_release(tmp_path: Pat
     finally:
         server.kill()
         server.wait()
-    history = load_state(store, DEPLOYMENT)["history"]
-    settled = sum(1 for event in history if "settled_at" in event)
-    refused = sum(1 for event in history if event["status"] == "failed")
+    history = load_state(store, DEPLOYMENT).history
+    settled = sum(1 for event in history if event.settled_at is not None)
+    refused = sum(1 for event in history if event.status == "failed")
     print(
         f"{runs} raced runs: {killed} commands SIGKILLed, {settled} interrupted swaps settled, "
         f"{len(history)} events ({refused} failed), {len(violations)} violations"

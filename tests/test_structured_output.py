@@ -318,3 +318,28 @@ def _vocabulary(path: Any) -> Any:
 
     size, mask, eos = special_ids()
     return Vocabulary.from_tokenizer(_tokenizer(path), size, {mask, eos})
+
+
+def test_the_docs_json_object_length_is_the_codes() -> None:
+    """docs/structured-output.md states how many positions `{"type": "json_object"}` takes with
+    the default model's tokenizer (why its example asks 128, and 64 is refused): the skeleton
+    the code lays needs exactly that many."""
+    import re
+    from pathlib import Path
+
+    from dlm.engine.config import load_config
+    from dlm.engine.decoding.constrain import Vocabulary, layout
+    from dlm.engine.default_model import default_model_dir
+
+    doc = (Path(__file__).parent.parent / "docs" / "structured-output.md").read_text()
+    stated = int(re.search(r'`\{"type": "json_object"\}` takes (\d+) positions', " ".join(doc.split()))[1])
+    config = load_config(default_model_dir())
+    vocab = Vocabulary.from_tokenizer(
+        _tokenizer(default_model_dir()), config.vocab_size, {config.mask_token_id, config.eos_token_id}
+    )
+    skeleton = compile_response_format({"type": "json_object"})
+    assert skeleton is not None
+    layout(skeleton, vocab, stated, config.mask_token_id, config.eos_token_id, 0)  # fits
+    with pytest.raises(UsageError, match=f"needs {stated} tokens"):
+        layout(skeleton, vocab, stated - 1, config.mask_token_id, config.eos_token_id, 0)
+    assert 64 < stated <= 128

@@ -19,7 +19,7 @@ from dlm.cli.checks.contract import models
 from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
 from dlm.cli.checks.validate import run_validation
 from dlm.cli.client.metrics import missing_metrics, parse_samples
-from dlm.cli.client.sse import SSEError, iter_events
+from dlm.cli.client.sse import SSEError, iter_events, sse_lines
 from dlm.cli.main import app
 from tests.fake_openai import Behaviour, serve
 
@@ -155,6 +155,16 @@ def test_sse_reader_accepts_comments_and_rejects_bad_framing() -> None:
     for message, lines in bad.items():
         with pytest.raises(SSEError, match=re.escape(message)):
             list(iter_events(lines))
+
+
+def test_sse_lines_split_at_sse_line_ends_only() -> None:
+    """U+2028, U+2029 and U+0085 are text inside an event (a server writing JSON with
+    ensure_ascii=False sends them raw); CRLF split across chunks is one line end."""
+    text = 'data: {"t": "a\u2028b\u2029c\u0085d"}\r\n\r\ndata: [DONE]\r\n\r\n'
+    for cut in range(len(text) + 1):
+        chunks = [text[:cut], text[cut:]]
+        assert list(iter_events(sse_lines(chunks))) == [{"t": "a\u2028b\u2029c\u0085d"}], cut
+    assert list(sse_lines(["a\rb\nc\r", "\nd"])) == ["a", "b", "c", "d"]
 
 
 def test_metrics_names_include_labelled_counters_without_children() -> None:

@@ -81,6 +81,12 @@ def test_loadtest_sweep_against_dlm_serve(server: ServerProcess, tmp_path: Path)
     assert summary["knee"]["users"] in (1, 2), summary["knee"]
     assert summary["totals"]["ok"] > 0 and summary["totals"]["error_rate"] == 0
     assert summary["gate"]["mean_denoising_steps"] >= 1
+    # The README's sweep measures answers: the default model's task prompts (chosen from its
+    # /v1/models card), so every level times a first token and the time per output token.
+    assert summary["prompts"] == "tasks" and summary["warnings"] == [], summary["warnings"]
+    for level in summary["levels"]:
+        assert level["p50_ttft"] is not None and level["p50_tpot"] is not None, level
+        assert level["empty_answers"] < level["ok"] / 2, level
 
 
 def test_the_default_models_suite_fails_against_a_random_weight_model(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -94,15 +100,24 @@ def test_the_default_models_suite_fails_against_a_random_weight_model(tmp_path_f
 
 
 def test_loadtest_sends_the_task_prompts(server: ServerProcess, tmp_path: Path) -> None:
-    """Task answers end with EOS well before the canvas does, as production answers do."""
+    """Task answers end with EOS well before the canvas does, as production answers do; the
+    built-in prompts, which this model was not trained on, get empty answers, and the report
+    says its numbers then mean nothing."""
     result = dlm(
-        "loadtest", server.url, "--api-key", KEY, "--prompts", "tasks", "-u", "1", "-t", "3s",
+        "loadtest", server.url, "--api-key", KEY, "-u", "1", "-t", "3s",
         "--max-tokens", "64", "--min-samples", "1", "--json", "--out", str(tmp_path / "tasks"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
+    assert summary["prompts"] == "tasks"  # the default, for the default model
     assert summary["totals"]["ok"] > 0 and summary["totals"]["error_rate"] == 0
     assert summary["totals"]["output_tokens"] < 64 * summary["totals"]["ok"] / 2, summary["totals"]
+    builtin = dlm(
+        "loadtest", server.url, "--api-key", KEY, "--prompts", "builtin", "-u", "1", "-t", "2s",
+        "--max-tokens", "8", "--min-samples", "1", "--out", str(tmp_path / "builtin"),
+    )  # fmt: skip
+    assert builtin.returncode == 0, builtin.stderr[-2000:]
+    assert "answers were empty (EOS at once)" in " ".join(builtin.stderr.split()), builtin.stderr
 
 
 def test_loadtest_fixed_length_mode_fixes_every_answer_length(server: ServerProcess, tmp_path: Path) -> None:

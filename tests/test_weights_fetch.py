@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -44,7 +46,7 @@ def test_fetch_copies_hashes_and_publishes(source: Path, tmp_path: Path) -> None
         assert entry.sha256 == hashlib.sha256(data).hexdigest()
         assert (Path(out["path"]) / entry.path).read_bytes() == data
     assert out["version"] == manifest.content_sha256[:12]
-    assert manifest.verification["family"] == "llada"
+    assert manifest.verification is not None and manifest.verification.family == "llada"
 
 
 def test_second_fetch_reads_nothing(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,8 +56,8 @@ def test_second_fetch_reads_nothing(source: Path, tmp_path: Path, monkeypatch: p
     def forbidden(*args: object, **kwargs: object) -> str:
         raise AssertionError("an unchanged source must not be read again")
 
-    monkeypatch.setattr(fetch_module, "copy_hashing", forbidden)
-    monkeypatch.setattr(fetch_module, "sha256_file", forbidden)
+    for reader in ("copy_hashing", "sha256_file", "sha256_stream"):
+        monkeypatch.setattr(fetch_module, reader, forbidden)
     again = fetch(str(source), store)
     assert again.already_present and again.bytes_transferred == 0
     assert again.manifest.version == first.manifest.version
@@ -90,12 +92,14 @@ def test_include_exclude_and_link(source: Path, tmp_path: Path) -> None:
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
-    assert result.manifest.verification["warnings"][0]["check"] == "tokenizer"
+    assert result.manifest.verification is not None
+    assert result.manifest.verification.warnings[0].check == "tokenizer"
     shard = "model-00001-of-00002.safetensors"
     assert (result.path / shard).stat().st_ino == (source / shard).stat().st_ino  # hard link
     only = fetch(str(source), store, name="cfg", include=["*.json"])
     assert not only.manifest.verified  # no weights: stored, but never usable
-    assert any("no *.safetensors" in f["problem"] for f in only.manifest.verification["failures"])
+    assert only.manifest.verification is not None
+    assert any("no *.safetensors" in f.problem for f in only.manifest.verification.failures)
 
 
 def test_bad_usage(source: Path, tmp_path: Path) -> None:
@@ -173,13 +177,92 @@ def test_source_changing_during_copy_is_refused(source: Path, tmp_path: Path, mo
     copy = tmp_path / "moving"
     make_checkpoint(copy)
 
-    def touching(src: Path, dst: Path, advance: object) -> str:
+    def touching(src: BinaryIO, dst: Path, advance: object) -> str:
         digest = real(src, dst, advance)
-        if src.name == "config.json":
-            os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
+        if dst.name == "config.json":
+            os.utime(src.fileno(), ns=(time.time_ns(), time.time_ns() + 10**9))
         return digest
 
     monkeypatch.setattr(fetch_module, "copy_hashing", touching)
     with pytest.raises(DlmError, match="changed while it was being copied"):
         fetch(str(copy), store)
     assert store.manifests("moving") == []
+
+
+def _swap_for_link(path: Path, target: Path) -> None:
+    path.unlink() if not path.is_dir() or path.is_symlink() else shutil.rmtree(path)
+    os.symlink(target, path)
+
+
+def _swap_for_other_file(path: Path, _: Path) -> None:
+    fresh = path.with_name(".fresh")
+    fresh.write_text("other bytes, another inode")
+    os.replace(fresh, path)
+
+
+# What a hostile writer does to the source between the scan and the copy. `outside` is a
+# directory out of the source holding a secret file named like the swapped ones.
+RACES = {
+    "file swapped for a link out": lambda src, outside: _swap_for_link(src / "config.json", outside / "config.json"),
+    "file swapped for a link in": lambda src, outside: _swap_for_link(src / "config.json", src / "tokenizer.json"),
+    "directory swapped for a link out": lambda src, outside: _swap_for_link(src / "extra", outside),
+    "file swapped for another file": lambda src, outside: _swap_for_other_file(src / "config.json", outside),
+    "file swapped for a FIFO": lambda src, outside: (src / "config.json").unlink() or os.mkfifo(src / "config.json"),
+    "linked target swapped for a link": lambda src, outside: _swap_for_link(
+        outside / "linked.txt", outside / "config.json"
+    ),
+}
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["copy", "link"])
+@pytest.mark.parametrize("race", list(RACES))
+def test_a_source_file_swapped_after_the_scan_is_refused(
+    race: str, link: bool, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy opens exactly the file the scan saw, following no link: whatever is put in
+    its place between scan and copy is refused, and nothing of it reaches the store."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    (src / "extra").mkdir()
+    (src / "extra" / "config.json").write_text('{"inside": true}')
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = b"root:x:0:0:secret outside the source"
+    genuine = (src / "config.json").stat()  # the same size and mtime: no stat check can tell them apart
+    (outside / "config.json").write_bytes(secret.ljust(genuine.st_size, b" "))
+    os.utime(outside / "config.json", ns=(genuine.st_atime_ns, genuine.st_mtime_ns))
+    (outside / "linked.txt").write_text("allowed by --follow-symlinks")
+    os.symlink(outside / "linked.txt", src / "linked.txt")
+    scan = fetch_module._source_files
+
+    def scan_then_swap(root: Path, follow_symlinks: bool) -> object:
+        found = scan(root, follow_symlinks)
+        RACES[race](src, outside)
+        return found
+
+    monkeypatch.setattr(fetch_module, "_source_files", scan_then_swap)
+    store = Store(tmp_path / "store")
+    with pytest.raises(DlmError, match="replaced or removed after the source was scanned"):
+        fetch(str(src), store, name="m", link=link, follow_symlinks=True, workers=1)
+    assert store.manifests("m") == []
+    stored = [p for p in store.root.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert all(secret not in p.read_bytes() for p in stored)
+
+
+def test_a_swap_after_the_scan_is_one_error_line_from_the_cli(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    scan = fetch_module._source_files
+
+    def scan_then_swap(root: Path, follow_symlinks: bool) -> object:
+        found = scan(root, follow_symlinks)
+        _swap_for_link(src / "tokenizer.json", Path("/etc/passwd"))
+        return found
+
+    monkeypatch.setattr(fetch_module, "_source_files", scan_then_swap)
+    code, stdout, stderr = cli("fetch", str(src), "--store", str(tmp_path / "store"), "--json")
+    assert code == 1 and stdout == ""
+    assert "error:" in stderr and "tokenizer.json was replaced" in " ".join(stderr.split())
+    assert Store(tmp_path / "store").manifests("src") == []

@@ -185,8 +185,8 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
     assert sum(1 for sent, _, _ in words if sent > released_at) >= 10
     logs = "\n".join(deployment.server.lines)
     assert logs.count("the old version's weights are released") == 2
-    history = load_state(deployment.store, "prod")["history"]
-    assert [(e["action"], e["status"], e["version"]) for e in history[-2:]] == [
+    history = load_state(deployment.store, "prod").history
+    assert [(e.action, e.status, e.version) for e in history[-2:]] == [
         ("release", "ok", v["beta"]),
         ("rollback", "ok", v["alpha"]),
     ]
@@ -195,7 +195,9 @@ def test_release_and_rollback_under_traffic(deployment: Deployment) -> None:
 @pytest.mark.slow
 def test_a_version_that_fails_to_load_leaves_the_old_one_serving(deployment: Deployment) -> None:
     v, store = deployment.versions, deployment.store
-    before = load_state(store, "prod")["current"]["version"]
+    current = load_state(store, "prod").current
+    assert current is not None
+    before = current.version
     # Corrupt the shard after verification, keeping its size (so `release` accepts it):
     # the safetensors header length now points past the end of the file.
     shard = next(store.files_dir("m", v["gamma"]).glob("*.safetensors"))
@@ -207,9 +209,10 @@ def test_a_version_that_fails_to_load_leaves_the_old_one_serving(deployment: Dep
     assert failed.returncode == 1
     assert f"still serving m@{before}" in failed.stderr
     assert "loading or warming up" in failed.stderr
-    event = load_state(store, "prod")["history"][-1]
-    assert event["status"] == "failed" and event["version"] == v["gamma"] and event["error"]
-    assert load_state(store, "prod")["current"]["version"] == before
+    state = load_state(store, "prod")
+    event = state.history[-1]
+    assert event.status == "failed" and event.version == v["gamma"] and event.error
+    assert state.current is not None and state.current.version == before
     assert deployment.card()["version"] == before
     assert deployment.word() == {value: key for key, value in v.items()}[before]
     assert results and all(r[2] == 200 for r in results)

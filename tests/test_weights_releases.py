@@ -17,16 +17,15 @@ import pytest
 
 from dlm.cli.store import admin
 from dlm.cli.store.fetch import fetch
-from dlm.cli.store.releases import current_checkpoint, load_state, release, remove_versions, rollback
+from dlm.cli.store.releases import Outcome, current_checkpoint, load_state, release, remove_versions, rollback
 from dlm.cli.store.store import Store
 from dlm.engine.errors import DlmError, UsageError
-from tests.weights_helpers import ROOT, cli, make_checkpoint
+from tests.weights_helpers import ROOT, cli, make_checkpoints
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    base = tmp_path_factory.mktemp("rel")
-    return [make_checkpoint(base / f"v{i}", shards=1, seed=i, tokenizer=False) for i in range(3)]
+    return make_checkpoints(tmp_path_factory.mktemp("rel"))
 
 
 @pytest.fixture
@@ -37,8 +36,12 @@ def stocked(sources: list[Path], tmp_path: Path) -> tuple[Store, list[str]]:
 
 
 def _current(store: Store, deployment: str = "default") -> str | None:
-    current = load_state(store, deployment)["current"]
-    return current and current["version"]
+    current = load_state(store, deployment).current
+    return current and current.version
+
+
+def _version(outcome: Outcome) -> str | None:
+    return outcome.current.version if outcome.current else None
 
 
 def test_release_and_rollback_walk_back_the_stack(stocked: tuple[Store, list[str]]) -> None:
@@ -46,14 +49,14 @@ def test_release_and_rollback_walk_back_the_stack(stocked: tuple[Store, list[str
     for v in (v1, v2, v3):
         assert release(store, f"m@{v}").changed
     assert _current(store) == v3
-    assert rollback(store).current["version"] == v2
-    assert rollback(store).current["version"] == v1  # not back to v3
+    assert _version(rollback(store)) == v2
+    assert _version(rollback(store)) == v1  # not back to v3
     with pytest.raises(DlmError, match="no earlier good release"):
         rollback(store)
-    assert rollback(store, to=v3[:6]).current["version"] == v3  # --to: a version of the current model
+    assert _version(rollback(store, to=v3[:6])) == v3  # --to: a version of the current model
     assert not release(store, f"m@{v3}").changed  # already current: nothing recorded
-    history = load_state(store, "default")["history"]
-    assert [(e["action"], e["version"]) for e in history] == [
+    history = load_state(store, "default").history
+    assert [(e.action, e.version) for e in history] == [
         ("release", v1),
         ("release", v2),
         ("release", v3),
@@ -162,7 +165,8 @@ def test_release_hot_swaps_a_registered_server(stocked: tuple[Store, list[str]])
         assert body["model"] == "m" and body["version"] == v2
         assert body["path"] == str(store.files_dir("m", v2))
         assert body["content_sha256"] == store.manifest("m", v2).content_sha256
-        assert outcome.event["hot_swap"]["admin_url"] == fake.url and _current(store) == v2
+        assert outcome.event is not None and outcome.event.hot_swap is not None
+        assert outcome.event.hot_swap.admin_url == fake.url and _current(store) == v2
         rollback(store)
         assert fake.calls[-1][2]["version"] == v1 and _current(store) == v1
     finally:
@@ -184,9 +188,9 @@ def test_failed_swap_keeps_the_old_version_and_is_recorded(stocked: tuple[Store,
         admin.unregister_server(store, "default")
         fake.close()
     state = load_state(store, "default")
-    assert state["current"]["version"] == v2
-    assert state["history"][-1]["status"] == "failed" and "out of memory" in state["history"][-1]["error"]
-    assert rollback(store).current["version"] == v1  # the failed release is not on the stack
+    assert state.current is not None and state.current.version == v2
+    assert state.history[-1].status == "failed" and "out of memory" in str(state.history[-1].error)
+    assert _version(rollback(store)) == v1  # the failed release is not on the stack
 
 
 @pytest.mark.slow
@@ -208,7 +212,8 @@ def test_dead_or_remote_servers_are_not_called(stocked: tuple[Store, list[str]])
         )
     )
     assert admin.running_server(store, "default") is None
-    assert release(store, f"m@{v1}").event["hot_swap"] is None
+    outcome = release(store, f"m@{v1}")
+    assert outcome.event is not None and outcome.event.hot_swap is None
     with pytest.raises(DlmError, match="not on 127.0.0.1"):
         admin.register_server(store, "default", "http://10.0.0.5:8001", "k")
 
@@ -216,10 +221,8 @@ def test_dead_or_remote_servers_are_not_called(stocked: tuple[Store, list[str]])
 def _assert_consistent(store: Store, allowed: set[str | None]) -> None:
     state = load_state(store, "default")  # parses: never torn
     assert _current(store) in allowed
-    if state["current"] is not None:
-        assert (
-            state["history"][-1]["version"] == state["current"]["version"] or state["history"][-1]["status"] == "failed"
-        )
+    if state.current is not None:
+        assert state.history[-1].version == state.current.version or state.history[-1].status == "failed"
 
 
 @pytest.mark.slow
@@ -261,7 +264,7 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         _assert_consistent(store, {v1, v2})
-    assert len(load_state(store, "default")["history"]) > 10  # the loop really released
+    assert len(load_state(store, "default").history) > 10  # the loop really released
     _, _, v3 = stocked[1]
     assert release(store, f"m@{v3}").changed  # no stale lock; torn temporaries cleared
     assert not [p.name for p in store.deployments_dir.iterdir() if p.name.endswith(".tmp")]

@@ -14,6 +14,8 @@ from dlm.cli.store.fetch import fetch
 from dlm.cli.store.safetensors_format import check_safetensors
 from dlm.cli.store.store import Store
 from dlm.cli.store.verify import verify_directory
+from dlm.engine.registry import FAMILIES
+from dlm.engine.tiny_models import ensure_tiny_model
 from tests.weights_helpers import cli, make_checkpoint
 
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -79,7 +81,11 @@ DAMAGE = {
     "flipped byte": (_flip_byte, SHARD1, [("sha256", "differs from the manifest")]),
     "truncated file": (_truncate, SHARD2, [("size", "truncated"), ("safetensors", "truncated")]),
     "edited header": (_bad_shape, SHARD1, [("sha256", "differs"), ("safetensors", "data_offsets span")]),
-    "tensor removed": (_remove_tensor, SHARD2, [("size", "bytes, the manifest says"), ("index", "does not hold it")]),
+    "tensor removed": (
+        _remove_tensor,
+        SHARD2,
+        [("size", "bytes, the manifest says"), ("index", "does not hold it"), ("tensors", "lacks tensor")],
+    ),
 }
 
 
@@ -121,7 +127,7 @@ def test_healthy_version_verifies_and_records(stored: tuple[Store, str, Path]) -
     assert report["ok"] and report["family"] == "llada" and report["bytes_hashed"] > 0
     assert "hashing" in stderr  # the progress bar
     manifest = store.manifest(*ref.split("@"))
-    assert manifest.verification["hashed"] and manifest.state == "verified"
+    assert manifest.verification is not None and manifest.verification.hashed and manifest.state == "verified"
 
 
 def test_missing_and_extra_files(stored: tuple[Store, str, Path]) -> None:
@@ -205,3 +211,95 @@ def test_safetensors_header_length_and_json(tmp_path: Path) -> None:
     assert "not valid UTF-8 JSON" in check_safetensors(path).problems[0]
     path.write_bytes(b"\1\2")
     assert "shorter than the 8-byte header length" in check_safetensors(path).problems[0]
+
+
+def _family_checkpoint(family: str, directory: Path) -> Path:
+    """A small checkpoint of `family` in its real on-disk layout, copied to `directory`."""
+    if family == "qwen3_5_moe":  # written by transformers itself
+        from tests.hybrid_checkpoints import reference_model, save_reference
+
+        return save_reference(reference_model(), directory)
+    tiny = "sdar_moe" if family == "sdar" else family  # the MoE variant also has tensor_sources
+    shutil.copytree(ensure_tiny_model(f"tiny:{tiny}"), directory)
+    return directory
+
+
+def _drop_tensor(directory: Path, name: str) -> None:
+    """Rewrite the shard holding `name` without it (and the index, if any, to match), so
+    that only the tensors check can notice."""
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if name in tensors:
+            del tensors[name]
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        del data["weight_map"][name]
+        index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_a_checkpoint_lacking_a_tensor_its_family_reads_fails(family: str, tmp_path: Path) -> None:
+    """Every registered family: its checkpoint verifies; without one tensor its model reads,
+    it fails the `tensors` check (and nothing else), naming a tensor, as loading would."""
+    from dlm.engine.config import load_config
+    from dlm.engine.loader import parameter_sources, tensor_locations
+    from dlm.engine.runtime.engine import build_on_meta
+
+    directory = _family_checkpoint(family, tmp_path / family)
+    report = verify_directory(directory)
+    assert report.ok and report.family == family, report.failures
+    held = tensor_locations(directory)
+    read = sorted(
+        {src for srcs in parameter_sources(build_on_meta(load_config(directory)), held).values() for src in srcs}
+    )
+    assert read and set(read) <= set(held)
+    _drop_tensor(directory, read[len(read) // 2])
+    report = verify_directory(directory)
+    assert [(f.check, f.file) for f in report.failures] == [("tensors", ".")], report.failures
+    assert "lacks tensor" in report.failures[0].problem and family in report.failures[0].problem
+
+
+def test_a_checkpoint_without_tensors_is_not_verified(source: Path, tmp_path: Path) -> None:
+    """Its safetensors file is sound but empty: fetched as `failed`, refused by verify."""
+    empty = tmp_path / "empty"
+    shutil.copytree(source, empty, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file({}, str(empty / "model.safetensors"))
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(empty), "--store", str(store), "--json")
+    assert code == 1 and json.loads(stdout)["state"] == "failed", stderr
+    code, stdout, stderr = cli("verify", str(empty), "--json")
+    assert code == 1
+    assert [(f["check"], f["problem"]) for f in json.loads(stdout)["failures"]] == [
+        ("tensors", "the safetensors files hold no tensors")
+    ]
+
+
+def test_a_store_name_whose_versions_are_all_corrupt_is_a_failed_operation(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare NAME whose only version has a corrupt manifest: the store failed, not the user
+    (exit 1, naming the version and `dlm rm`), where "run `dlm verify`" (exit 2) misled:
+    verify refuses a corrupt version too."""
+    store, ref, files = stored
+    name = ref.split("@")[0]
+    (files.parent / "manifest.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    for args in (["estimate", name], ["estimate", ref], ["verify", name]):
+        code, _, err = cli(*args)
+        assert code == 1 and err.startswith("error: ") and "is corrupt" in err, (args, err)
+        assert f"dlm rm {ref}" in err, (args, err)
+
+
+def test_a_damaged_config_in_the_store_is_a_failed_operation(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config.json every command reads first is checked against the manifest when a store
+    name is resolved: damage is exit 1 pointing at `dlm verify`, not exit 2 for bad JSON."""
+    store, ref, files = stored
+    (files / "config.json").write_text('{"broken')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, _, err = cli("estimate", ref)
+    assert code == 1 and err.startswith(f"error: {ref}'s config.json does not match the sha256"), err
+    assert f"dlm verify {ref}" in err

@@ -26,6 +26,11 @@ def make_checkpoint(
     return directory
 
 
+def make_checkpoints(directory: Path, count: int = 3) -> list[Path]:
+    """`count` small, distinct single-shard checkpoints without tokenizer (versions of one model)."""
+    return [make_checkpoint(directory / f"v{i}", shards=1, seed=i, tokenizer=False) for i in range(count)]
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     """Run `dlm ARGS` in-process: (exit code, stdout, stderr)."""
     from dlm.cli.main import app

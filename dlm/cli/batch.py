@@ -7,28 +7,42 @@ socket), so a batch line gets exactly the answer the server gives the same reque
 validation, defaults, limits and continuous batching. Up to `concurrency` requests are in
 flight at once, so the engine decodes them together.
 
+Every line gets a result line: a request the app fails on (an exception where the server
+would answer 500) gets a 500 `server_error` record like any refused request, and the other
+lines go on; one bad line never stops a batch.
+
 Resumable: every result is appended to the output as one line and flushed as soon as it is
 known. A rerun reads the output first, drops a last line cut short by a kill, and sends only
 the requests whose `custom_id` has no result yet, so a run killed at any moment and started
-again ends with each request answered exactly once.
+again ends with each request answered exactly once. A run holds an exclusive lock on the
+output (`claim_output`), so a second run on the same output is refused rather than answering
+everything again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from dlm.cli.jsonl import read_objects
+from dlm.cli.jsonl import LineError, lines, objects, read_objects
 from dlm.cli.server.config import ServeConfig
 from dlm.engine.errors import DlmError, UsageError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
+ID_PREFIX = "batch_req_"
+# How every result line starts (`BatchOutput.append` writes `json.dumps` of `result_line`,
+# whose first key is "id"): a last line without its newline is one of ours cut by a kill
+# only if it starts so (or is shorter than this and a start of it).
+RESULT_START = f'{{"id": "{ID_PREFIX}'.encode()
 
 
 @dataclass(frozen=True)
@@ -68,25 +82,92 @@ def read_requests(path: Path) -> list[BatchRequest]:
     return requests
 
 
-def answered(output: Path) -> set[str]:
-    """custom_ids the output already answers; a last line cut short by a kill is removed."""
-    if not output.exists():
-        return set()
-    raw = output.read_bytes()
-    keep = raw if raw.endswith(b"\n") or not raw else raw[: raw.rfind(b"\n") + 1]
-    if keep != raw:
-        with open(output, "r+b") as handle:
-            handle.truncate(len(keep))
+class BatchOutput:
+    """The output file of one run, held under an exclusive lock: the custom_ids it already
+    answers, and `append` for new results."""
+
+    def __init__(self, path: Path, handle: IO[bytes], answered: set[str]) -> None:
+        self.path, self._handle, self.answered = path, handle, answered
+
+    def append(self, record: dict[str, Any]) -> None:
+        """One result line, on disk (fsynced) before this returns: a result written is a
+        result kept, whatever kills the run next."""
+        self._handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+
+@contextmanager
+def claim_output(path: Path) -> Iterator[BatchOutput]:
+    """Open OUTPUT (created if missing) for this run: refuse it while another run holds it,
+    or when it is not a `dlm batch` output (nothing in it is changed then); drop a last line
+    cut short by a kill. The lock (flock on the file itself) lasts for the block; the kernel
+    drops it when the holder dies, so a killed run never blocks the next."""
+    if path.is_dir():
+        raise UsageError(f"OUTPUT {path} is a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise UsageError(f"OUTPUT {path} is not a regular file")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _flock_holder(handle.fileno())
+            by = f" (pid {holder})" if holder is not None else ""
+            raise DlmError(
+                f"another dlm batch{by} is writing {path}; wait for it to end, or give another OUTPUT"
+            ) from None
+        handle.seek(0)
+        raw = handle.read()
+        whole, _, tail = raw.rpartition(b"\n")
+        answered = _answered(path, whole)
+        if tail and not (tail.startswith(RESULT_START) or RESULT_START.startswith(tail)):
+            raise UsageError(
+                f"OUTPUT {path} is not a dlm batch output (its last line is not a result cut short); "
+                "refusing to append to it"
+            )
+        if tail:  # the line a kill cut short: its request is sent again
+            handle.truncate(len(raw) - len(tail))
+        yield BatchOutput(path, handle, answered)
+
+
+def _answered(path: Path, whole: bytes) -> set[str]:
+    """custom_ids of the complete lines of an output; UsageError naming the first line that
+    is not a result."""
+    try:
+        text = whole.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"OUTPUT {path} is not a dlm batch output (not UTF-8); refusing to append to it") from None
     done = set()
-    for line in keep.decode("utf-8").splitlines():
-        if line.strip():
-            done.add(json.loads(line)["custom_id"])
+    refusal = "OUTPUT is not a dlm batch output, refusing to append to it"
+    try:
+        for number, item in objects(text):
+            if not isinstance(item.get("custom_id"), str) or not {"response", "error"} <= item.keys():
+                raise UsageError(f"{path}:{number}: not a result (custom_id, response, error): {refusal}")
+            done.add(item["custom_id"])
+    except LineError as exc:
+        raise UsageError(f"{path}:{exc.number}: {exc.problem}: {refusal}") from None
     return done
+
+
+def _flock_holder(fd: int) -> int | None:
+    """The pid holding a flock on the file open as `fd`, from /proc/locks (Linux), or None."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    for entry in lines(table):
+        fields = entry.split()  # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"; waiters have "->"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key and fields[4].isdigit():
+            return int(fields[4])
+    return None
 
 
 def result_line(request: BatchRequest, status: int, body: Any) -> dict[str, Any]:
     """One output line in the Batch API's shape (an error body is both the response and `error`)."""
-    request_id = f"batch_req_{uuid.uuid4().hex}"
+    request_id = f"{ID_PREFIX}{uuid.uuid4().hex}"
     error = None if status == 200 else (body.get("error") if isinstance(body, dict) else {"message": str(body)})
     return {
         "id": request_id,
@@ -96,10 +177,18 @@ def result_line(request: BatchRequest, status: int, body: Any) -> dict[str, Any]
     }
 
 
+def internal_error(exc: Exception) -> dict[str, Any]:
+    """The body of a line the app failed on: the server's 500 `server_error`, naming the cause."""
+    from dlm.cli.server.errors import APIError
+
+    cause = f"{type(exc).__name__}: {exc}"[:500]
+    return APIError(500, f"internal server error: {cause}", type="server_error", code="internal_error").body()
+
+
 async def run_batch(
     config: ServeConfig,
     requests: list[BatchRequest],
-    output: Path,
+    output: BatchOutput,
     concurrency: int,
     on_result: Callable[[], None] | None = None,
 ) -> BatchSummary:
@@ -109,38 +198,36 @@ async def run_batch(
 
     from dlm.cli.server.app import create_app
 
-    done = answered(output)
-    todo = [r for r in requests if r.custom_id not in done]
+    todo = [r for r in requests if r.custom_id not in output.answered]
     app = create_app(config)
     keys = config.keys()
     headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     completed = failed = 0
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a", encoding="utf-8") as sink:
 
-        async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, request: BatchRequest) -> None:
-            nonlocal completed, failed
+    async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, request: BatchRequest) -> None:
+        nonlocal completed, failed
+        try:
             async with gate:
                 response = await client.post(request.url, json=request.body, headers=headers)
-            body = response.json()
-            sink.write(json.dumps(result_line(request, response.status_code, body), ensure_ascii=False) + "\n")
-            sink.flush()
-            os.fsync(sink.fileno())  # a result written is a result kept, whatever kills us next
-            if response.status_code == 200:
-                completed += 1
-            else:
-                failed += 1
-            if on_result is not None:
-                on_result()
+            status, body = response.status_code, response.json()
+        except Exception as exc:  # noqa: BLE001 - whatever the app raised is this line's answer, not the batch's end
+            status, body = 500, internal_error(exc)
+        output.append(result_line(request, status, body))
+        if status == 200:
+            completed += 1
+        else:
+            failed += 1
+        if on_result is not None:
+            on_result()
 
-        async with app.router.lifespan_context(app):
-            await app.state.loading  # no request is sent (and none answered 503) before the model is up
-            service = app.state.service
-            if service.load_error is not None:
-                raise (UsageError if service.exit_code == 2 else DlmError)(service.load_error)
-            transport = httpx.ASGITransport(app=app)
-            timeout = httpx.Timeout(config.request_timeout + config.ready_wait)
-            async with httpx.AsyncClient(transport=transport, base_url="http://dlm-batch", timeout=timeout) as client:
-                gate = asyncio.Semaphore(concurrency)
-                await asyncio.gather(*(one(client, gate, r) for r in todo))
+    async with app.router.lifespan_context(app):
+        await app.state.loading  # no request is sent (and none answered 503) before the model is up
+        service = app.state.service
+        if service.load_error is not None:
+            raise (UsageError if service.exit_code == 2 else DlmError)(service.load_error)
+        transport = httpx.ASGITransport(app=app)  # an app exception reaches `one` as itself
+        timeout = httpx.Timeout(config.request_timeout + config.ready_wait)
+        async with httpx.AsyncClient(transport=transport, base_url="http://dlm-batch", timeout=timeout) as client:
+            gate = asyncio.Semaphore(concurrency)
+            await asyncio.gather(*(one(client, gate, r) for r in todo))
     return BatchSummary(len(requests), len(requests) - len(todo), completed, failed)

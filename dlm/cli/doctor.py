@@ -214,11 +214,10 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def check_port(port: int | None) -> Check:
+def check_port(port: int) -> Check:
     from dlm.cli.server.config import ServeConfig
 
     host = ServeConfig.model_fields["host"].default
-    port = ServeConfig.model_fields["port"].default if port is None else port
     busy = port_in_use(host, port)
     data = {"host": host, "port": port, "free": busy is None}
     if busy:
@@ -227,23 +226,26 @@ def check_port(port: int | None) -> Check:
 
 
 def check_store() -> Check:
-    from dlm.cli.store.store import Store, default_store_root
+    from dlm.cli.store.records import Manifest
+    from dlm.cli.store.store import CorruptVersion, Store, default_store_root
     from dlm.engine.errors import DlmError
 
     store = Store(default_store_root())
-    states: dict[str, list[str]] = {"verified": [], "unverified": [], "failed": []}
+    states: dict[str, list[str]] = {"verified": [], "unverified": [], "failed": [], "corrupt": []}
     try:
         for name in store.models():
-            for manifest in store.manifests(name):
-                states[manifest.state].append(f"{name}@{manifest.version}")
+            manifests, corrupt = store.versions(name)
+            versions: list[Manifest | CorruptVersion] = [*manifests, *corrupt]
+            for version in versions:
+                states[version.state].append(version.ref)
     except (DlmError, OSError) as exc:
         return Check("store", "warn", f"unreadable store at {store.root}: {exc}", {"root": str(store.root)})
     data = {"root": str(store.root), **states}
     counts = f"{len(states['verified'])} verified"
-    if states["failed"] or states["unverified"]:
-        bad = ", ".join(states["failed"] + states["unverified"])
-        fix = "`dlm verify` them, or `dlm rm` then `dlm fetch` a failed one"
-        return Check("store", "warn", f"{counts}; unverified or failed: {bad} ({fix})", data)
+    if states["failed"] or states["unverified"] or states["corrupt"]:
+        bad = ", ".join(states["failed"] + states["unverified"] + states["corrupt"])
+        fix = "`dlm verify` them, or `dlm rm` then `dlm fetch` a failed or corrupt one"
+        return Check("store", "warn", f"{counts}; unverified, failed or corrupt: {bad} ({fix})", data)
     return Check("store", "ok", f"{counts} at {store.root}", data)
 
 
@@ -263,7 +265,7 @@ def check_support_matrix() -> Check:
     return Check("tested with", "info", tested, {"matrix": SUPPORT_MATRIX})
 
 
-def diagnose(port: int | None = None) -> Report:
+def diagnose(port: int) -> Report:
     """Run every check; the hub request runs beside the local ones."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         hub: Future[Check] = pool.submit(probe_hub)

@@ -14,6 +14,7 @@ CACERT_OPTION: Any = typer.Option(
     "--cacert",
     envvar="DLM_CACERT",
     help="PEM file of the CA that signed an https:// server's certificate (a private CA).",
+    show_default="the system's CAs",
 )
 INSECURE_OPTION: Any = typer.Option(
     False, "--insecure", help="Do not check an https:// server's certificate (testing only)."

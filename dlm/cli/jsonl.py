@@ -1,8 +1,13 @@
-"""Reading a JSONL file of requests: one JSON object per non-empty line, errors naming the line.
+"""Reading JSONL: one JSON object per non-empty line, errors naming the line.
 
 `dlm loadtest --prompts` and `dlm batch` read such files; both refuse a bad file whole,
-before any request runs, with a usage error that says `FILE:LINE: what is wrong`. The SSE
-reader (dlm/cli/client/sse.py) checks each event's data with the same `json_object`.
+before any request runs, with a usage error that says `FILE:LINE: what is wrong`. `dlm
+batch` reads its own output back with `lines` to resume. The SSE reader
+(dlm/cli/client/sse.py) checks each event's data with the same `json_object`.
+
+Lines end at "\\n" and nowhere else. `str.splitlines` also breaks at U+2028, U+2029, U+0085
+and other separators that JSON allows raw inside a string, so it would cut a valid line
+in two (and a resumed `dlm batch` would misread its own output).
 """
 
 from __future__ import annotations
@@ -14,34 +19,62 @@ from typing import Any
 
 from dlm.engine.errors import UsageError
 
+JSON_WHITESPACE = " \t\r\n"  # what JSON allows around a value; a "\r\n" file reads as well
+
+
+def lines(text: str) -> list[str]:
+    """`text`'s lines, split at "\\n" only, without their terminators; text after the last
+    "\\n" is a last line of its own."""
+    parts = text.split("\n")
+    return parts[:-1] if parts[-1] == "" else parts
+
 
 def json_object(text: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; ValueError saying what it is not ("not JSON", "not a
-    JSON object"), for the caller to place (a file's line, a stream's event)."""
+    JSON object", too deep), for the caller to place (a file's line, a stream's event)."""
     try:
         item = json.loads(text)
     except json.JSONDecodeError:
         raise ValueError("not JSON") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise ValueError("JSON nested too deeply to read") from None
     if not isinstance(item, dict):
         raise ValueError("not a JSON object")
     return item
 
 
+class LineError(ValueError):
+    """A JSONL line that is not a JSON object: its number and what it is instead."""
+
+    def __init__(self, number: int, problem: str) -> None:
+        super().__init__(f"line {number}: {problem}")
+        self.number, self.problem = number, problem
+
+
+def objects(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of JSONL `text`; LineError at the
+    first line that is not a JSON object."""
+    for number, line in enumerate(lines(text), start=1):
+        if not line.strip(JSON_WHITESPACE):
+            continue
+        try:
+            yield number, json_object(line)
+        except ValueError as exc:
+            raise LineError(number, str(exc)) from None
+
+
 def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-empty line; a file without any is an error."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}") from None
     found = False
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json_object(line)
-        except ValueError as exc:
-            raise UsageError(f"{path}:{number}: {exc}") from None
-        found = True
-        yield number, item
+    try:
+        for number, item in objects(text):
+            found = True
+            yield number, item
+    except LineError as exc:
+        raise UsageError(f"{path}:{exc.number}: {exc.problem}") from None
     if not found:
         raise UsageError(f"{path} holds no {what}")

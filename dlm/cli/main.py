@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 import typer.main
+from rich.markup import escape
 
 from dlm.cli.commands import (
     batch,
@@ -70,10 +71,16 @@ for command_name, function in COMMANDS.items():
 app.add_typer(deploy.app, name="deploy")
 
 
-def _unlabel_flags(command: Any) -> None:
-    """An on/off flag takes no value: its help line shows no `<bool>` type label (Typer's
-    rich help labels every option with its type; a metavar of "" leaves the column empty)."""
+def _tidy_help(command: Any) -> None:
+    """Help is plain text: what it says in brackets (`[NAME-api-keys]`, a glob) is shown, not
+    read as rich markup and dropped. An on/off flag takes no value: its help line shows no
+    `<bool>` type label (Typer's rich help labels every option with its type; a metavar of ""
+    leaves the column empty)."""
+    if command.help:
+        command.help = escape(command.help)
     for param in command.params:
+        if getattr(param, "help", None):
+            param.help = escape(param.help)
         if getattr(param, "is_flag", False):
             param.metavar = ""
     help_option = command.get_help_option  # click makes --help afresh for each context
@@ -86,17 +93,22 @@ def _unlabel_flags(command: Any) -> None:
 
     command.get_help_option = unlabelled_help
     for sub in getattr(command, "commands", {}).values():
-        _unlabel_flags(sub)
+        _tidy_help(sub)
+
+
+def command() -> Any:
+    """The `dlm` command as click runs it: the Typer app, its help tidied."""
+    cli = typer.main.get_command(app)
+    _tidy_help(cli)
+    return cli
 
 
 def main() -> None:
     """The `dlm` entry point: the Typer app as one click command, its help tidied, and a
     command line click refuses (an unknown flag, a missing argument) reported like every
     other usage error: one `error:` line, exit 2, not a boxed panel."""
-    command = typer.main.get_command(app)
-    _unlabel_flags(command)
     try:
-        result = command.main(standalone_mode=False)
+        result = command().main(standalone_mode=False)
     except Exception as exc:
         # Typer vendors click, so its UsageError class is not importable by a stable name:
         # recognise it by what every click usage error has.

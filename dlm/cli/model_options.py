@@ -1,6 +1,6 @@
-"""Arguments shared, word for word, by the commands that load a model themselves (`dlm
-generate`, `dlm serve`, `dlm batch`); defaults of None mean "not given", so `dlm serve` and
-`dlm batch` can take the value from their settings file or DLM_* variables instead."""
+"""The MODEL argument, shared word for word by the commands that load a model themselves
+(`dlm generate`, `dlm serve`); None means the embedded default model. (Their other shared
+options are serve settings: dlm/cli/setting_options.py.)"""
 
 from __future__ import annotations
 
@@ -13,4 +13,3 @@ MODEL_ARGUMENT: Any = typer.Argument(
     help="Checkpoint directory, store name (NAME or NAME@VERSION) or tiny:FAMILY "
     "(default: the embedded default model).",
 )
-DEVICE_OPTION: Any = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N.")

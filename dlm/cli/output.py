@@ -28,6 +28,15 @@ def listing_console() -> Console:
     return console if console.is_terminal else Console(width=100_000)
 
 
+def progress(*columns: Any, transient: bool = True) -> Any:
+    """A progress display on stderr, only where stderr is a terminal: elsewhere (a pipe, a log
+    file, a test) rich draws nothing while it runs and ends it with an empty line, which then
+    stood before the command's `error:` line."""
+    from rich.progress import Progress
+
+    return Progress(*columns, console=err_console, transient=transient, disable=not err_console.is_interactive)
+
+
 def emit_json(payload: Any) -> None:
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     sys.stdout.flush()

@@ -2,34 +2,28 @@
 
 Every rank runs the same command line (docs/parallelism.md): the process that is rank 0
 goes on to generate or serve, any other (a node k > 0, a torchrun rank) serves the driver
-as a worker until it stops the group. Defaults are None ("not given") so `dlm serve` can take
-them from its config file or DLM_* variables instead.
+as a worker until it stops the group. The options are the serve settings of the same names
+(dlm/cli/setting_options.py); `dlm generate` takes them as they come, `dlm deploy` only those
+given (its settings file decides the rest).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import typer
-
 from dlm.cli.output import err_console
+from dlm.cli.setting_options import setting_option
 
 if TYPE_CHECKING:
     from dlm.engine.parallel.distributed import ParallelConfig
 
-TENSOR_PARALLEL_SIZE = typer.Option(
-    None,
-    "--tensor-parallel-size",
-    "-tp",
-    help="Split the model over N processes (one per GPU; gloo CPU processes without CUDA) [1].",
-)
-NNODES = typer.Option(None, "--nnodes", help="Nodes the tensor-parallel ranks span (run the command on each) [1].")
-NODE_RANK = typer.Option(None, "--node-rank", help="This node's index (0 = the node that answers) [0].")
-MASTER_ADDR = typer.Option(None, "--master-addr", help="Node 0's address (multi-node).")
-MASTER_PORT = typer.Option(None, "--master-port", help="Node 0's rendezvous port (multi-node).")
-MOE_PARALLEL = typer.Option(
-    None, "--moe-parallel", help="auto, ep (experts split over ranks) or tp (each expert split) [auto]."
-)
+# The serve settings of the same names (dlm/cli/server/config.py) declare them.
+TENSOR_PARALLEL_SIZE = setting_option("tensor_parallel_size")
+NNODES = setting_option("nnodes")
+NODE_RANK = setting_option("node_rank")
+MASTER_ADDR = setting_option("master_addr")
+MASTER_PORT = setting_option("master_port")
+MOE_PARALLEL = setting_option("moe_parallel")
 
 
 def parallel_config(

@@ -1,9 +1,10 @@
 """The decoding options of `dlm generate`, built from their one declaration (dlm/engine/params.py).
 
-Each option's flag, help text and default come from its `GenerationParams` field; the
-command names its parameters after the fields, so `decoding_params(ctx.params)` collects
-them without restating the mapping. Ranges and family rules are checked by the one
-validation (dlm/engine/family_rules.py), like every other entry point.
+Each option's flag, help text and default (or `shown`, what a default of None means) come
+from its `GenerationParams` field; the command names its parameters after the fields, so
+`decoding_params(ctx.params)` collects them without restating the mapping. Ranges and
+family rules are checked by the one validation (dlm/engine/family_rules.py), like every
+other entry point.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ def option(name: str) -> Any:
         extra = "" if "|" in spec.help else f" One of: {', '.join(spec.choices)}."
     else:
         extra = f" Must be {spec.range()}." if spec.low is not None or spec.high is not None else ""
+    shown = spec.shown or True  # what a default of None means, in words
     if _holds_ids(name):  # repeated, comma-separated, or both: as --prompt-ids takes ids
-        return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag), metavar="ID,...")
-    return typer.Option(DEFAULTS[name], flag, help=spec.help + extra)
+        return typer.Option(
+            DEFAULTS[name], flag, help=spec.help + extra, callback=_id_list(flag), metavar="ID,...", show_default=shown
+        )
+    return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, show_default=shown)
 
 
 def parse_ids(text: str, flag: str) -> list[int]:

@@ -3,18 +3,20 @@ the table of verification problems."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from dlm.cli.output import err_console
+from dlm.cli.output import err_console, progress
 
 STORE_OPTION: Any = typer.Option(
     None,
     "--store",
     envvar="DLM_STORE",
-    help="Store directory (default: $DLM_HOME/store).",
+    help="Store directory.",
+    show_default="$DLM_HOME/store",
 )
 JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
 
@@ -26,38 +28,41 @@ def open_store(path: Path | None) -> Any:
 
 
 class ByteBar:
-    """dlm.cli.store.hashing.ByteProgress drawn with rich on stderr."""
+    """dlm.cli.store.hashing.ByteProgress on stderr: a rich bar on a terminal; elsewhere (a
+    log, a pipe) one line when the work ends, with the bytes and the rate."""
 
     def __init__(self) -> None:
         self._progress: Any = None
         self._task: Any = None
+        self._description, self._bytes, self._start = "", 0, 0.0
 
     def start(self, description: str, total_bytes: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-        self._progress = Progress(
+        self._description, self._bytes, self._start = description, 0, time.perf_counter()
+        self._progress = progress(
             TextColumn("{task.description}"),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
-            console=err_console,
+            transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task(description, total=total_bytes)
 
     def advance(self, nbytes: int) -> None:
+        self._bytes += nbytes
         self._progress.advance(self._task, nbytes)
 
     def stop(self) -> None:
         self._progress.stop()
+        if self._progress.disable:  # no bar was drawn: say what it would have ended with
+            from rich.filesize import decimal
+
+            seconds = time.perf_counter() - self._start
+            rate = f", {decimal(round(self._bytes / seconds))}/s" if seconds > 0 else ""
+            err_console.print(f"{self._description} {decimal(self._bytes)} in {seconds:.2f}s{rate}", highlight=False)
 
 
 def render_findings(report: Any) -> None:

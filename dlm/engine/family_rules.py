@@ -14,17 +14,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dlm.engine.config import CanvasSpec, ModelConfig
-from dlm.engine.params import Forwards, GenerationParams, ResolvedParams
+from dlm.engine.params import SAMPLER_DEFAULTS, Forwards, GenerationParams, ResolvedParams
 from dlm.engine.registry import family_named
 
 # Context tokens the exact block cache feeds per forward when filling it (dlm/engine/runtime/
 # block_sequence.py): bounds attention memory on long prompts, and costs forwards.
 PREFILL_CHUNK = 2048
-# transformers' defaults for DiffusionGemma's generate (DiffusionGemmaGenerationConfig), where
-# the checkpoint's generation_config.json says nothing.
-SAMPLER_DEFAULTS = dict(
-    entropy_bound=0.1, min_temperature=0.4, max_temperature=0.8, stability_threshold=1, confidence_threshold=0.005
-)
 DEFAULT_STEPS_PER_CANVAS = 48
 # The seed of a canvas family's request that gives none. Its sampler draws the canvas and its
 # samples at every temperature (there is no greedy mode), so without one the same request would

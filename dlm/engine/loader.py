@@ -17,16 +17,16 @@ the source names for a parameter, or None for the default rule.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import DlmError, UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -55,10 +55,19 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
         raise UsageError(f"no safetensors weights in {model_dir}")
     locations = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                locations[name] = file
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    locations[name] = file
+        except SafetensorError as exc:
+            raise _damaged(model_dir, exc) from None
     return locations
+
+
+def _damaged(model_dir: Path, exc: SafetensorError) -> DlmError:
+    """A weight file safetensors cannot read (truncated, overwritten): reading the checkpoint
+    failed, an operation's failure (exit 1), as a disk error would be."""
+    return DlmError(f"cannot read the weights in {model_dir}: {exc}; `dlm verify` checks every file of a checkpoint")
 
 
 Index = tuple[slice, ...]
@@ -93,6 +102,23 @@ def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list
     return [name]
 
 
+def parameter_sources(model: torch.nn.Module, available: Collection[str]) -> dict[str, list[str]]:
+    """For each parameter of `model`, the checkpoint tensors it is read from, given the
+    tensor names the checkpoint holds (a model with several layouts picks by them)."""
+    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
+    custom = getattr(model, "tensor_sources", None)
+    return {
+        name: (custom(name, available) if custom is not None else None) or checkpoint_sources(name, packed)
+        for name, _ in model.named_parameters()
+    }
+
+
+def missing_tensors(model: torch.nn.Module, available: Collection[str]) -> list[str]:
+    """The tensors `model` needs that a checkpoint holding `available` lacks (what loading
+    it would refuse; `dlm verify` asks this of a model built on meta, reading no weight)."""
+    return [src for srcs in parameter_sources(model, available).values() for src in srcs if src not in available]
+
+
 def load_weights(
     model: torch.nn.Module,
     model_dir: Path,
@@ -102,19 +128,30 @@ def load_weights(
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     locations = tensor_locations(model_dir)
-    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
-    custom = getattr(model, "tensor_sources", None)
-    sources = {
-        name: (custom(name, locations) if custom is not None else None) or checkpoint_sources(name, packed)
-        for name, _ in model.named_parameters()
-    }
-    missing = [src for srcs in sources.values() for src in srcs if src not in locations]
+    sources = parameter_sources(model, locations)
+    missing = missing_tensors(model, locations)
     if missing:
         raise UsageError(
             f"checkpoint {model_dir} lacks tensor {missing[0]}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     params = dict(model.named_parameters())
+    try:
+        _read(model, locations, sources, params, dtype, device, on_tensor)
+    except SafetensorError as exc:
+        raise _damaged(model_dir, exc) from None
+
+
+def _read(
+    model: torch.nn.Module,
+    locations: dict[str, Path],
+    sources: dict[str, list[str]],
+    params: dict[str, torch.nn.Parameter],
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[str], None] | None,
+) -> None:
+    """Read each parameter's sources, shape-check, cast and place it."""
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 

@@ -65,6 +65,15 @@ DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode
 DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_logprobs
 MAX_N = 64  # samples per prompt
+# transformers' defaults for DiffusionGemma's generate (DiffusionGemmaGenerationConfig), where
+# the checkpoint's generation_config.json says nothing (dlm/engine/family_rules.py fills them).
+SAMPLER_DEFAULTS = dict(
+    entropy_bound=0.1, min_temperature=0.4, max_temperature=0.8, stability_threshold=1, confidence_threshold=0.005
+)
+
+
+def _sampler_default(name: str) -> str:
+    return f"{SAMPLER_DEFAULTS[name]}, or the checkpoint's generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,8 @@ class Param:
 
     `cli` and `http` are its names outside ("" = derived from the field name, None = not
     offered there); the bounds are inclusive unless `*_open`; `choices` lists the accepted
-    strings."""
+    strings; `shown` says in words what a default of None means (what `--help` and the HTTP
+    schema show as the default)."""
 
     help: str
     low: float | None = None
@@ -83,6 +93,7 @@ class Param:
     choices: tuple[str, ...] | None = None
     cli: str | None = ""
     http: str | None = ""
+    shown: str | None = None
 
     def check(self, name: str, value: Any) -> None:
         """Refuse a value outside the range or choices (None means "not given")."""
@@ -172,21 +183,22 @@ class GenerationParams:
         None,
         "Upper bound on denoising steps in all, split evenly over the blocks decoded, at least one per block "
         "(per sub-block): every rule (schedule, threshold, factor) finishes a block within its share, the "
-        "share's last step committing what is left (default: one forward per answer token; a threshold or "
-        "factor rule uncapped). Dream's alg confidence_threshold without a cache is Fast-dLLM's: its "
-        "schedule, plus steps until every token clears the threshold.",
+        "share's last step committing what is left. Dream's alg confidence_threshold without a cache is "
+        "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
         low=1,
+        shown="one forward per answer token; a threshold or factor rule uncapped",
     )
     refinement_steps: int | None = _param(
         None,
         "Denoising steps per block (at most the block length) instead of --steps in all.",
         low=1,
+        shown="none: --steps",
     )
     block_length: int | None = _param(
         None,
-        "Semi-autoregressive block size (default: the family's, else 32 if it divides gen_length); need not "
-        "divide gen_length.",
+        "Semi-autoregressive block size; need not divide gen_length.",
         low=1,
+        shown="the family's, else 32 if it divides gen_length",
     )
     remasking: str = _param("low_confidence", "Which positions a step commits.", choices=REMASKING)
     temperature: float = _param(0.0, "Sampling temperature (0: greedy).", low=0)
@@ -197,12 +209,18 @@ class GenerationParams:
         low=0,
         high=1,
         low_open=True,
+        shown=f"none: the step schedule; {DEFAULT_THRESHOLD} with Dream's --alg confidence_threshold",
     )
     factor: float | None = _param(
-        None, "Fast-dLLM factor rule instead of a threshold (LLaDA family).", low=0, low_open=True
+        None, "Fast-dLLM factor rule instead of a threshold (LLaDA family).", low=0, low_open=True, shown="none"
     )
     seed: int | None = _param(
-        None, "Random seed for sampling and random remasking.", low=0, high=SEED_LIMIT, high_open=True
+        None,
+        "Random seed for sampling and random remasking.",
+        low=0,
+        high=SEED_LIMIT,
+        high_open=True,
+        shown="none: unseeded (DiffusionGemma: 0, reproducible)",
     )
     cache: str = _param(
         "auto",
@@ -217,21 +235,23 @@ class GenerationParams:
     edit_threshold: float | None = _param(
         None,
         "Draft-and-edit (LLaDA2.x): also replace a committed token of the current block when the model's top "
-        "token differs with probability > E (0: any change); turns editing on (default: off).",
+        "token differs with probability > E (0: any change); turns editing on.",
         low=0,
         high=1,
+        shown="none: no editing",
     )
     edit_mode: str | None = _param(
         None,
         "Draft-and-edit preset (LLaDA2.x), turns editing on: speed (threshold 0.5, edit threshold 0) or quality "
         "(threshold 0.7, edit threshold 0.5); an explicit --threshold or --edit-threshold overrides it.",
         choices=tuple(EDIT_PRESETS),
+        shown="none: no editing",
     )
     max_post_edit_steps: int | None = _param(
         None,
-        f"Draft-and-edit: steps that may still edit a block once its masks are filled "
-        f"(default {DEFAULT_MAX_POST_EDIT_STEPS}).",
+        "Draft-and-edit: steps that may still edit a block once its masks are filled.",
         low=0,
+        shown=str(DEFAULT_MAX_POST_EDIT_STEPS),
     )
     stop_token_ids: tuple[int, ...] | None = _param(
         None,
@@ -239,6 +259,7 @@ class GenerationParams:
         "(finish_reason stop) and decoding stops after the block holding it (a list; on the command line, "
         "comma-separated or the flag repeated).",
         cli="--stop-token-ids",
+        shown="none",
     )
     early_stop: bool = _param(
         True,
@@ -272,6 +293,7 @@ class GenerationParams:
         "autoregressive next-token probability), with this many most likely alternatives (0: none).",
         low=0,
         high=MAX_TOP_LOGPROBS,
+        shown="none: no log-probabilities",
         http=None,  # the OpenAI endpoints spell it differently (completions vs chat): the request layer maps it
     )
     # Infilling: token ids the answer is decoded in front of (the canvas is prompt, answer, suffix).
@@ -288,17 +310,21 @@ class GenerationParams:
     # Dream family (diffusion_generate):
     alg: str | None = _param(
         None,
-        "Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold "
-        "(default: confidence_threshold with a threshold, else entropy).",
+        "Dream family: origin|maskgit_plus|topk_margin|entropy|confidence_threshold.",
         choices=DREAM_ALGS,
+        shown=f"confidence_threshold with a threshold, else {DREAM_DEFAULT_ALG}",
     )
     alg_temp: float | None = _param(
-        None, "Dream family: sample committed positions from softmax(confidence/alg_temp).", low=0, low_open=True
+        None,
+        "Dream family: sample committed positions from softmax(confidence/alg_temp).",
+        low=0,
+        low_open=True,
+        shown="none: the most confident",
     )
     top_p: float | None = _param(
-        None, "Dream family: nucleus filtering of the token distribution.", low=0, high=1, low_open=True
+        None, "Dream family: nucleus filtering of the token distribution.", low=0, high=1, low_open=True, shown="none"
     )
-    top_k: int | None = _param(None, "Dream family: keep the k most likely tokens.", low=1)
+    top_k: int | None = _param(None, "Dream family: keep the k most likely tokens.", low=1, shown="none")
     eps: float = _param(
         1e-3,
         "Dream family: last timestep of linspace(1, eps, steps + 1).",
@@ -314,26 +340,36 @@ class GenerationParams:
     entropy_bound: float | None = _param(
         None,
         "DiffusionGemma: a step accepts the lowest-entropy tokens while their summed entropy, "
-        "less the largest, stays within this bound (default 0.1).",
+        "less the largest, stays within this bound.",
         low=0,
         low_open=True,
+        shown=_sampler_default("entropy_bound"),
     )
     min_temperature: float | None = _param(
-        None, "DiffusionGemma: temperature at the last denoising step of a canvas (default 0.4).", low=0, low_open=True
+        None,
+        "DiffusionGemma: temperature at the last denoising step of a canvas.",
+        low=0,
+        low_open=True,
+        shown=_sampler_default("min_temperature"),
     )
     max_temperature: float | None = _param(
-        None, "DiffusionGemma: temperature at the first denoising step, falling linearly (default 0.8).", low=0
+        None,
+        "DiffusionGemma: temperature at the first denoising step, falling linearly.",
+        low=0,
+        shown=_sampler_default("max_temperature"),
     )
     stability_threshold: int | None = _param(
         None,
-        "DiffusionGemma: a canvas may stop once its argmax has not changed for this many steps (default 1).",
+        "DiffusionGemma: a canvas may stop once its argmax has not changed for this many steps.",
         low=0,
+        shown=_sampler_default("stability_threshold"),
     )
     confidence_threshold: float | None = _param(
         None,
-        "DiffusionGemma: ... and the mean entropy of its tokens is below this (default 0.005).",
+        "DiffusionGemma: ... and the mean entropy of its tokens is below this.",
         low=0,
         low_open=True,
+        shown=_sampler_default("confidence_threshold"),
     )
     response_format: str | None = _param(
         None,
@@ -341,6 +377,7 @@ class GenerationParams:
         '\'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\'. '
         "The schema's skeleton is laid on the canvas and only its values are decoded (bidirectional families; "
         "docs/structured-output.md).",
+        shown="none: plain text",
     )
     # Set by a server (its --max-steps), never by a request: when `steps` is not given, the
     # default step count is lowered to fit; an explicit `steps` above it is the server's to refuse.

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from dlm.cli.client.sse import SSEError, iter_events
+from dlm.cli.client.sse import SSEError, iter_events, sse_lines
 
 
 @dataclass
@@ -180,7 +180,7 @@ class ApiClient(AbstractContextManager["ApiClient"]):
                 result.error = f"content-type is {result.content_type!r}, not text/event-stream"
             pieces: list[str] = []
             try:
-                for event in iter_events(response.iter_lines()):
+                for event in iter_events(sse_lines(response.iter_text())):
                     if keep_events:
                         result.events.append(event)
                     if event.get("usage"):

@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
 
-from dlm.cli.model_options import DEVICE_OPTION
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, progress
+from dlm.cli.setting_options import default, setting_option
 
 
 def batch(
     input_file: Path = typer.Argument(..., metavar="INPUT", help="OpenAI Batch API requests, one JSON per line."),
     output_file: Path = typer.Argument(..., metavar="OUTPUT", help="Results, one JSON per line (appended; resumable)."),
     model: str | None = typer.Option(
-        None, "--model", help="Checkpoint directory, store name or tiny:FAMILY [the embedded default model]."
+        None,
+        "--model",
+        help="Checkpoint directory, store name or tiny:FAMILY.",
+        show_default="the embedded default model",
     ),
-    config_file: Path | None = typer.Option(None, "--config", help="`dlm serve` settings file (limits, defaults)."),
-    max_concurrency: int = typer.Option(8, "--max-concurrency", help="Requests decoded together [8]."),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16."),
-    device: str | None = DEVICE_OPTION,
+    config_file: Path | None = typer.Option(
+        None, "--config", help="`dlm serve` settings file (limits, defaults).", show_default="none"
+    ),
+    max_concurrency: int = typer.Option(
+        default("max_num_seqs"), "--max-concurrency", help="Requests decoded together."
+    ),
+    dtype: str | None = setting_option("dtype", from_file=True),
+    device: str | None = setting_option("device", from_file=True),
     json_out: bool = typer.Option(False, "--json", help="Print the counts as JSON on stdout."),
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""
     with cli_errors():
         import asyncio
 
-        from rich.progress import Progress
-
-        from dlm.cli.batch import answered, read_requests, run_batch
+        from dlm.cli.batch import claim_output, read_requests, run_batch
         from dlm.cli.server.config import load_config
         from dlm.cli.store.resolve import resolve_model
         from dlm.engine.errors import UsageError
@@ -50,12 +58,14 @@ def batch(
             from dlm.engine.config import load_config as model_config
 
             config.check_model(model_config(model_dir))
-        done = len(answered(output_file) & {r.custom_id for r in requests})
-        with Progress(console=err_console, transient=True) as progress:
-            task = progress.add_task("batch", total=len(requests), completed=done)
-            summary = asyncio.run(
-                run_batch(config, requests, output_file, max_concurrency, lambda: progress.advance(task))
-            )
+        with (
+            claim_output(output_file) as output,
+            _server_log_lines(),
+            progress() as bar,
+        ):
+            done = len(output.answered & {r.custom_id for r in requests})
+            task = bar.add_task("batch", total=len(requests), completed=done)
+            summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
         counts = {
             "total": summary.total,
             "skipped": summary.skipped,
@@ -69,3 +79,27 @@ def batch(
             err_console.print(
                 f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in {output_file}"
             )
+
+
+class _OneLine(logging.Formatter):
+    """A server log record as one line: what failed and why, without the traceback (the
+    failing line's result holds the same cause)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.name} {record.levelname.lower()}: {record.getMessage()}"
+        exc = record.exc_info[1] if record.exc_info else None
+        return f"{text}: {type(exc).__name__}: {exc}" if exc is not None else text
+
+
+@contextmanager
+def _server_log_lines() -> Iterator[None]:
+    """The in-process server's warnings and errors on stderr, one line each, for the run."""
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_OneLine())
+    logger = logging.getLogger("dlm")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)

@@ -7,19 +7,21 @@ import sys
 import typer
 
 from dlm.cli.output import cli_errors, emit_json
+from dlm.cli.setting_options import default
 
 STYLE = {"ok": "green", "info": "dim", "warn": "yellow", "fail": "bold red"}
 
 
 def doctor(
-    port: int | None = typer.Option(None, "--port", help="Port to check is free [serve's default, 8000]."),
+    port: int = typer.Option(default("port"), "--port", help="Port to check is free (as `dlm serve --port` takes it)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
     """Check Python, torch, GPUs, NCCL, the Triton kernels (self-test), disk, port, store, hub and dtype."""
     with cli_errors():
         from dlm.cli.doctor import diagnose
+        from dlm.cli.server.config import setting
 
-        report = diagnose(port)
+        report = diagnose(setting("port", port))
         if json_out:
             emit_json(report.to_dict())
         else:

@@ -112,7 +112,10 @@ def estimate(
     ),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     context: int | None = typer.Option(
-        None, "--context", help="Tokens per sequence, prompt + generation (default min(max position, 4096))."
+        None,
+        "--context",
+        help="Tokens per sequence, prompt + generation.",
+        show_default="min(max position, 4096)",
     ),
     gen_length: int = typer.Option(256, "--gen-length", help="Generated tokens per sequence."),
     block_length: int = typer.Option(32, "--block-length", help="Denoising block size."),
@@ -126,15 +129,21 @@ def estimate(
         8192, "--prefill-chunk", help="Tokens per prefill forward of block-causal models (0: whole prompts at once)."
     ),
     overhead_gb: float | None = typer.Option(
-        None, "--overhead-gb", help="Runtime overhead per GPU in GiB (default 1.0, +0.5 with TP>1)."
+        None, "--overhead-gb", help="Runtime overhead per GPU in GiB.", show_default="1.0, +0.5 with TP>1"
     ),
     fragmentation: float = typer.Option(
         0.10, "--fragmentation", help="Share of cache and transient memory lost to fragmentation."
     ),
     group_size: int = typer.Option(128, "--group-size", help="Quantization group size for int8/int4."),
-    gpu: str | None = typer.Option(None, "--gpu", help="Judge one GPU from the catalogue (default: all)."),
-    gpu_memory: float | None = typer.Option(None, "--gpu-memory", help="Judge a GPU with this many GiB instead."),
-    revision: str | None = typer.Option(None, "--revision", help="Hub revision (hub repo ids only)."),
+    gpu: str | None = typer.Option(
+        None, "--gpu", help="Judge one GPU from the catalogue.", show_default="every GPU of the catalogue"
+    ),
+    gpu_memory: float | None = typer.Option(
+        None, "--gpu-memory", help="Judge a GPU with this many GiB instead.", show_default="none"
+    ),
+    revision: str | None = typer.Option(
+        None, "--revision", help="Hub revision (hub repo ids only).", show_default="main"
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the full plan as JSON on stdout."),
 ) -> None:
     """Plan GPU memory for serving MODEL: parameters, weights, caches, activations, verdicts."""

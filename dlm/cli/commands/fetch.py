@@ -13,11 +13,17 @@ from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, ope
 def fetch(
     source: str = typer.Argument(..., help="Hub repo id (org/name) or a local directory / mounted mirror path."),
     revision: str | None = typer.Option(
-        None, "--revision", help="Hub branch, tag or commit; resolved to a commit (default: main)."
+        None, "--revision", help="Hub branch, tag or commit; resolved to a commit.", show_default="main"
     ),
-    include: list[str] | None = typer.Option(None, "--include", help="Only files matching this glob (repeatable)."),
-    exclude: list[str] | None = typer.Option(None, "--exclude", help="Skip files matching this glob (repeatable)."),
-    name: str | None = typer.Option(None, "--name", help="Name in the store (default: the repo or directory name)."),
+    include: list[str] | None = typer.Option(
+        None, "--include", help="Only files matching this glob (repeatable).", show_default="every file"
+    ),
+    exclude: list[str] | None = typer.Option(
+        None, "--exclude", help="Skip files matching this glob (repeatable).", show_default="none"
+    ),
+    name: str | None = typer.Option(
+        None, "--name", help="Name in the store.", show_default="the repo or directory name"
+    ),
     link: bool = typer.Option(False, "--link", help="Hard-link local files instead of copying them (same filesystem)."),
     follow_symlinks: bool = typer.Option(
         False,
@@ -25,7 +31,7 @@ def fetch(
         help="Copy what symbolic links pointing outside the source directory point to (refused otherwise).",
     ),
     workers: int | None = typer.Option(
-        None, "--workers", help="Parallel file transfers / hashes (default: CPU count)."
+        None, "--workers", help="Parallel file transfers / hashes.", show_default="CPU count"
     ),
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -64,7 +70,7 @@ def fetch(
             soft_wrap=True,
         )
         if not m.verified:
-            problems = len((m.verification or {}).get("failures", []))
+            problems = len(m.verification.failures) if m.verification else 0
             raise DlmError(
                 f"{m.name}@{m.version} is stored but failed verification ({problems} problems); "
                 "fix the source and fetch it again to replace it"

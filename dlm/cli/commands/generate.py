@@ -9,7 +9,8 @@ import typer
 from dlm.cli import parallel as tp
 from dlm.cli import params as dp
 from dlm.cli.model_options import MODEL_ARGUMENT
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, progress
+from dlm.cli.setting_options import setting_option
 
 
 def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
@@ -32,7 +33,7 @@ def _generate_with_canvas(llm, prompt_tokens: list[int], params):  # noqa: ANN00
 
 def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN001, ANN202
     """Decode (the `n` samples) with a progress bar of committed tokens on stderr."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     columns = (
         TextColumn("denoising"),
@@ -42,12 +43,12 @@ def _generate_with_progress(llm, prompt_tokens: list[int], params):  # noqa: ANN
         TextColumn("{task.fields[nfe]} forwards"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task("denoising", total=params.gen_length * params.n, nfe=0)
+    with progress(*columns) as bar:
+        task = bar.add_task("denoising", total=params.gen_length * params.n, nfe=0)
 
         def on_step(seqs) -> None:  # noqa: ANN001
             left = sum(seq.masks_left for seq in seqs)
-            progress.update(task, completed=params.gen_length * params.n - left, nfe=max(s.nfe for s in seqs))
+            bar.update(task, completed=params.gen_length * params.n - left, nfe=max(s.nfe for s in seqs))
 
         return llm.generate(prompt_tokens, params, on_step=on_step)
 
@@ -75,16 +76,23 @@ def _sample(out) -> dict:  # noqa: ANN001
 def generate(
     ctx: typer.Context,
     model: str | None = MODEL_ARGUMENT,
-    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer)."),
-    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer).", show_default="none"
+    ),
+    prompt_ids: str | None = typer.Option(
+        None, "--prompt-ids", help="Prompt as comma-separated token ids.", show_default="none"
+    ),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
     suffix_text: str | None = typer.Option(
         None,
         "--suffix",
         help="Infilling: text after the answer, which is decoded between the prompt and it "
         "(bidirectional families: LLaDA, Dream).",
+        show_default="none",
     ),
-    suffix_ids: str | None = typer.Option(None, "--suffix-ids", help="The suffix as comma-separated token ids."),
+    suffix_ids: str | None = typer.Option(
+        None, "--suffix-ids", help="The suffix as comma-separated token ids.", show_default="none"
+    ),
     gen_length: int = dp.option("gen_length"),
     steps: int | None = dp.option("steps"),
     refinement_steps: int | None = dp.option("refinement_steps"),
@@ -117,14 +125,10 @@ def generate(
     stability_threshold: int | None = dp.option("stability_threshold"),
     confidence_threshold: float | None = dp.option("confidence_threshold"),
     response_format: str | None = dp.option("response_format"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
-    backend: str = typer.Option(
-        "native", "--backend", help="native, or transformers: load any checkpoint with transformers."
-    ),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="With --backend transformers: run the checkpoint's own Python code."
-    ),
+    dtype: str = setting_option("dtype"),
+    device: str = setting_option("device"),
+    backend: str = setting_option("backend"),
+    trust_remote_code: bool = setting_option("trust_remote_code"),
     tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,
     nnodes: int | None = tp.NNODES,
     node_rank: int | None = tp.NODE_RANK,

@@ -12,28 +12,39 @@ from dlm.cli.loadtest.sweep import MIN_SAMPLES
 from dlm.cli.output import cli_errors, emit_json, err_console
 from dlm.engine.home import dlm_home
 
+SERVERS = "the server's"  # a dLLM field left out of the requests: the server's default applies
+
 
 def loadtest(
     url: str = URL_ARGUMENT,
     users: int = typer.Option(4, "--users", "-u", help="Concurrent users of a fixed run."),
     spawn_rate: float | None = typer.Option(
-        None, "--spawn-rate", "-r", help="Users started per second (default: all at once)."
+        None, "--spawn-rate", "-r", help="Users started per second.", show_default="all at once"
     ),
     duration: str = typer.Option("30s", "--duration", "-t", help="Run time of each level, ramp-up included (30s, 2m)."),
     sweep: str | None = typer.Option(
-        None, "--sweep", help="Concurrency levels to run in turn, e.g. 1,2,4,8: reports the knee."
+        None,
+        "--sweep",
+        help="Concurrency levels to run in turn, e.g. 1,2,4,8: reports the knee.",
+        show_default="none: one level of --users",
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Output directory (default: $DLM_HOME/loadtest/<time>, outside any checkout)."
-    ),
-    prompts: Path | None = typer.Option(
         None,
-        "--prompts",
-        help="JSONL of {prompt|messages, fields...}, or `tasks`: the default model's task prompts "
-        "(default: built-in prompts).",
+        "--out",
+        help="Output directory (outside any checkout by default).",
+        show_default="$DLM_HOME/loadtest/<time>",
     ),
-    model: str | None = typer.Option(None, "--model", help="Model id (default: the first of /v1/models)."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server."),
+    prompts: str = typer.Option(
+        "auto",
+        "--prompts",
+        help="JSONL of {prompt|messages, fields...}, or a named set: tasks (the default model's task "
+        "prompts), builtin (general questions), auto (tasks when the server serves the default model, "
+        "else builtin).",
+    ),
+    model: str | None = typer.Option(None, "--model", help="Model id.", show_default="the first of /v1/models"),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="DLM_API_KEY", help="Bearer key for the server.", show_default="none"
+    ),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds allowed for each request."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of each request."),
     fixed_length: bool = typer.Option(
@@ -43,14 +54,22 @@ def loadtest(
         "(vLLM's fields, as vLLM's bench and aiperf fix output lengths), so EOS cannot end an answer early.",
     ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature."),
-    steps: int | None = typer.Option(None, "--steps", help="dLLM: denoising steps."),
-    block_length: int | None = typer.Option(None, "--block-length", help="dLLM: block length."),
-    remasking: str | None = typer.Option(None, "--remasking", help="dLLM: low_confidence or random."),
-    threshold: float | None = typer.Option(None, "--threshold", help="dLLM: parallel-decoding threshold."),
-    cache: str | None = typer.Option(None, "--cache", help="dLLM: none|prefix|dual|block."),
-    decode_mode: str | None = typer.Option(None, "--decode-mode", help="dLLM: diffusion|ar."),
-    slo: str = typer.Option("", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".'),
-    fail_on: str = typer.Option("", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".'),
+    steps: int | None = typer.Option(None, "--steps", help="dLLM: denoising steps.", show_default=SERVERS),
+    block_length: int | None = typer.Option(None, "--block-length", help="dLLM: block length.", show_default=SERVERS),
+    remasking: str | None = typer.Option(
+        None, "--remasking", help="dLLM: low_confidence or random.", show_default=SERVERS
+    ),
+    threshold: float | None = typer.Option(
+        None, "--threshold", help="dLLM: parallel-decoding threshold.", show_default=SERVERS
+    ),
+    cache: str | None = typer.Option(None, "--cache", help="dLLM: none|prefix|dual|block.", show_default=SERVERS),
+    decode_mode: str | None = typer.Option(None, "--decode-mode", help="dLLM: diffusion|ar.", show_default=SERVERS),
+    slo: str = typer.Option(
+        "", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".', show_default="none"
+    ),
+    fail_on: str = typer.Option(
+        "", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".', show_default="none"
+    ),
     cacert: Path | None = CACERT_OPTION,
     insecure: bool = INSECURE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
@@ -75,7 +94,7 @@ def loadtest(
         from dlm.cli.loadtest.stats import GATE_METRICS
         from dlm.cli.loadtest.sweep import parse_levels
         from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
-        from dlm.cli.loadtest.workload import Workload, builtin_requests, named_or_file
+        from dlm.cli.loadtest.workload import from_prompts
         from dlm.engine.errors import DlmError, UsageError
 
         if result_format not in ("dlm", "vllm"):
@@ -104,7 +123,7 @@ def loadtest(
             **{k: v for k, v in dllm.items() if v is not None},
             **({"ignore_eos": True, "min_tokens": max_tokens} if fixed_length else {}),
         }
-        workload = Workload(named_or_file(prompts) if prompts else builtin_requests(), fields, model)
+        workload = from_prompts(prompts, fields, model)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         verify = tls_verify(cacert, insecure)
         plan = LoadPlan(

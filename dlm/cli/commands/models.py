@@ -11,7 +11,9 @@ from dlm.cli.output import cli_errors, emit_json, err_console, listing_console
 from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, human_size, open_store
 
 
-def _source(source: dict[str, Any]) -> str:
+def _source(source: dict[str, Any] | None) -> str:
+    if source is None:
+        return ""
     if source.get("kind") == "hub":
         return f"{source['repo_id']}@{source['revision']}"
     return str(source.get("path"))
@@ -31,31 +33,53 @@ def _settled_listing(store: Any) -> dict[str, Any]:
 
 
 def _listing(store: Any) -> dict[str, Any]:
-    from dlm.cli.store.releases import deployments, load_state, protected_versions
+    """Every version and deployment; a corrupt record is listed as such, with the reason."""
+    from dlm.cli.store.releases import protected_versions, readable_states
 
     roles = protected_versions(store)
     models = []
     for name in store.models():
-        versions = []
-        for m in store.manifests(name):
-            versions.append(
-                {
-                    "version": m.version,
-                    "ref": f"{name}@{m.version}",
-                    "state": m.state,
-                    "total_size": m.total_size,
-                    "files": len(m.files),
-                    "fetched_at": m.fetched_at,
-                    "verified_at": (m.verification or {}).get("at"),
-                    "source": m.source,
-                    "release_role": roles.get((name, m.version)),
-                }
-            )
+        manifests, corrupt = store.versions(name)
+        versions = [
+            {
+                "version": m.version,
+                "ref": m.ref,
+                "state": m.state,
+                "total_size": m.total_size,
+                "files": len(m.files),
+                "fetched_at": m.fetched_at,
+                "verified_at": m.verification.at if m.verification else None,
+                "source": m.source.to_json(),
+                "release_role": roles.get((name, m.version)),
+            }
+            for m in manifests
+        ]
+        versions += [
+            {
+                "version": c.version,
+                "ref": c.ref,
+                "state": c.state,
+                "reason": c.reason,
+                "total_size": None,
+                "files": None,
+                "fetched_at": None,
+                "verified_at": None,
+                "source": None,
+                "release_role": roles.get((name, c.version)),
+            }
+            for c in corrupt
+        ]
         models.append({"name": name, "versions": versions})
+    states, broken = readable_states(store)
+    deployments = [state.to_json() for state in states]
+    deployments += [
+        {"deployment": name, "state": "corrupt", "reason": reason, "current": None, "history": []}
+        for name, reason in broken.items()
+    ]
     return {
         "store": str(store.root),
         "models": models,
-        "deployments": [load_state(store, d) for d in deployments(store)],
+        "deployments": sorted(deployments, key=lambda d: d["deployment"]),
     }
 
 
@@ -66,27 +90,32 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
         if json_out:
             emit_json(listing)
             return
+        from rich.markup import escape
         from rich.table import Table
 
         out = listing_console()
 
         table = Table(title=f"models in {listing['store']}", title_justify="left")
         table.add_column("model@version", no_wrap=True)  # whole, so it can be copied and grepped
-        for column in ("state", "size", "fetched", "source", "release"):
+        for column in ("state", "size", "fetched", "source", "release", "problem"):
             table.add_column(column, overflow="fold")
         for model in listing["models"]:
             for v in model["versions"]:
-                color = {"verified": "green", "failed": "red"}.get(v["state"], "yellow")
+                color = {"verified": "green", "failed": "red", "corrupt": "red"}.get(v["state"], "yellow")
                 table.add_row(
                     v["ref"],
                     f"[{color}]{v['state']}[/]",
-                    human_size(v["total_size"]),
-                    v["fetched_at"],
+                    human_size(v["total_size"]) if v["total_size"] is not None else "",
+                    v["fetched_at"] or "",
                     _source(v["source"]),
                     v["release_role"] or "",
+                    escape(v.get("reason", "")),
                 )
         out.print(table)
         for state in listing["deployments"]:
+            if state.get("state") == "corrupt":
+                out.print(f"deployment {state['deployment']}: [red]corrupt[/] ({escape(state['reason'])})")
+                continue
             history = Table(title=f"deployment {state['deployment']}", title_justify="left")
             for column in ("at", "action", "model@version", "status", "detail"):
                 history.add_column(column, overflow="fold", no_wrap=column == "model@version")
@@ -108,7 +137,9 @@ def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> N
 
 def rm(
     model: str = typer.Argument(..., help="NAME@VERSION to delete, or NAME with --keep N."),
-    keep: int | None = typer.Option(None, "--keep", help="Keep only the newest N versions of NAME."),
+    keep: int | None = typer.Option(
+        None, "--keep", help="Keep only the newest N versions of NAME.", show_default="none: delete NAME@VERSION"
+    ),
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:

@@ -16,14 +16,13 @@ DEPLOYMENT_OPTION: Any = typer.Option("default", "--deployment", "-d", help="Dep
 def _report(outcome: Any, json_out: bool, asked: str | None = None) -> None:
     if json_out:
         emit_json(outcome.to_json())
-    current = outcome.current
-    ref = f"{current['model']}@{current['version']}" if current else "nothing"
+    ref = outcome.current.ref if outcome.current else "nothing"
     if asked is not None and "@" not in asked:  # a bare name: say which version it meant
         err_console.print(f"{asked} resolves to {ref}, its newest verified version", highlight=False)
     if not outcome.changed:
         err_console.print(f"deployment {outcome.deployment} already serves {ref}", highlight=False)
         return
-    how = " (server hot-swapped)" if outcome.event.get("hot_swap") else ""
+    how = " (server hot-swapped)" if outcome.event is not None and outcome.event.hot_swap else ""
     err_console.print(
         f"{outcome.action}: deployment {outcome.deployment} now serves [bold]{ref}[/]{how}", highlight=False
     )
@@ -46,7 +45,10 @@ def release(
 
 def rollback(
     to: str | None = typer.Option(
-        None, "--to", help="VERSION (of the current model) or MODEL@VERSION; default: the previous good release."
+        None,
+        "--to",
+        help="VERSION (of the current model) or MODEL@VERSION.",
+        show_default="the previous good release",
     ),
     deployment: str = DEPLOYMENT_OPTION,
     store: Path | None = STORE_OPTION,

@@ -17,23 +17,29 @@ def validate(
         "--api-key",
         envvar="DLM_API_KEY",
         help="Bearer key for the server (also checks that a missing or wrong key gets 401).",
+        show_default="none",
     ),
-    model: str | None = typer.Option(None, "--model", help="Model id to check (default: the first of /v1/models)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model id to check.", show_default="the first of /v1/models"
+    ),
     suite: Path | None = typer.Option(
         None,
         "--suite",
         help="YAML file of prompts with expectations, or `default-model`: the embedded default model's "
         "known answers (see docs/validate.md).",
+        show_default="none",
     ),
-    junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write the results as JUnit XML."),
+    junit_xml: Path | None = typer.Option(
+        None, "--junit-xml", help="Also write the results as JUnit XML.", show_default="none"
+    ),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout", help="Seconds to wait for /ready."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for each request."),
     max_tokens: int = typer.Option(16, "--max-tokens", help="max_tokens of the check requests."),
     burst: int = typer.Option(32, "--burst", help="Concurrent requests of the burst check."),
     min_context: int | None = typer.Option(
-        None, "--min-context", help="Fail unless prompts of this many tokens are served."
+        None, "--min-context", help="Fail unless prompts of this many tokens are served.", show_default="none"
     ),
-    skip: list[str] = typer.Option([], "--skip", help="Check to leave out (repeatable)."),
+    skip: list[str] = typer.Option([], "--skip", help="Check to leave out (repeatable).", show_default="none"),
     cacert: Path | None = CACERT_OPTION,
     insecure: bool = INSECURE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),

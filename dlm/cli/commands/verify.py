@@ -12,7 +12,7 @@ from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, ope
 
 def verify(
     model: str = typer.Argument(..., help="Store name[@version], or a checkpoint directory (structure only)."),
-    workers: int | None = typer.Option(None, "--workers", help="Files hashed in parallel (default: CPU count)."),
+    workers: int | None = typer.Option(None, "--workers", help="Files hashed in parallel.", show_default="CPU count"),
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dlm.cli.server.config import ServeConfig
+from dlm.cli.server.config import Cli, ServeConfig
 from dlm.engine.errors import DlmError, UsageError
 
 PORT = 8000  # the container's HTTP port
@@ -58,29 +58,56 @@ SERVE_SCRIPT = (
 
 
 class KubernetesSettings(BaseModel):
-    """What a cluster adds to the serve settings. Defaults are written here only."""
+    """What a cluster adds to the serve settings, declared once: `dlm deploy kubernetes`'s
+    options are built from these fields (dlm/cli/setting_options.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="name of every object (a DNS-1035 label)")
-    source: str = Field(description="what `dlm fetch` takes: a hub repo id or a path mounted in the pod")
-    revision: str | None = Field(None, description="hub commit the init step fetches (40 hex digits)")
-    model_name: str | None = Field(None, description="the model's name in the store [the repo or directory name]")
-    image: str | None = Field(None, description="container image [dlm:VERSION-cuda, -cpu for device cpu]")
-    namespace: str | None = None
-    replicas: int = Field(2, ge=1, description="replicas (minimum when autoscaling)")
-    max_replicas: int | None = Field(None, ge=1, description="autoscale up to this many replicas on queue depth")
-    target_waiting: float = Field(2.0, gt=0, description="waiting requests per replica the autoscaler aims for")
-    gpu: str | None = Field(None, description="GPU from `dlm estimate`'s catalogue the plan must fit")
-    store_size: str | None = Field(None, description="store volume size [two copies of the weights, +10%]")
-    storage_class: str | None = None
-    store_access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
-    shm_size: str = Field("16Gi", description="/dev/shm for NCCL (a memory-backed emptyDir)")
-    drain_delay: int = Field(10, ge=0, description="preStop seconds for endpoints to stop routing to the pod")
-    load_throughput_mb: float = Field(200.0, gt=0, description="MB/s a pod reads its weights at (startup probe)")
-    api_keys: bool = Field(True, description="require API keys (DLM_API_KEYS from a Secret)")
-    api_key_secret: str | None = Field(None, description="Secret with key `api-keys` [NAME-api-keys]")
-    hf_token_secret: str | None = Field(None, description="Secret with key `token` for gated repos [NAME-hf-token]")
+    name: str = Field("dlm", description="Name of every object (a DNS-1035 label).")
+    source: str = Field(description="What `dlm fetch` takes: a hub repo id or a path mounted in the pod.")
+    revision: Annotated[str | None, Cli(shown="none; a hub source needs one")] = Field(
+        None, description="Hub commit the init step fetches (40 hex digits)."
+    )
+    model_name: Annotated[str | None, Cli(shown="the repo or directory name")] = Field(
+        None, description="The model's name in the store."
+    )
+    image: Annotated[str | None, Cli(shown="dlm:VERSION-cuda, -cpu with --device cpu")] = Field(
+        None, description="Container image."
+    )
+    namespace: Annotated[str | None, Cli(names=("--namespace", "-n"), shown="none: kubectl's")] = Field(
+        None, description="Namespace of every object."
+    )
+    replicas: int = Field(2, ge=1, description="Replicas (the minimum with --max-replicas).")
+    max_replicas: Annotated[int | None, Cli(shown="none: no autoscaler")] = Field(
+        None, ge=1, description="Add a HorizontalPodAutoscaler on queue depth up to this many replicas."
+    )
+    target_waiting: float = Field(2.0, gt=0, description="Waiting requests per replica the autoscaler keeps.")
+    gpu: Annotated[str | None, Cli(shown="none")] = Field(
+        None, description="Refuse unless the memory plan fits this GPU of `dlm estimate`'s catalogue."
+    )
+    store_size: Annotated[str | None, Cli(shown="two copies of the weights, +10%")] = Field(
+        None, description="Store volume size (a Kubernetes quantity)."
+    )
+    storage_class: Annotated[str | None, Cli(shown="the cluster's default")] = Field(
+        None, description="StorageClass of the store volume."
+    )
+    store_access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        "ReadWriteMany", description="ReadWriteMany (pods share it) or ReadWriteOnce (one replica)."
+    )
+    shm_size: str = Field("16Gi", description="/dev/shm size for NCCL (a memory-backed emptyDir).")
+    drain_delay: int = Field(
+        10, ge=0, description="preStop seconds before SIGTERM, while endpoints stop routing to the pod."
+    )
+    load_throughput_mb: float = Field(
+        200.0, gt=0, description="MB/s a pod reads its weights at; sizes the startup probe."
+    )
+    api_keys: bool = Field(True, description="Require API keys (DLM_API_KEYS from a Secret).")
+    api_key_secret: Annotated[str | None, Cli(shown="NAME-api-keys")] = Field(
+        None, description="Secret holding `api-keys` (comma-separated)."
+    )
+    hf_token_secret: Annotated[str | None, Cli(shown="NAME-hf-token")] = Field(
+        None, description="Secret holding `token` for gated repos."
+    )
 
     @field_validator("name")
     @classmethod
@@ -190,9 +217,11 @@ def sizing(config: ServeConfig, report: dict[str, Any], settings: KubernetesSett
     )
 
 
-def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None) -> dict[str, Any]:
-    """`dlm estimate`'s report for the server's shape: its TP, batch and generation length."""
-    from dlm.cli.estimate.plan import Serving, estimate
+def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revision: str | None) -> dict[str, Any]:
+    """`dlm estimate`'s report for the server's shape: its TP, batch and generation length,
+    from `estimate_from` (a hub SOURCE at the pinned `revision`). A hub out of reach is fixed
+    by --estimate-from, not by another SOURCE: SOURCE is what the pods fetch."""
+    from dlm.cli.estimate.plan import HubUnreachable, Serving, estimate
 
     block = config.block_length or Serving.block_length
     serving = Serving(
@@ -203,7 +232,13 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None) -> dic
         gen_length=math.ceil(config.max_tokens / block) * block,
         block_length=block,
     )
-    return estimate(estimate_from, serving, gpu=gpu)
+    try:
+        return estimate(estimate_from, serving, gpu=gpu, revision=revision)
+    except HubUnreachable as exc:
+        raise DlmError(
+            f"cannot read {exc.repo_id!r} from the Hugging Face hub ({exc.why}) to size the pods; give "
+            "--estimate-from with the checkpoint's directory or its config.json (SOURCE stays what the pods fetch)"
+        ) from None
 
 
 # --------------------------------------------------------------------------- objects

@@ -609,6 +609,18 @@ class ModelSource:
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+class HubUnreachable(DlmError):
+    """A hub repo's config.json could not be read (offline, unreachable): what to give
+    instead depends on the command (`dlm deploy kubernetes` says --estimate-from)."""
+
+    def __init__(self, repo_id: str, why: str) -> None:
+        super().__init__(
+            f"cannot read {repo_id!r} from the Hugging Face hub ({why}); "
+            "pass a local checkpoint directory or a config.json instead"
+        )
+        self.repo_id, self.why = repo_id, why
+
+
 def load_source(spec: str, revision: str | None = None) -> ModelSource:
     """A checkpoint directory, a store model, a bare config.json, or a hub repo id
     (config + headers only)."""
@@ -642,10 +654,7 @@ def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
 
     status = hub_status()  # at once, not after huggingface_hub's retries
     if status.problem is not None and not status.offline:
-        raise DlmError(
-            f"cannot read {repo_id!r} from the Hugging Face hub: {status.problem}; "
-            "pass a local checkpoint directory or a config.json instead"
-        )
+        raise HubUnreachable(repo_id, status.problem)
     try:  # in offline mode, from the local hub cache if it holds the file
         config_path = hf_hub_download(repo_id, "config.json", revision=revision)
     except RepositoryNotFoundError as exc:  # also gated repositories
@@ -653,10 +662,7 @@ def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
     except RemoteEntryNotFoundError:
         raise UsageError(f"hub repository {repo_id!r} has no config.json") from None
     except (OSError, httpx.HTTPError) as exc:  # offline (LocalEntryNotFoundError), unreachable, HTTP errors
-        raise DlmError(
-            f"cannot read {repo_id!r} from the Hugging Face hub (offline or unreachable: {type(exc).__name__}); "
-            "pass a local checkpoint directory or a config.json instead"
-        ) from None
+        raise HubUnreachable(repo_id, f"offline or unreachable: {type(exc).__name__}") from None
     try:
         raw = json.loads(Path(config_path).read_text())
     except json.JSONDecodeError as exc:

@@ -8,10 +8,14 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dlm.cli.loadtest.sweep import MIN_SAMPLES, find_knee, thin_levels
 from dlm.cli.loadtest.thresholds import Condition, violations
+
+# More empty answers than this share of the successful ones, and the run is called meaningless.
+EMPTY_SHARE = 0.5
 
 
 def gate_level(levels: list[dict[str, Any]], knee: dict[str, Any] | None) -> dict[str, Any]:
@@ -31,6 +35,14 @@ def finalize(
         f"{users} users: fewer than {min_samples} successful requests; its percentiles are rough"
         for users in thin_levels(levels, min_samples)
     ]
+    empty, ok = sum(level["empty_answers"] for level in levels), sum(level["ok"] for level in levels)
+    if ok and empty > EMPTY_SHARE * ok:
+        warnings.insert(
+            0,
+            f"{empty} of {ok} answers were empty (EOS at once): no first token to time, so TTFT and TPOT "
+            "are blank and the knee is that of empty answers; send prompts this model answers "
+            "(--prompts tasks for the default model, or a JSONL file)",
+        )
     gate = dict(gate_level(levels, knee))
     agreement = result["server_metrics"]
     for key, name in (("requests", "requests_mismatch"), ("output_tokens", "tokens_mismatch")):
@@ -56,12 +68,23 @@ def write_summary(summary: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
+def _compact(value: float, digits: int) -> str:
+    """`value` with at most `digits` decimals, fewer as its integer part grows, so a cell
+    stays about five characters wide (12.35, 123.5, 1235): the table fits 80 columns."""
+    whole = len(str(int(abs(value))))
+    return f"{value:.{max(0, digits - whole + 1)}f}"
 
 
 def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    return "-" if value is None else _compact(value, digits)
+
+
+def _ms(value: float | None) -> str:
+    """Seconds as milliseconds (a decimal below 10 ms: a diffusion model's TPOT is often under
+    one); from 100 s on, as seconds with an `s`."""
+    if value is None:
+        return "-"
+    return _compact(value * 1000, 1) if value < 100 else f"{value:.0f}s"
 
 
 def level_row(level: dict[str, Any]) -> list[str]:
@@ -76,7 +99,7 @@ def level_row(level: dict[str, Any]) -> list[str]:
         _ms(level["p50_ttft"]),
         _ms(level["p50_tpot"]),
         _num(level["mean_denoising_steps"], 1),
-        f"{level['error_rate']:.1%}",
+        f"{level['error_rate']:.1%}" if level["error_rate"] < 1 else "100%",
         _num(level["goodput_rps"]),
     ]
 
@@ -84,8 +107,8 @@ def level_row(level: dict[str, Any]) -> list[str]:
 COLUMNS = (
     "users",
     "n",  # successful requests measured at this level
-    "req/s",
-    "tok/s",
+    "req\n/s",
+    "tok\n/s",
     "e2e\np50",
     "e2e\np95",
     "e2e\np99",
@@ -98,9 +121,19 @@ COLUMNS = (
 
 
 def levels_table(levels: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=f"{title}; latencies in ms", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    """One row per level. Columns two spaces apart and cells of about five characters keep the
+    table within 80 columns; a narrower terminal folds a cell onto a second line rather than
+    cutting it (a cut number reads as another number)."""
+    table = Table(
+        title=f"{title}; latencies in ms",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
     for name in COLUMNS:
-        table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(name, justify="right", overflow="fold")
     for level in levels:
         table.add_row(*level_row(level))
     return table
@@ -116,10 +149,13 @@ def live_table(tick: dict[str, Any]) -> Table:
 
 
 def render_summary(summary: dict[str, Any], console: Console) -> None:
-    console.print(levels_table(summary["levels"], f"dlm loadtest {summary['url']} ({summary['model']})"))
+    title = f"dlm loadtest {summary['url']} ({summary['model']}, prompts: {summary['prompts']})"
+    console.print(levels_table(summary["levels"], title))
     errors = summary["totals"]["errors_by_status"]
     if errors:
         console.print(f"errors by status: {', '.join(f'{k}: {v}' for k, v in errors.items())}")
+    for warning in summary["warnings"]:  # before the knee: they say what it is worth
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     if summary["knee"]:
         knee = summary["knee"]
         where = f"{knee['users']} users" if knee["users"] is not None else "not reached"
@@ -136,7 +172,5 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                 )
     else:
         console.print("server /metrics not readable: no client/server agreement check")
-    for warning in summary["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
     for violation in summary["violations"]:
         console.print(f"[bold red]threshold exceeded:[/] {violation}")

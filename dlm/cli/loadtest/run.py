@@ -102,7 +102,8 @@ def agreement(
     return result
 
 
-def resolve_model(client: ApiClient) -> str:
+def served_card(client: ApiClient, model: str | None) -> dict[str, Any]:
+    """The server's /v1/models card of `model` (default: the first it lists)."""
     try:
         response = client.get("/v1/models")
     except httpx.HTTPError as exc:
@@ -112,7 +113,12 @@ def resolve_model(client: ApiClient) -> str:
             f"{client.base_url}/v1/models answered HTTP {response.status_code}; "
             "is the URL right, and the key (--api-key)?"
         )
-    return response.json()["data"][0]["id"]
+    cards: list[dict[str, Any]] = response.json()["data"]
+    if model is not None:
+        return next((c for c in cards if c["id"] == model), {"id": model})
+    if not cards:
+        raise DlmError(f"{client.base_url}/v1/models lists no model; give --model")
+    return cards[0]
 
 
 def write_locust_reports(env: Environment, writer: StatsCSVFileWriter, out: Path) -> None:
@@ -137,8 +143,8 @@ def run_loadtest(
     plan.out.mkdir(parents=True, exist_ok=True)
     with ApiClient(plan.url, plan.api_key, plan.timeout, verify=plan.verify) as client:
         workload = plan.workload
-        if workload.model is None:
-            workload = Workload(workload.requests, workload.fields, resolve_model(client))
+        if workload.model is None or workload.requests is None:  # the server says which model it serves
+            workload = workload.for_model(served_card(client, workload.model))
         before = scrape(client)
         recorder = Recorder()
         env = Environment(
@@ -181,7 +187,7 @@ def run_loadtest(
     write_locust_reports(env, writer, plan.out)
     records = recorder.records
     levels, vllm = [], []
-    endpoint = workload.requests[0][0]
+    endpoint = workload.request(0)[0]
     for index, (users, (steady, end)) in enumerate(zip(plan.levels, windows)):
         window = [r for r in records if r.level == index and r.start >= steady]
         levels.append({"users": users, **summarize(window, end - steady, list(plan.slo))})
@@ -193,6 +199,7 @@ def run_loadtest(
     return {
         "url": plan.url,
         "model": workload.model,
+        "prompts": workload.prompts,
         "levels": levels,
         "totals": summarize(records, windows[-1][1] - started, list(plan.slo)),
         "server_metrics": agreement(before, after, records),

@@ -81,6 +81,7 @@ def summarize(records: list[RequestRecord], seconds: float, slo: list[Condition]
         "output_tokens": sum(tokens),
         "output_tokens_per_s": sum(tokens) / span,
         "requests_without_usage": len(ok) - len(tokens),
+        "empty_answers": sum(1 for r in ok if not r.text),  # EOS at once: no first token to time
         "mean_denoising_steps": float(np.mean(steps)) if steps else None,
         "p50_denoising_steps": float(np.median(steps)) if steps else None,
         "tokens_per_step": (sum(t for t, _ in both) / sum(s for _, s in both)) if both else None,

@@ -1,8 +1,15 @@
-"""What the simulated users send: prompts (built in or from JSONL) and request fields."""
+"""What the simulated users send: prompts (a named set or JSONL) and request fields.
+
+The named sets: `builtin`, general questions for a model that answers anything, and `tasks`,
+the embedded default model's task prompts. A model answers prompts it was not trained on
+with EOS at once, so a load test of empty answers would time no first token and name a
+knee from nothing; `auto` (the default) therefore sends `tasks` when the server's
+/v1/models says it serves the default model, else `builtin`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +33,32 @@ LINE_FIELDS = (
 )
 
 
+Requests = tuple[tuple[str, dict[str, Any]], ...]  # (path, body without model/stream)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """Request templates the users cycle through, and fields added to every request."""
+    """Request templates the users cycle through, and fields added to every request.
+    `requests` None: chosen once the served model is known (`for_model`)."""
 
-    requests: tuple[tuple[str, dict[str, Any]], ...]  # (path, body without model/stream)
+    requests: Requests | None
     fields: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
+    prompts: str = ""  # where the requests came from: a named set or a file, for the summary
+
+    def for_model(self, card: dict[str, Any]) -> Workload:
+        """This workload for the server's /v1/models card: its model id unless one was given,
+        its prompts when they were left to the model (`auto`)."""
+        prompts = self.prompts
+        requests = self.requests
+        if requests is None:
+            prompts = TASK_PROMPTS if serves_default_model(card) else BUILTIN_PROMPT_SET
+            requests = named(prompts)
+        return replace(self, requests=requests, model=self.model or card["id"], prompts=prompts)
 
     def request(self, index: int) -> tuple[str, dict[str, Any]]:
+        if self.requests is None:
+            raise ValueError("the prompts are chosen by for_model() first")
         path, body = self.requests[index % len(self.requests)]
         full = {**self.fields, **body, "stream": True, "stream_options": {"include_usage": True}}
         if self.model:
@@ -45,13 +69,23 @@ class Workload:
 # `--prompts tasks`: the default model's task prompts (its known-answer suite's cases), so
 # answer lengths and EOS behave as they do in production.
 TASK_PROMPTS = "tasks"
+BUILTIN_PROMPT_SET = "builtin"
+AUTO_PROMPTS = "auto"  # tasks for the default model, else builtin
 
 
-def builtin_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
+def serves_default_model(card: dict[str, Any]) -> bool:
+    """Whether a /v1/models card is the embedded default model's: its `root` (the checkpoint
+    the server loaded) or, from a server that sends none, its id."""
+    from dlm.engine.default_model import NAME
+
+    return card.get("root", card["id"]) == NAME
+
+
+def builtin_requests() -> Requests:
     return tuple(("/v1/completions", {"prompt": p}) for p in BUILTIN_PROMPTS)
 
 
-def task_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
+def task_requests() -> Requests:
     """Chat requests of the default model's known-answer suite (the command's own flags set
     their length and decoding)."""
     from dlm.cli.checks.suite import DEFAULT_MODEL_SUITE, load_suite
@@ -64,14 +98,22 @@ def task_requests() -> tuple[tuple[str, dict[str, Any]], ...]:
     )
 
 
-def named_or_file(spec: str | Path) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """`--prompts`: the named set `tasks` (when no such file exists), else a JSONL file."""
-    if str(spec) == TASK_PROMPTS and not Path(spec).exists():
-        return task_requests()
-    return load_jsonl(spec)
+def named(name: str) -> Requests:
+    return task_requests() if name == TASK_PROMPTS else builtin_requests()
 
 
-def load_jsonl(path: str | Path) -> tuple[tuple[str, dict[str, Any]], ...]:
+def from_prompts(spec: str, fields: dict[str, Any], model: str | None) -> Workload:
+    """`--prompts`: a named set (`auto`, `tasks`, `builtin`) unless a file has its name, else
+    a JSONL file; `auto` leaves the choice to the served model (`Workload.for_model`)."""
+    if not Path(spec).exists():
+        if spec == AUTO_PROMPTS:
+            return Workload(None, fields, model, spec)
+        if spec in (TASK_PROMPTS, BUILTIN_PROMPT_SET):
+            return Workload(named(spec), fields, model, spec)
+    return Workload(load_jsonl(spec), fields, model, spec)
+
+
+def load_jsonl(path: str | Path) -> Requests:
     """One request per line: {"prompt": ...} or {"messages": [...]}, plus optional fields."""
     path = Path(path)
     requests = []

@@ -17,14 +17,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from dlm.cli.server import errors, heap
+from dlm.cli.server import errors, heap, openapi
 from dlm.cli.server.admin import AdminEndpoint
 from dlm.cli.server.body import read_body
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.errors import APIError, bad_request
 from dlm.cli.server.generation import Responder
 from dlm.cli.server.prepare import Preparer
-from dlm.cli.server.protocol import ChatRequest, CompletionRequest
+from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.cli.server.service import Job, Service
 from dlm.cli.version import dlm_version
 
@@ -42,15 +42,25 @@ def create_app(config: ServeConfig) -> FastAPI:
         # 200 when loading ends, and generation requests that arrive meanwhile wait for it
         # (within `ready_wait`) rather than get 503 right after the server said it listens.
         loading = app.state.loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
-        yield
-        service.draining = True
-        if admin is not None:
-            await admin.stop()
-        await loading
-        service.shutdown()
-        preparer.close()
+        try:
+            yield
+        finally:  # also when the block raises (`dlm batch` runs the lifespan around its own work)
+            service.draining = True
+            if admin is not None:
+                await admin.stop()
+            await loading
+            service.shutdown()
+            preparer.close()
 
-    app = FastAPI(title="dlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs are FastAPI's, with the bodies the handlers read (openapi.py).
+    app = FastAPI(
+        title="dlm",
+        lifespan=lifespan,
+        docs_url="/docs" if config.openapi else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if config.openapi else None,
+    )
+    openapi.install(app, config)
     app.state.service = service
     app.state.admin = admin
     app.state.loading = None  # the loading task, once the lifespan starts it
@@ -90,7 +100,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
         return await read_body(request, config.max_body_bytes, config.read_timeout)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body(CompletionRequest, ChatRequest))
     async def tokenize(request: Request) -> JSONResponse:
         """A completion's `prompt` or a chat's `messages` (template applied) as the token ids
         the server would decode from, as vLLM's `/tokenize` answers."""
@@ -98,7 +108,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         ids = prepared.prompt_ids
         return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(request: Request) -> JSONResponse:
         return JSONResponse({"prompt": await preparer.detokenize(service, await utility(request))})
 
@@ -113,8 +123,10 @@ def create_app(config: ServeConfig) -> FastAPI:
             "max_model_len": service.max_model_len or None,
         }
         served = service.served
-        if served is not None and served.ref is not None:  # a deployment: which release serves
-            card.update(root=served.ref, version=served.version)
+        if served is not None:  # what was loaded (vLLM's `root`): a deployment's release, else the checkpoint's name
+            card["root"] = served.ref or served.model_dir.name
+        if served is not None and served.ref is not None:
+            card["version"] = served.version
         if served is not None:  # the request features the loaded family honours (dlm/engine/capabilities.py)
             card["capabilities"] = list(served.engine.engine.capabilities)
         return JSONResponse({"object": "list", "data": [card]})
@@ -145,11 +157,11 @@ def create_app(config: ServeConfig) -> FastAPI:
         responder = Responder(service, job, streams)
         return responder.streaming() if body.stream else await responder.respond(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await generate(request, Job("completions"), CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatRequest))
     async def chat(request: Request) -> Response:
         return await generate(request, Job("chat.completions"), ChatRequest)
 

@@ -11,12 +11,16 @@ import hashlib
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from dlm.engine.errors import UsageError
+from dlm.engine.params import DEFAULTS
+
+GEN_LENGTH = DEFAULTS["gen_length"]  # a request's length when neither it nor the server says
 
 if TYPE_CHECKING:
     from dlm.engine.config import ModelConfig
@@ -34,90 +38,156 @@ def key_id(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+@dataclass(frozen=True)
+class Cli:
+    """How a setting is spelt on `dlm serve`'s command line where its field alone does not say.
+
+    `names`: the option's names (default: `--field-name`; a bool: `--field-name/--no-field-name`);
+    `shown`: the default in words, for a setting whose default (None) means something
+    ("the model's"), or "none" where it means nothing is set."""
+
+    names: tuple[str, ...] = ()
+    shown: str | None = None
+
+
 class ServeConfig(BaseModel):
+    """Every setting of `dlm serve`, declared once: its name (the config-file key, `DLM_<NAME>`
+    and, unless `Cli` says otherwise, `--name`), type, default, range and help text (the
+    description). `dlm serve`'s options are generated from these fields
+    (dlm/cli/setting_options.py), so adding a setting is adding a field here."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(None, description="checkpoint directory; none: the embedded default model")
-    served_model_name: str | None = Field(None, description="name clients pass as `model`")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    dtype: str = "auto"
-    device: str = "auto"
-    gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="share of each GPU's memory the server may use (a ceiling; CUDA only)"
+    # `model` is the command's MODEL argument (or --model-path), not an option.
+    model: str | None = Field(None, description="Checkpoint directory; none: the embedded default model.")
+    served_model_name: Annotated[str | None, Cli(shown="the directory name")] = Field(
+        None, description="Model name clients send."
+    )
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
+    dtype: str = Field("auto", description="auto (per device, see dlm doctor), float32, bfloat16, float16.")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N.")
+    gpu_memory_utilization: Annotated[float | None, Cli(shown="no cap")] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Share (0-1] of each GPU's memory the server may use: a ceiling, nothing is reserved (CUDA only).",
     )
     backend: Literal["native", "transformers"] = Field(
-        "native", description="transformers: load any checkpoint with transformers (docs/transformers-backend.md)"
+        "native", description="native, or transformers: load any checkpoint with transformers."
     )
-    trust_remote_code: bool = Field(False, description="with backend transformers: run the checkpoint's own code")
+    trust_remote_code: bool = Field(
+        False, description="With --backend transformers: run the checkpoint's own Python code."
+    )
     # tensor parallelism (docs/parallelism.md): as `dlm generate`; torchrun's variables win
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over; rank 0 serves HTTP")
-    nnodes: int = Field(1, ge=1, description="nodes the ranks span (run `dlm serve` on each)")
-    node_rank: int = Field(0, ge=0, description="this node's index; 0 serves HTTP")
-    master_addr: str | None = Field(None, description="node 0's address (multi-node)")
-    master_port: int | None = Field(None, ge=1, le=65535, description="node 0's rendezvous port (multi-node)")
-    moe_parallel: Literal["auto", "ep", "tp"] = "auto"
+    tensor_parallel_size: Annotated[int, Cli(names=("--tensor-parallel-size", "-tp"))] = Field(
+        1,
+        ge=1,
+        description="Split the model over N processes (one per GPU; gloo CPU processes without CUDA); "
+        "rank 0 serves HTTP.",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes the tensor-parallel ranks span (run the command on each).")
+    node_rank: int = Field(0, ge=0, description="This node's index (0 = the node that answers).")
+    master_addr: Annotated[str | None, Cli(shown="none: one node")] = Field(
+        None, description="Node 0's address (multi-node)."
+    )
+    master_port: Annotated[int | None, Cli(shown="none: one node")] = Field(
+        None, ge=1, le=65535, description="Node 0's rendezvous port (multi-node)."
+    )
+    moe_parallel: Literal["auto", "ep", "tp"] = Field(
+        "auto", description="auto, ep (experts split over ranks) or tp (each expert split)."
+    )
     # security
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    api_key_file: Path | None = None
-    public_metrics: bool = Field(False, description="serve /metrics without an API key")
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    requests_per_minute: float = Field(0, ge=0, description="per API key; 0: unlimited")
-    tokens_per_minute: float = Field(0, ge=0, description="generated tokens per API key; 0: unlimited")
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
+    api_keys: Annotated[list[SecretStr], Cli(names=("--api-key",), shown="none: no key needed")] = Field(
+        default_factory=list,
+        description="Accepted API key (repeatable; also DLM_API_KEYS, --api-key-file).",
+    )
+    api_key_file: Annotated[Path | None, Cli(shown="none")] = Field(
+        None, description="File with one API key per line (# comments)."
+    )
+    public_metrics: Annotated[bool, Cli(names=("--public-metrics/--private-metrics",))] = Field(
+        False, description="Serve /metrics without an API key."
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body cap in bytes; beyond: 413.")
+    requests_per_minute: float = Field(0, ge=0, description="Per-key request rate (0: unlimited).")
+    tokens_per_minute: float = Field(0, ge=0, description="Per-key generated-token rate (0: unlimited).")
+    ssl_certfile: Annotated[Path | None, Cli(shown="none: plain HTTP")] = Field(
+        None, description="TLS certificate (with --ssl-keyfile)."
+    )
+    ssl_keyfile: Annotated[Path | None, Cli(shown="none: plain HTTP")] = Field(None, description="TLS private key.")
     # connections (docs/serve.md#hardening): idle and slow clients are closed
     read_timeout: float = Field(
-        30.0, gt=0, description="seconds to receive a request's headers, and again its body; then closed / 408"
+        30.0, gt=0, description="Seconds to receive a request's headers, and again its body; then closed / 408."
     )
-    keep_alive_timeout: int = Field(5, ge=1, description="seconds an idle keep-alive connection stays open")
+    keep_alive_timeout: int = Field(5, ge=1, description="Seconds an idle keep-alive connection stays open.")
     max_connections: int = Field(
-        1000, ge=1, description="open connections and requests; beyond, uvicorn answers 503 at once"
+        1000, ge=1, description="Open connections and requests; beyond, uvicorn answers 503 at once."
     )
     # scheduling and limits
-    max_num_seqs: int = Field(8, ge=1, description="sequences sharing one forward")
-    max_num_batched_tokens: int = Field(16384, ge=1, description="canvas tokens in one forward")
-    max_queue: int = Field(64, ge=0, description="waiting requests; beyond: 429")
-    max_tokens: int = Field(1024, ge=1, description="largest max_tokens (gen_length) per request")
-    default_max_tokens: int | None = Field(
-        None, ge=1, description="when a request gives none; default: min(128, max_tokens)"
+    max_num_seqs: Annotated[int, Cli(names=("--max-num-seqs", "--max-concurrency"))] = Field(
+        8, ge=1, description="Sequences sharing one forward (decoded concurrently)."
+    )
+    max_num_batched_tokens: int = Field(16384, ge=1, description="Canvas tokens in one forward.")
+    max_queue: int = Field(64, ge=0, description="Waiting requests before 429.")
+    max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")
+    default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)")] = Field(
+        None, ge=1, description="max_tokens when a request gives none."
     )
     max_steps: int = Field(
-        1024, ge=1, description="cap on every request's denoising steps (forwards), whatever its rule or family"
+        1024,
+        ge=1,
+        description="Cap on every request's denoising steps (usage.denoising_steps), whatever its rule or family.",
     )
-    refinement_steps: int | None = Field(
-        None, ge=1, description="denoising steps per block when a request gives none; default: one token per step"
+    refinement_steps: Annotated[int | None, Cli(shown="one token per step")] = Field(
+        None, ge=1, description="Denoising steps per block when a request gives no steps."
     )
-    block_length: int | None = Field(
-        None, ge=1, description="block length when a request gives none; default: the family's"
+    block_length: Annotated[int | None, Cli(shown="the family's")] = Field(
+        None, ge=1, description="Block length when a request gives none."
     )
-    max_model_len: int | None = Field(None, ge=2, description="prompt + generation; default: the model's")
+    max_model_len: Annotated[int | None, Cli(shown="the model's, at most max-num-batched-tokens")] = Field(
+        None, ge=2, description="Prompt + generation limit."
+    )
     # Off until the CUDA-graph path has run on a GPU (benchmarks/gpu_check.py checks its ids
     # against eager ones): a wrong replay would not be caught by any CPU test.
     step_graphs: str = Field(
         "off",
-        description="static-shape step forwards: auto (CUDA graphs on CUDA only), on (also static on a CPU), off",
+        description="auto, on, off: denoising forwards at static shapes, replayed as CUDA graphs on CUDA "
+        "(bidirectional families; auto: CUDA only; on: also static shapes on a CPU).",
     )
     prefix_cache_mib: float = Field(
         1024.0,
         ge=0,
-        description="MiB of prompt K/V shared across requests (block-causal families; LRU); 0: off",
+        description="MiB of prompt K/V reused across requests sharing a prefix (block-causal families; "
+        "exact, LRU); 0 turns it off.",
     )
-    request_timeout: float = Field(300.0, gt=0, description="seconds from arrival to the end")
-    shutdown_grace: float = Field(30.0, ge=0, description="seconds to drain on SIGTERM")
+    request_timeout: float = Field(300.0, gt=0, description="Seconds from a request's arrival before it is stopped.")
+    shutdown_grace: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     ready_wait: float = Field(
-        120.0, ge=0, description="seconds a generation request that arrives while the model loads waits for it"
+        120.0, ge=0, description="Seconds a request sent while the model loads waits for it, not 503."
     )
     # releases (docs/weights.md): serve a store deployment and accept hot swaps
-    deployment: str | None = Field(None, description="store deployment to serve (its current version)")
-    store: Path | None = Field(None, description="model store; default $DLM_HOME/store")
-    admin_port: int = Field(0, ge=0, le=65535, description="admin endpoint port on 127.0.0.1; 0: any free one")
-    admin_key: SecretStr | None = Field(None, description="admin endpoint key; default: a random one")
-    admin_key_file: Path | None = None
+    deployment: Annotated[str | None, Cli(names=("--deployment", "-d"), shown="none: serve MODEL")] = Field(
+        None,
+        description="Serve this store deployment's current release and accept hot swaps from "
+        "`dlm release`/`dlm rollback`.",
+    )
+    store: Annotated[Path | None, Cli(shown="$DLM_HOME/store")] = Field(
+        None, description="Model store for --deployment (also DLM_STORE)."
+    )
+    admin_port: int = Field(
+        0, ge=0, le=65535, description="Admin endpoint port, always on 127.0.0.1 (0: any free one)."
+    )
+    admin_key: Annotated[SecretStr | None, Cli(shown="random")] = Field(
+        None, description="Admin endpoint key (prefer DLM_ADMIN_KEY or --admin-key-file, which `ps` does not show)."
+    )
+    admin_key_file: Annotated[Path | None, Cli(shown="none")] = Field(None, description="File holding the admin key.")
     # operations
-    warmup: bool = True
-    log_prompts: bool = False
-    log_level: str = "info"
+    openapi: bool = Field(
+        True, description="Serve the API's description at /openapi.json and /docs (no key needed, as /health)."
+    )
+    warmup: bool = Field(True, description="Run a warm-up forward before /ready.")
+    log_prompts: bool = Field(False, description="Put prompt and output text in request logs.")
+    log_level: str = Field("info", description="critical, error, warning, info, debug.")
 
     @field_validator("step_graphs")
     @classmethod
@@ -289,6 +359,13 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def setting(name: str, value: Any) -> Any:
+    """`value` for setting `name`, validated as `dlm serve` validates it (None: its default),
+    for a command that takes one serve setting (`dlm doctor --port`): a bad value is the
+    same usage error."""
+    return getattr(load_config(flags={name: value}, environ={}), name)
+
+
 def load_config(
     file: Path | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -307,7 +384,7 @@ def load_config(
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
     if config.default_max_tokens is None:
-        config.default_max_tokens = min(128, config.max_tokens)
+        config.default_max_tokens = min(GEN_LENGTH, config.max_tokens)
     elif config.default_max_tokens > config.max_tokens:
         raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
     config.keys()  # a missing key file is a start-up error, not a runtime one

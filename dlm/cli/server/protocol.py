@@ -19,6 +19,7 @@ fields of their own (refusal, annotations, ...).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -33,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from dlm.engine.params import PARAMS, http_name
+from dlm.engine.params import DEFAULTS, PARAMS, http_name
 
 # Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
 PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
@@ -57,8 +58,31 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 def _param(name: str) -> Any:
     """A decoding parameter's body field: absent (None) means GenerationParams' default;
-    its description, default and range live in that declaration (dlm/engine/params.py)."""
-    return Field(None, description=PARAMS[PARAM_FIELDS[name]].help)
+    its description, default and range live in that declaration (dlm/engine/params.py), and
+    the JSON schema (/openapi.json) states them."""
+    return Field(None, description=PARAMS[PARAM_FIELDS[name]].help, json_schema_extra=_documented(PARAM_FIELDS[name]))
+
+
+def _documented(field: str) -> Callable[[dict[str, Any]], None]:
+    """What the JSON schema of GenerationParams field `field`'s body field adds: its default
+    (or, where None means something, that in words), range and choices."""
+    spec, default = PARAMS[field], DEFAULTS[field]
+
+    def edit(schema: dict[str, Any]) -> None:
+        if default is not None:
+            schema["default"] = list(default) if isinstance(default, tuple) else default
+        elif spec.shown:
+            schema["description"] = f"{schema['description']} Default: {spec.shown}."
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") in ("integer", "number"):
+                if spec.low is not None:
+                    branch["exclusiveMinimum" if spec.low_open else "minimum"] = spec.low
+                if spec.high is not None:
+                    branch["exclusiveMaximum" if spec.high_open else "maximum"] = spec.high
+            if branch.get("type") == "string" and spec.choices:
+                branch["enum"] = list(spec.choices)
+
+    return edit
 
 
 class _Body(BaseModel):
@@ -243,12 +267,13 @@ class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    # "required" and a named function force a tool call, which dlm cannot: refused as unsupported.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if isinstance(self.tool_choice, dict):
-            return "tool_choice", "forcing a specific tool is not supported; use auto or none"
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            return "tool_choice", "forcing a tool call is not supported; use auto or none"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()

@@ -107,6 +107,7 @@ class DrainingServer(uvicorn.Server):
         if self.service.ready and not self._announced:
             self.announce_ready()
         if self.service.load_error is not None:
+            log.error("error: %s", self.service.load_error)
             self.exit_code = self.service.exit_code
             return True
         failure = self.service.engine_failure

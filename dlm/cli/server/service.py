@@ -98,8 +98,7 @@ class Service:
         except Exception as exc:  # surfaced by /health and the exit code, never swallowed
             log.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
-        if self.load_error:
-            log.error("error: %s", self.load_error)
+        # The entry point reports load_error once: `dlm serve` in its log, `dlm batch` as its error line.
 
     def _load(self) -> None:
         model, ref = self.initial_checkpoint()
@@ -512,8 +511,8 @@ def _default_name(config: ServeConfig) -> str:
         from dlm.cli.store.releases import load_state
         from dlm.cli.store.store import Store
 
-        current = load_state(Store(config.store), config.deployment)["current"]
-        return current["model"] if current else config.deployment
+        current = load_state(Store(config.store), config.deployment).current
+        return current.model if current else config.deployment
     if config.model is None:
         from dlm.engine.default_model import NAME
 

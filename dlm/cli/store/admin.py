@@ -26,12 +26,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from dlm.cli.store.atomic import locked, read_json, write_json_atomic
+from dlm.cli.store import records
+from dlm.cli.store.atomic import locked, write_json_atomic
+from dlm.cli.store.records import CorruptRecord, ServerRecord
 from dlm.cli.store.store import Store, check_name, now
 from dlm.engine.errors import DlmError
 
@@ -42,18 +43,6 @@ SWAP_TIMEOUT_S = 1800.0  # loading and warming an 8B+ model can take minutes
 
 class SwapFailed(DlmError):
     """The server did not switch: traffic stays on the version it was serving."""
-
-
-@dataclass
-class ServerRecord:
-    deployment: str
-    pid: int
-    admin_url: str
-    admin_key: str
-    started_at: str
-    serving: str | None = None  # NAME@VERSION
-    swapping: str | None = None  # NAME@VERSION being loaded by a hot swap
-    swap_intent: str | None = None  # the journal entry that swap carries out
 
 
 SERVERS = ".servers"
@@ -72,10 +61,12 @@ def record_lock(store: Store, deployment: str) -> Iterator[None]:
 
 
 def read_record(store: Store, deployment: str) -> ServerRecord | None:
-    """The deployment's server record, whether its process lives or not."""
+    """The deployment's server record, whether its process lives or not; None when there is
+    none or it is corrupt (only the server writes it, atomically: a corrupt one was not
+    written by a server)."""
     try:
-        return ServerRecord(**read_json(record_path(store, deployment)))
-    except (OSError, ValueError, TypeError):
+        return records.read_record(record_path(store, deployment), ServerRecord)
+    except (FileNotFoundError, CorruptRecord):
         return None
 
 
@@ -101,9 +92,16 @@ def register_server(store: Store, deployment: str, admin_url: str, admin_key: st
     endpoint listens."""
     _check_loopback(admin_url)
     path = record_path(store, deployment)
-    record = ServerRecord(deployment, os.getpid(), admin_url.rstrip("/"), admin_key, now(), serving)
+    record = ServerRecord(
+        deployment=deployment,
+        pid=os.getpid(),
+        admin_url=admin_url.rstrip("/"),
+        admin_key=admin_key,
+        started_at=now(),
+        serving=serving,
+    )
     with record_lock(store, deployment):
-        write_json_atomic(path, asdict(record), mode=0o600)
+        write_json_atomic(path, record.to_json(), mode=0o600)
     return path
 
 
@@ -116,7 +114,7 @@ def note_serving(
     if record is None or record.pid != os.getpid():
         return
     record.serving, record.swapping, record.swap_intent = serving, swapping, intent
-    write_json_atomic(record_path(store, deployment), asdict(record), mode=0o600)
+    write_json_atomic(record_path(store, deployment), record.to_json(), mode=0o600)
 
 
 def unregister_server(store: Store, deployment: str) -> None:

@@ -46,10 +46,6 @@ def write_json_atomic(path: Path, payload: Any, mode: int = 0o644) -> None:
     write_bytes_atomic(path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode(), mode)
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
-
-
 class Busy(Exception):
     """A non-blocking `locked` found the lock held."""
 

@@ -7,7 +7,10 @@ hash for it (sha256 for LFS files, git's blob id for the rest) before the versio
 published. Local: files are copied (or hard-linked) and hashed in the same pass; symbolic
 links are followed only inside the source tree (or, with `follow_symlinks`, anywhere), and a
 broken one (dangling, a loop) or anything that is not a regular file is stored as a finding
-that fails the version instead of being copied.
+that fails the version instead of being copied. The scan notes which file (device, inode)
+each path is; the copy opens it again without following any link and reads only the file
+the scan saw, so a file swapped for a link (or for another file) between the two is refused,
+never stored.
 Either way the version id is derived from the content, so a second fetch of the same thing
 does no transfer: for a commit already in the store, no network call either when the
 revision is given as a full commit hash.
@@ -15,22 +18,32 @@ revision is given as a full commit hash.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.cli.store.hashing import ByteProgress, NoProgress, copy_hashing, git_blob_sha1, parallel_map, sha256_file
+from dlm.cli.store.hashing import (
+    ByteProgress,
+    NoProgress,
+    copy_hashing,
+    git_blob_sha1,
+    parallel_map,
+    sha256_file,
+    sha256_stream,
+)
+from dlm.cli.store.records import CorruptRecord, FileEntry, HubSource, LocalSource, Manifest
 from dlm.cli.store.releases import transaction
 from dlm.cli.store.store import (
     FILES,
-    FileEntry,
-    Manifest,
     Store,
     check_name,
     content_hash,
@@ -60,14 +73,14 @@ class FetchResult:
             "version": m.version,
             "ref": f"{m.name}@{m.version}",
             "path": str(self.path),
-            "source": m.source,
+            "source": m.source.to_json(),
             "files": len(m.files),
             "total_size": m.total_size,
             "content_sha256": m.content_sha256,
             "already_present": self.already_present,
             "bytes_transferred": self.bytes_transferred,
             "state": m.state,
-            "verification": m.verification,
+            "verification": m.verification.to_json() if m.verification else None,
         }
 
 
@@ -106,9 +119,7 @@ def _publish(
 
 
 # -- local directories and mounted mirrors --------------------------------------------------
-def _unchanged_copy(
-    store: Store, name: str, source: dict[str, Any], stats: dict[str, dict[str, int]]
-) -> Manifest | None:
+def _unchanged_copy(store: Store, name: str, source: LocalSource, stats: dict[str, dict[str, int]]) -> Manifest | None:
     """A version copied from this very path whose files all still have the size and mtime
     they had then: re-fetching it would read everything to learn nothing."""
     for manifest in reversed(store.manifests(name)):
@@ -119,12 +130,30 @@ def _unchanged_copy(
     return None
 
 
-def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, Path], dict[str, str]]:
+@dataclass(frozen=True)
+class SourceFile:
+    """A regular file of a local source as the scan saw it: its path (links resolved) and
+    which file that was (device, inode, size, mtime), so the copy can tell that it opened
+    that very file and that it did not change while being read."""
+
+    path: Path
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @property
+    def source_stat(self) -> dict[str, int]:
+        """What the manifest keeps (`source_stat`) to skip an unchanged source next time."""
+        return {"size": self.size, "mtime_ns": self.mtime_ns}
+
+
+def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFile], dict[str, str]]:
     """Walk a local source: (relative path -> file to read, relative path -> why it cannot
     be copied). Dot-directories (.git, .cache) are skipped, as in `iter_files`. A symbolic
     link is read through when its target lies inside `src`; one leaving it is refused unless
     `follow_symlinks`; links to an enclosing directory (loops) and dangling links are unusable."""
-    files: dict[str, Path] = {}
+    files: dict[str, SourceFile] = {}
     unusable: dict[str, str] = {}
     pending: list[tuple[Path, str, frozenset[Path]]] = [(src, "", frozenset({src}))]
     while pending:
@@ -143,18 +172,85 @@ def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, Path], di
                         f"{path} is a symbolic link to {real}, outside {src}: refused "
                         "(`dlm fetch --follow-symlinks` copies what such links point to)"
                     )
-            if real.is_dir():
+            try:
+                st = os.lstat(real)  # `real` has no link left in it, unless one was swapped in just now
+            except FileNotFoundError:
+                raise DlmError(f"{path} vanished while the source was being read; fetch again") from None
+            if stat.S_ISLNK(st.st_mode):
+                raise DlmError(f"{path} changed while the source was being read; fetch again")
+            if stat.S_ISDIR(st.st_mode):
                 if entry.name.startswith("."):
                     continue
                 if real in ancestors:
                     unusable[rel] = f"a symbolic link to its own enclosing directory {real} (a loop)"
                     continue
                 pending.append((real, rel + "/", ancestors | {real}))
-            elif real.is_file():
-                files[rel] = real
+            elif stat.S_ISREG(st.st_mode):
+                files[rel] = SourceFile(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             else:
                 unusable[rel] = "not a regular file (a socket, FIFO or device)"
     return files, unusable
+
+
+NO_FOLLOW_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW  # O_PATH: search, not read
+
+
+def _open_scanned(file: SourceFile) -> io.FileIO:
+    """Open the file the scan saw, following no symbolic link on the way (each directory of
+    its resolved path is opened below the previous one with O_NOFOLLOW), and check that it is
+    that same regular file. A link, a FIFO or another file put in its place since the scan
+    is refused (DlmError), so nothing but the source's own bytes can be copied."""
+    replaced = (
+        f"{file.path} was replaced or removed after the source was scanned (a link or another file in its place?)"
+    )
+    parent = os.open("/", NO_FOLLOW_DIR)
+    try:
+        for part in file.path.parts[1:-1]:
+            inner = os.open(part, NO_FOLLOW_DIR, dir_fd=parent)
+            os.close(parent)
+            parent = inner
+        fd = os.open(file.path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT, errno.ENXIO):
+            raise DlmError(f"{replaced}: refused; fetch again") from None
+        raise
+    finally:
+        os.close(parent)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (file.device, file.inode):
+        os.close(fd)
+        raise DlmError(f"{replaced}: refused; fetch again")
+    return io.FileIO(fd, "rb")
+
+
+def _transfer(file: SourceFile, dst: Path, link: bool, advance: Any) -> str:
+    """Copy (or hard-link) one scanned file into the staging area; the sha256 of exactly the
+    bytes stored. Refuses a file that changed while it was read."""
+    with _open_scanned(file) as source:
+        digest = _link_hashing(file, source, dst, advance) if link else None
+        if digest is None:
+            digest = copy_hashing(source, dst, advance)
+        st = os.fstat(source.fileno())
+    if {"size": st.st_size, "mtime_ns": st.st_mtime_ns} != file.source_stat:
+        raise DlmError(f"{file.path} changed while it was being copied; fetch again")
+    return digest
+
+
+def _link_hashing(file: SourceFile, source: io.RawIOBase, dst: Path, advance: Any) -> str | None:
+    """Hard-link the scanned file at `dst` and hash it through `source` (the same inode);
+    None when it cannot be linked (another file system), for the caller to copy it. The link
+    is made to the path itself, never to what a link there points to, and kept only if it is
+    the very file `source` holds open."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(file.path, dst, follow_symlinks=False)
+    except OSError:
+        return None
+    linked = os.lstat(dst)
+    if (linked.st_dev, linked.st_ino) != (file.device, file.inode):
+        dst.unlink()
+        raise DlmError(f"{file.path} was replaced after the source was scanned: refused; fetch again")
+    return sha256_stream(source, advance)
 
 
 def fetch_local(
@@ -177,13 +273,10 @@ def fetch_local(
             f"no files to fetch from {src}" + (" (after --include/--exclude)" if include or exclude else "")
         )
     unusable = {rel: why for rel, why in unusable.items() if rel in selected}
-    sources = {rel: path for rel, path in found.items() if rel in selected}
+    sources = {rel: file for rel, file in found.items() if rel in selected}
     rels = sorted(sources)
-    stats = {}
-    for rel in rels:
-        st = sources[rel].stat()
-        stats[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    source = {"kind": "local", "path": str(src), "include": list(include), "exclude": list(exclude), "link": link}
+    stats = {rel: sources[rel].source_stat for rel in rels}
+    source = LocalSource(path=str(src), include=list(include), exclude=list(exclude), link=link)
     with store.staging_lock(name):
         existing = None if unusable else _unchanged_copy(store, name, source, stats)
         if existing is not None:
@@ -191,32 +284,27 @@ def fetch_local(
         store.clear_stale_staging(name)
         staging = store.staging(name)
         try:
-
-            def transfer(rel: str, advance: Any) -> str:
-                path, dst = sources[rel], staging / FILES / rel
-                if link:
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        os.link(path, dst)
-                    except OSError:  # another filesystem: fall back to a copy
-                        pass
-                    else:
-                        return sha256_file(dst, advance)
-                return copy_hashing(path, dst, advance)
-
-            total = sum(stat["size"] for stat in stats.values())
-            digests = parallel_map(transfer, rels, progress, "linking" if link else "copying", workers, total)
+            total = sum(recorded["size"] for recorded in stats.values())
+            digests = parallel_map(
+                lambda rel, advance: _transfer(sources[rel], staging / FILES / rel, link, advance),
+                rels,
+                progress,
+                "linking" if link else "copying",
+                workers,
+                total,
+            )
             failed = {rel: d for rel, d in digests.items() if isinstance(d, OSError)}
             if failed:
                 rel, exc = next(iter(failed.items()))
-                raise DlmError(f"could not copy {sources[rel]}: {exc}")
-            for rel in rels:
-                st = sources[rel].stat()
-                if {"size": st.st_size, "mtime_ns": st.st_mtime_ns} != stats[rel]:
-                    raise DlmError(f"{src / rel} changed while it was being copied; fetch again")
-            files = [FileEntry(rel, stats[rel]["size"], str(digests[rel]), source_stat=stats[rel]) for rel in rels]
+                raise DlmError(f"could not copy {sources[rel].path}: {exc}")
+            files = [
+                FileEntry(path=rel, size=stats[rel]["size"], sha256=str(digests[rel]), source_stat=stats[rel])
+                for rel in rels
+            ]
             digest = content_hash(files)
-            manifest = Manifest(name, digest[:12], source, files, now(), digest)
+            manifest = Manifest(
+                name=name, version=digest[:12], source=source, files=files, fetched_at=now(), content_sha256=digest
+            )
             return _publish(store, staging, manifest, sum(f.size for f in files), unusable)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -237,10 +325,10 @@ def _hub_error(repo_id: str, exc: Exception) -> DlmError:
 
 
 def _existing(store: Store, name: str, version: str) -> Manifest | None:
-    """The stored version, unless absent or failed (a failed one is fetched again)."""
+    """The stored version, unless absent, failed or corrupt (those are fetched again)."""
     try:
         manifest = store.manifest(name, version)
-    except UsageError:
+    except (UsageError, CorruptRecord):
         return None
     return None if manifest.state == "failed" else manifest
 
@@ -285,15 +373,14 @@ def fetch_hub(
     wanted = _select(sorted(tree), include, exclude)
     if not wanted:
         raise UsageError(f"{repo_id}@{commit[:12]} has no files matching --include/--exclude")
-    source = {
-        "kind": "hub",
-        "repo_id": repo_id,
-        "revision": revision,
-        "commit": commit,
-        "endpoint": endpoint,
-        "include": list(include),
-        "exclude": list(exclude),
-    }
+    source = HubSource(
+        repo_id=repo_id,
+        revision=revision,
+        commit=commit,
+        endpoint=endpoint,
+        include=list(include),
+        exclude=list(exclude),
+    )
     with store.staging_lock(name):
         staging = store.staging(name, key=f"hub-{version}")
         target = staging / FILES
@@ -329,7 +416,7 @@ def fetch_hub(
                 raise DlmError(f"could not read {target / rel}: {digest}")
             expected = {"sha256": info.lfs.sha256} if info.lfs is not None else {"git_sha1": info.blob_id}
             actual = digest if info.lfs is not None else git_blob_sha1(target / rel)
-            files.append(FileEntry(rel, (target / rel).stat().st_size, digest, expected))
+            files.append(FileEntry(path=rel, size=(target / rel).stat().st_size, sha256=digest, expected=expected))
             if actual != next(iter(expected.values())):
                 bad.append(rel)
                 (target / rel).unlink()  # so that the next run downloads it again
@@ -338,7 +425,14 @@ def fetch_hub(
                 f"{', '.join(bad)} from {repo_id}@{commit[:12]} did not match the hub's hash; "
                 "removed, fetch again to retry"
             )
-        manifest = Manifest(name, version, source, files, now(), content_hash(files))
+        manifest = Manifest(
+            name=name,
+            version=version,
+            source=source,
+            files=files,
+            fetched_at=now(),
+            content_sha256=content_hash(files),
+        )
         after = sum(f.size for f in files)
         return _publish(store, staging, manifest, max(0, after - before))
 

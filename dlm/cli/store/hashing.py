@@ -8,6 +8,7 @@ in bytes through a small protocol so the engine never depends on a UI library.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -40,21 +41,26 @@ class NoProgress:
         pass
 
 
-def _chunks(path: Path, advance: Callable[[int], None]) -> Iterable[memoryview]:
+def _chunks(handle: io.RawIOBase, advance: Callable[[int], None]) -> Iterable[memoryview]:
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while True:
-            n = handle.readinto(buffer)
-            if not n:
-                return
-            yield view[:n]
-            advance(n)
+    while True:
+        n = handle.readinto(buffer)
+        if not n:
+            return
+        yield view[:n]
+        advance(n)
 
 
 def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> str:
+    with open(path, "rb", buffering=0) as handle:
+        return sha256_stream(handle, advance)
+
+
+def sha256_stream(handle: io.RawIOBase, advance: Callable[[int], None] = lambda n: None) -> str:
+    """The sha256 of what is left to read from an open file."""
     digest = hashlib.sha256()
-    for chunk in _chunks(path, advance):
+    for chunk in _chunks(handle, advance):
         digest.update(chunk)
     return digest.hexdigest()
 
@@ -62,17 +68,20 @@ def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> 
 def git_blob_sha1(path: Path) -> str:
     """The id git (and the hub, for files not in LFS) gives a file's content."""
     digest = hashlib.sha1(f"blob {os.path.getsize(path)}\0".encode())
-    for chunk in _chunks(path, lambda n: None):
-        digest.update(chunk)
+    with open(path, "rb", buffering=0) as handle:
+        for chunk in _chunks(handle, lambda n: None):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
-def copy_hashing(src: Path, dst: Path, advance: Callable[[int], None] = lambda n: None) -> str:
-    """Copy `src` to `dst` and return the sha256 of what was read, in one pass; fsyncs `dst`."""
+def copy_hashing(source: io.RawIOBase, dst: Path, advance: Callable[[int], None] = lambda n: None) -> str:
+    """Copy what is left to read from `source` to `dst` and return the sha256 of exactly the
+    bytes copied, in one pass; fsyncs `dst`. The caller opens `source`, so the bytes hashed
+    are those of the file it checked, whatever its path names by now."""
     digest = hashlib.sha256()
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst, "wb") as out:
-        for chunk in _chunks(src, advance):
+        for chunk in _chunks(source, advance):
             digest.update(chunk)
             out.write(chunk)
         out.flush()

@@ -33,8 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from dlm.cli.store import admin
-from dlm.cli.store.atomic import read_json, write_json_atomic
-from dlm.cli.store.store import NAME_RE, Manifest, Store, check_name, now
+from dlm.cli.store.atomic import write_json_atomic
+from dlm.cli.store.records import (
+    Action,
+    CorruptRecord,
+    Current,
+    DeploymentState,
+    Event,
+    HotSwap,
+    Manifest,
+    Pending,
+    Ref,
+    read_record,
+)
+from dlm.cli.store.store import NAME_RE, CorruptVersion, Store, check_name, now
 from dlm.engine.errors import DlmError, UsageError
 
 DEFAULT_DEPLOYMENT = "default"
@@ -45,21 +57,35 @@ def state_path(store: Store, deployment: str) -> Path:
     return store.deployments_dir / f"{check_name(deployment, 'deployment name')}.json"
 
 
-def load_state(store: Store, deployment: str) -> dict[str, Any]:
+def load_state(store: Store, deployment: str) -> DeploymentState:
+    """The deployment's record (an empty one if it has none); CorruptRecord (exit 1) when
+    its file cannot be read: a release or rollback of that deployment refuses to overwrite
+    it, and every other command passes over it (`readable_states`)."""
     path = state_path(store, deployment)
-    if not path.exists():
-        return {"deployment": deployment, "current": None, "history": []}
     try:
-        state = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise DlmError(f"deployment file {path} is unreadable: {exc}") from exc
-    if not isinstance(state, dict) or not isinstance(state.get("history"), list) or "current" not in state:
-        raise DlmError(f"deployment file {path} is not a deployment record")
+        state = read_record(path, DeploymentState)
+    except FileNotFoundError:
+        return DeploymentState(deployment=deployment, current=None, history=[])
+    except CorruptRecord as exc:
+        raise CorruptRecord(path, f"{exc.reason} (restore it, or delete it to start the deployment afresh)") from None
+    if state.deployment != deployment:
+        raise CorruptRecord(path, f"it is the record of deployment {state.deployment!r}")
     return state
 
 
-def _save(store: Store, deployment: str, state: dict[str, Any]) -> None:
-    write_json_atomic(state_path(store, deployment), state)
+def readable_states(store: Store) -> tuple[list[DeploymentState], dict[str, str]]:
+    """Every deployment's record, and {deployment: why} for those that cannot be read."""
+    states, corrupt = [], {}
+    for deployment in deployments(store):
+        try:
+            states.append(load_state(store, deployment))
+        except CorruptRecord as exc:
+            corrupt[deployment] = exc.reason
+    return states, corrupt
+
+
+def _save(store: Store, deployment: str, state: DeploymentState) -> None:
+    write_json_atomic(state_path(store, deployment), state.to_json())
 
 
 def deployments(store: Store) -> list[str]:
@@ -77,14 +103,10 @@ def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
         if store.deployments_dir.is_dir():
             for torn in store.deployments_dir.glob(".*.tmp"):
                 torn.unlink(missing_ok=True)
-        for deployment in deployments(store):
-            if load_state(store, deployment).get("pending"):
-                _settle(store, deployment)
+        for state in readable_states(store)[0]:
+            if state.pending is not None:
+                _settle(store, state.deployment)
         yield
-
-
-def _ref(entry: dict[str, Any]) -> str:
-    return f"{entry['model']}@{entry['version']}"
 
 
 def _settle(store: Store, deployment: str) -> None:
@@ -94,49 +116,50 @@ def _settle(store: Store, deployment: str) -> None:
     while True:
         with admin.record_lock(store, deployment):
             state = load_state(store, deployment)
-            pending = state.get("pending")
-            if not pending:
+            pending = state.pending
+            if pending is None:
                 return
             record = admin.read_record(store, deployment)
-            server = record if record is not None and record.pid == pending["server_pid"] else None
-            switching = server is not None and admin.alive(server.pid) and server.swap_intent == pending["id"]
+            server = record if record is not None and record.pid == pending.server_pid else None
+            switching = server is not None and admin.alive(server.pid) and server.swap_intent == pending.id
             if not switching or time.monotonic() > deadline:
-                applied = server is not None and server.serving == _ref(pending)
-                event = {
-                    "action": pending["action"],
-                    "model": pending["model"],
-                    "version": pending["version"],
-                    "from": pending["from"],
-                    "at": pending["at"],
-                    "status": "ok" if applied else "failed",
-                    "hot_swap": {"server_pid": pending["server_pid"], "admin_url": pending["admin_url"]},
-                    "settled_at": now(),
-                }
+                applied = server is not None and server.serving == pending.ref
+                settled = now()
+                error = None
                 if not applied:
                     still = server.serving if server is not None and server.serving else "its previous version"
-                    event["error"] = f"the {pending['action']} ended before its server switched; it kept {still}"
-                state["history"].append(event)
+                    error = f"the {pending.action} ended before its server switched; it kept {still}"
+                state.history.append(
+                    Event(
+                        action=pending.action,
+                        model=pending.model,
+                        version=pending.version,
+                        from_=pending.from_,
+                        at=pending.at,
+                        status="ok" if applied else "failed",
+                        hot_swap=HotSwap(server_pid=pending.server_pid, admin_url=pending.admin_url),
+                        error=error,
+                        settled_at=settled,
+                    )
+                )
                 if applied:
-                    state["current"] = {
-                        "model": pending["model"],
-                        "version": pending["version"],
-                        "since": event["settled_at"],
-                        "action": pending["action"],
-                    }
-                del state["pending"]
+                    state.current = Current(
+                        model=pending.model, version=pending.version, since=settled, action=pending.action
+                    )
+                state.pending = None
                 _save(store, deployment, state)
                 return
         time.sleep(SETTLE_POLL_S)
 
 
-def release_stack(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def release_stack(history: list[Event]) -> list[tuple[str, str]]:
     """(model, version) of the successful releases still in force, oldest first."""
     stack: list[tuple[str, str]] = []
     for event in history:
-        if event.get("status") != "ok":
+        if event.status != "ok":
             continue
-        ref = (event["model"], event["version"])
-        if event["action"] == "rollback" and ref in stack:
+        ref = (event.model, event.version)
+        if event.action == "rollback" and ref in stack:
             while stack[-1] != ref:
                 stack.pop()
         else:
@@ -146,16 +169,17 @@ def release_stack(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 def protected_versions(store: Store) -> dict[tuple[str, str], str]:
     """Versions `rm` must keep, with the reason: each deployment's current and previous
-    release, both ends of a swap in progress, and whatever a live server serves or loads."""
+    release, both ends of a swap in progress, and whatever a live server serves or loads.
+    A deployment whose record is corrupt protects nothing: what it held cannot be known
+    (its server, if one runs, still protects what it serves)."""
     kept: dict[tuple[str, str], str] = {}
-    for name in deployments(store):
-        state = load_state(store, name)
-        stack = release_stack(state["history"])
+    for state in readable_states(store)[0]:
+        name = state.deployment
+        stack = release_stack(state.history)
         for ref, role in zip(reversed(stack), ("current", "previous")):
             kept.setdefault(ref, f"the {role} release of deployment {name}")
-        pending = state.get("pending")
-        if pending:
-            kept.setdefault((pending["model"], pending["version"]), f"being swapped in by deployment {name}")
+        if state.pending is not None:
+            kept.setdefault((state.pending.model, state.pending.version), f"being swapped in by deployment {name}")
     for record in admin.server_records(store):
         for served in (record.serving, record.swapping):
             if served:
@@ -166,10 +190,10 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
 
 def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tuple[Manifest, Path]:
     """What `dlm serve --deployment NAME` should load."""
-    current = load_state(store, deployment)["current"]
+    current = load_state(store, deployment).current
     if current is None:
         raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")
-    manifest = store.manifest(current["model"], current["version"])
+    manifest = store.manifest(current.model, current.version)
     return manifest, store.files_dir(manifest.name, manifest.version)
 
 
@@ -188,8 +212,8 @@ def claim_swap(store: Store, deployment: str, intent: str | None, target: str, s
     """The server accepts a swap only for the release pending in the journal, and notes
     that it is switching before it loads anything."""
     with admin.record_lock(store, deployment):
-        pending = load_state(store, deployment).get("pending")
-        if intent is None or not pending or pending["id"] != intent or _ref(pending) != target:
+        pending = load_state(store, deployment).pending
+        if intent is None or pending is None or pending.id != intent or pending.ref != target:
             raise UsageError(
                 f"no release of {target} is pending for deployment {deployment}: swaps go through `dlm release`"
             )
@@ -207,23 +231,26 @@ def swap_ended(store: Store, deployment: str, serving: str | None) -> None:
 class Outcome:
     deployment: str
     action: str
-    event: dict[str, Any]
-    current: dict[str, Any] | None
-    changed: bool
+    event: Event | None  # None: nothing changed
+    current: Current | None
+
+    @property
+    def changed(self) -> bool:
+        return self.event is not None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "deployment": self.deployment,
             "action": self.action,
             "changed": self.changed,
-            "current": self.current,
-            "event": self.event,
+            "current": self.current.to_json() if self.current else None,
+            "event": self.event.to_json() if self.event else {},
         }
 
 
 def _usable(store: Store, manifest: Manifest) -> None:
     """A release needs a verified version whose files are all still there at their size."""
-    ref = f"{manifest.name}@{manifest.version}"
+    ref = manifest.ref
     if not manifest.verified:
         raise DlmError(f"{ref} is {manifest.state}; run `dlm verify {ref}` first")
     root = store.files_dir(manifest.name, manifest.version)
@@ -235,31 +262,35 @@ def _usable(store: Store, manifest: Manifest) -> None:
             )
 
 
-def _switch(store: Store, deployment: str, action: str, manifest: Manifest, state: dict[str, Any]) -> Outcome:
+def _switch(store: Store, deployment: str, action: Action, manifest: Manifest, state: DeploymentState) -> Outcome:
     """Hot-swap a running server (if any, through the journal), then record the event and,
     on success, the new current version, in one atomic write (inside a transaction)."""
-    previous = state["current"]
-    target = {"model": manifest.name, "version": manifest.version}
-    if previous and {"model": previous["model"], "version": previous["version"]} == target:
-        return Outcome(deployment, action, {}, previous, changed=False)
-    event: dict[str, Any] = {
-        "action": action,
-        **target,
-        "from": previous and {"model": previous["model"], "version": previous["version"]},
-        "at": now(),
-        "status": "ok",
-        "hot_swap": None,
-    }
+    previous = state.current
+    if previous is not None and previous.ref == manifest.ref:
+        return Outcome(deployment, action, None, previous)
+    event = Event(
+        action=action,
+        model=manifest.name,
+        version=manifest.version,
+        from_=previous and Ref(model=previous.model, version=previous.version),
+        at=now(),
+        status="ok",
+        hot_swap=None,
+    )
     server = admin.running_server(store, deployment)
     failure: admin.SwapFailed | None = None
     if server is not None:
         intent = secrets.token_hex(8)
-        state["pending"] = {
-            "id": intent,
-            **{k: event[k] for k in ("action", "model", "version", "from", "at")},
-            "server_pid": server.pid,
-            "admin_url": server.admin_url,
-        }
+        state.pending = Pending(
+            id=intent,
+            action=action,
+            model=event.model,
+            version=event.version,
+            from_=event.from_,
+            at=event.at,
+            server_pid=server.pid,
+            admin_url=server.admin_url,
+        )
         _save(store, deployment, state)  # the intent is on disk before the server hears of it
         try:
             admin.hot_swap(
@@ -270,19 +301,19 @@ def _switch(store: Store, deployment: str, action: str, manifest: Manifest, stat
                 content_sha256=manifest.content_sha256,
                 intent=intent,
             )
-            event["hot_swap"] = {"server_pid": server.pid, "admin_url": server.admin_url}
+            event.hot_swap = HotSwap(server_pid=server.pid, admin_url=server.admin_url)
         except admin.SwapFailed as exc:
             failure = exc
-            event.update(status="failed", error=str(exc))
-        del state["pending"]
-    state["history"].append(event)
+            event.status, event.error = "failed", str(exc)
+        state.pending = None
+    state.history.append(event)
     if failure is None:
-        state["current"] = {**target, "since": event["at"], "action": action}
+        state.current = Current(model=manifest.name, version=manifest.version, since=event.at, action=action)
     _save(store, deployment, state)
     if failure is not None:
-        prior = f"{previous['model']}@{previous['version']}" if previous else "nothing"
-        raise DlmError(f"{action} of {manifest.name}@{manifest.version} failed, still serving {prior}: {failure}")
-    return Outcome(deployment, action, event, state["current"], changed=True)
+        prior = previous.ref if previous else "nothing"
+        raise DlmError(f"{action} of {manifest.ref} failed, still serving {prior}: {failure}")
+    return Outcome(deployment, action, event, state.current)
 
 
 def release(store: Store, spec: str, deployment: str = DEFAULT_DEPLOYMENT) -> Outcome:
@@ -300,15 +331,15 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
     check_name(deployment, "deployment name")
     with transaction(store):
         state = load_state(store, deployment)
-        current = state["current"]
+        current = state.current
         if current is None:
             raise UsageError(f"deployment {deployment!r} has no release to roll back from")
         if to is not None:
-            manifest = store.find(to if "@" in to else f"{current['model']}@{to}")
+            manifest = store.find(to if "@" in to else f"{current.model}@{to}")
             _usable(store, manifest)
             return _switch(store, deployment, "rollback", manifest, state)
         reasons = []
-        for model, version in reversed(release_stack(state["history"])[:-1]):
+        for model, version in reversed(release_stack(state.history)[:-1]):
             try:
                 manifest = store.manifest(model, version)
                 _usable(store, manifest)
@@ -321,7 +352,8 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
 
 
 def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], list[str]]:
-    """Delete one version (`version`), or all but the newest `keep`; never a version that
+    """Delete one version (`version`, a corrupt one included), or all but the newest `keep`
+    readable ones (a corrupt version is removed only by naming it); never a version that
     `protected_versions` names. Returns (removed, kept-because-released)."""
     if (version is None) == (keep is None):
         raise UsageError("give MODEL@VERSION, or MODEL with --keep N")
@@ -329,23 +361,23 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
         raise UsageError("--keep must be >= 0")
     with transaction(store):
         protected = protected_versions(store)
+        targets: list[Manifest | CorruptVersion]
         if version is not None:
-            manifest = store.find(f"{name}@{version}")
-            role = protected.get((manifest.name, manifest.version))
+            found = store.lookup(f"{name}@{version}")
+            role = protected.get((found.name, found.version))
             if role:
-                raise DlmError(f"refusing to remove {manifest.name}@{manifest.version}: it is {role}")
-            targets = [manifest]
+                raise DlmError(f"refusing to remove {found.ref}: it is {role}")
+            targets = [found]
         else:
-            manifests = store.manifests(name)
-            if not manifests:
+            manifests, corrupt = store.versions(name)
+            if not manifests and not corrupt:
                 raise UsageError(f"no model named {name!r} in the store at {store.root}")
-            targets = manifests[: max(0, len(manifests) - (keep or 0))]
+            targets = list(manifests[: max(0, len(manifests) - (keep or 0))])
         removed, kept = [], []
-        for manifest in targets:
-            ref = f"{manifest.name}@{manifest.version}"
-            if (manifest.name, manifest.version) in protected:
-                kept.append(ref)
+        for target in targets:
+            if (target.name, target.version) in protected:
+                kept.append(target.ref)
                 continue
-            store.remove(manifest.name, manifest.version)
-            removed.append(ref)
+            store.remove(target.name, target.version)
+            removed.append(target.ref)
     return removed, kept

@@ -17,12 +17,13 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dlm.cli.store.atomic import fsync_dir, locked, read_json, write_json_atomic
+from dlm.cli.store.atomic import fsync_dir, locked, write_json_atomic
+from dlm.cli.store.records import CorruptRecord, FileEntry, Manifest, Verification, read_record
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.home import dlm_home
 
@@ -81,48 +82,19 @@ def content_hash(files: list[FileEntry]) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class FileEntry:
-    path: str  # relative, '/'-separated
-    size: int
-    sha256: str
-    expected: dict[str, str] = field(default_factory=dict)  # hashes the source promised
-    source_stat: dict[str, int] | None = None  # local sources: size and mtime_ns when copied
+@dataclass(frozen=True)
+class CorruptVersion:
+    """A listed version whose manifest cannot be read: shown (with why) and removable, never
+    resolved, served or released."""
 
-
-@dataclass
-class Manifest:
     name: str
     version: str
-    source: dict[str, Any]
-    files: list[FileEntry]
-    fetched_at: str
-    content_sha256: str
-    verification: dict[str, Any] | None = None
-    format: int = 1
+    reason: str
+    state: str = "corrupt"
 
     @property
-    def total_size(self) -> int:
-        return sum(f.size for f in self.files)
-
-    @property
-    def verified(self) -> bool:
-        return bool(self.verification and self.verification.get("ok"))
-
-    @property
-    def state(self) -> str:
-        if self.verification is None:
-            return "unverified"
-        return "verified" if self.verification.get("ok") else "failed"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Manifest:
-        data = dict(raw)
-        data["files"] = [FileEntry(**f) for f in raw["files"]]
-        return cls(**data)
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
 
 
 class Store:
@@ -165,50 +137,79 @@ class Store:
             return []
         return sorted(p.name for p in self.models_dir.iterdir() if p.is_dir() and NAME_RE.match(p.name))
 
-    def manifests(self, name: str) -> list[Manifest]:
-        """Usable versions of `name`, oldest fetch first. Staging and torn entries are skipped."""
+    def versions(self, name: str) -> tuple[list[Manifest], list[CorruptVersion]]:
+        """Listed versions of `name`: those that read (oldest fetch first) and those whose
+        manifest is corrupt. Staging and torn entries (no manifest yet) are not listed."""
         directory = self.model_dir(name)
         if not directory.is_dir():
-            return []
-        found = []
+            return [], []
+        found, corrupt = [], []
         for entry in directory.iterdir():
-            if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+            if entry.name.startswith(".") or not NAME_RE.match(entry.name) or not (entry / MANIFEST).exists():
                 continue
             try:
-                found.append(Manifest.from_json(read_json(entry / MANIFEST)))
-            except (ValueError, TypeError, KeyError):
+                found.append(self._read_manifest(name, entry.name))
+            except CorruptRecord as exc:
+                corrupt.append(CorruptVersion(name, entry.name, exc.reason))
+            except FileNotFoundError:  # removed since the listing
                 continue
-        return sorted(found, key=lambda m: (m.fetched_at, m.version))
+        found.sort(key=lambda m: (m.fetched_at, m.version))
+        corrupt.sort(key=lambda c: c.version)
+        return found, corrupt
+
+    def manifests(self, name: str) -> list[Manifest]:
+        """Readable versions of `name`, oldest fetch first."""
+        return self.versions(name)[0]
+
+    def _read_manifest(self, name: str, version: str) -> Manifest:
+        path = self.version_dir(name, version) / MANIFEST
+        manifest = read_record(path, Manifest)
+        if (manifest.name, manifest.version) != (name, version):  # it would resolve to other files
+            raise CorruptRecord(path, f"it names {manifest.ref} but is stored as {name}@{version}")
+        return manifest
 
     def manifest(self, name: str, version: str) -> Manifest:
-        path = self.version_dir(name, version) / MANIFEST
+        """The manifest of `name@version`: UsageError if there is none, CorruptRecord (exit 1,
+        saying how to remove it) if it cannot be read."""
         try:
-            return Manifest.from_json(read_json(path))
+            return self._read_manifest(name, version)
         except FileNotFoundError:
             raise UsageError(f"no version {version!r} of {name!r} in the store at {self.root}") from None
-        except (ValueError, TypeError, KeyError) as exc:
-            raise DlmError(f"manifest {path} is unreadable: {exc}") from exc
+        except CorruptRecord as exc:
+            raise CorruptRecord(exc.path, f"{exc.reason} (`dlm rm {name}@{version}` removes it)") from None
 
-    def find(self, spec: str) -> Manifest:
-        """Resolve 'name@version' (a unique prefix of the version is enough) or 'name' (its
-        newest verified version)."""
+    def lookup(self, spec: str) -> Manifest | CorruptVersion:
+        """Resolve 'name@version' (a unique prefix of the version is enough), corrupt versions
+        included, or 'name' (its newest verified version; a corrupt one when no version reads,
+        which `find` then refuses as the store's failure)."""
         name, version = split_ref(spec)
-        manifests = self.manifests(name)
-        if not manifests:
+        manifests, corrupt = self.versions(name)
+        if not manifests and not corrupt:
             raise UsageError(f"no model named {name!r} in the store at {self.root}")
         if version is None:
             verified = [m for m in manifests if m.verified]
+            if not verified and corrupt and not manifests:  # the store's failure, not the user's
+                return corrupt[-1]
             if not verified:
                 raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
             return verified[-1]
-        exact = [m for m in manifests if m.version == version]
-        matches = exact or [m for m in manifests if m.version.startswith(version)]
+        listed: list[Manifest | CorruptVersion] = [*manifests, *corrupt]
+        exact = [v for v in listed if v.version == version]
+        matches = exact or [v for v in listed if v.version.startswith(version)]
         if len(matches) == 1:
             return matches[0]
-        known = ", ".join(m.version for m in manifests)
+        known = ", ".join(v.version for v in listed)
         if not matches:
             raise UsageError(f"{name!r} has no version {version!r} (versions: {known})")
         raise UsageError(f"version {version!r} of {name!r} is ambiguous (versions: {known})")
+
+    def find(self, spec: str) -> Manifest:
+        """`lookup`, for a version to use: a corrupt one is an error saying how to remove it."""
+        found = self.lookup(spec)
+        if isinstance(found, CorruptVersion):
+            path = self.version_dir(found.name, found.version) / MANIFEST
+            raise CorruptRecord(path, f"{found.reason} (`dlm rm {found.ref}` removes it)")
+        return found
 
     # -- writing ------------------------------------------------------------------------
     def staging(self, name: str, key: str | None = None) -> Path:
@@ -239,9 +240,12 @@ class Store:
         staged copy replaces it (a fetch repairs a failed version).
         """
         target = self.version_dir(manifest.name, manifest.version)
-        if (target / MANIFEST).is_file():
-            stored = self.manifest(manifest.name, manifest.version)
-            if stored.state != "failed" or not manifest.verified:
+        if (target / MANIFEST).exists():
+            try:
+                stored: Manifest | None = self._read_manifest(manifest.name, manifest.version)
+            except CorruptRecord:
+                stored = None  # whatever the new copy's state, it is better than an unreadable one
+            if stored is not None and (stored.state != "failed" or not manifest.verified):
                 shutil.rmtree(staging, ignore_errors=True)
                 return False
             self._unlist(target)
@@ -254,9 +258,9 @@ class Store:
         fsync_dir(target.parent)
         return True
 
-    def record_verification(self, name: str, version: str, verification: dict[str, Any]) -> Manifest:
+    def record_verification(self, name: str, version: str, verification: Verification) -> Manifest:
         """Rewrite the version's verification record (the caller holds the store lock)."""
-        if not (self.version_dir(name, version) / MANIFEST).is_file():
+        if not (self.version_dir(name, version) / MANIFEST).exists():
             raise DlmError(f"{name}@{version} was removed while it was being verified")
         manifest = self.manifest(name, version)
         manifest.verification = verification

@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dlm.cli.store.hashing import ByteProgress, NoProgress, parallel_map, sha256_file
+from dlm.cli.store.records import Finding, Manifest, Verification
 from dlm.cli.store.safetensors_format import check_safetensors
-from dlm.cli.store.store import Manifest, Store, iter_files, local_path, now, split_ref
+from dlm.cli.store.store import Store, iter_files, local_path, now, split_ref
 from dlm.engine.errors import DlmError, UsageError
 
 INDEX = "model.safetensors.index.json"
-
-
-@dataclass
-class Finding:
-    file: str
-    check: str  # manifest | size | sha256 | safetensors | index | config | tokenizer
-    problem: str
 
 
 @dataclass
@@ -46,21 +40,29 @@ class VerifyReport:
         return not self.failures
 
     def fail(self, file: str, check: str, problem: str) -> None:
-        self.failures.append(Finding(file, check, problem))
+        self.failures.append(Finding(file=file, check=check, problem=problem))
+
+    def warn(self, file: str, check: str, problem: str) -> None:
+        self.warnings.append(Finding(file=file, check=check, problem=problem))
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-    def record(self, hashed: bool) -> dict[str, Any]:
-        """What the manifest keeps of this verification."""
         return {
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "failures": [f.to_json() for f in self.failures],
+            "warnings": [f.to_json() for f in self.warnings],
             "ok": self.ok,
-            "at": now(),
-            "hashed": hashed,
-            "family": self.family,
-            "failures": [asdict(f) for f in self.failures],
-            "warnings": [asdict(f) for f in self.warnings],
         }
+
+    def record(self, hashed: bool) -> Verification:
+        """What the manifest keeps of this verification."""
+        return Verification(
+            ok=self.ok,
+            at=now(),
+            hashed=hashed,
+            family=self.family,
+            failures=list(self.failures),
+            warnings=list(self.warnings),
+        )
 
 
 def check_hashes(
@@ -170,7 +172,7 @@ def check_tokenizer(directory: Path, report: VerifyReport) -> None:
     from dlm.engine.tokenizer import has_tokenizer, load_tokenizer
 
     if not has_tokenizer(directory):
-        report.warnings.append(Finding(".", "tokenizer", "no tokenizer files: only token-id prompts will work"))
+        report.warn(".", "tokenizer", "no tokenizer files: only token-id prompts will work")
         return
     try:
         load_tokenizer(directory)
@@ -178,9 +180,40 @@ def check_tokenizer(directory: Path, report: VerifyReport) -> None:
         report.fail("tokenizer", "tokenizer", str(exc))
 
 
+def check_tensors(directory: Path, report: VerifyReport) -> None:
+    """The weights hold tensors, and, for the family config.json names, every tensor its
+    model reads: the engine's own model is built on the meta device (no storage, no weight
+    read) and its loader says which checkpoint names it needs (`missing_tensors`), so a
+    checkpoint that verifies is one `dlm serve` can load, not one that fails at the first
+    request to start."""
+    shards = [p for p in iter_files(directory) if p.suffix == ".safetensors"]
+    if not shards:
+        return  # check_weights has said so
+    names: set[str] = set()
+    for shard in shards:
+        try:
+            names.update(check_safetensors(shard).tensors)
+        except OSError:
+            continue  # check_weights has said so
+    if not names:
+        report.fail(".", "tensors", "the safetensors files hold no tensors")
+        return
+    if report.family is None:
+        return  # no family to hold them against; check_config has said why
+    from dlm.engine.config import load_config
+    from dlm.engine.loader import missing_tensors
+    from dlm.engine.runtime.engine import build_on_meta
+
+    missing = missing_tensors(build_on_meta(load_config(directory)), names)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        report.fail(".", "tensors", f"lacks tensor {missing[0]}{more}, which the {report.family} model reads")
+
+
 STRUCTURE_CHECKS = (
     ("safetensors", ".", check_weights),
     ("config", "config.json", check_config),
+    ("tensors", ".", check_tensors),  # after config: it needs the family
     ("tokenizer", "tokenizer", check_tokenizer),
 )
 
@@ -212,7 +245,7 @@ def verify_directory(
         report.model, report.version = manifest.name, manifest.version
         check_hashes(directory, manifest, report, progress or NoProgress(), workers)
     else:
-        report.warnings.append(Finding(".", "manifest", "not a store version: hashes not checked"))
+        report.warn(".", "manifest", "not a store version: hashes not checked")
     check_structure(directory, report)
     report.seconds = time.perf_counter() - start
     return report

@@ -28,7 +28,7 @@ shared) experts' output, and one all-reduce per layer combines them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj.shard = Shard(gate_up, lambda shape: 1 if len(shape) == 3 else 0)  # type: ignore[attr-defined]
         self.down_proj.shard = Shard(down)  # type: ignore[attr-defined]
 
-    def sources(self, stem: str, attr: str, available: Mapping[str, object]) -> list[str]:
+    def sources(self, stem: str, attr: str, available: Collection[str]) -> list[str]:
         """Checkpoint tensors of parameter `attr` for experts at checkpoint path `stem`
         (`...mlp.experts`): the stacked tensor when the checkpoint has it, else one tensor
         per local expert and projection, in concatenation order."""
@@ -202,7 +202,7 @@ class FusedExperts(nn.Module):
 def expert_sources(
     model: nn.Module,
     name: str,
-    available: Mapping[str, object],
+    available: Collection[str],
     checkpoint_name: str | None = None,
 ) -> list[str] | None:
     """The loader's `tensor_sources` for stacked experts: the checkpoint tensors of model

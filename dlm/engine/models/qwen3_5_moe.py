@@ -20,7 +20,7 @@ per-layer states and leaves the cache alone; the caller commits them or drops th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection
 from typing import cast
 
 import torch
@@ -106,7 +106,7 @@ class Model(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def tensor_sources(self, name: str, available: Mapping[str, object]) -> list[str] | None:
+    def tensor_sources(self, name: str, available: Collection[str]) -> list[str] | None:
         """Checkpoint names for parameter `name` where they differ from the default rule:
         the routed experts' tensors (`expert_sources`) and the multimodal prefix."""
         if not name.startswith("model."):

@@ -1,0 +1,82 @@
+"""The server's OpenAPI description (`/openapi.json`, browsed at `/docs`): FastAPI's own, plus
+what it cannot see.
+
+The handlers read their bodies themselves (dlm/cli/server/app.py says why), so FastAPI finds no
+request model in their signatures: each route names its body here, and the schemas are those
+of the pydantic models that validate it (dlm/cli/server/protocol.py), whose decoding fields
+carry the description, default and range of their one declaration (dlm/engine/params.py).
+What is this server's own (its `max_tokens` default and limit) is stated as it is configured.
+Errors are OpenAI's body (`ErrorResponse`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from dlm.cli.server.config import ServeConfig
+from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
+from dlm.cli.version import dlm_version
+
+DESCRIPTION = (
+    "An OpenAI-compatible API served by a diffusion language model (dlm): completions and chat, "
+    "streamed or not. The decoding fields of a diffusion model (steps, block_length, threshold, ...) "
+    "are top-level body fields (OpenAI SDKs send them via extra_body); usage adds denoising_steps."
+)
+# The schemas /openapi.json lists, named as the routes refer to them.
+MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, DetokenizeRequest)
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def body(*models: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body (one of `models`) and OpenAI-shaped errors."""
+    schema = _ref(models[0].__name__) if len(models) == 1 else {"oneOf": [_ref(m.__name__) for m in models]}
+    error = {"description": "an OpenAI error body", "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"4XX": error, "5XX": error},
+    }
+
+
+def install(app: FastAPI, config: ServeConfig) -> None:
+    """Build the description on first request, with the request models' schemas."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title="dlm", version=dlm_version(), description=DESCRIPTION, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in MODELS:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            for name in ("CompletionRequest", "ChatRequest"):  # this server's length default and limit
+                length = components[name]["properties"]["max_tokens"]
+                length["default"] = config.default_gen_length
+                length["anyOf"][0]["maximum"] = config.max_tokens
+            components["ErrorResponse"] = ERROR
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

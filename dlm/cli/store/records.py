@@ -1,0 +1,218 @@
+"""The store's records on disk, as typed models, and the one bounded reader of them.
+
+Every JSON file the store keeps (a version's manifest, a deployment's state, a running
+server's record) is read by `read_record` and nowhere else: at most `MAX_RECORD_BYTES`, a
+regular file, parsed by pydantic's JSON parser (which refuses nesting deeper than 200
+levels instead of recursing until Python's stack runs out) straight into its model, with
+strict types and unknown fields refused. A file that does not fit raises `CorruptRecord`,
+naming the file and the first reason; callers report it against that record alone, so a
+corrupt or hostile record never stops the rest of the store from being read, listed,
+released or removed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from dlm.engine.errors import DlmError
+
+MAX_RECORD_BYTES = 64 << 20  # a manifest of 100,000 files, or a deployment history of 100,000 events, fits
+Action = Literal["release", "rollback"]
+
+
+class CorruptRecord(DlmError):
+    """A store record that cannot be read as what it should be (exit 1)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path} is corrupt: {reason}")
+        self.path, self.reason = path, reason
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+R = TypeVar("R", bound=Record)
+
+
+def read_record(path: Path, model: type[R]) -> R:
+    """The record at `path` as `model`; CorruptRecord if it is not one (FileNotFoundError
+    passes through: a missing record is for the caller to interpret)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there cannot block us
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptRecord(path, exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptRecord(path, "not a regular file (a directory?)")
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:
+        raise CorruptRecord(path, f"larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise CorruptRecord(path, f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
+# -- a version's manifest ----------------------------------------------------------------------
+class FileEntry(Record):
+    path: str  # relative, '/'-separated
+    size: int = Field(ge=0)
+    sha256: str
+    expected: dict[str, str] = Field(default_factory=dict)  # hashes the source promised
+    source_stat: dict[str, int] | None = None  # local sources: size and mtime_ns when copied
+
+
+class HubSource(Record):
+    kind: Literal["hub"] = "hub"
+    repo_id: str
+    revision: str
+    commit: str
+    endpoint: str | None
+    include: list[str]
+    exclude: list[str]
+
+
+class LocalSource(Record):
+    kind: Literal["local"] = "local"
+    path: str
+    include: list[str]
+    exclude: list[str]
+    link: bool
+
+
+Source = Annotated[HubSource | LocalSource, Field(discriminator="kind")]
+
+
+class Finding(Record):
+    file: str
+    check: str  # source | manifest | size | sha256 | safetensors | index | config | tensors | tokenizer
+    problem: str
+
+
+class Verification(Record):
+    """What a manifest keeps of its last verification."""
+
+    ok: bool
+    at: str
+    hashed: bool
+    family: str | None
+    failures: list[Finding]
+    warnings: list[Finding]
+
+
+class Manifest(Record):
+    name: str
+    version: str
+    source: Source
+    files: list[FileEntry]
+    fetched_at: str
+    content_sha256: str
+    verification: Verification | None = None
+    format: Literal[1] = 1
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def verified(self) -> bool:
+        return self.verification is not None and self.verification.ok
+
+    @property
+    def state(self) -> str:
+        if self.verification is None:
+            return "unverified"
+        return "verified" if self.verification.ok else "failed"
+
+
+# -- a deployment's state ----------------------------------------------------------------------
+class Ref(Record):
+    model: str
+    version: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.model}@{self.version}"
+
+
+# `from` (the version a release or rollback replaced) is a Python keyword: `from_` in code.
+FROM: Any = Field(validation_alias=AliasChoices("from", "from_"), serialization_alias="from")
+
+
+class Current(Ref):
+    since: str
+    action: Action
+
+
+class HotSwap(Record):
+    server_pid: int
+    admin_url: str
+
+
+class Event(Ref):
+    action: Action
+    from_: Ref | None = FROM
+    at: str
+    status: Literal["ok", "failed"]
+    hot_swap: HotSwap | None
+    error: str | None = None
+    settled_at: str | None = None  # an event recorded after its command died
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        return {k: v for k, v in out.items() if v is not None or k not in ("error", "settled_at")}
+
+
+class Pending(Ref):
+    """The swap journal's entry (dlm/cli/store/releases.py)."""
+
+    id: str
+    action: Action
+    from_: Ref | None = FROM
+    at: str
+    server_pid: int
+    admin_url: str
+
+
+class DeploymentState(Record):
+    deployment: str
+    current: Current | None
+    history: list[Event]
+    pending: Pending | None = None  # only while a hot swap is under way
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["history"] = [event.to_json() for event in self.history]
+        if self.pending is None:
+            del out["pending"]
+        return out
+
+
+# -- a running server's record -----------------------------------------------------------------
+class ServerRecord(Record):
+    deployment: str
+    pid: int
+    admin_url: str
+    admin_key: str
+    started_at: str
+    serving: str | None = None  # NAME@VERSION
+    swapping: str | None = None  # NAME@VERSION being loaded by a hot swap
+    swap_intent: str | None = None  # the journal entry that swap carries out

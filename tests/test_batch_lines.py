@@ -1,0 +1,172 @@
+"""`dlm batch` line by line, in process over the tiny LLaDA: a line the app fails on gets its
+500 record and every other line its answer; lines holding U+2028, U+2029 or U+0085 are read,
+written and resumed; an OUTPUT that is not a batch output, or that another run holds, is
+refused with nothing in it changed. (Whole-process runs, kills and resumes: test_batch.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dlm.engine.tokenizer
+from dlm.cli.batch import claim_output, read_requests
+from dlm.cli.jsonl import lines
+from tests.weights_helpers import cli
+
+SEPARATORS = "\u2028\u2029\u0085"  # str.splitlines breaks at these; JSON strings hold them raw
+
+
+def request(custom_id: str, prompt: str, **body: object) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": prompt, "max_tokens": 4, "temperature": 0, **body},
+    }
+
+
+def write(path: Path, items: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
+    return path
+
+
+def run(source: Path, out: Path) -> tuple[int, dict | None, str]:
+    code, stdout, stderr = cli("batch", str(source), str(out), "--model", "tiny:llada", "--json")
+    return code, json.loads(stdout) if stdout.strip() else None, stderr
+
+
+def results(out: Path) -> dict[str, dict]:
+    records = [json.loads(line) for line in lines(out.read_text(encoding="utf-8"))]
+    ids = [r["custom_id"] for r in records]
+    assert len(ids) == len(set(ids)), "a request was answered twice"
+    return {r["custom_id"]: r for r in records}
+
+
+def test_a_line_the_app_fails_on_gets_its_error_and_the_rest_are_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = dlm.engine.tokenizer.encode
+
+    def failing(tokenizer: object, text: str, chat: bool = False) -> list[int]:
+        if text == "explode":
+            raise RuntimeError("injected failure")
+        return real(tokenizer, text, chat)
+
+    monkeypatch.setattr(dlm.engine.tokenizer, "encode", failing)
+    items = [request(f"q{i}", "explode" if i == 3 else f"line {i}") for i in range(7)]
+    source, out = write(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0, stderr
+    assert summary is not None and summary | {"output": None} == {
+        "total": 7,
+        "skipped": 0,
+        "completed": 6,
+        "failed": 1,
+        "output": None,
+    }
+    assert "Traceback" not in stderr and "RuntimeError: injected failure" in stderr
+    got = results(out)
+    assert set(got) == {f"q{i}" for i in range(7)}
+    bad = got["q3"]
+    assert bad["response"]["status_code"] == 500
+    assert bad["error"] == bad["response"]["body"]["error"]
+    assert bad["error"]["type"] == "server_error" and "injected failure" in bad["error"]["message"]
+    assert all(got[f"q{i}"]["response"]["status_code"] == 200 for i in range(7) if i != 3)
+    before = out.read_bytes()
+    code, summary, stderr = run(source, out)  # the rerun finds every line answered
+    assert code == 0 and summary is not None, stderr
+    assert (summary["skipped"], summary["completed"], summary["failed"]) == (7, 0, 0)
+    assert out.read_bytes() == before
+
+
+def test_line_separators_inside_strings_are_read_answered_and_resumed(tmp_path: Path) -> None:
+    items = [request(f"s{i}", f"say {SEPARATORS[i % 3]} then {i}", echo=True) for i in range(6)]
+    items.append(request("bad", "x", **{f"odd{SEPARATORS}field": 1}))  # refused: its error names the field
+    source = write(tmp_path / "in.jsonl", items)
+    assert [r.custom_id for r in read_requests(source)] == [item["custom_id"] for item in items]
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    full = results(out)
+    for item in items[:-1]:
+        assert full[item["custom_id"]]["response"]["body"]["choices"][0]["text"].startswith(item["body"]["prompt"])
+    assert full["bad"]["error"]["param"] == f"odd{SEPARATORS}field"
+    assert all(ch in out.read_text(encoding="utf-8") for ch in SEPARATORS)  # written raw, not escaped
+    # A kill after three whole lines, in the middle of the fourth (cut inside a separator's bytes).
+    raw = out.read_bytes().split(b"\n")
+    fourth = raw[3]
+    cut = fourth.index(next(ch.encode() for ch in SEPARATORS if ch.encode() in fourth)) + 1
+    out.write_bytes(b"\n".join(raw[:3]) + b"\n" + fourth[:cut])
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    assert (summary["skipped"], summary["completed"] + summary["failed"]) == (3, 4)
+    assert set(results(out)) == set(full)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"notes about the batch\nsecond line\n",
+        b"a text file without a final newline",
+        b'{"custom_id": "q0", "method": "POST", "url": "/v1/completions", "body": {}}\n',  # INPUT given as OUTPUT
+        b'{"id": "batch_req_1", "custom_id": "q0", "response": null, "error": null}\n\xff\xfe\n',
+        b"[1, 2]\n",
+    ],
+    ids=["text", "text-no-newline", "requests", "not-utf8", "not-an-object"],
+)
+def test_an_output_that_is_not_a_batch_output_is_refused_untouched(tmp_path: Path, content: bytes) -> None:
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    code, summary, stderr = run(source, out)
+    assert code == 2 and summary is None
+    assert "error:" in stderr and "not a dlm batch output" in stderr.replace("\n", " ")
+    assert "Traceback" not in stderr
+    assert out.read_bytes() == content
+
+
+def test_an_output_directory_is_refused(tmp_path: Path) -> None:
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
+    code, _, stderr = run(source, tmp_path)
+    assert code == 2 and "is a directory" in stderr
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path: Path) -> None:
+    import os
+
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
+    out = tmp_path / "out.jsonl"
+    with claim_output(out) as held:  # another run, holding OUTPUT
+        assert held.answered == set()
+        code, summary, stderr = run(source, out)
+    assert code == 1 and summary is None
+    assert f"another dlm batch (pid {os.getpid()}) is writing" in stderr.replace("\n", " ")
+    assert out.read_bytes() == b""
+
+
+def test_a_run_that_fails_midway_shuts_its_engine_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that ends the run (here OUTPUT's disk filling up) is one `error:` line and
+    exit 1, and the engine is shut down on the way out, never left decoding into the
+    interpreter's exit (where it aborted the process: SIGABRT, exit 134)."""
+    from dlm.cli.batch import BatchOutput
+    from dlm.cli.server.service import Service
+
+    shut: list[Service] = []
+    real_shutdown = Service.shutdown
+
+    def shutdown(self: Service) -> None:
+        shut.append(self)
+        real_shutdown(self)
+
+    def full(self: BatchOutput, record: dict) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Service, "shutdown", shutdown)
+    monkeypatch.setattr(BatchOutput, "append", full)
+    source = write(tmp_path / "in.jsonl", [request(f"q{i}", f"line {i}") for i in range(4)])
+    code, summary, stderr = run(source, tmp_path / "out.jsonl")
+    assert code == 1 and summary is None
+    assert "error: [Errno 28] No space left on device" in stderr and "Traceback" not in stderr
+    assert len(shut) == 1

@@ -1,0 +1,163 @@
+"""A corrupt or hostile store record affects only itself: a manifest, a deployment file or a
+server record that is nested too deeply, not JSON, of the wrong types, too large, a
+directory, or another version's, is listed as corrupt (with the reason) where it is one, and
+every store command keeps working for the rest; `dlm rm` removes a corrupt version and a
+fetch of the same content repairs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dlm.cli.store import records
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.releases import release
+from dlm.cli.store.store import Store
+from tests.weights_helpers import cli, make_checkpoints
+
+DEEP = "[" * 100_000 + "]" * 100_000  # far deeper than Python's recursion limit
+SMALL_LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return make_checkpoints(tmp_path_factory.mktemp("sources"))
+
+
+@pytest.fixture
+def stocked(sources: list[Path], tmp_path: Path) -> tuple[Store, list[str]]:
+    """m@v1, m@v2 (released in that order to `default`) and m@v3."""
+    store = Store(tmp_path / "store")
+    versions = [fetch(str(s), store, name="m").manifest.version for s in sources]
+    for version in versions[:2]:
+        release(store, f"m@{version}")
+    return store, versions
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _replace_by_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _too_large(path: Path) -> None:
+    path.write_text(path.read_text() + " " * (SMALL_LIMIT + 1))
+
+
+MANIFEST_DAMAGE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
+    "nested too deeply": (
+        lambda m, other: (
+            _edit_json(m, lambda d: d.update(source="@")) or m.write_text(m.read_text().replace('"@"', DEEP))
+        ),
+        "recursion limit",
+    ),
+    "not JSON": (lambda m, other: m.write_text('{"name": "m", "vers'), "Invalid JSON"),
+    "wrong types": (lambda m, other: _edit_json(m, lambda d: d["files"][0].update(size="big")), "files.0.size"),
+    "unknown field": (lambda m, other: _edit_json(m, lambda d: d.update(trusted=True)), "trusted"),
+    "verification forged as a string": (
+        lambda m, other: _edit_json(m, lambda d: d["verification"].update(ok="yes")),
+        "verification.ok",
+    ),
+    "another version's manifest": (lambda m, other: shutil.copyfile(other, m), "but is stored as"),
+    "a directory": (lambda m, other: _replace_by_directory(m), "directory"),
+    "too large": (lambda m, other: _too_large(m), "larger than"),
+}
+
+
+@pytest.mark.parametrize("damage", list(MANIFEST_DAMAGE))
+def test_a_corrupt_manifest_is_listed_and_removable_and_the_store_works_on(
+    damage: str, stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "MAX_RECORD_BYTES", SMALL_LIMIT)
+    store, (v1, v2, v3) = stocked
+    harm, reason = MANIFEST_DAMAGE[damage]
+    harm(store.version_dir("m", v3) / "manifest.json", store.version_dir("m", v1) / "manifest.json")
+    root = str(store.root)
+
+    code, stdout, stderr = cli("models", "--store", root, "--json")
+    assert code == 0, stderr
+    listed = {v["version"]: v for v in json.loads(stdout)["models"][0]["versions"]}
+    assert (listed[v1]["state"], listed[v2]["state"], listed[v3]["state"]) == ("verified", "verified", "corrupt")
+    assert reason in listed[v3]["reason"]
+    code, stdout, _ = cli("models", "--store", root)
+    assert code == 0 and "corrupt" in stdout
+
+    for args in (["verify", f"m@{v3}"], ["release", f"m@{v3}"]):
+        code, stdout, stderr = cli(*args, "--store", root)
+        assert code == 1 and "corrupt" in stderr and f"dlm rm m@{v3}" in " ".join(stderr.split()), (args, stderr)
+    assert cli("verify", f"m@{v2}", "--store", root)[0] == 0
+    assert cli("rollback", "--store", root)[0] == 0  # to v1
+    assert cli("release", "m", "--store", root)[0] == 0  # the newest verified: v2, never the corrupt v3
+    code, stdout, stderr = cli("rm", "m", "--keep", "0", "--store", root, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout) == {"removed": [], "kept_released": [f"m@{v1}", f"m@{v2}"]}
+
+    code, stdout, stderr = cli("rm", f"m@{v3}", "--store", root, "--json")
+    assert code == 0 and json.loads(stdout)["removed"] == [f"m@{v3}"], stderr
+    assert not store.version_dir("m", v3).exists()
+    assert [m.version for m in store.manifests("m")] == [v1, v2]
+
+
+def test_a_fetch_repairs_a_corrupt_version(stocked: tuple[Store, list[str]], sources: list[Path]) -> None:
+    store, (_, _, v3) = stocked
+    (store.version_dir("m", v3) / "manifest.json").write_text(DEEP)
+    result = fetch(str(sources[2]), store, name="m")
+    assert result.manifest.version == v3 and not result.already_present and result.manifest.verified
+    assert store.manifest("m", v3).verified
+
+
+def test_a_corrupt_released_version_stays_protected(stocked: tuple[Store, list[str]]) -> None:
+    store, (_, v2, _) = stocked
+    (store.version_dir("m", v2) / "manifest.json").write_text(DEEP)
+    code, _, stderr = cli("rm", f"m@{v2}", "--store", str(store.root))
+    assert code == 1 and "the current release of deployment default" in stderr
+    assert store.version_dir("m", v2).is_dir()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        DEEP,
+        "{",
+        '{"deployment": "other", "current": null, "history": "none"}',
+        '{"deployment": "default", "current": null, "history": []}',
+    ],
+    ids=["nested too deeply", "not JSON", "wrong types", "another deployment's"],
+)
+def test_a_corrupt_deployment_file_affects_only_its_deployment(content: str, stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2, v3) = stocked
+    (store.deployments_dir / "other.json").write_text(content)
+    root = str(store.root)
+    code, stdout, stderr = cli("models", "--store", root, "--json")
+    assert code == 0, stderr
+    deployments = {d["deployment"]: d for d in json.loads(stdout)["deployments"]}
+    assert deployments["other"]["state"] == "corrupt" and deployments["other"]["reason"]
+    assert deployments["default"]["current"]["version"] == v2
+    code, stdout, _ = cli("models", "--store", root)
+    assert code == 0 and "deployment other: corrupt" in stdout
+    assert cli("release", f"m@{v3}", "--store", root)[0] == 0
+    assert cli("rm", f"m@{v1}", "--store", root)[0] == 0  # protected by nothing readable now
+    for args in (["release", f"m@{v3}", "-d", "other"], ["rollback", "-d", "other"]):
+        code, _, stderr = cli(*args, "--store", root)
+        assert code == 1 and "other.json is corrupt" in " ".join(stderr.split()), (args, stderr)
+    assert (store.deployments_dir / "other.json").read_text() == content  # never overwritten
+
+
+def test_a_corrupt_server_record_is_passed_over(stocked: tuple[Store, list[str]]) -> None:
+    store, (_, _, v3) = stocked
+    servers = store.deployments_dir / ".servers"
+    servers.mkdir()
+    (servers / "default.json").write_text(DEEP)
+    root = str(store.root)
+    assert cli("models", "--store", root, "--json")[0] == 0
+    assert cli("release", f"m@{v3}", "--store", root)[0] == 0
+    assert cli("rm", "m", "--keep", "2", "--store", root)[0] == 0
