@@ -74,11 +74,11 @@ def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
     block = body.get("block_length")
     steps = body.get("steps")
     threshold = body.get("threshold")
-    if block is not None and (not isinstance(block, int) or block < 1 or max_tokens % block):
-        raise Invalid(f"block_length must divide max_tokens ({max_tokens})")
-    blocks = max_tokens // block if block else 1
-    if steps is not None and (not isinstance(steps, int) or steps < 1 or steps % blocks):
-        raise Invalid("steps must be a positive multiple of the number of blocks")
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise Invalid("block_length must be a positive integer")
+    blocks = -(-max_tokens // block) if block else 1  # any max_tokens: the last block decoded whole
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise Invalid("steps must be a positive integer")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
         raise Invalid("threshold must be in (0, 1]")
     if body.get("remasking", "low_confidence") not in ("low_confidence", "random"):
@@ -95,7 +95,8 @@ def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
         return max_tokens
     if threshold is not None:
         return blocks
-    return min(steps or max_tokens, max_tokens)
+    # split over the blocks, one step per block at least, one token per step at most
+    return max(blocks, min(steps or max_tokens, max_tokens) // blocks * blocks)
 
 
 def make_app(b: Behaviour) -> FastAPI:

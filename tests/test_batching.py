@@ -112,3 +112,13 @@ def test_bf16_batch_of_four_equals_each_prompt_alone(tmp_path: Path, family: str
     together = llm.generate(PROMPTS, **PARAMS[family])
     for prompt, out in zip(PROMPTS, together):
         assert out.output_ids == llm.generate(prompt, **PARAMS[family])[0].output_ids, prompt
+
+
+def test_bf16_diffusion_gemma_canvases_equal_each_prompt_alone() -> None:
+    """DiffusionGemma's canvases attend to prompt caches of different lengths: each row over
+    its own keys, never padded to a longer neighbour's (which rounds differently in bf16 and,
+    through the sampler, changes every later draw)."""
+    llm = LLM("tiny:diffusion_gemma", dtype="bfloat16", device="cpu")
+    together = llm.generate(PROMPTS, gen_length=16)
+    for prompt, out in zip(PROMPTS, together):
+        assert out.output_ids == llm.generate(prompt, gen_length=16)[0].output_ids, prompt

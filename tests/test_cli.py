@@ -73,10 +73,10 @@ def test_generate_default_model_with_text_and_chat() -> None:
     "args, message",
     [
         (["/no/such/model", "--prompt-ids", "1,2"], "no model at"),
-        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "30", "--block-length", "8"], "multiple of block_length"),
+        (["{tiny}", "--prompt-ids", "1,2", "--gen-length", "30", "--block-length", "0"], "block_length must be"),
         (
-            ["{tiny}", "--prompt-ids", "1,2", "--gen-length", "32", "--block-length", "8", "--steps", "6"],
-            "divisible by the number of blocks",
+            ["{tiny}", "--prompt-ids", "1,2", "--gen-length", "8", "--min-tokens", "9"],
+            "min_tokens (9) must not exceed gen_length",
         ),
         (["{tiny}", "--prompt-ids", "1,2", "--threshold", "0"], "threshold must be in (0, 1]"),
         (["{tiny}", "--prompt-ids", "1,2", "--threshold", "1.5"], "threshold must be in (0, 1]"),

@@ -85,13 +85,13 @@ def test_serve_refuses_a_default_block_length_clover_cannot_decode_before_loadin
     assert "error:" in result.output and "clover decodes 32-token blocks" in result.output
 
 
-def test_generate_counts_the_families_forwards_before_loading(no_loading: None) -> None:
-    """SDAR's blocks lie on an absolute grid: 3 prompt tokens + 8 generated span 3 blocks of
-    4, so 2 steps cannot cover them; the family's block length and grid come from config.json."""
-    args = ["generate", "tiny:sdar", "--prompt-ids", "1,2,3", "--gen-length", "8", "--steps", "2"]
+def test_generate_applies_the_family_rules_before_loading(no_loading: None) -> None:
+    """Clover decodes its trained 32-token blocks only: config.json says so, so another block
+    length is refused before any weight loads."""
+    args = ["generate", "tiny:clover", "--prompt-ids", "1,2,3", "--gen-length", "8", "--block-length", "16"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
-    assert "steps (2) must be at least one per block decoded (3)" in result.output
+    assert "clover decodes 32-token blocks only" in result.output
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["serve"]])
@@ -107,12 +107,13 @@ def test_an_uneven_tensor_parallel_split_is_refused_before_any_rank_spawns(
 
 
 def test_a_text_prompt_is_refused_only_what_every_length_refuses(tmp_path: Path) -> None:
-    """Before tokenising, the length is unknown: 2 steps cover SDAR's 2 blocks of 4 after a
-    4-token prompt, though not the 3 blocks after 3 prompt tokens."""
-    sdar = _config_only(tmp_path / "sdar", family_config("sdar", vocab_size=64, mask_token_id=63, eos_token_id=62))
-    params = GenerationParams(gen_length=8, steps=2)
+    """Before tokenising, the length is unknown: a generation that fits after a one-token
+    prompt passes, though not after 3 prompt tokens."""
+    raw = family_config("sdar", vocab_size=64, mask_token_id=63, eos_token_id=62)
+    sdar = _config_only(tmp_path / "sdar", raw)
+    params = GenerationParams(gen_length=raw["max_position_embeddings"] - 2)
     check_before_loading(sdar, params, None)
-    with pytest.raises(UsageError, match=r"at least one per block decoded \(3\)"):
+    with pytest.raises(UsageError, match="exceeds the model's maximum length"):
         check_before_loading(sdar, params, 3)
     with pytest.raises(UsageError, match="exceeds the model's maximum length"):
         check_before_loading(sdar, GenerationParams(gen_length=100000), None)

@@ -10,7 +10,7 @@ from dlm.engine import family_rules
 from dlm.engine.block_checkpoints import family_config
 from dlm.engine.checkpoint_writer import clover_config, llada_config
 from dlm.engine.config import config_from_dict
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import Forwards, GenerationParams
 
@@ -22,9 +22,12 @@ LLADA = config_from_dict(llada_config(64, 63, 62))
 
 def test_clover_decodes_its_trained_block_only_and_pays_a_commit_pass_per_block() -> None:
     assert family_rules.fixed_block(CLOVER) == 32
-    assert family_rules.forwards(CLOVER) == Forwards(per_block=1)
+    assert family_rules.forwards(CLOVER) == Forwards(per_block=1, whole_blocks=True)
     assert family_rules.validate(GenerationParams(gen_length=64), 4, CLOVER).block_length == 32
-    with pytest.raises(UsageError, match="clover decodes 32-token blocks") as caught:
+    # Any gen_length: the last block is decoded whole and the answer cut from it.
+    seven = family_rules.validate(GenerationParams(gen_length=7), 4, CLOVER)
+    assert (seven.block_length, seven.canvas_length, seven.num_blocks) == (32, 32, 1)
+    with pytest.raises(Unsupported, match="clover decodes 32-token blocks") as caught:
         family_rules.validate(GenerationParams(gen_length=32, block_length=16), 4, CLOVER)
     assert caught.value.field == "block_length"
 

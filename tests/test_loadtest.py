@@ -254,3 +254,10 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
 def test_unreachable_server_is_a_failed_operation(tmp_path: Path) -> None:
     result = loadtest("http://127.0.0.1:9", "-t", "1s", "--out", str(tmp_path / "x"))
     assert result.returncode == 1 and "error:" in result.stderr
+
+
+def test_jsonl_lines_may_fix_the_answer_length(tmp_path: Path) -> None:
+    path = tmp_path / "fixed.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 8, "ignore_eos": true, "min_tokens": 8}\n')
+    line = {"prompt": "a", "max_tokens": 8, "ignore_eos": True, "min_tokens": 8}
+    assert load_jsonl(path) == (("/v1/completions", line),)

@@ -148,7 +148,7 @@ def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:
         (dict(steps=0), "steps"),
         (dict(refinement_steps=0), "refinement_steps"),
         (dict(steps=8, refinement_steps=2), "refinement_steps"),
-        (dict(gen_length=30, block_length=8), "gen_length"),
+        (dict(gen_length=8, min_tokens=9), "min_tokens"),
         (dict(mode="ar"), "mode"),
         (dict(top_k=3), "top_k"),
         (dict(seed=2**63), "seed"),
@@ -183,17 +183,37 @@ def test_step_budget_resolution() -> None:
 
 
 @pytest.mark.parametrize("field", ["steps", "refinement_steps"])
-def test_steps_below_one_per_sub_block_are_refused(field: str) -> None:
+def test_steps_below_one_per_sub_block_are_raised_to_it(field: str) -> None:
     """openPangu and Fast-dLLM v2 denoise a block in sub-blocks of a forward each at least:
-    fewer steps than sub-blocks could not bound the forwards, so they are refused, not raised."""
+    fewer steps than that are raised to one per sub-block (not refused: any `steps` is an
+    ordinary request), and the forwards stay bounded by what was resolved."""
     family = family_named("fast_dllm_v2")
     forwards = Forwards(sub_blocks=4)
     value = 2 if field == "refinement_steps" else 4  # two 32-token blocks: 2 steps each
-    with pytest.raises(UsageError, match="one step per sub-block") as caught:
-        GenerationParams(gen_length=64, block_length=32, **{field: value}).validate(8, 512, family, forwards=forwards)
-    assert caught.value.field == field and f"{field} ({value})" in str(caught.value)
+    resolved = GenerationParams(gen_length=64, block_length=32, **{field: value}).validate(
+        8, 512, family, forwards=forwards
+    )
+    assert (resolved.steps, resolved.steps_per_block, resolved.max_forwards) == (8, 4, 8)
     enough = GenerationParams(gen_length=64, block_length=32, **{field: 4 if field == "refinement_steps" else 8})
     assert enough.validate(8, 512, family, forwards=forwards).steps == 8
+
+
+def test_any_gen_length_and_steps_resolve_on_every_layout() -> None:
+    """No gen_length / block_length / steps combination an OpenAI client may send is refused:
+    a block grid decodes whole blocks (the answer cut at gen_length), LLaDA a shorter last
+    block; `steps` below one per block is raised to it, and need not divide the blocks."""
+    grid = Forwards(aligned_grid=True, whole_blocks=True)
+    sdar = family_named("sdar")
+    resolved = GenerationParams(gen_length=7, block_length=32).validate(5, 512, sdar, forwards=grid)
+    assert (resolved.canvas_length, resolved.decoded_blocks, resolved.num_blocks) == (32, 1, 1)
+    straddling = GenerationParams(gen_length=16, block_length=8, steps=2).validate(5, 512, sdar, forwards=grid)
+    assert (straddling.decoded_blocks, straddling.steps, straddling.max_forwards) == (3, 3, 3)
+    uneven = GenerationParams(gen_length=16, block_length=8, steps=5).validate(8, 512)
+    assert (uneven.steps_per_block, uneven.canvas_length, uneven.num_blocks) == (2, 16, 2)
+    partial = GenerationParams(gen_length=50, block_length=32).validate(8, 512)
+    assert (partial.canvas_length, partial.num_blocks, partial.decoded_blocks) == (50, 2, 2)
+    # The default spends one forward per answer token: 16 tokens on 3 blocks, 5 steps each.
+    assert GenerationParams(gen_length=16, block_length=8).validate(5, 512, sdar, forwards=grid).max_forwards == 15
 
 
 PROMPT = list(range(5, 29))  # 24 tokens: on the block grid of the block-causal tiny models
@@ -231,14 +251,20 @@ def test_steps_bound_the_forwards_whatever_the_rule(engines: dict, family: str, 
     # A server's limit bounds every forward; `steps` bounds the denoising steps, and openPangu
     # and Clover spend one forward more per block (docs/serve.md).
     extra = seq.params.decoded_blocks if family in ("pangu", "clover") and budget == "steps" else 0
-    if fam.sampler == "dream" and "threshold" in rule:
-        # The one exception: Dream's confidence_threshold without a cache is Fast-dLLM's
-        # whole-sequence rule, which adds steps until every token clears the threshold
-        # (tests/test_dream_confidence_threshold.py); one forward per token bounds it, and a
-        # server whose cap is below that refuses the request (steps_exceeded).
-        assert seq.nfe > 8 and seq.params.max_forwards == 32, seq.params
-        return
     assert seq.params.max_forwards <= 8 + extra, seq.params
+
+
+def test_dream_whole_sequence_threshold_rule_is_the_one_exception(engines: dict) -> None:
+    """Dream's alg confidence_threshold, named, without a cache is Fast-dLLM's whole-sequence
+    rule, which adds steps until every token clears the threshold (tests/test_dream_confidence_
+    threshold.py); one forward per token bounds it, and a server whose cap is below that
+    refuses the request (steps_exceeded). A plain threshold is bounded like every family's."""
+    engine = engines["dream"].engine
+    named = GenerationParams(gen_length=32, alg="confidence_threshold", threshold=0.99, early_stop=False, steps=8)
+    seq = engine.generate([PROMPT], named)[0]
+    assert seq.params.threshold_quota and seq.nfe > 8 and seq.params.max_forwards == 32, seq.params
+    plain = engine.validate(GenerationParams(gen_length=32, threshold=0.99, steps=8), len(PROMPT))
+    assert not plain.threshold_quota and plain.max_forwards == 8
 
 
 @pytest.mark.parametrize("family", ["sdar", "pangu"])
@@ -259,10 +285,9 @@ def test_an_absolute_grid_splits_the_steps_over_every_block_it_decodes(engines: 
     seq = engine.generate([prompt], params)[0]
     assert seq.params.decoded_blocks == seq.params.num_blocks + 1
     assert seq.finished and seq.nfe <= 16, (seq.nfe, seq.params)
-    too_few = GenerationParams(gen_length=32, steps=seq.params.num_blocks)
-    with pytest.raises(UsageError, match="one per block decoded") as caught:
-        engine.validate(too_few, len(prompt))
-    assert caught.value.field == "steps"
+    # Fewer steps than blocks decoded: one step per block (not refused).
+    too_few = engine.validate(GenerationParams(gen_length=32, steps=seq.params.num_blocks), len(prompt))
+    assert too_few.steps == too_few.max_forwards == seq.params.decoded_blocks
 
 
 @pytest.mark.slow

@@ -249,10 +249,10 @@ LONG_PROMPT = list(range(10, 600))
             "steps_exceeded",
         ),
         (
-            dict(body={"prompt": "x", "max_tokens": 30, "block_length": 8}),
+            dict(body={"prompt": "x", "max_tokens": 8, "min_tokens": 9}),
             400,
             "invalid_request_error",
-            "max_tokens",
+            "min_tokens",
             "invalid_value",
         ),
         (dict(body={"prompt": "x", "threshold": 1.5}), 400, "invalid_request_error", "threshold", "invalid_value"),

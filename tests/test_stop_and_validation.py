@@ -81,12 +81,18 @@ LLADA, DREAM = FAMILIES[0], next(f for f in FAMILIES if f.name == "dream")
         (DREAM, dict(top_p=1.5), "top_p"),
         (DREAM, dict(top_k=0), "top_k"),
         (DREAM, dict(eps=0.0), "eps"),
-        (DREAM, dict(gen_length=64, steps=2, block_length=32, cache="dual"), "at least 2"),
     ],
 )
 def test_invalid_combinations_are_rejected(family, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match=message):
         GenerationParams(**kwargs).validate(8, 512, family)
+
+
+def test_dream_with_a_cache_gets_two_steps_per_block_at_least() -> None:
+    """Its first step (the cache's refresh) commits only the block's first token: fewer steps
+    are raised to two per block, not refused."""
+    p = GenerationParams(gen_length=64, steps=2, block_length=32, cache="dual").validate(8, 512, DREAM)
+    assert (p.steps_per_block, p.steps) == (2, 4)
 
 
 def test_dream_defaults() -> None:

@@ -118,3 +118,16 @@ def test_loadtest_sends_the_task_prompts(server: ServerProcess, tmp_path: Path) 
     )  # fmt: skip
     assert builtin.returncode == 0, builtin.stderr[-2000:]
     assert "answers were empty (EOS at once)" in " ".join(builtin.stderr.split()), builtin.stderr
+
+
+def test_loadtest_fixed_length_mode_fixes_every_answer_length(server: ServerProcess, tmp_path: Path) -> None:
+    """The task prompts end early with EOS (above); --fixed-length sends ignore_eos and
+    min_tokens, so every answer is exactly --max-tokens long."""
+    result = dlm(
+        "loadtest", server.url, "--api-key", KEY, "--prompts", "tasks", "-u", "1", "-t", "3s",
+        "--max-tokens", "24", "--fixed-length", "--min-samples", "1", "--json", "--out", str(tmp_path / "fixed"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    totals = json.loads(result.stdout)["totals"]
+    assert totals["ok"] > 0 and totals["error_rate"] == 0
+    assert totals["output_tokens"] == 24 * totals["ok"], totals

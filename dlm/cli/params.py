@@ -80,23 +80,15 @@ def check_before_loading(
     it again once the prompt's tokens are known, and that result decodes.
 
     A text prompt's length (None) is known only once tokenised, so only what every length
-    refuses is refused: the shortest prompt (one token) bounds the length check, and a
-    prompt of one whole block the blocks decoded on an absolute grid; what both refuse,
-    every length refuses."""
+    refuses is refused: the shortest prompt (one token) bounds the length check, and no
+    other rule depends on the prompt's length (a block grid takes any)."""
     from dlm.engine.config import load_config
-    from dlm.engine.errors import UsageError
-    from dlm.engine.family_rules import validate, with_defaults
+    from dlm.engine.family_rules import validate
     from dlm.engine.parallel.divisibility import check_tensor_parallel
 
     config = load_config(model_dir)
     check_tensor_parallel(config, tensor_parallel_size)
-    if prompt_length is not None:
-        validate(params, prompt_length, config)
-        return
-    try:
-        validate(params, 1, config)
-    except UsageError:
-        validate(params, with_defaults(params, config).block_length or 1, config)
+    validate(params, 1 if prompt_length is None else prompt_length, config)
 
 
 def decoding_params(given: dict[str, Any]) -> GenerationParams:

@@ -21,6 +21,11 @@ from dlm.engine.registry import family_named
 # block_sequence.py): bounds attention memory on long prompts, and costs forwards.
 PREFILL_CHUNK = 2048
 DEFAULT_STEPS_PER_CANVAS = 48
+# The seed of a canvas family's request that gives none. Its sampler draws the canvas and its
+# samples at every temperature (there is no greedy mode), so without one the same request would
+# answer differently each time; OpenAI clients (and `dlm validate`) expect a request that asks
+# for no sampling to be reproducible. `seed` gives other samples.
+DEFAULT_CANVAS_SEED = 0
 
 
 def forwards(config: ModelConfig) -> Forwards:
@@ -29,10 +34,19 @@ def forwards(config: ModelConfig) -> Forwards:
     if rules is not None:
         # openPangu's (shifted logits) commit forward of a block also decides the next block's first token.
         return Forwards(
-            rules.aligned_grid, rules.sub_blocks, 1 if rules.logit_shift else 0, PREFILL_CHUNK, rules.causal_context
+            rules.aligned_grid,
+            rules.sub_blocks,
+            1 if rules.logit_shift else 0,
+            PREFILL_CHUNK,
+            rules.causal_context,
+            whole_blocks=True,
         )
-    # Clover's commit pass per block (the prompt's prefill stands in for the last block's).
-    return Forwards(per_block=1 if family_named(config.family).commit_pass else 0)
+    # Clover's commit pass per block (the prompt's prefill stands in for the last block's);
+    # Clover's fixed blocks and DiffusionGemma's canvases are decoded whole.
+    family = family_named(config.family)
+    return Forwards(
+        per_block=1 if family.commit_pass else 0, whole_blocks=family.fixed_block or config.canvas is not None
+    )
 
 
 def fixed_block(config: ModelConfig) -> int | None:
@@ -58,24 +72,27 @@ def _canvas_defaults(params: GenerationParams, canvas: CanvasSpec) -> Generation
     else transformers'); the canvas length as `block_length`; the per-canvas steps
     (`refinement_steps`) as `steps` in all, since a canvas may take more steps than it has
     tokens (renoised tokens are drawn again). A server's `max_steps` lowers the default
-    per-canvas steps to fit, as it does for other families."""
+    per-canvas steps to fit, as it does for other families. Unseeded, a request is seeded
+    `DEFAULT_CANVAS_SEED`: the same request gives the same answer."""
     defaults = {**SAMPLER_DEFAULTS, "refinement_steps": DEFAULT_STEPS_PER_CANVAS, **canvas.sampler_defaults}
     filled: dict[str, float | None] = {n: defaults[n] for n in SAMPLER_DEFAULTS if getattr(params, n) is None}
     block = params.block_length or canvas.canvas_length
     steps = params.steps
     if steps is None:
-        canvases = max(1, params.gen_length // block)
+        canvases = -(-params.gen_length // block)  # the last one decoded whole, the answer cut from it
         per_canvas = int(params.refinement_steps or defaults["refinement_steps"])
         if params.refinement_steps is None and params.max_steps is not None:
             per_canvas = max(1, min(per_canvas, params.max_steps // canvases))  # a server's limit lowers the default
         steps = per_canvas * canvases
         filled["refinement_steps"] = None
-    return replace(params, block_length=block, steps=steps, **filled)  # type: ignore[arg-type]
+    seed = DEFAULT_CANVAS_SEED if params.seed is None else params.seed
+    return replace(params, block_length=block, steps=steps, seed=seed, **filled)  # type: ignore[arg-type]
 
 
 def validate(params: GenerationParams, prompt_length: int, config: ModelConfig) -> ResolvedParams:
     """`params` resolved for a prompt of `prompt_length` tokens on the checkpoint `config`
     describes, or `UsageError` naming the field at fault."""
+    params.check_ranges(config.logits_size)  # the family's defaults are derived from in-range fields
     return with_defaults(params, config).validate(
         prompt_length,
         config.max_position_embeddings,

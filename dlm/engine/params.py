@@ -10,14 +10,24 @@ model family, applies the ranges and the family's rules, and returns a `Resolved
 which the engine, its scheduler and the tensor-parallel ranks accept as it is. Every
 refusal is a `UsageError` naming its field (`error.field`).
 
+Length semantics: any `gen_length` (max_tokens) is accepted with any block length. LLaDA and
+Dream decode a shorter last block; families that decode on a block grid (block-causal ones,
+Clover, DiffusionGemma: `Forwards.whole_blocks`) decode the last block whole, as SGLang and
+dInfer do, and the answer is cut at `gen_length` (finish_reason `length` unless a stop id
+falls inside it).
+
 Step semantics: `steps` is an upper bound on the denoising steps of every commit rule but
-one. It is split evenly over the blocks; the schedule rule spends exactly a block's share,
-while the threshold and factor rules (and Dream's `confidence_threshold` with a cache) may
-finish a block sooner, and the last step of a block's share commits whatever is left in it.
-The exception is Dream's `confidence_threshold` without a cache, which follows Fast-dLLM's
-whole-sequence rule: a block's share of `steps` is its schedule, and steps are added after
-it until every position clears the threshold (dlm/engine/decoding/dream.py), so its bound is
-one forward per position.
+one. It is split evenly over the blocks decoded (rounded down); a block gets at least the
+steps it needs (`least_steps`: one per sub-block, two for Dream with a cache), so a smaller
+`steps` is raised to that rather than refused. The schedule rule spends exactly a block's
+share, while the threshold and factor rules may finish a block sooner, and the last step of
+a block's share commits whatever is left in it. Without `steps`, the schedule spends one
+forward per answer token in all (a block's extra forwards included), and a threshold or
+factor rule is not capped (one step per position at most). The exception is Dream's
+`alg confidence_threshold` named without a cache, which follows Fast-dLLM's whole-sequence
+rule: a block's share of `steps` is its schedule, and steps are added after it until every
+position clears the threshold (dlm/engine/decoding/dream.py), so its bound is one forward per
+position. A plain `threshold` on Dream is the threshold rule every family has.
 `refinement_steps` gives the same budget per block instead of in all. Some families spend
 forwards besides the denoising steps (`Forwards`, derived from the family's record and
 config by dlm/engine/family_rules.py, which calls `validate()` for every entry point);
@@ -129,12 +139,22 @@ class Forwards:
     # chunks of `prefill_chunk` tokens when the context attends causally, else of whole blocks.
     prefill_chunk: int = 0
     causal_context: bool = False
+    # The model decodes whole blocks (a block grid: block-causal families, Clover's fixed
+    # block, DiffusionGemma's canvases): an answer that ends inside a block is cut from it.
+    # Otherwise (LLaDA, Dream) the answer's last block is shorter.
+    whole_blocks: bool = False
 
     def blocks(self, prompt_length: int, gen_length: int, block: int) -> int:
-        """Blocks decoded for this prompt."""
+        """Blocks decoded for this prompt: every block holding a position of the answer."""
         if not self.aligned_grid:
-            return gen_length // block
+            return -(-gen_length // block)
         return -(-(prompt_length + gen_length) // block) - prompt_length // block
+
+    def share(self, budget: int, prefill: int, decoded: int) -> int:
+        """Denoising steps per block that keep a request within `budget` forwards in all,
+        besides the forwards the model spends anyway (cache prefill, one per block beyond its
+        steps); at least one."""
+        return max(1, (budget - prefill) // decoded - self.per_block)
 
     def units(self, block: int) -> int:
         """Sub-blocks a block of `block` tokens is denoised in (a forward each at least): blocks
@@ -153,15 +173,20 @@ class Forwards:
 
 @dataclass(frozen=True)
 class GenerationParams:
-    gen_length: int = _param(128, "Tokens to generate.", low=1, http="max_tokens")
+    gen_length: int = _param(
+        128,
+        "Tokens to generate, at most (any number: a block grid's last block is decoded whole and the answer cut here).",
+        low=1,
+        http="max_tokens",
+    )
     steps: int | None = _param(
         None,
-        "Upper bound on denoising steps in all, split evenly over the blocks: every rule (schedule, threshold, "
-        "factor) finishes a block within its share, the share's last step committing what is left. "
-        "Dream's confidence_threshold without a cache is Fast-dLLM's: its schedule, plus steps until every "
-        "token clears the threshold.",
+        "Upper bound on denoising steps in all, split evenly over the blocks decoded, at least one per block "
+        "(per sub-block): every rule (schedule, threshold, factor) finishes a block within its share, the "
+        "share's last step committing what is left. Dream's alg confidence_threshold without a cache is "
+        "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
         low=1,
-        shown="gen_length, one token per step",
+        shown="one forward per answer token; a threshold or factor rule uncapped",
     )
     refinement_steps: int | None = _param(
         None,
@@ -171,7 +196,7 @@ class GenerationParams:
     )
     block_length: int | None = _param(
         None,
-        "Semi-autoregressive block size.",
+        "Semi-autoregressive block size; need not divide gen_length.",
         low=1,
         shown="the family's, else 32 if it divides gen_length",
     )
@@ -195,7 +220,7 @@ class GenerationParams:
         low=0,
         high=SEED_LIMIT,
         high_open=True,
-        shown="none: unseeded",
+        shown="none: unseeded (DiffusionGemma: 0, reproducible)",
     )
     cache: str = _param(
         "auto",
@@ -241,6 +266,18 @@ class GenerationParams:
         "Stop once a finished block holds EOS (the rest is filled with EOS).",
         cli="--early-stop/--no-early-stop",
         http=None,
+    )
+    # Fixed output lengths (vLLM's names and meaning; benchmark clients send them):
+    ignore_eos: bool = _param(
+        False,
+        "Do not end the answer at EOS: EOS is never committed (it is masked out of every decision), so the "
+        "answer runs to gen_length unless one of stop_token_ids ends it.",
+    )
+    min_tokens: int = _param(
+        0,
+        "The answer has at least this many tokens: EOS and stop_token_ids are never committed at its first "
+        "N positions, and a stop string does not end it before them (at most gen_length).",
+        low=0,
     )
     n: int = _param(
         1,
@@ -356,6 +393,13 @@ class GenerationParams:
         http=None,
     )
 
+    def check_ranges(self, vocab: int | None = None) -> None:
+        """Refuse a field outside its declared range or choices (and stop ids outside the
+        vocabulary): what must hold before any default is derived from the fields."""
+        for name, spec in PARAMS.items():
+            spec.check(name, getattr(self, name))
+        _validate_stop_token_ids(self.stop_token_ids, vocab)
+
     @property
     def edits(self) -> bool:
         """The request asks for draft-and-edit decoding (dlm/engine/decoding/draft_edit.py)."""
@@ -381,9 +425,7 @@ class GenerationParams:
         forwards on blocks (default: one per denoising step). `vocab`: the model emits token ids
         below it (stop ids outside are refused)."""
         family = family or FAMILIES[0]
-        for name, spec in PARAMS.items():
-            spec.check(name, getattr(self, name))
-        _validate_stop_token_ids(self.stop_token_ids, vocab)
+        self.check_ranges(vocab)
         if self.steps is not None and self.refinement_steps is not None:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
@@ -424,6 +466,11 @@ class GenerationParams:
             require(family, "suffix")
         if p.logprobs is not None:
             require(family, "logprobs")
+        if p.min_tokens > p.gen_length:
+            raise UsageError(
+                f"min_tokens ({p.min_tokens}) must not exceed gen_length (max_tokens, {p.gen_length})",
+                field="min_tokens",
+            )
         if p.seed is not None and p.seed + p.n > SEED_LIMIT:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
         if prompt_length < 1:
@@ -447,56 +494,46 @@ class GenerationParams:
         return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
 
     def _resolved(self, family: Family, prompt_length: int, forwards: Forwards) -> ResolvedParams:
-        """Fill the defaults that depend on other fields and on the family; check the block
-        layout the steps are split over."""
+        """Fill the defaults that depend on other fields and on the family: the block layout
+        (any gen_length: the last block is shorter, or decoded whole and cut on a block grid)
+        and the steps each block decoded gets (never fewer than it needs: `least_steps`)."""
         gen = self.gen_length
         block = self.block_length
         if block is None:
             block = 32 if gen % 32 == 0 else gen
-        if gen % block:
-            raise UsageError(f"gen_length ({gen}) must be a multiple of block_length ({block})", field="gen_length")
-        blocks = gen // block
+        blocks = -(-gen // block)  # blocks of the answer, the last one possibly partial
         decoded = forwards.blocks(prompt_length, gen, block)
         cache = family.default_cache if self.cache == "auto" else self.cache
         prefill = forwards.prefill(prompt_length, block) if cache == "block" else 0
-        if self.refinement_steps is not None:
-            steps = min(self.refinement_steps, block) * decoded  # a block takes at most one step per token
-        else:
-            steps = self.steps or block * decoded  # default: one token per step
-        if self.steps is None and self.max_steps is not None and steps > self.max_steps:
-            # The default would exceed the limit: the most steps within it, evenly over the
-            # blocks, besides the forwards a block costs anyway (at least one step per block;
-            # `max_forwards` above the limit is the caller's to refuse).
-            steps = max(1, (self.max_steps - prefill) // decoded - forwards.per_block) * decoded
-        if self.steps is not None and steps % blocks:
-            raise UsageError(
-                f"steps ({steps}) must be divisible by the number of blocks (gen_length/block_length = {blocks})",
-                field="steps",
-            )
-        if steps < decoded:
-            raise UsageError(f"steps ({steps}) must be at least one per block decoded ({decoded})", field="steps")
-        given = "refinement_steps" if self.refinement_steps is not None else "steps" if self.steps else None
-        units = forwards.units(block)
-        if given and steps < decoded * units:
-            # Each sub-block takes a forward of its own: fewer steps could not bound the forwards.
-            raise UsageError(
-                f"{given} ({getattr(self, given)}) must allow at least one step per sub-block: "
-                f"{decoded} block(s) decoded x {units} sub-blocks = {decoded * units} steps",
-                field=given,
-            )
         alg, threshold = self.alg, self.threshold
         if family.sampler == "dream":
             alg = alg or ("confidence_threshold" if threshold is not None else DREAM_DEFAULT_ALG)
             if alg == "confidence_threshold" and threshold is None:
                 threshold = DEFAULT_THRESHOLD
+        if self.steps is not None:
+            per_block = self.steps // decoded  # split evenly over the blocks decoded
+        elif self.refinement_steps is not None:
+            per_block = min(self.refinement_steps, block)  # a block takes at most one step per token
+        else:
+            # A rule that paces itself (threshold, factor, draft-and-edit) is not capped: up to
+            # one step per position. The schedule spends one forward per answer token in all.
+            paced = threshold is not None or self.factor is not None or self.edits
+            per_block = block if paced else forwards.share(gen, prefill, decoded)
+        if self.steps is None and self.max_steps is not None:  # a server's limit lowers the default to fit
+            per_block = min(per_block, forwards.share(self.max_steps, prefill, decoded))
+        per_block = max(per_block, least_steps(family, forwards, block, cache))
+        steps = per_block * decoded
+        # Fast-dLLM's whole-sequence Dream rule, asked for by its name (alg confidence_threshold)
+        # without a cache; a plain threshold is the same rule as on every other family.
+        quota = family.sampler == "dream" and self.alg == "confidence_threshold" and cache == "none"
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
         if isinstance(self.response_format, dict):  # so is the response_format object: kept as its text
             values["response_format"] = json.dumps(self.response_format)
         if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
             values["stop_token_ids"] = tuple(self.stop_token_ids)
-        per_block = max(steps // decoded, units) + forwards.per_block
-        if alg == "confidence_threshold" and cache == "none":
+        per_block += forwards.per_block
+        if quota:
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
             # threshold, committing at least one per forward: a block's length bounds it.
             per_block = max(per_block, block)
@@ -520,7 +557,12 @@ class GenerationParams:
             per_block = block + post + 1 + forwards.per_block
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
         return ResolvedParams(
-            **values, decoded_blocks=decoded, max_forwards=per_block * decoded + prefill, skeleton=skeleton
+            **values,
+            decoded_blocks=decoded,
+            max_forwards=per_block * decoded + prefill,
+            canvas_length=blocks * block if forwards.whole_blocks else gen,
+            threshold_quota=quota,
+            skeleton=skeleton,
         )
 
 
@@ -538,11 +580,20 @@ class ResolvedParams(GenerationParams):
     max_forwards: int = 0
     # The response format compiled (None: plain text), laid out by the engine.
     skeleton: Skeleton | None = field(default=None, compare=False, repr=False)
+    # Answer positions the model decodes: gen_length, or on a block grid (`Forwards.whole_blocks`)
+    # gen_length rounded up to whole blocks, the answer being cut at gen_length.
+    canvas_length: int = 0
+    # Dream's `confidence_threshold` as Fast-dLLM's whole-sequence generation_utils.py runs it
+    # (asked for by name, no cache): each step commits only within the block's linear
+    # schedule, and steps are added after it (dlm/engine/decoding/dream.py).
+    threshold_quota: bool = False
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of the canvas after the prompt (the last one shorter when block_length does
+        not divide it)."""
         assert self.block_length is not None
-        return self.gen_length // self.block_length
+        return -(-self.canvas_length // self.block_length)
 
     @property
     def steps_per_block(self) -> int:
@@ -565,6 +616,16 @@ def http_name(name: str) -> str | None:
     """The HTTP body field of GenerationParams field `name` (None: not offered there)."""
     http = PARAMS[name].http
     return http if http != "" else name
+
+
+def least_steps(family: Family, forwards: Forwards, block: int, cache: str) -> int:
+    """The fewest denoising steps a block can be decoded in: one per sub-block (each is a
+    forward of its own), two for Dream with a cache (its first step, the cache's refresh,
+    commits only the block's first token). Fewer steps asked are raised to it."""
+    least = forwards.units(block)
+    if family.sampler == "dream" and cache != "none":
+        least = max(least, 2)
+    return least
 
 
 ENTROPY_BOUND_FIELDS = (
@@ -604,12 +665,6 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
     if p.alg_temp is not None and p.alg not in RANKING_ALGS:
         raise UsageError(
             f"alg_temp samples among ranked positions; it needs alg {', '.join(RANKING_ALGS)}", field="alg_temp"
-        )
-    if p.cache != "none" and p.steps_per_block < 2:
-        raise UsageError(
-            "with a cache, Dream's first step of each block only commits the block's first token: "
-            f"steps per block must be at least 2, got {p.steps_per_block}",
-            field="steps",
         )
 
 
@@ -664,8 +719,8 @@ def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
 def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
     """DiffusionGemma: its own sampler fields, none of the masked-diffusion ones."""
     given = [n for n in (*NOT_ENTROPY_BOUND, *DREAM_ONLY) if getattr(p, n) != DEFAULTS[n]]
-    if given:
-        raise UsageError(
+    if given:  # well-formed fields this sampler cannot honour: refused as unsupported, named
+        raise Unsupported(
             f"{given[0]} does not apply to {family.name} models (entropy-bound sampler: "
             f"use {', '.join(ENTROPY_BOUND_FIELDS)})",
             field=given[0],
@@ -697,6 +752,12 @@ def _validate_structured(p: ResolvedParams, family: Family) -> None:
         raise Unsupported(
             "response_format and suffix cannot be combined: the skeleton fills the answer", field="suffix"
         )
+    given = [name for name in ("ignore_eos", "min_tokens") if getattr(p, name)]
+    if given:
+        raise Unsupported(
+            f"{given[0]} cannot be combined with response_format: the schema's skeleton decides where the answer ends",
+            field=given[0],
+        )
     require(family, FIELD)  # bidirectional families only (dlm/engine/capabilities.py)
     if family.sampler == "dream" and p.cache != "none":
         raise Unsupported(
@@ -715,9 +776,9 @@ def _validate_block_causal(p: ResolvedParams) -> None:
 
 def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
     if p.block_length != block:
-        raise UsageError(
-            f"{family.name} decodes {block}-token blocks: use block_length {block} "
-            "and a gen_length that is a multiple of it",
+        raise Unsupported(
+            f"{family.name} decodes {block}-token blocks only (any gen_length: the last block is decoded whole "
+            f"and the answer cut): leave block_length out or give {block}",
             field="block_length",
         )
     if p.cfg_scale > 0:

@@ -202,7 +202,7 @@ DIFFUSION_FIELDS = ("steps", "block_length", "threshold")
 # Fields only dlm's own decoding honours; a model's method never receives them.
 DLM_FIELDS = (
     *("remasking", "cfg_scale", "factor", "cache", "mode", "suffix", "logprobs", "stop_token_ids", "drafts"),
-    "response_format",
+    *("response_format", "ignore_eos", "min_tokens"),
 )
 _DEFAULTS = GenerationParams()
 

@@ -34,16 +34,16 @@ def _groups(length: int, block_start: int, block_length: int, causal_context: bo
     return torch.where(pos < block_start, context, torch.full_like(pos, block_start))
 
 
-def _stopped(x: torch.Tensor, start: int, end: int, rules: BlockRules, mask_id: int, stops: set[int]) -> int:
+def _stopped(x: torch.Tensor, start: int, end: int, rules: BlockRules, pending: torch.Tensor, stops: set[int]) -> int:
     """Fast-dLLM v2's stop (`stop_mid_block`): the end of the output (after the first stop id
-    in x[start:end]) once no MASK precedes it; else 0."""
+    in x[start:end]) once no undecided position precedes it; else 0."""
     if not rules.stop_mid_block or not stops:
         return 0
     hits = torch.isin(x[start:end], torch.tensor(sorted(stops))).nonzero()
     if len(hits) == 0:
         return 0
     eos = start + int(hits[0, 0])
-    return 0 if bool((x[start:eos] == mask_id).any()) else eos + 1
+    return 0 if bool(pending[start:eos].any()) else eos + 1
 
 
 @torch.inference_mode()
@@ -66,9 +66,12 @@ def reference_block_generate(
     if rules.aligned_grid:
         first, end = p // b * b, -(-(p + gen) // b) * b
     else:
-        first, end = p, p + gen
+        first, end = p, p + params.canvas_length  # whole blocks: the last one past the answer
     x = torch.full((end,), mask_id, dtype=torch.long)
     x[:p] = torch.tensor(prompt)
+    # Positions still to decide: a committed MASK argmax (dInfer and SDAR commit it) settles
+    # its position like any token, as the engine counts it.
+    pending = x == mask_id
     unit = max(1, b // rules.sub_blocks)
     steps_per_unit = max(1, params.steps_per_block // max(1, b // unit))
     nfe = 0
@@ -78,16 +81,17 @@ def reference_block_generate(
             logits = masked_logits(model, x[:s], _groups(s, s, b, rules.causal_context))
             nfe += 1
             x[s] = logits[s - 1].argmax()
-            if _stopped(x, max(p, s), e, rules, mask_id, stops):
+            pending[s] = False
+            if _stopped(x, max(p, s), e, rules, pending, stops):
                 return x[p : s + 1].tolist(), nfe
         for lo in range(s, e, unit):
             hi = min(lo + unit, e)
             schedule = linear_schedule(unit, steps_per_unit)
             j = 0
-            while bool((x[lo:hi] == mask_id).any()):
+            while bool(pending[lo:hi].any()):
                 logits = masked_logits(model, x[:e], _groups(e, s, b, rules.causal_context))
                 nfe += 1
-                masked = (x[lo:hi] == mask_id).nonzero()[:, 0] + lo
+                masked = pending[lo:hi].nonzero()[:, 0] + lo
                 rows = logits[masked - rules.logit_shift].to(torch.float64)
                 probs = torch.softmax(rows, dim=-1)
                 tokens = rows.argmax(-1)
@@ -95,8 +99,9 @@ def reference_block_generate(
                 k = schedule[j] if j < len(schedule) else 1
                 chosen = choose(params, rules, conf, tokens, k, mask_id)
                 x[masked[chosen]] = tokens[chosen]
+                pending[masked[chosen]] = False
                 j += 1
-                stop = _stopped(x, max(p, s), e, rules, mask_id, stops)
+                stop = _stopped(x, max(p, s), e, rules, pending, stops)
                 if stop:
                     return x[p:stop].tolist(), nfe
         if any(stop in x[p:e] for stop in stops):

@@ -95,13 +95,19 @@ def logprobs(ctx: Context) -> str:
 
 
 def n(ctx: Context) -> str:
-    """n seeded samples: choices 0..n-1, choice i equal to a request seeded seed + i."""
-    sampling = {"temperature": 1.0, "seed": SEED}
-    body = post_ok(ctx, "/v1/completions", completion_body(ctx, n=N, **sampling))
+    """n seeded samples: choices 0..n-1, choice i equal to a request seeded seed + i. Sampled
+    at temperature 1, or by the model's own sampler where it refuses `temperature` as
+    unsupported (e.g. DiffusionGemma's entropy-bound sampler, which always samples)."""
+    sampling: dict[str, Any] = {"temperature": 1.0, "seed": SEED}
+    response = ctx.client.post("/v1/completions", completion_body(ctx, n=N, **sampling))
+    if refused_field(response, {"temperature": 1.0}) is not None:
+        sampling = {"seed": SEED}
+        response = ctx.client.post("/v1/completions", completion_body(ctx, n=N, **sampling))
+    body = choices_body(response, "/v1/completions")
     indices = [c.get("index") for c in body["choices"]]
     if indices != list(range(N)):
         raise CheckFailed(f"choice indices are {indices}, expected {list(range(N))}")
-    alone = post_ok(ctx, "/v1/completions", completion_body(ctx, temperature=1.0, seed=SEED + 1))
+    alone = post_ok(ctx, "/v1/completions", completion_body(ctx, **{**sampling, "seed": SEED + 1}))
     if alone["choices"][0]["text"] != body["choices"][1]["text"]:
         raise CheckFailed(f"choice 1 differs from the same request seeded {SEED + 1}")
     return f"{N} choices, choice 1 equals seed {SEED + 1}"

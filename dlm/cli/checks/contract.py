@@ -20,7 +20,20 @@ FINISH_REASONS = ("stop", "length")
 # A commit threshold no token's confidence can fall below (the top probability over a
 # vocabulary of V tokens is at least 1/V), so each block is decoded in one step.
 TINY_THRESHOLD = 1e-9
-DLLM_TOKENS = 16  # geometry of the dLLM-parameter checks: 16 tokens in blocks of 8
+DLLM_TOKENS = 16  # max_tokens of the dLLM-parameter checks
+# More steps than a 16-token answer's blocks have positions, whatever the block grid: one
+# token per step, so every block spends more forwards than its least.
+MANY_STEPS = 4 * DLLM_TOKENS
+# The dLLM fields the checks send with max_tokens DLLM_TOKENS, each set a request of its own
+# (tests/test_any_length.py sends every one to every family at every length).
+LEAST = {"steps": 1}
+FEW = {"steps": 2}
+MANY = {"steps": MANY_STEPS}
+FAST = {"threshold": TINY_THRESHOLD}
+SMALL_BLOCKS = {"block_length": 4, "threshold": TINY_THRESHOLD}
+LARGE_BLOCKS = {"block_length": 8, "threshold": TINY_THRESHOLD}
+SMALL_BLOCKS_LEAST = {"block_length": 4, "steps": 1}
+DLLM_REQUESTS = (LEAST, FEW, MANY, FAST, SMALL_BLOCKS, LARGE_BLOCKS, SMALL_BLOCKS_LEAST)
 
 
 def readiness(ctx: Context) -> str:
@@ -238,38 +251,45 @@ def denoising(ctx: Context, **fields: Any) -> tuple[int, str]:
 
 
 def steps(ctx: Context) -> str:
-    """Fewer requested steps must spend fewer forwards, and never more than requested."""
-    low, _ = denoising(ctx, steps=2, block_length=8)
-    high, high_finish = denoising(ctx, steps=DLLM_TOKENS, block_length=8)
-    if low > 2:
-        raise CheckFailed(f"steps=2 spent {low} denoising steps")
-    if high > DLLM_TOKENS:
-        raise CheckFailed(f"steps={DLLM_TOKENS} spent {high} denoising steps")
+    """More requested steps must spend more forwards, and no more than requested beyond what
+    `steps=1` spends (a server's least: one step per block at least, plus the forwards a
+    model spends on a block besides its steps, e.g. a commit pass): each further step asked
+    for costs at most one forward."""
+    floor, _ = denoising(ctx, **LEAST)
+    low, _ = denoising(ctx, **FEW)
+    high, high_finish = denoising(ctx, **MANY)
+    if low > floor + 1:
+        raise CheckFailed(f"steps=2 spent {low} denoising steps, more than one beyond steps=1 ({floor})")
+    if high > floor + MANY_STEPS - 1:
+        raise CheckFailed(f"steps={MANY_STEPS} spent {high} denoising steps (steps=1: {floor})")
     if low >= high and high_finish != "stop":
-        raise CheckFailed(f"steps=2 spent {low} steps, not fewer than steps={DLLM_TOKENS} ({high})")
-    return f"steps=2 -> {low}, steps={DLLM_TOKENS} -> {high} denoising steps"
+        raise CheckFailed(f"steps=2 spent {low} steps, not fewer than steps={MANY_STEPS} ({high})")
+    return f"steps=1 -> {floor}, steps=2 -> {low}, steps={MANY_STEPS} -> {high} denoising steps"
 
 
 def threshold(ctx: Context) -> str:
-    """A threshold below every confidence commits a whole block per step."""
-    full, full_finish = denoising(ctx, steps=DLLM_TOKENS, block_length=8)
-    fast, _ = denoising(ctx, steps=DLLM_TOKENS, block_length=8, threshold=TINY_THRESHOLD)
-    blocks = DLLM_TOKENS // 8
-    if fast > blocks:
+    """A threshold below every confidence commits a whole block (sub-block) per step: no more
+    forwards than `steps=1` (the server's least), fewer than a step per token."""
+    floor, _ = denoising(ctx, **LEAST)
+    full, full_finish = denoising(ctx, **MANY)
+    fast, _ = denoising(ctx, **FAST)
+    if fast > floor:
         raise CheckFailed(
-            f"threshold={TINY_THRESHOLD:g} spent {fast} steps for {blocks} blocks (expected one step per block)"
+            f"threshold={TINY_THRESHOLD:g} spent {fast} steps, more than one per block (steps=1 spends {floor})"
         )
     if fast >= full and full_finish != "stop":
-        raise CheckFailed(f"threshold did not lower denoising steps ({fast} vs {full})")
-    return f"threshold={TINY_THRESHOLD:g} -> {fast} steps (vs {full} without)"
+        raise CheckFailed(f"threshold did not lower denoising steps ({fast} vs {full} at steps={MANY_STEPS})")
+    return f"threshold={TINY_THRESHOLD:g} -> {fast} steps (vs {full} at steps={MANY_STEPS})"
 
 
 def block_length(ctx: Context) -> str:
-    """With one step per block, the step count reveals the block length the server used."""
-    small, small_finish = denoising(ctx, steps=DLLM_TOKENS, block_length=4, threshold=TINY_THRESHOLD)
-    large, large_finish = denoising(ctx, steps=DLLM_TOKENS, block_length=8, threshold=TINY_THRESHOLD)
-    if small > DLLM_TOKENS // 4:
-        raise CheckFailed(f"block_length=4 spent {small} steps for {DLLM_TOKENS // 4} blocks")
+    """With one step per block, the step count reveals the block length the server used:
+    blocks of 4 take more of them than blocks of 8."""
+    small, small_finish = denoising(ctx, **SMALL_BLOCKS)
+    large, large_finish = denoising(ctx, **LARGE_BLOCKS)
+    floor, _ = denoising(ctx, **SMALL_BLOCKS_LEAST)
+    if small > floor:
+        raise CheckFailed(f"block_length=4 spent {small} steps, more than one per block (steps=1 spends {floor})")
     stopped = "stop" in (small_finish, large_finish)
     if small <= large and not stopped:
         raise CheckFailed(f"block_length had no effect: 4 -> {small} steps, 8 -> {large} steps")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+from dlm.cli.checks.capabilities import advertised
 from dlm.cli.checks.contract import choices_body, completion_body
 from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context
 
@@ -55,13 +56,30 @@ def no_leaks(ctx: Context) -> str:
 
 def plausible_steps(ctx: Context) -> str:
     """A denoiser commits at least one token per forward, so a request with default steps
-    takes 1..max_tokens denoising steps; a finished (`stop`) answer is shorter than max_tokens."""
+    takes 1..max_tokens denoising steps (or, when the model's block layout needs more, no more
+    than `steps=1` takes); a finished (`stop`) answer is shorter than max_tokens. A model that
+    commits no token at a step (it refines whole canvases, so it offers no `logprobs`) is not
+    bound by its tokens."""
     body = ctx.facts["completion"]
     usage, finish = body.get("usage") or {}, body["choices"][0].get("finish_reason")
     limit = ctx.options.max_tokens
     steps, tokens = usage.get("denoising_steps"), usage.get("completion_tokens")
-    if not isinstance(steps, int) or not 1 <= steps <= limit:
-        raise CheckFailed(f"denoising_steps {steps} outside 1..max_tokens ({limit}) at default steps")
+    if not isinstance(steps, int) or steps < 1:
+        raise CheckFailed(f"denoising_steps {steps} is not a positive count at default steps")
+    if steps > limit:
+        listed = advertised(ctx)
+        if listed and "logprobs" not in listed:
+            raise CheckSkipped(
+                f"{steps} steps for {limit} tokens: the model commits no token at a step (it refines whole "
+                "canvases; /v1/models lists no logprobs), so its steps are not bounded by its tokens"
+            )
+        response = ctx.client.post("/v1/completions", completion_body(ctx, steps=1))
+        floor = (choices_body(response, "/v1/completions").get("usage") or {}).get("denoising_steps")
+        if not isinstance(floor, int) or steps > floor:
+            raise CheckFailed(
+                f"denoising_steps {steps} outside 1..max_tokens ({limit}) at default steps "
+                f"(and above the {floor} that steps=1 takes)"
+            )
     if finish == "stop" and isinstance(tokens, int) and tokens >= limit:
         raise CheckFailed(f"finish_reason stop with {tokens} completion tokens, not fewer than max_tokens ({limit})")
     return f"{steps} steps for {limit} canvas tokens ({limit / steps:.2f} tokens per forward), finish {finish}"

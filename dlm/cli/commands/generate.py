@@ -114,6 +114,8 @@ def generate(
     max_post_edit_steps: int | None = dp.option("max_post_edit_steps"),
     stop_token_ids: list[str] | None = dp.option("stop_token_ids"),
     early_stop: bool = dp.option("early_stop"),
+    ignore_eos: bool = dp.option("ignore_eos"),
+    min_tokens: int = dp.option("min_tokens"),
     n: int = dp.option("n"),
     logprobs: int | None = dp.option("logprobs"),
     mode: str = dp.option("mode"),

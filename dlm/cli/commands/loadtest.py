@@ -47,6 +47,12 @@ def loadtest(
     ),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds allowed for each request."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of each request."),
+    fixed_length: bool = typer.Option(
+        False,
+        "--fixed-length",
+        help="Every answer exactly --max-tokens long: sends ignore_eos and min_tokens = max_tokens "
+        "(vLLM's fields, as vLLM's bench and aiperf fix output lengths), so EOS cannot end an answer early.",
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature."),
     steps: int | None = typer.Option(None, "--steps", help="dLLM: denoising steps.", show_default=SERVERS),
     block_length: int | None = typer.Option(None, "--block-length", help="dLLM: block length.", show_default=SERVERS),
@@ -115,6 +121,7 @@ def loadtest(
             "max_tokens": max_tokens,
             "temperature": temperature,
             **{k: v for k, v in dllm.items() if v is not None},
+            **({"ignore_eos": True, "min_tokens": max_tokens} if fixed_length else {}),
         }
         workload = from_prompts(prompts, fields, model)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")

@@ -27,7 +27,10 @@ BUILTIN_PROMPTS = (
     "Describe a diffusion language model to a ten-year-old.",
 )
 # Fields a JSONL line may set besides its prompt or messages.
-LINE_FIELDS = ("max_tokens", "temperature", "steps", "block_length", "remasking", "threshold", "cache", "decode_mode")
+LINE_FIELDS = (
+    *("max_tokens", "temperature", "steps", "block_length", "remasking", "threshold", "cache", "decode_mode"),
+    *("ignore_eos", "min_tokens"),
+)
 
 
 Requests = tuple[tuple[str, dict[str, Any]], ...]  # (path, body without model/stream)

@@ -54,8 +54,9 @@ _FAILURES = {
 }
 
 
-def find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def find_stop(text: str, stops: list[str], after: int = 0) -> int | None:
+    """Where the first stop string starts among those ending past `after` characters."""
+    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
@@ -118,9 +119,16 @@ class Responder:
     # ---- text --------------------------------------------------------------------------
 
     def text(self, choice: Choice, out: RequestOutput) -> tuple[str, bool]:
-        """Decoded prefix cut at the first stop string, and whether a stop string was hit."""
-        text = self.served.decode(out.prefix_ids, choice.stream.seq.stop_ids)
-        cut = find_stop(text, self.job.stops)
+        """Decoded prefix cut at the first stop string, and whether a stop string was hit. As in
+        vLLM, a stop string ends the answer only once it has `min_tokens` tokens, and only where
+        it ends after them."""
+        stops = choice.stream.seq.stop_ids
+        text = self.served.decode(out.prefix_ids, stops)
+        least = choice.stream.seq.params.min_tokens
+        if least and len(out.prefix_ids) < least:
+            return text, False
+        after = len(self.served.decode(out.prefix_ids[:least], stops)) if least else 0
+        cut = find_stop(text, self.job.stops, after)
         if cut is None:
             return text, False
         if not out.finished:  # the answer is complete: free the slot now

@@ -8,13 +8,15 @@ at the last step), picked by the algorithm:
   top-2 probability, or negative entropy; with `alg_temp`, n positions drawn without
   replacement from softmax(confidence / alg_temp);
 - `confidence_threshold` (Fast-dLLM): the most confident position plus every other one at or
-  above the threshold. Without a cache, as Fast-dLLM's whole-sequence `generation_utils.py`:
-  only among the step's quota of most confident positions, the quota being the block's linear
-  schedule for this step plus what earlier steps left uncommitted (`Sequence.quota`); from
-  the last scheduled step on the quota is every masked position, and steps are added until
-  none is left, so such a block may take more than its share of `steps` (at most one forward
-  per position). With a cache, as Fast-dLLM's block sampler, without a quota; there `steps`
-  stays an upper bound, so the block's last step commits the rest.
+  above the threshold. Asked for by name (`alg`) without a cache, as Fast-dLLM's
+  whole-sequence `generation_utils.py` (`ResolvedParams.threshold_quota`): only among the
+  step's quota of most confident positions, the quota being the block's linear schedule for
+  this step plus what earlier steps left uncommitted (`Sequence.quota`); from the last
+  scheduled step on the quota is every masked position, and steps are added until none is
+  left, so such a block may take more than its share of `steps` (at most one forward per
+  position). Otherwise (a cache, or a plain `threshold`: the rule every family has) as
+  Fast-dLLM's block sampler, without a quota; there `steps` stays an upper bound, so the
+  block's last step commits the rest.
 With a cache, step 0 is Fast-dLLM's refresh forward, which commits only the block's first
 token (`Sequence.positions_to_decide`). The count is computed in float32 tensors exactly as
 the reference does, since int() truncation turns rounding into a different count.
@@ -78,7 +80,7 @@ def choose(
     steps = params.steps_per_block
     if alg == "confidence_threshold":
         assert params.threshold is not None
-        if params.cache == "none":
+        if params.threshold_quota:
             return above_threshold(stats.prob.cpu(), params.threshold, limit=quota())
         if step >= steps - 1:  # the block's share of the steps is spent: commit the rest
             return torch.arange(n)

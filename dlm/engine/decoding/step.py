@@ -14,6 +14,7 @@ from dlm.engine.decoding.commit import above_threshold, factor_rule, top_k
 from dlm.engine.decoding.sampling import filtered_stats
 from dlm.engine.layers.linear import gather_logits
 from dlm.engine.params import ResolvedParams
+from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.sequence import Sequence
 from dlm.kernels import dispatch
 from dlm.kernels.token_stats import TokenStats, VocabShard
@@ -30,18 +31,12 @@ def token_stats(
     canvas `positions` being decided). The MASK token is never proposed: committing it
     would leave the position masked forever (the references loop or leave MASKs in the
     output there; real checkpoints never rank it first). `shard`: `weight` is this rank's
-    vocabulary range (tensor parallelism). With a response format, each row's distribution
-    is restricted to the tokens its slot allows (dlm/engine/decoding/constrain.py) and
-    renormalised: the decided rows' logits are materialised, never the whole canvas's."""
+    vocabulary range (tensor parallelism). A restricted request (a response format, banned
+    stop ids) is decided from its restricted distribution (`restricted_stats`)."""
     p, mask = seq.params, seq.mask_id
-    if seq.constraint is not None:
-        assert positions is not None, "a constrained sequence's rows need their positions"
-        logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
-        allowed = seq.constraint.allowed(seq.canvas, positions.cpu()).to(logits.device)
-        logits = logits.float().masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
-        return filtered_stats(
-            logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, generator=seq.generator, exclude_token=mask
-        )
+    restricted = restricted_stats(seq, hidden, weight, shard, positions, exclude_token=mask)
+    if restricted is not None:
+        return restricted
     if seq.sampler != "dream":
         return dispatch.token_stats(
             hidden, weight, temperature=p.temperature, generator=seq.generator, exclude_token=mask, shard=shard
@@ -60,6 +55,46 @@ def token_stats(
         want_margin=p.alg == "topk_margin",
         exclude_token=mask,
         shard=shard,
+    )
+
+
+def restricted_stats(
+    seq: RequestState,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    shard: VocabShard | None,
+    positions: torch.Tensor | None,
+    exclude_token: int | None,
+) -> TokenStats | None:
+    """The statistics of the distribution the decided `positions` are restricted to, or None
+    when nothing restricts them (the LM-head kernel's path): with a response format, each
+    row's slot tokens (dlm/engine/decoding/constrain.py); with `ignore_eos` or `min_tokens`,
+    no banned stop id (`RequestState.banned`). Banned tokens get no probability (renormalised,
+    as vLLM's logits processors do). Only the decided rows' logits are materialised, never
+    the whole canvas's."""
+    if positions is None:
+        return None
+    constraint = seq.constraint
+    banned = seq.banned(positions - seq.prompt_length)
+    if constraint is None and banned is None:
+        return None
+    logits = hidden @ weight.T if shard is None else gather_logits(hidden @ weight.T, shard.size)
+    logits = logits.float()
+    if constraint is not None:
+        allowed = constraint.allowed(seq.canvas, positions.cpu()).to(logits.device)
+        logits = logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
+    if banned is not None:
+        ids, ban = banned
+        columns = torch.tensor(ids, device=logits.device)
+        logits[:, columns] = logits[:, columns].masked_fill(ban.to(logits.device), float("-inf"))
+    p = seq.params
+    return filtered_stats(
+        logits,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        generator=seq.generator,
+        exclude_token=exclude_token,
     )
 
 

@@ -365,8 +365,7 @@ class Model(nn.Module):
         for i, layer in enumerate(self._layers()):
             rotary, cos_sin = rot[layer.full]
             q, k, v = layer.self_attn.project(layer._norm("input_layernorm", h), rotary, cos_sin)
-            k, v, mask = _with_cached([c.layers[i] for c in caches], k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            attn = _attend_after_cache(layer.self_attn, q, k, v, [c.layers[i] for c in caches])
             h = h + layer._norm("post_attention_layernorm", attn)
             h = layer.feed_forward(h, layer.layer_scalar)
         normed = decoder.norm(h)
@@ -377,27 +376,29 @@ class Model(nn.Module):
         return torch.tanh(logits / cap) * cap
 
 
-def _with_cached(
-    past: list[LayerKV | None], k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Each row's cached keys/values before its canvas ones, right-padded to the longest
-    cache, and the mask of real keys (None when no row is padded)."""
-    lengths = [0 if p is None else p.keys.shape[2] for p in past]
-    longest = max(lengths)
-    if longest == min(lengths):
-        if longest == 0:
-            return k, v, None
-        keys = torch.cat([p.keys for p in past if p is not None], dim=0)
-        values = torch.cat([p.values for p in past if p is not None], dim=0)
-        return torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2), None
-    batch, heads, length, dim = k.shape
-    keys = k.new_zeros(batch, heads, longest + length, dim)
-    values = v.new_zeros(batch, heads, longest + length, dim)
-    mask = torch.zeros(batch, 1, length, longest + length, dtype=torch.bool, device=k.device)
-    for row, (p, n) in enumerate(zip(past, lengths)):
-        if p is not None:
-            keys[row, :, :n], values[row, :, :n] = p.keys[0], p.values[0]
-        mask[row, :, :, :n] = True
-    keys[:, :, longest:], values[:, :, longest:] = k, v
-    mask[:, :, :, longest:] = True
-    return keys, values, mask
+def _attend_after_cache(
+    attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[LayerKV | None]
+) -> torch.Tensor:
+    """Each row's canvas queries over its own cached keys/values, then its canvas ones. Rows
+    whose caches have one length run as one batch; otherwise each row runs over its own keys,
+    never padded to a longer neighbour's: SDPA groups its sums by the number of keys, so a
+    padded row would round differently (visibly in bf16) from the same request decoded alone,
+    and a request's answer would depend on its batch (as dlm.kernels.attention avoids for the
+    other families)."""
+    lengths = {0 if p is None else p.keys.shape[2] for p in past}
+    if len(lengths) == 1:
+        return attention.attend(q, *_with_cached(past, k, v), None)
+    rows = range(q.shape[0])
+    return torch.cat(
+        [attention.attend(q[r : r + 1], *_with_cached([past[r]], k[r : r + 1], v[r : r + 1]), None) for r in rows]
+    )
+
+
+def _with_cached(past: list[LayerKV | None], k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached keys/values (of one length in every row) before the canvas ones."""
+    present = [p for p in past if p is not None and p.keys.shape[2]]
+    if not present:
+        return k, v
+    keys = torch.cat([p.keys for p in present], dim=0)
+    values = torch.cat([p.values for p in present], dim=0)
+    return torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)

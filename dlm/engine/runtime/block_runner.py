@@ -19,7 +19,7 @@ import torch
 from dlm.engine.config import ModelConfig
 from dlm.engine.decoding.block_diffusion import choose
 from dlm.engine.decoding.draft_edit import draft_edit_step
-from dlm.engine.decoding.step import confidence
+from dlm.engine.decoding.step import confidence, restricted_stats
 from dlm.engine.layers.linear import lm_head_shard, local_kv_heads
 from dlm.engine.params import ResolvedParams
 from dlm.engine.runtime.block_batch import PAD_GROUP, BlockBatch
@@ -101,14 +101,14 @@ class BlockRunner:
             if len(work.decide) == 0:
                 continue
             p = seq.params
-            stats = dispatch.token_stats(
-                hidden[r, : len(work.rows)],
-                weight,
-                temperature=p.temperature,
-                generator=seq.generator,
-                shard=self.vocab_shard,
-            )
             rows = hidden[r, : len(work.rows)]
+            # Banned stop ids (ignore_eos, min_tokens) restrict the distribution; the MASK id is
+            # not excluded (dInfer and SDAR commit a MASK argmax, which still settles its position).
+            stats = restricted_stats(seq, rows, weight, self.vocab_shard, work.decide, exclude_token=None)
+            if stats is None:
+                stats = dispatch.token_stats(
+                    rows, weight, temperature=p.temperature, generator=seq.generator, shard=self.vocab_shard
+                )
             conf, tokens = confidence(p, stats, seq.generator).cpu(), stats.token.cpu()
             if p.edit_threshold is not None:
                 # Edits rewrite committed tokens: a position's logprob is from the step that

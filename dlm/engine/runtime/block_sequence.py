@@ -63,7 +63,9 @@ class BlockSequence(RequestState):
     def __post_init__(self) -> None:
         p, b, gen = len(self.prompt_ids), self.block_length, self.params.gen_length
         first = (p // b) * b if self.rules.aligned_grid else p
-        self.grid_end = -(-(p + gen) // b) * b if self.rules.aligned_grid else p + gen
+        # Whole blocks: the grid runs past the answer to the end of the block holding its last
+        # position (the answer is cut at gen_length).
+        self.grid_end = -(-(p + gen) // b) * b if self.rules.aligned_grid else p + self.params.canvas_length
         self.canvas = torch.full((self.grid_end,), self.mask_id, dtype=torch.long)
         self.canvas[:p] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.decoded_end = p  # generated tokens are canvas[p:decoded_end] once blocks finish
@@ -217,12 +219,11 @@ class BlockSequence(RequestState):
             self._end_block()
 
     def _end_block(self) -> None:
-        """The current block is final: finish on EOS or at the grid's end, else start the next."""
+        """The current block is final: finish on EOS or at the grid's end, else start the next
+        (`stop` only when the stop id lies within the answer, not in the grid's overhang)."""
         self.decoded_end = self.block_end
-        if self.holds_stop(self.prompt_length, self.block_end):  # SDAR's stopping_criteria_idx
-            self.finish("stop")
-        elif self.block_end >= self.grid_end:
-            self.finish("length")
+        if self.holds_stop(self.prompt_length, self.block_end) or self.block_end >= self.grid_end:
+            self.conclude()  # SDAR's stopping_criteria_idx, or the grid's end
         else:
             self._start_block(self.block_end)
 
@@ -238,7 +239,7 @@ class BlockSequence(RequestState):
         if bool(self.pending[: end - self.block_start].any()):
             return False
         self.decoded_end = end + 1
-        self.finish("stop")
+        self.conclude()
         return True
 
     @property

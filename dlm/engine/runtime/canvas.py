@@ -84,6 +84,7 @@ class CanvasSequence(RequestState):
         """One entropy-bound step from this canvas's decoder logits [1, L, V]."""
         assert self.current is not None and self.stop is not None
         steps = self.params.steps_per_block
+        logits = self._without_banned(logits)
         step = entropy_bound.denoise_step(
             self.params, self.current, logits, steps - self.step_in_canvas, vocab_size, self.generator
         )
@@ -93,6 +94,20 @@ class CanvasSequence(RequestState):
         self.query_lengths.append(step.canvas.shape[1])
         if self.stop.done(step) or self.step_in_canvas == steps:
             self._finish_canvas(step.argmax[0].cpu())
+
+    def _without_banned(self, logits: torch.Tensor) -> torch.Tensor:
+        """The canvas's logits with the stop ids it may not hold (`ignore_eos`, `min_tokens`:
+        `RequestState.banned`) at -inf: never sampled, never its argmax, no weight in the
+        self-conditioning."""
+        offsets = torch.arange(logits.shape[1]) + (len(self.canvas) - self.prompt_length)
+        banned = self.banned(offsets)
+        if banned is None:
+            return logits
+        ids, ban = banned
+        columns = torch.tensor(ids, device=logits.device)
+        logits = logits.clone()
+        logits[0, :, columns] = logits[0, :, columns].masked_fill(ban.to(logits.device), float("-inf"))
+        return logits
 
     def _finish_canvas(self, tokens: torch.Tensor) -> None:
         self.current = self.self_conditioning = self.stop = None
@@ -104,11 +119,11 @@ class CanvasSequence(RequestState):
             if self.pad_id is not None:
                 tokens = tokens.masked_fill(after, self.pad_id)
             self.canvas = torch.cat((self.canvas, tokens))
-            self.finish("stop")
+            self.conclude()  # `stop` when the stop id is within gen_length, not past the answer's end
             return
         self.canvas = torch.cat((self.canvas, tokens))
         if len(self.canvas) - self.prompt_length >= self.params.gen_length:
-            self.finish("length")
+            self.conclude()
         else:
             self.pending = tokens
 

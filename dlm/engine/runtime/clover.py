@@ -82,7 +82,7 @@ class CloverRunner:
         # The family's statistics (MASK never proposed): a preview that kept predicting MASK
         # would commit nothing and never fill the block.
         rows = hidden[0, (positions - start).to(device)]
-        stats = token_stats(seq, rows, self.model.lm_head_weight, self.vocab_shard)
+        stats = token_stats(seq, rows, self.model.lm_head_weight, self.vocab_shard, positions)
         seq.note_logprobs(positions, rows, self.model.lm_head_weight, stats.token, self.vocab_shard)
         seq.nfe += 1
         seq.query_lengths.append(end - start)
@@ -91,7 +91,7 @@ class CloverRunner:
             return
         if not seq.finished and seq.holds_stop(start, end):
             seq.canvas = seq.canvas[:end]  # the answer ended in this block: no further blocks
-            seq.finish("stop")
+            seq.conclude()
         if not seq.finished:
             self._causal(seq, cache, start, end)
 

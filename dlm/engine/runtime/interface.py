@@ -86,7 +86,7 @@ class Engine(Protocol):
     def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
         """The request's `n` samples (`GenerationParams.samples`: sample i seeded `seed + i`),
         built without running them; what they share (a response format's layout) is made once."""
-        return [self.make_sequence(prompt_ids, sample) for sample in params.samples()]
+        return [self.make_sequence(prompt_ids, sample) for sample in self.validate(params, len(prompt_ids)).samples()]
 
     def add(self, seq: RequestState) -> None:
         """`seq` (from `make_sequence`) joins the running set: it is in the next `step`."""
@@ -114,7 +114,8 @@ class Engine(Protocol):
     ) -> list[RequestState]:
         """Add `prompts` and step until each has ended (others in the running set take part
         in the same steps). Returns `params.n` sequences per prompt, prompt by prompt, sample
-        i seeded `seed + i` (`GenerationParams.samples`)."""
+        i seeded `seed + i` (`GenerationParams.samples`, of the resolved parameters: the family
+        may fill the seed, as a server's request does)."""
         seqs = [seq for p in prompts for seq in self.make_sequences(p, params)]
         for seq in seqs:
             self.add(seq)

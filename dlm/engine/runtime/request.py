@@ -65,6 +65,22 @@ class RequestState:
         """Token ids that end the answer: EOS and the request's `stop_token_ids`."""
         return stop_ids(self.eos_id, self.params)
 
+    def banned(self, offsets: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+        """What a step may not commit at answer offsets [N] (positions past the prompt), as
+        (ids, ban [N, len(ids)] bool), or None when nothing is banned: EOS everywhere with
+        `ignore_eos`; every stop id (EOS, `stop_token_ids`) before `min_tokens`. Masking them
+        out of the decision (vLLM does the same to the logits) is what makes a diffusion
+        answer's length fixed: the model's EOS never fills the answer."""
+        p = self.params
+        always = [self.eos_id] if p.ignore_eos and self.eos_id is not None else []
+        early = sorted(self.stop_ids) if p.min_tokens else []
+        if not always and not early:
+            return None
+        ban = torch.zeros(len(offsets), len(always) + len(early), dtype=torch.bool)
+        ban[:, : len(always)] = True
+        ban[:, len(always) :] = (offsets.cpu() < p.min_tokens)[:, None]
+        return (always + early, ban) if bool(ban.any()) else None
+
     def holds_stop(self, start: int, end: int) -> bool:
         """Whether canvas[start:end] holds a stop id."""
         return any(int(t) in self.stop_ids for t in self.canvas[start:end].unique())
@@ -77,6 +93,12 @@ class RequestState:
         if self.finish_reason is None:
             self.finish_reason = reason
         self.release()
+
+    def conclude(self) -> None:
+        """End the request by its own rule: `stop` when its answer (the first gen_length
+        positions: a stop id in a block grid's overhang does not count) holds a stop id, else
+        `length`."""
+        self.finish("stop" if self.holds_stop(self.prompt_length, self.answer_end) else "length")
 
     @property
     def answer_end(self) -> int:
@@ -172,8 +194,10 @@ class RequestState:
 
 
 def stop_ids(eos_id: int | None, params: ResolvedParams) -> frozenset[int]:
-    """EOS (when the model has one) and the request's `stop_token_ids`."""
-    return frozenset(([] if eos_id is None else [eos_id]) + list(params.stop_token_ids or ()))
+    """EOS (when the model has one, and the request does not ignore it) and the request's
+    `stop_token_ids`."""
+    eos = [] if eos_id is None or params.ignore_eos else [eos_id]
+    return frozenset(eos + list(params.stop_token_ids or ()))
 
 
 def first_stop(ids: list[int], stops: Collection[int]) -> int | None:

@@ -1,9 +1,11 @@
 """Sequence: one request's denoising state.
 
-The canvas is the prompt followed by `gen_length` MASK tokens, then the infilling suffix if
-any (bidirectional attention sees it from every step; it is never decided). Decoding walks the blocks
-left to right (semi-autoregressive); inside a block each step commits some masked
-positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
+The canvas is the prompt followed by `canvas_length` MASK tokens (`gen_length`, or for a
+family decoding whole blocks, Clover, gen_length rounded up to them: the answer is the first
+gen_length), then the infilling suffix if any (bidirectional attention sees it from every
+step; it is never decided). Decoding walks the blocks left to right (semi-autoregressive;
+the last one shorter when block_length does not divide the canvas); inside a block each step
+commits some masked positions, and committed tokens are never remasked. With `early_stop`, a block that finishes
 holding a stop id (EOS, or one of the request's `stop_token_ids`) ends the request: the rest
 of the canvas is filled with EOS (what the model would be forced to emit after it, and what
 dInfer writes; with no EOS, the stop id) instead of being denoised for nothing.
@@ -33,8 +35,10 @@ class Sequence(RequestState):
     drafts: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        gen = self.params.gen_length
-        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * gen + list(self.params.suffix), dtype=torch.long)
+        length = self.params.canvas_length
+        self.canvas = torch.tensor(
+            self.prompt_ids + [self.mask_id] * length + list(self.params.suffix), dtype=torch.long
+        )
         self._start_block()
 
     @property
@@ -49,7 +53,12 @@ class Sequence(RequestState):
         b = self.params.block_length
         assert b is not None
         start = self.prompt_length + self.block * b
-        return start, start + b
+        return start, min(start + b, self.canvas_end)
+
+    @property
+    def canvas_end(self) -> int:
+        """The canvas position after the decoded positions (where an infilling suffix starts)."""
+        return self.prompt_length + self.params.canvas_length
 
     def positions_to_decide(self) -> torch.Tensor:
         """Absolute positions the next step decides: the block's MASK tokens, except that
@@ -113,8 +122,8 @@ class Sequence(RequestState):
         """Move past full blocks: to the next block, or to the end (EOS early stop)."""
         while not self.finished and len(self.masked_positions()) == 0:
             start, end = self.block_bounds()
-            if self.params.early_stop and self.holds_stop(start, end) and end < self.answer_end:
-                self.canvas[end : self.answer_end] = self._filler(start, end)  # never the infilling suffix
+            if self.params.early_stop and self.holds_stop(start, end) and end < self.canvas_end:
+                self.canvas[end : self.canvas_end] = self._filler(start, end)  # never the infilling suffix
                 self._finish()
             elif self.block + 1 < self.params.num_blocks:
                 self.block += 1
@@ -131,4 +140,4 @@ class Sequence(RequestState):
         return int(self.canvas[start + index])
 
     def _finish(self) -> None:
-        self.finish("stop" if self.holds_stop(self.prompt_length, self.answer_end) else "length")
+        self.conclude()
