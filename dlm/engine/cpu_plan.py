@@ -51,7 +51,7 @@ BF16_MIN_SPEEDUP = 1.05
 # (the server's event loop) and the machine's other work could use.
 THREADS_MIN_SPEEDUP = 1.15
 PROBE_TOKENS = 64  # rows of the probe forward: a short canvas (prompt + a 32-64 token block)
-PROBE_ROUNDS = 3
+PROBE_ROUNDS = 5
 CACHE_FILE = "cpu_plan.json"
 # The loaded model is timed itself (held in both dtypes for a moment) up to this many bytes of
 # checkpoint; a larger one is judged by one layer of its shape.

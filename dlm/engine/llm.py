@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,7 +188,9 @@ def _shape(model_dir: Path) -> ModelShape | None:
         return None
 
 
-PROBE_PROMPT = 32  # prompt tokens of the timed request (the engine's warm-up request otherwise)
+# The timed request: the engine's warm-up request (each block committed in one forward) over a
+# prompt and an answer of this many tokens: a canvas as long as a short chat's.
+PROBE_TOKENS = 64
 
 
 class _ModelProbe:
@@ -213,9 +215,10 @@ class _ModelProbe:
             engine = self.engines[candidate.dtype] = load_engine(
                 self.model_dir, candidate.dtype, self.device, self.on_load
             )
-        prompt = [engine.config.eos_token_id or 0] * PROBE_PROMPT
+        prompt = [engine.config.eos_token_id or 0] * PROBE_TOKENS
+        params = replace(engine.warmup_params, gen_length=PROBE_TOKENS)
         start = time.perf_counter()
-        engine.generate([prompt], engine.warmup_params)
+        engine.generate([prompt], params)
         return time.perf_counter() - start
 
     def take(self, dtype: Any) -> Engine | None:
