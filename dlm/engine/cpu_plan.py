@@ -7,17 +7,18 @@ bf16: at small shapes the casts around the norms and the elementwise work outwei
 matmuls. Threads likewise: torch's OpenMP team (libgomp) synchronises at every parallel
 region, and its idle threads spin-wait between regions; on a machine whose other cores are
 busy (other processes, or this server's own event loop) a spinning teammate and the work it
-waits for fight for the same cores, and a two-thread team ran the default model's steps
-10-20x slower than one thread on this project's shared 2-core VM. A small model gains nothing
-from a second thread even on an idle machine.
+waits for fight for the same cores: a two-thread team ran the default model's steps 9-18x
+slower than one thread on this project's shared, loaded 2-core VM.
 
-So the candidates (fp32 and, where the CPU computes it natively, bf16; one thread and the
-process's default count) each run a forward of one decoder layer with the model's dimensions
-(`ModelShape`: norm, packed QKV, bidirectional attention, output projection, SwiGLU MLP) over
-`PROBE_TOKENS` rows plus the LM head, alternated in rounds so that a busy neighbour slows all
-alike; the best time of each counts. A candidate replaces the simpler one (fp32, one thread)
-only when it is faster by a margin (`BF16_MIN_SPEEDUP`, `THREADS_MIN_SPEEDUP`): within it the
-simpler one is as fast, and fp32 is exact where bf16 rounds.
+So the candidates (fp32 and, where the CPU computes it natively, bf16; one thread and a team
+of every core but one, `max_team`) are timed on the model itself: `LLM` passes a timer that
+runs the engine's own request on the model loaded in each dtype (dlm/engine/llm.py); a model
+too large to hold twice (`MODEL_PROBE_MAX_BYTES`) is judged by one decoder layer of its shape
+(`layer_timer`: norm, packed QKV, bidirectional attention, output projection, SwiGLU MLP,
+LM head). Candidates alternate in rounds so that a busy neighbour slows all alike; the best
+time of each counts. A candidate replaces the simpler one (fp32, one thread) only when it is
+faster by a margin (`BF16_MIN_SPEEDUP`, `THREADS_MIN_SPEEDUP`): within it the simpler one is as
+fast, fp32 is exact where bf16 rounds, and a team costs cores other work could use.
 
 The result is cached in `$DLM_HOME/cpu_plan.json`, keyed by the CPU (model name, flags),
 torch's version, the default thread count and the shape: the next load of the same model on

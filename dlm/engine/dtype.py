@@ -92,14 +92,6 @@ def native_bf16_flags() -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def default_shape() -> ModelShape:
-    """The embedded default model's shape: what `dlm doctor` reports the choice for."""
-    from dlm.engine.config import config_from_dict, read_config_json
-    from dlm.engine.resolve import resolve_model
-
-    return ModelShape.of(config_from_dict(read_config_json(resolve_model(None))))
-
-
 def _cpu_choice(requested: str, shape: ModelShape | None, timer: cpu_plan.Timer | None) -> DtypeChoice:
     """`requested` (a dtype name, or auto) on the CPU for a model of `shape`."""
     if requested != "auto":
@@ -109,11 +101,12 @@ def _cpu_choice(requested: str, shape: ModelShape | None, timer: cpu_plan.Timer 
         threads = cpu_plan.plan(shape, [dtype], timer).threads
         return DtypeChoice(dtype, requested, "cpu", "requested", threads=threads)
     flags = native_bf16_flags()
-    shape = shape or default_shape()
     if not flags:
-        threads = cpu_plan.plan(shape, [torch.float32], timer).threads
+        threads = None if shape is None else cpu_plan.plan(shape, [torch.float32], timer).threads
         reason = "no native bf16 on this CPU (avx512_bf16/amx_bf16)"
         return DtypeChoice(torch.float32, requested, "cpu", reason, threads=threads)
+    if shape is None:  # a checkpoint no native family reads (--backend transformers)
+        return DtypeChoice(torch.float32, requested, "cpu", "no model shape to time bf16 against fp32")
     plan = cpu_plan.plan(shape, [torch.float32, torch.bfloat16], timer)
     n = cpu_plan.max_team()
     fast = [cpu_plan.Candidate(torch.bfloat16, t) for t in sorted({1, n})]
