@@ -98,13 +98,12 @@ def _cpu_choice(requested: str, shape: ModelShape | None, timer: cpu_plan.Timer 
         dtype = DTYPES[requested]
         if shape is None:
             return DtypeChoice(dtype, requested, "cpu", "requested")
-        threads = cpu_plan.plan(shape, [dtype], timer).threads
-        return DtypeChoice(dtype, requested, "cpu", "requested", threads=threads)
+        return DtypeChoice(dtype, requested, "cpu", "requested", threads=cpu_plan.plan(shape, [dtype], timer).threads)
     flags = native_bf16_flags()
     if not flags:
-        threads = None if shape is None else cpu_plan.plan(shape, [torch.float32], timer).threads
+        planned = None if shape is None else cpu_plan.plan(shape, [torch.float32], timer).threads
         reason = "no native bf16 on this CPU (avx512_bf16/amx_bf16)"
-        return DtypeChoice(torch.float32, requested, "cpu", reason, threads=threads)
+        return DtypeChoice(torch.float32, requested, "cpu", reason, threads=planned)
     if shape is None:  # a checkpoint no native family reads (--backend transformers)
         return DtypeChoice(torch.float32, requested, "cpu", "no model shape to time bf16 against fp32")
     plan = cpu_plan.plan(shape, [torch.float32, torch.bfloat16], timer)
