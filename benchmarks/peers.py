@@ -194,6 +194,9 @@ class DlmserveServer(Server):
         env.pop("OMP_NUM_THREADS", None)  # its default: torch's thread count
         argv = [str(peer_python()), str(PEER_CODE / "dlmserve_main.py"), "--mask-token", mask_token]
         argv += ["--mask-id", str(mask_id), "--port", str(port)]
+        if dtype == "float32":  # not one of dlmserve's: its bf16 load, in fp32
+            env["DLMSERVE_DTYPE"] = "bf16"
+            argv.append("--float32")
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._start_reader()
         self.url = f"http://127.0.0.1:{port}"

@@ -98,9 +98,9 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     token, mask_id = mask_token(model_dir)
     servers: dict[str, Server] = {}
     try:
-        servers["dlm"] = DlmServer(model_dir)
+        servers["dlm"] = DlmServer(model_dir, *(["--dtype", args.dtype] if args.dtype else []))
         servers["dlm"].pause()
-        servers["dlmserve"] = DlmserveServer(model_dir, token, mask_id)
+        servers["dlmserve"] = DlmserveServer(model_dir, token, mask_id, args.dtype or "bf16")
         servers["dlmserve"].pause()
         rounds: list[dict[str, dict[int, dict[str, Any]]]] = []
         for r in range(args.rounds):
@@ -157,6 +157,11 @@ def main() -> None:
     ap.add_argument("--gen-length", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--models", default="default,104m")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32",),
+        help="both servers in fp32 (an identity check of the decoding: not their defaults)",
+    )
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-vs-peers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -6,6 +6,8 @@ with DLMSERVE_MODEL (the checkpoint directory) and DLMSERVE_DTYPE in the environ
 dlmserve reads them. dlmserve hard-codes LLaDA-8B's mask token and id (`<|mdm_mask|>`, 126336)
 and refuses a tokenizer without them; the one workaround here points both at the
 checkpoint's own mask token before the server loads, nothing else of dlmserve is changed.
+`--float32` (benchmarks/vs_peers.py --dtype float32, an identity check, not a default) loads
+the weights in fp32, which dlmserve has no setting for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def main() -> None:
     ap.add_argument("--mask-token", required=True)
     ap.add_argument("--mask-id", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--float32", action="store_true", help="load the weights in fp32 (not a dlmserve dtype)")
     args = ap.parse_args()
 
     import uvicorn
@@ -35,6 +38,15 @@ def main() -> None:
         return loaded
 
     llada.load_llada = engine.load_llada = load_with_mask
+    if args.float32:  # for an identity check only: dlmserve's unquantised dtype is bf16
+        import torch
+
+        from_pretrained = llada.AutoModel.from_pretrained
+
+        def fp32(*a: Any, **k: Any) -> Any:
+            return from_pretrained(*a, **{**k, "torch_dtype": torch.float32})
+
+        llada.AutoModel.from_pretrained = fp32  # type: ignore[method-assign]
     uvicorn.run("dlmserve.api.server:app", host="127.0.0.1", port=args.port, log_level="warning")
 
 
