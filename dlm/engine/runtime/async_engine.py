@@ -20,8 +20,9 @@ warms it up and then runs its loop on the same new thread. torch's CPU intra-op 
 OpenMP (libgomp), whose thread teams belong to the thread that opened them: a second thread
 that ran torch work (loading and warming up on a helper thread, as the server once did) keeps
 a second team alive, and libgomp then counts more threads than cores and switches every team
-from spinning to sleeping between parallel regions, so each region pays a futex wake-up and the
-step time doubled (16.4 ms on the main thread, 39.5 ms served). With one thread the served
+from spinning to sleeping between parallel regions, so each region pays a futex wake-up: issue
+35 measured 16.4 ms per step in `dlm generate` against 39.5 ms served (on a loaded machine the
+difference can go the other way; either way the two differed). With one thread the served
 model has the one team `dlm generate` has, run with the threads its CPU plan chose
 (dlm/engine/cpu_plan.py, applied by `LLM` on the loading thread), and the same step time.
 The event loop only builds new requests' small canvases (below torch's parallel grain: no
