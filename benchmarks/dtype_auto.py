@@ -1,10 +1,12 @@
 """`--dtype auto` against the faster of float32 and bfloat16, side by side on this machine.
 
-For the default model and an 8-layer, 1024-hidden, 32K-vocab LLaDA-shaped checkpoint with
-random weights, decode the same prompt with `dtype=float32`, `bfloat16` and `auto` (the
-engine `dlm generate` runs), alternating the three in rounds so a busy neighbour slows all
-alike, and report each one's median decode time and `auto`'s ratio to the faster fixed dtype
-(the acceptance bound is 1.10). Also prints what auto chose and why (CPU flags, probe ratio).
+For the default model and the 104M random LLaDA of benchmarks/vs_peers.py (8 layers, 1024
+hidden, the default model's tokenizer), decode the same prompt with `dtype=float32`,
+`bfloat16` and `auto` (the engine `dlm generate` runs, at the threads auto's CPU plan chose),
+alternating the three in rounds so a busy neighbour slows all alike, and report each one's
+median decode time and `auto`'s ratio to the faster fixed dtype (the acceptance bound is
+1.10). `auto` measures afresh (a new DLM_HOME for the run, so no cached plan answers) and
+prints what it chose and why.
 
     python benchmarks/dtype_auto.py [--rounds 3] [--gen-length 16] [--json out.json]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -23,20 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-# The LLaDA-shaped checkpoint: LLaDA-8B's proportions at 1024 hidden, 8 layers.
-SHAPE = {"d_model": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 16, "mlp_hidden_size": 2816}
-VOCAB = 32768
+from benchmarks.vs_peers import write_104m  # noqa: E402
+
 DTYPES = ("float32", "bfloat16", "auto")
-
-
-def write_llada_shaped(directory: Path) -> Path:
-    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
-
-    if (directory / "model.safetensors").exists():
-        return directory
-    config = llada_config(VOCAB, VOCAB - 2, VOCAB - 1, **SHAPE, max_sequence_length=4096)
-    save_checkpoint(directory, config, random_llada_tensors(config, seed=0))
-    return directory
 
 
 def measure(model: Path | None, rounds: int, gen_length: int) -> dict:
@@ -44,6 +36,7 @@ def measure(model: Path | None, rounds: int, gen_length: int) -> dict:
     from dlm.engine.params import GenerationParams
 
     llms = {dtype: LLM(model, dtype=dtype, device="cpu") for dtype in DTYPES}
+    torch.set_num_threads(llms["auto"].dtype_choice.threads or torch.get_num_threads())
     prompt = list(range(10, 26))
     params = GenerationParams(gen_length=gen_length, block_length=gen_length, steps=gen_length, early_stop=False)
     for llm in llms.values():  # warm-up: first-call allocations and kernel selection
@@ -67,10 +60,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen-length", type=int, default=16)
-    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-dtype-auto")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-vs-peers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    big = write_llada_shaped(args.workdir / "llada-8x1024")
+    os.environ["DLM_HOME"] = tempfile.mkdtemp(prefix="dlm-home-")  # auto measures now
+    big = write_104m(args.workdir / "llada-8x1024-104m")
     rows = [measure(None, args.rounds, args.gen_length), measure(big, args.rounds, args.gen_length)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, gen_length {args.gen_length}")
     for row in rows:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -146,17 +147,24 @@ def serving_device() -> Any:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def check_dtype() -> Check:
-    from dlm.engine.dtype import choose_dtype
+@cache
+def default_model_choice() -> Any:
+    """What `--dtype auto` chooses for the default model on the serving device: decided per
+    model (on a CPU by timing it, dlm/engine/cpu_plan.py), so the model is loaded to say."""
+    from dlm.engine.llm import LLM
 
-    choice = choose_dtype("auto", serving_device())
-    return Check("dtype", "ok", f"{choice.name} on {choice.device}: {choice.reason}", choice.to_dict())
+    return LLM(None, dtype="auto", device=str(serving_device())).dtype_choice
+
+
+def check_dtype() -> Check:
+    choice = default_model_choice()
+    value = f"{choice.name} on {choice.device} for the default model: {choice.reason}"
+    return Check("dtype", "ok", value, choice.to_dict())
 
 
 def check_kernels() -> list[Check]:
     """DLM_KERNELS, triton, and every kernel's self-test on the serving device (in the dtype
     auto picks there)."""
-    from dlm.engine.dtype import choose_dtype
     from dlm.kernels import dispatch, selftest
 
     device = serving_device()
@@ -169,7 +177,7 @@ def check_kernels() -> list[Check]:
         Check("kernel dispatch", "ok", f"{backend} on {device.type}", {"backend": backend, "device": str(device)}),
         Check("triton", "ok" if triton else "info", triton or "absent", {"version": triton}),
     ]
-    dtype = choose_dtype("auto", device).dtype
+    dtype = default_model_choice().dtype
     # A failing kernel blocks only where the dispatch would run it (not under DLM_KERNELS=torch).
     failed = "fail" if backend == "triton" else "warn"
     for result in selftest.run(device, dtype):

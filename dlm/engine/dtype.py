@@ -4,25 +4,27 @@ On CUDA the checkpoint's 16-bit dtype is kept; a float32 (or unstated) checkpoin
 bf16 where the GPU supports it, else fp16 (as GPU servers do: half the memory traffic of a
 decode step). A bf16 checkpoint on a GPU without bf16 runs in fp16.
 
-On CPU bf16 is a trap unless the CPU computes it natively: without AVX512-BF16 or AMX a bf16
-matmul is emulated and can be 80x slower than fp32, while with them it is several times
-faster. So `auto` picks bf16 only when the CPU advertises a native bf16 instruction set AND a
-millisecond matmul probe (measured once per process, at the first load) confirms that bf16
-beats fp32 by `BF16_MIN_SPEEDUP`; otherwise fp32. The choice and the measured ratio are
-logged and reported by `dlm doctor` and the server's `/health`.
+On CPU the choice is per model: bf16 is a trap unless the CPU computes it natively (without
+AVX512-BF16 or AMX a bf16 matmul is emulated, 80x slower than fp32), and even then it wins
+only at large enough shapes (3-4x fp32 at a 1024-wide layer, yet 1.3-1.5x slower for the
+128-wide default model, whose steps are casts and elementwise work). So on a CPU with native
+bf16, `auto` times a forward of the model's own layer shape in both dtypes and keeps bf16
+only where it is faster (dlm/engine/cpu_plan.py, which also decides the intra-op threads;
+cached per machine and shape under $DLM_HOME). The choice, the measured ratio and the threads
+are logged and reported by `dlm doctor` and the server's `/health`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dlm.engine import cpu_plan
+from dlm.engine.cpu_plan import ModelShape
 from dlm.engine.errors import UsageError
 
 log = logging.getLogger("dlm.engine")
@@ -40,24 +42,20 @@ DTYPES = {
 # CPU instruction sets that compute bf16 natively (/proc/cpuinfo flag names): x86 AVX512-BF16
 # and AMX-BF16, and the Arm BF16 extension (its `Features` line).
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
-# bf16 must beat fp32 by this factor in the probe: below it the 16-bit rounding buys no speed.
-BF16_MIN_SPEEDUP = 1.2
-# The probe: an activation-shaped matmul [rows, k] @ [k, k], a few hundred microseconds in
-# fp32 on one core, repeated; the best of the repeats counts (least disturbed by neighbours).
-PROBE_SHAPE = (128, 512)
-PROBE_REPEATS = 5
 
 
 @dataclass(frozen=True)
 class DtypeChoice:
     """The dtype a model runs in and why: `requested` as given, `reason` in words,
-    `bf16_speedup` the probe's fp32 time over bf16 time where it ran."""
+    `bf16_speedup` the probe's fp32 time over bf16 time where it ran, `threads` the intra-op
+    threads its forwards run with on a CPU (None: not planned, torch's setting stands)."""
 
     dtype: torch.dtype
     requested: str
     device: str
     reason: str
     bf16_speedup: float | None = None
+    threads: int | None = None
 
     @property
     def name(self) -> str:
@@ -70,6 +68,7 @@ class DtypeChoice:
             "device": self.device,
             "reason": self.reason,
             "bf16_speedup": None if self.bf16_speedup is None else round(self.bf16_speedup, 2),
+            "threads": self.threads,
         }
 
 
@@ -93,41 +92,35 @@ def native_bf16_flags() -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Seconds of one `a @ b`."""
-    start = time.perf_counter()
-    torch.matmul(a, b)
-    return time.perf_counter() - start
-
-
-@cache
-def bf16_speedup() -> float:
-    """fp32 matmul time over bf16 matmul time on this CPU, measured once per process: the
-    two dtypes alternate and the best time of each counts, so load from other processes
-    slows both alike rather than biasing the ratio."""
-    rows, k = PROBE_SHAPE
-    generator = torch.Generator().manual_seed(0)
-    fp32 = (torch.randn(rows, k, generator=generator), torch.randn(k, k, generator=generator))
-    bf16 = tuple(t.to(torch.bfloat16) for t in fp32)
-    for a, b in (fp32, bf16):
-        torch.matmul(a, b)  # first call: kernel selection, packing buffers
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    for _ in range(PROBE_REPEATS):
-        for a, b in (fp32, bf16):
-            best[a.dtype] = min(best[a.dtype], _matmul_seconds(a, b))
-    return best[torch.float32] / best[torch.bfloat16]
-
-
-def _cpu_choice(requested: str) -> DtypeChoice:
+def _cpu_choice(requested: str, shape: ModelShape | None, timer: cpu_plan.Timer | None) -> DtypeChoice:
+    """`requested` (a dtype name, or auto) on the CPU for a model of `shape`."""
+    if requested != "auto":
+        dtype = DTYPES[requested]
+        if shape is None:
+            return DtypeChoice(dtype, requested, "cpu", "requested")
+        return DtypeChoice(dtype, requested, "cpu", "requested", threads=cpu_plan.plan(shape, [dtype], timer).threads)
     flags = native_bf16_flags()
     if not flags:
-        return DtypeChoice(torch.float32, requested, "cpu", "no native bf16 on this CPU (avx512_bf16/amx_bf16)")
-    speedup = bf16_speedup()
-    if speedup >= BF16_MIN_SPEEDUP:
-        reason = f"CPU has {'+'.join(flags)}; bf16 matmul {speedup:.1f}x fp32"
-        return DtypeChoice(torch.bfloat16, requested, "cpu", reason, speedup)
-    reason = f"CPU has {'+'.join(flags)} but bf16 matmul is only {speedup:.2f}x fp32 (< {BF16_MIN_SPEEDUP})"
-    return DtypeChoice(torch.float32, requested, "cpu", reason, speedup)
+        planned = None if shape is None else cpu_plan.plan(shape, [torch.float32], timer).threads
+        reason = "no native bf16 on this CPU (avx512_bf16/amx_bf16)"
+        return DtypeChoice(torch.float32, requested, "cpu", reason, threads=planned)
+    if shape is None:  # a checkpoint no native family reads (--backend transformers)
+        return DtypeChoice(torch.float32, requested, "cpu", "no model shape to time bf16 against fp32")
+    plan = cpu_plan.plan(shape, [torch.float32, torch.bfloat16], timer)
+    n = cpu_plan.max_team()
+    fast = [cpu_plan.Candidate(torch.bfloat16, t) for t in sorted({1, n})]
+    slow = [cpu_plan.Candidate(torch.float32, t) for t in sorted({1, n})]
+    ratios = [r for s, f in zip(slow, fast) if (r := plan.ratio(s, f)) is not None]
+    speedup = max(ratios) if ratios else None
+    measured = "cached" if plan.cached else "measured"
+    if plan.dtype == torch.bfloat16:
+        reason = f"CPU has {'+'.join(flags)}; bf16 {speedup:.2f}x fp32 at this model's shape ({measured})"
+    else:
+        reason = (
+            f"CPU has {'+'.join(flags)} but bf16 is only {speedup:.2f}x fp32 at this model's shape "
+            f"(< {cpu_plan.BF16_MIN_SPEEDUP}; {measured})"
+        )
+    return DtypeChoice(plan.dtype, requested, "cpu", reason, speedup, plan.threads)
 
 
 def _cuda_choice(requested: str, device: torch.device, checkpoint: str | None) -> DtypeChoice:
@@ -141,20 +134,31 @@ def _cuda_choice(requested: str, device: torch.device, checkpoint: str | None) -
     return DtypeChoice(torch.float16, requested, str(device), f"{stated}; the GPU lacks bf16")
 
 
-def choose_dtype(requested: str, device: torch.device, checkpoint: str | None = None) -> DtypeChoice:
+def choose_dtype(
+    requested: str,
+    device: torch.device,
+    checkpoint: str | None = None,
+    shape: ModelShape | None = None,
+    timer: cpu_plan.Timer | None = None,
+) -> DtypeChoice:
     """The dtype for a model on `device`: `requested` unless it is 'auto' (see the module
-    docstring); `checkpoint` is the checkpoint's stated dtype (config `torch_dtype`)."""
-    if requested != "auto":
-        if requested not in DTYPES:
-            raise UsageError(f"unknown dtype {requested!r}; use auto, {', '.join(DTYPES)}")
+    docstring); `checkpoint` is the checkpoint's stated dtype (config `torch_dtype`); `shape`
+    the model's dimensions, which on a CPU also plan its intra-op threads (`threads`), timed
+    by `timer` (the loaded model's forward) or else one layer of the shape."""
+    if requested != "auto" and requested not in DTYPES:
+        raise UsageError(f"unknown dtype {requested!r}; use auto, {', '.join(DTYPES)}")
+    if device.type == "cpu":
+        choice = _cpu_choice(requested, shape, timer)
+        if requested != "auto":
+            return choice
+    elif requested != "auto":
         return DtypeChoice(DTYPES[requested], requested, str(device), "requested")
-    if device.type == "cuda":
+    elif device.type == "cuda":
         choice = _cuda_choice(requested, device, checkpoint)
-    elif device.type == "cpu":
-        choice = _cpu_choice(requested)
     else:  # mps, xpu, ...: 16-bit support varies, fp32 always works
         choice = DtypeChoice(torch.float32, requested, str(device), f"no dtype rule for {device.type}")
-    log.info("dtype auto on %s: %s (%s)", choice.device, choice.name, choice.reason)
+    threads = "" if choice.threads is None else f", {choice.threads} intra-op thread(s)"
+    log.info("dtype auto on %s: %s (%s)%s", choice.device, choice.name, choice.reason, threads)
     return choice
 
 

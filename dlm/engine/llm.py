@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dlm.engine.cpu_plan import Candidate, ModelShape, apply_threads
 from dlm.engine.decoding.logprobs import TokenLogprob
 from dlm.engine.device import resolve_device
 from dlm.engine.dtype import checkpoint_dtype, choose_dtype
@@ -64,14 +65,22 @@ class LLM:
         `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir))
+        shape = _shape(self.model_dir) if self.device.type == "cpu" else None
+        distributed = parallel is not None and parallel.resolved().parallel
+        probe = _ModelProbe(self.model_dir, self.device, on_load) if backend == "native" and not distributed else None
+        timer = probe if probe is not None and shape is not None and probe.affordable() else None
+        self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir), shape, timer)
         self.dtype = self.dtype_choice.dtype
+        if self.dtype_choice.threads is not None:
+            # On this thread, which runs the forwards (`dlm generate`; `dlm serve` loads on its
+            # engine thread, dlm/engine/runtime/async_engine.py): OpenMP counts are per thread.
+            apply_threads(self.dtype_choice.threads)
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
         self.engine: Engine
         if backend == "transformers":
-            if parallel is not None and parallel.resolved().parallel:
+            if distributed:
                 raise UsageError("--tensor-parallel-size needs the native backend")
             from dlm.engine.transformers_backend import load_transformers_engine
 
@@ -82,7 +91,7 @@ class LLM:
         elif backend == "native":
             if trust_remote_code:
                 raise UsageError("--trust-remote-code only applies to --backend transformers")
-            if parallel is not None and parallel.resolved().parallel:
+            if parallel is not None and distributed:
                 from dlm.engine.parallel.distributed import EngineSpec, start_driver
 
                 # The resolved dtype: every rank runs in the one this process chose.
@@ -90,7 +99,8 @@ class LLM:
                 self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:
-                self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load)
+                kept = probe.take(self.dtype) if probe is not None else None
+                self.engine = kept or load_engine(self.model_dir, self.dtype, self.device, on_load)
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config
@@ -165,3 +175,53 @@ class LLM:
             )
             for i, s in enumerate(seqs)
         ]
+
+
+def _shape(model_dir: Path) -> ModelShape | None:
+    """The model's layer shape for the CPU plan; None for a checkpoint no native family reads
+    (the transformers backend): its dtype and threads are then not measured."""
+    from dlm.engine.config import config_from_dict, read_config_json
+
+    try:
+        return ModelShape.of(config_from_dict(read_config_json(model_dir)))
+    except UsageError:
+        return None
+
+
+# The timed request: the engine's warm-up request (each block committed in one forward) over a
+# prompt and an answer of this many tokens: a canvas as long as a short chat's.
+PROBE_TOKENS = 64
+
+
+class _ModelProbe:
+    """Times the model's own forward in a candidate dtype for the CPU plan
+    (dlm/engine/cpu_plan.py): the engine is loaded in each dtype once, the one chosen is kept
+    (`take`) and the others are dropped."""
+
+    def __init__(self, model_dir: Path, device: Any, on_load: Callable[[str], None] | None) -> None:
+        self.model_dir, self.device, self.on_load = model_dir, device, on_load
+        self.engines: dict[Any, Engine] = {}
+
+    def affordable(self) -> bool:
+        """Small enough to hold in two dtypes for the measurement."""
+        from dlm.engine.cpu_plan import MODEL_PROBE_MAX_BYTES
+
+        size = sum(f.stat().st_size for f in self.model_dir.glob("*.safetensors"))
+        return 0 < size <= MODEL_PROBE_MAX_BYTES
+
+    def __call__(self, candidate: Candidate) -> float:
+        engine = self.engines.get(candidate.dtype)
+        if engine is None:
+            engine = self.engines[candidate.dtype] = load_engine(
+                self.model_dir, candidate.dtype, self.device, self.on_load
+            )
+        prompt = [engine.config.eos_token_id or 0] * PROBE_TOKENS
+        params = replace(engine.warmup_params, gen_length=PROBE_TOKENS)
+        start = time.perf_counter()
+        engine.generate([prompt], params)
+        return time.perf_counter() - start
+
+    def take(self, dtype: Any) -> Engine | None:
+        engine = self.engines.pop(dtype, None)
+        self.engines.clear()
+        return engine

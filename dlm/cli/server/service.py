@@ -31,7 +31,7 @@ from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm.cli.server.ratelimit import RateLimiter
 from dlm.engine.errors import DlmError, EngineFailed, Unsupported, UsageError
 from dlm.engine.params import PARAMS, ResolvedParams, http_name
-from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream
+from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.scheduler import QueueFull, SchedulerLimits
 
@@ -147,7 +147,12 @@ class Service:
         return self.pinned
 
     def open(self, model: str | None, ref: str | None, *, warmup: bool) -> LoadedModel:
-        """Load a checkpoint, check it against the limits, warm it up and start its engine loop."""
+        """Load a checkpoint, check it against the limits, warm it up and start its engine loop,
+        all on the engine's own thread: the one thread that runs the model's torch work
+        (dlm/engine/runtime/async_engine.py says why)."""
+        return start_on_engine_thread(lambda: self._open_here(model, ref, warmup))
+
+    def _open_here(self, model: str | None, ref: str | None, warmup: bool) -> tuple[AsyncEngine, LoadedModel]:
         from dlm.engine.llm import LLM
 
         cfg = self.config
@@ -170,7 +175,7 @@ class Service:
             llm.close()  # a tensor-parallel model stops its ranks
             raise
 
-    def _serve(self, llm: LLM, ref: str | None, warmup: bool) -> LoadedModel:
+    def _serve(self, llm: LLM, ref: str | None, warmup: bool) -> tuple[AsyncEngine, LoadedModel]:
         from dlm.engine.tokenizer import has_tokenizer
 
         self._check_kernels(llm)
@@ -203,8 +208,7 @@ class Service:
         if warmup:
             log.info("warming up (one request through the engine before /ready)")
             engine.warmup()
-        engine.start()
-        return LoadedModel(engine, tokenizer, max_model_len, llm.model_dir, ref)
+        return engine, LoadedModel(engine, tokenizer, max_model_len, llm.model_dir, ref)
 
     def _check_kernels(self, llm: LLM) -> None:
         """Where the dispatch would run Triton (CUDA), self-test every kernel on the model's

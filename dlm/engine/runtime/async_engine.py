@@ -19,6 +19,19 @@ rank died or hung) fails every request it holds, refuses new ones and ends the l
 request waits on an engine that cannot answer (`failure` says why).
 
 The engine core knows nothing of HTTP: metrics reach the server through `EngineObserver`.
+
+One thread does all of a served model's torch work: `start_on_engine_thread` loads the model,
+warms it up and then runs its loop on the same new thread. torch's CPU intra-op parallelism is
+OpenMP (libgomp), whose thread teams belong to the thread that opened them: a second thread
+that ran torch work (loading and warming up on a helper thread, as the server once did) keeps
+a second team alive, and libgomp then counts more threads than cores and switches every team
+from spinning to sleeping between parallel regions, so each region pays a futex wake-up: issue
+35 measured 16.4 ms per step in `dlm generate` against 39.5 ms served (on a loaded machine the
+difference can go the other way; either way the two differed). With one thread the served
+model has the one team `dlm generate` has, run with the threads its CPU plan chose
+(dlm/engine/cpu_plan.py, applied by `LLM` on the loading thread), and the same step time.
+Other threads only build new requests' small canvases (a server's preparation thread,
+dlm/cli/server/prepare.py: below torch's parallel grain, so no team) and read finished ones.
 """
 
 from __future__ import annotations
@@ -29,9 +42,10 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from dlm.engine.decoding.logprobs import TokenLogprob
 from dlm.engine.errors import DlmError, EngineFailed
@@ -44,6 +58,8 @@ from dlm.engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerL
 log = logging.getLogger("dlm.engine")
 
 MAX_UNREAD = 8  # outputs a stream keeps for its reader; beyond, the oldest snapshot is dropped
+T = TypeVar("T")
+ENGINE_THREAD = "dlm-engine"
 
 
 class Draining(DlmError):
@@ -165,7 +181,9 @@ class AsyncEngine:
         self.engine.generate([prompt], self.engine.warmup_params)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
+        """Run the loop on a new thread (a model loaded elsewhere: tests, a warm engine);
+        a server uses `start_on_engine_thread`, which loads on the loop's thread too."""
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -386,3 +404,24 @@ class AsyncEngine:
                     stream.post(RequestOutput(request.request_id, prefix, seq.nfe, logprobs=seq.token_logprobs(prefix)))
             for request in self.scheduler.reap():
                 self._finish(request)
+
+
+def start_on_engine_thread(build: Callable[[], tuple[AsyncEngine, T]]) -> T:
+    """Run `build` (load a model, warm it up, make its AsyncEngine) on a new thread that then
+    runs that engine's loop, and return what `build` returned beside the engine once it has
+    (or raise what it raised: the thread then ends, and its OpenMP team with it). So every
+    torch op of the model runs on one thread (see the module docstring)."""
+    built: Future[T] = Future()
+
+    def main() -> None:
+        try:
+            engine, result = build()
+        except BaseException as exc:  # the caller raises it
+            built.set_exception(exc)
+            return
+        engine._thread = threading.current_thread()
+        built.set_result(result)
+        engine._run()
+
+    threading.Thread(target=main, name=ENGINE_THREAD, daemon=True).start()
+    return built.result()

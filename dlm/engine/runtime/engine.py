@@ -7,7 +7,8 @@ server's scheduler (continuous batching) drives `step()` itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,12 +58,32 @@ class LoadedModel:
     model_dir: Path | None = None  # where its tokenizer is, for response formats
 
 
+# torch.nn.init's fills, which the layers' constructors call. On meta tensors they have nothing
+# to fill (the checkpoint's weights replace them), yet `normal_` there runs through torch's
+# Python decompositions, whose first use imports torch._dynamo, sympy and triton: 145 MiB of a
+# server's resident memory (docs/serve.md#memory) for nothing.
+_INIT_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_")
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """While the model is built on the meta device: the init fills leave tensors as they are."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FILLS}
+    for name in _INIT_FILLS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(torch.nn.init, name, fill)
+
+
 def build_on_meta(config: ModelConfig) -> torch.nn.Module:
     """The family's model without storage, shaped for this process's tensor-parallel shard;
     a split the layers cannot make raises `UsageError` (one line, not a traceback)."""
     cls = family_named(config.family).model_class()
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             return cls(config)
     except ValueError as exc:  # the parallel layers refuse an uneven split
         raise UsageError(str(exc)) from exc

@@ -1,0 +1,191 @@
+"""dlm against the peer server dlmserve (PyPI) on the same checkpoints, prompts and settings,
+both at their default server settings, alternated in one run.
+
+Models: dlm's default model (the embedded checkpoint) and a random 8-layer, 1024-wide LLaDA
+checkpoint with the default model's tokenizer (104M parameters, written here with
+dlm.engine.checkpoint_writer). Requests: the default model's suite prompts (chat), greedy,
+`--gen-length` tokens in one block of as many steps (one token per forward; dlmserve's
+schedule). Each round runs, for each server in turn (the order alternates between rounds,
+and the idle server is paused with SIGSTOP so it takes no CPU), every prompt at concurrency
+1, 4 and 8 and records the latency of each request and the requests per second. The
+answers of the two servers are compared prompt by prompt; RSS is read from
+/proc/PID/smaps_rollup at the end. Ratios are dlm / peer per round; the table shows their
+median and range over the rounds.
+
+The peer's environment and the workarounds it needs: benchmarks/peers.py, docs/benchmarks.md.
+
+    python benchmarks/vs_peers.py [--rounds 3] [--gen-length 64] [--prompts 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers import DlmServer, DlmserveServer, Server  # noqa: E402
+
+LEVELS = (1, 4, 8)
+# The 104M checkpoint: LLaDA-8B's proportions at 1024 hidden, 8 layers.
+SHAPE = {"d_model": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 16, "mlp_hidden_size": 2816}
+
+
+def default_model() -> Path:
+    from dlm.engine.resolve import resolve_model
+
+    return Path(resolve_model(None))
+
+
+def write_104m(directory: Path) -> Path:
+    """The 104M random LLaDA with the default model's tokenizer (its ids, mask and EOS)."""
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+
+    if (directory / "model.safetensors").exists():
+        return directory
+    base = json.loads((default_model() / "config.json").read_text())
+    config = llada_config(base["vocab_size"], base["mask_token_id"], base["eos_token_id"], **SHAPE)
+    save_checkpoint(directory, config, random_llada_tensors(config, seed=0))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((default_model() / name).read_bytes())
+    return directory
+
+
+def prompts(count: int) -> list[list[dict[str, str]]]:
+    import yaml
+
+    suite = yaml.safe_load((default_model() / "suite.yaml").read_text())
+    cases = [case["messages"] for case in suite["cases"]]
+    return [cases[i % len(cases)] for i in range(count)]
+
+
+def mask_token(model_dir: Path) -> tuple[str, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = json.loads((model_dir / "tokenizer_config.json").read_text())
+    return str(tokenizer["mask_token"]), int(config["mask_token_id"])
+
+
+def run_level(server: Server, requests: list[list[dict[str, str]]], gen_length: int, c: int) -> dict[str, Any]:
+    """Every request at concurrency c: latencies, requests per second, answers."""
+
+    def one(messages: list[dict[str, str]]) -> tuple[float, str]:
+        start = time.perf_counter()
+        answer = server.answer(messages, gen_length)  # type: ignore[attr-defined]
+        return time.perf_counter() - start, answer
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        results = list(pool.map(one, requests))
+    wall = time.perf_counter() - start
+    return {
+        "latency": statistics.median(r[0] for r in results),
+        "rps": len(requests) / wall,
+        "answers": [r[1].strip() for r in results],
+    }
+
+
+def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    requests = prompts(args.prompts)
+    token, mask_id = mask_token(model_dir)
+    servers: dict[str, Server] = {}
+    try:
+        servers["dlm"] = DlmServer(model_dir, *(["--dtype", args.dtype] if args.dtype else []))
+        servers["dlm"].pause()
+        servers["dlmserve"] = DlmserveServer(model_dir, token, mask_id, args.dtype or "bf16")
+        servers["dlmserve"].pause()
+        rounds: list[dict[str, dict[int, dict[str, Any]]]] = []
+        for r in range(args.rounds):
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            result: dict[str, dict[int, dict[str, Any]]] = {}
+            for name in order:
+                server = servers[name]
+                server.resume()
+                run_level(server, requests[:2], args.gen_length, 1)  # warm: first-request costs
+                result[name] = {c: run_level(server, requests, args.gen_length, c) for c in LEVELS}
+                server.pause()
+            rounds.append(result)
+            print(f"  round {r + 1}: " + summary_line(result), flush=True)
+        for server in servers.values():
+            server.resume()
+        rss = {name: server.rss_mib() for name, server in servers.items()}
+        dtype = servers["dlm"].health().get("dtype", {})  # type: ignore[attr-defined]
+    finally:
+        for server in servers.values():
+            server.close()
+    return {"model": model_dir.name, "rounds": rounds, "rss_mib": rss, "dlm_dtype": dtype}
+
+
+def summary_line(result: dict[str, dict[int, dict[str, Any]]]) -> str:
+    return "  ".join(
+        f"c={c}: lat {result['dlm'][c]['latency'] / result['dlmserve'][c]['latency']:.2f} "
+        f"rps {result['dlm'][c]['rps'] / result['dlmserve'][c]['rps']:.2f}"
+        for c in LEVELS
+    )
+
+
+def table(row: dict[str, Any]) -> list[str]:
+    """Markdown rows: per concurrency, medians and dlm/peer ratios (median, range)."""
+    lines = []
+    for c in LEVELS:
+        lat = {n: [r[n][c]["latency"] for r in row["rounds"]] for n in ("dlm", "dlmserve")}
+        rps = {n: [r[n][c]["rps"] for r in row["rounds"]] for n in ("dlm", "dlmserve")}
+        lat_ratio = [a / b for a, b in zip(lat["dlm"], lat["dlmserve"])]
+        rps_ratio = [a / b for a, b in zip(rps["dlm"], rps["dlmserve"])]
+        same = sum(a == b for r in row["rounds"] for a, b in zip(r["dlm"][c]["answers"], r["dlmserve"][c]["answers"]))
+        total = sum(len(r["dlm"][c]["answers"]) for r in row["rounds"])
+        lines.append(
+            f"| {row['model']} | {c} | {statistics.median(lat['dlm']):.3f} / {statistics.median(lat['dlmserve']):.3f} "
+            f"| **{statistics.median(lat_ratio):.2f}** ({min(lat_ratio):.2f}-{max(lat_ratio):.2f}) "
+            f"| {statistics.median(rps['dlm']):.2f} / {statistics.median(rps['dlmserve']):.2f} "
+            f"| **{statistics.median(rps_ratio):.2f}** ({min(rps_ratio):.2f}-{max(rps_ratio):.2f}) | {same}/{total} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gen-length", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--models", default="default,104m")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32",),
+        help="both servers in fp32 (an identity check of the decoding: not their defaults)",
+    )
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-vs-peers")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    paths = {"default": default_model(), "104m": write_104m(args.workdir / "llada-8x1024-104m")}
+    print(f"load {os.getloadavg()[0]:.2f} at start", flush=True)
+    rows = []
+    for name in args.models.split(","):
+        print(f"{name}:", flush=True)
+        rows.append(measure(paths[name], args))
+    print(f"load {os.getloadavg()[0]:.2f} at end\n")
+    print("| model | c | latency s dlm / peer | latency ratio | req/s dlm / peer | req/s ratio | same answers |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("\n".join(table(row)))
+    for row in rows:
+        rss = row["rss_mib"]
+        print(
+            f"{row['model']}: RSS dlm {rss['dlm']['rss']:.0f} MiB (peak {rss['dlm']['peak']:.0f}), "
+            f"dlmserve {rss['dlmserve']['rss']:.0f} MiB (peak {rss['dlmserve']['peak']:.0f}); "
+            f"dlm dtype {row['dlm_dtype'].get('dtype')}, {row['dlm_dtype'].get('threads')} thread(s)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
