@@ -15,6 +15,7 @@ from dlm.engine.device import resolve_device
 from dlm.engine.dtype import checkpoint_dtype, choose_dtype
 from dlm.engine.errors import UsageError
 from dlm.engine.params import GenerationParams
+from dlm.engine.quantization import method_named
 from dlm.engine.resolve import resolve_model
 from dlm.engine.runtime.engine import cap_device_memory, load_engine
 from dlm.engine.runtime.interface import Engine
@@ -57,11 +58,14 @@ class LLM:
         trust_remote_code: bool = False,
         parallel: ParallelConfig | None = None,
         gpu_memory_utilization: float | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
         process is then rank 0 and drives the others until `close()`.
         `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
-        `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
+        `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU).
+        `quantization`: int8, int4 or fp8 weights for the linear layers and experts
+        (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir))
@@ -69,10 +73,16 @@ class LLM:
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
+        self.quantization = None if method_named(quantization) is None else quantization
         self.engine: Engine
         if backend == "transformers":
             if parallel is not None and parallel.resolved().parallel:
                 raise UsageError("--tensor-parallel-size needs the native backend")
+            if self.quantization is not None:
+                raise UsageError(
+                    "--quantization needs the native backend: the transformers backend runs the checkpoint's "
+                    "own layers, which dlm does not quantize"
+                )
             from dlm.engine.transformers_backend import load_transformers_engine
 
             tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
@@ -86,11 +96,13 @@ class LLM:
                 from dlm.engine.parallel.distributed import EngineSpec, start_driver
 
                 # The resolved dtype: every rank runs in the one this process chose.
-                spec = EngineSpec(str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization)
+                spec = EngineSpec(
+                    str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization, self.quantization
+                )
                 self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:
-                self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load)
+                self.engine = load_engine(self.model_dir, self.dtype, self.device, on_load, self.quantization)
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config

@@ -77,10 +77,14 @@ class Shard:
     cat_dim: int | Callable[[tuple[int, ...]], int] = 0
 
 
-def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set_parameter(model: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Module) -> None:
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
-    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+    if isinstance(value, torch.nn.Module):  # a list of per-expert (quantized) weights replaces the stacked one
+        delattr(module, attr)
+        setattr(module, attr, value)
+    else:
+        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
 def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list[str]:
@@ -99,8 +103,12 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    place: Callable[[str, torch.Tensor], torch.Tensor | torch.nn.Module] | None = None,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    """Fill every parameter of `model` from the checkpoint in `model_dir`. `place` turns a
+    parameter's tensor as read into what the model holds (default: cast to `dtype`, moved to
+    `device`); quantization places a quantized tensor, or a list of them for stacked experts
+    (dlm/engine/quantized_weights.py)."""
     locations = tensor_locations(model_dir)
     packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
     custom = getattr(model, "tensor_sources", None)
@@ -149,6 +157,6 @@ def load_weights(
                     f"tensor {shown} in {locations[srcs[0]].name} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(param.shape)}"
                 )
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype) if place is None else place(name, tensor))
             if on_tensor is not None:
                 on_tensor(name)

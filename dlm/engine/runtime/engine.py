@@ -21,6 +21,8 @@ from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights
 from dlm.engine.params import GenerationParams, ResolvedParams
+from dlm.engine.quantization import method_named
+from dlm.engine.quantized_weights import quantizer
 from dlm.engine.registry import family_for, family_named
 from dlm.engine.runtime.block_runner import BlockRunner
 from dlm.engine.runtime.interface import Engine, Runner
@@ -55,6 +57,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     model_dir: Path | None = None  # where its tokenizer is, for response formats
+    quantization: str | None = None  # the weight format of its linear layers (dlm/engine/quantization.py)
 
 
 def build_on_meta(config: ModelConfig) -> torch.nn.Module:
@@ -73,14 +76,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """The family's model over the checkpoint in `model_dir`; with `quantization` (a name of
+    dlm/engine/quantization.py) its linear layers and experts are quantized as they load."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UsageError(f"model directory {model_dir} does not exist")
     config = load_config(model_dir)
+    method = method_named(quantization)
     model = build_on_meta(config)
-    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
-    return LoadedModel(config, model.eval(), dtype, device, model_dir)
+    place = None if method is None else quantizer(model, method, dtype, device)
+    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor, place=place)
+    return LoadedModel(config, model.eval(), dtype, device, model_dir, None if method is None else method.name)
 
 
 def load_engine(
@@ -88,6 +96,7 @@ def load_engine(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    quantization: str | None = None,
 ) -> LLMEngine:
     """The family's native engine over the checkpoint in `model_dir` (this rank's shard
     under tensor parallelism). Which engine decodes a family is known before any weight
@@ -95,7 +104,7 @@ def load_engine(
     from dlm.engine.config import read_config_json
 
     engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
-    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
+    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor, quantization))
 
 
 class LLMEngine(Engine):

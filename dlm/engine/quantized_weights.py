@@ -1,0 +1,187 @@
+"""Quantized weights in memory: torchao tensors for the methods of dlm/engine/quantization.py.
+
+A quantized weight is a torchao tensor subclass standing where the dense weight stood, so
+`F.linear` (every linear layer) dispatches to torchao's kernel and nothing else in the model
+changes. Stacked routed experts ([E, rows, inputs]) become one quantized tensor per expert
+(an `nn.ParameterList`): torchao's CPU int4 tensor is 2-D only, and the fused-MoE twin
+(`dlm.kernels.moe`) takes either form, indexing `w[e]`.
+
+Weights are quantized as the loader places them (`Quantizer`), one tensor at a time, so peak
+memory is the quantized model plus one dense tensor. Under tensor parallelism each rank
+quantizes the shard it read: rows split over ranks quantize exactly as the whole tensor;
+inputs split over ranks (row-parallel layers) get per-rank row scales / groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlm.engine.errors import UsageError
+from dlm.engine.quantization import METHODS, Method, check_runs
+
+
+@cache
+def torchao() -> Any:
+    """torchao, imported on first use (it takes a second) and quietly: a CPU build of torch
+    cannot load its CUDA extensions, which it reports as warnings on every import."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import torchao as module
+            import torchao.prototype.quantization.int4  # noqa: F401 - the CPU int4 tensor
+        except ImportError as exc:  # pragma: no cover - a dependency of dlm
+            raise UsageError(f"quantized weights need torchao ({exc})") from exc
+    return module
+
+
+def quantize(method: Method, weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One [rows, inputs] weight (already in the activation dtype) -> the method's torchao
+    tensor on `device`."""
+    ao = torchao()
+    rows, inputs = weight.shape
+    if method.name == "int8":
+        from torchao.quantization.granularity import PerRow
+
+        return ao.quantization.Int8Tensor.from_hp(weight.to(device), PerRow())
+    if method.name == "int4":
+        group = method.group_size(inputs)
+        if group is None:
+            raise UsageError(f"int4 needs a layer's input features divisible by 32; a layer has {inputs}")
+        if device.type == "cpu":
+            from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+            return Int4OpaqueTensor.from_hp(weight, [1, group])
+        from torchao.quantization import Int4TilePackedTo4dTensor
+
+        return Int4TilePackedTo4dTensor.from_hp(weight.to(device), [1, group])
+    if method.name == "fp8":
+        from torchao.quantization import Float8Tensor
+        from torchao.quantization.granularity import PerRow
+
+        return Float8Tensor.from_hp(weight.to(device), float8_dtype=torch.float8_e4m3fn, granularity=PerRow())
+    raise AssertionError(f"no torchao tensor for {method.name}")  # METHODS and this function go together
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether `t` is a quantized (torchao) weight rather than a dense one."""
+    return type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """The dense [rows, inputs] matrix a quantized weight multiplies by, as its own kernel
+    computes it: the product with the identity (x @ W.T at x = I) is exact, every other
+    term being zero. For tests and checks, not for serving."""
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return F.linear(eye, weight).T.contiguous()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes a (possibly quantized) tensor holds: the sum over a torchao tensor's inner
+    tensors (data, scales, zeros)."""
+    if not is_quantized(t):
+        return t.nbytes
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return sum(storage_bytes(getattr(t, n)) for n in names)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter of `model`, quantized ones at their stored size."""
+    return sum(storage_bytes(p) for p in model.parameters())
+
+
+def quantizable(model: nn.Module) -> set[str]:
+    """The parameters a quantization method applies to: the weight of every `nn.Linear`
+    (the parallel linears are `nn.Linear`) unless its module sets `keep_precision` (routers),
+    and every parameter marked `stacked_experts` (routed experts, [E, rows, inputs])."""
+    names = set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, nn.Linear) and not getattr(module, "keep_precision", False):
+            names.add(prefix + "weight")
+        for attr, param in module.named_parameters(recurse=False):
+            if getattr(param, "stacked_experts", False):
+                names.add(prefix + attr)
+    return names
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How the loader places the parameters of one model under `method`: quantizable ones
+    quantized, the others as they would be without it."""
+
+    method: Method
+    names: frozenset[str]
+    dtype: torch.dtype
+    device: torch.device
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor | nn.Module:
+        tensor = tensor.to(dtype=self.dtype)
+        if name not in self.names:
+            return tensor.to(device=self.device)
+        if tensor.dim() == 3:
+            return nn.ParameterList(
+                nn.Parameter(quantize(self.method, e, self.device), requires_grad=False) for e in tensor
+            )
+        return quantize(self.method, tensor, self.device)
+
+
+def quantizer(model: nn.Module, method: Method, dtype: torch.dtype, device: torch.device) -> Quantizer:
+    """The loader's placement for `model` under `method`, refused here, before any weight is
+    read, when this device or dtype cannot run it or a layer's shape cannot take it."""
+    check_runs(method, device.type, str(dtype).replace("torch.", ""))
+    names = quantizable(model)
+    if not names:
+        raise UsageError(f"--quantization {method.name}: this model has no layers dlm can quantize")
+    params = dict(model.named_parameters())
+    for name in sorted(names):
+        inputs = params[name].shape[-1]
+        if method.group_size(inputs) is None:
+            raise UsageError(
+                f"--quantization {method.name} cannot quantize {name}: its {inputs} input features are not a "
+                "multiple of any group size the kernel takes (32, 64, 128)"
+            )
+    return Quantizer(method, frozenset(names), dtype, device)
+
+
+def probe(method: Method, device: torch.device) -> str | None:
+    """Whether `method` runs on `device` here: a small weight quantized and multiplied, its
+    product checked against the dense one. None when it works, else why not."""
+    try:
+        check_runs(method, device.type, "bfloat16" if method.dtypes.get(device.type) else "float32")
+        if method.min_capability is not None and device.type == "cuda":
+            have = torch.cuda.get_device_capability(device)
+            if have < method.min_capability:
+                want = ".".join(map(str, method.min_capability))
+                return f"needs compute capability {want}+, this GPU has {have[0]}.{have[1]}"
+        dtype = torch.bfloat16 if method.dtypes.get(device.type) else torch.float32
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 256, generator=gen).to(dtype)
+        x = torch.randn(4, 256, generator=gen).to(dtype)
+        got = F.linear(x.to(device), quantize(method, w, device)).float().cpu()
+        want = F.linear(x.float(), w.float())
+        error = ((got - want).norm() / want.norm()).item()
+        if not error < 0.2:  # int4 of a Gaussian weight errs by ~0.1; a broken kernel by ~1
+            return f"its product differs from the dense one by {error:.0%}"
+        return None
+    except UsageError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a probe reports whatever stops the method
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def probe_all(devices: list[torch.device]) -> dict[str, dict[str, str | None]]:
+    """`probe` of every method on every device: method -> device -> None or why not."""
+    return {name: {str(d): probe(m, d) for d in devices} for name, m in METHODS.items()}
+
+
+Placement = Callable[[str, torch.Tensor], "torch.Tensor | nn.Module"]
