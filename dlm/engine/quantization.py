@@ -37,9 +37,10 @@ INT4_GROUP_SIZES = (128, 64, 32)
 @dataclass(frozen=True)
 class Method:
     """One weight format. `bits`: bits per weight; `scale`: how scales are laid out
-    ("row": one fp32 per output row; "group": a scale and a zero per `group_size` inputs
-    of a row, in the activation dtype); `devices`: torch device types that run it;
-    `dtypes`: activation dtypes it runs with on each device (absent: any)."""
+    ("row": `row_bytes` per output row, an fp32 scale and whatever else the tensor keeps;
+    "group": a scale and a zero per `group_size` inputs of a row, in the activation dtype);
+    `devices`: torch device types that run it; `dtypes`: activation dtypes it runs with on
+    each device (absent: any)."""
 
     name: str
     description: str
@@ -50,6 +51,11 @@ class Method:
     torch_class: dict[str, str]  # device type -> the torchao tensor class holding the weight
     dtypes: dict[str, tuple[str, ...]]
     min_capability: tuple[int, int] | None = None  # CUDA compute capability, where it matters
+    row_bytes: int = 4
+    row_multiple: int = 1  # the kernel's rows come in tiles of this many: a weight is padded with zero rows
+
+    def stored_rows(self, rows: int) -> int:
+        return -(-rows // self.row_multiple) * self.row_multiple
 
     def group_size(self, in_features: int) -> int | None:
         """Inputs sharing one scale in a row of `in_features` (None: the whole row); a row
@@ -60,9 +66,10 @@ class Method:
 
     def weight_bytes(self, rows: int, in_features: int, act_bytes: int) -> int:
         """Bytes of one [rows, in_features] weight held in this format (data + scales)."""
+        rows = self.stored_rows(rows)
         data = rows * in_features * self.bits // 8
         if self.scale == "row":
-            return data + rows * 4
+            return data + rows * self.row_bytes
         group = self.group_size(in_features)
         if group is None:
             raise UsageError(f"{self.name}: no group size in {INT4_GROUP_SIZES} divides {in_features} input features")
@@ -85,6 +92,7 @@ METHODS: dict[str, Method] = {
             library="torchao",
             torch_class={"cpu": "Int8Tensor", "cuda": "Int8Tensor"},
             dtypes={},
+            row_bytes=5,  # Int8Tensor keeps an int8 zero point (0) beside each scale
         ),
         Method(
             "int4",
@@ -95,6 +103,7 @@ METHODS: dict[str, Method] = {
             library="torchao",
             torch_class={"cpu": "Int4OpaqueTensor", "cuda": "Int4TilePackedTo4dTensor"},
             dtypes={"cuda": ("bfloat16",)},  # tinygemm's CUDA kernel is bf16 only
+            row_multiple=16,  # tinygemm packs rows in tiles of 16 (CPU) / 8 (CUDA)
         ),
         Method(
             "fp8",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -26,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlm.engine.errors import UsageError
-from dlm.engine.quantization import METHODS, Method, check_runs
+from dlm.engine.parallel import state as parallel_state
+from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_runs
 
 
 @cache
@@ -44,25 +44,52 @@ def torchao() -> Any:
     return module
 
 
-def quantize(method: Method, weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+def row_scales(row_absmax: torch.Tensor) -> torch.Tensor:
+    """int8 scales [rows, 1] of rows whose largest magnitudes are `row_absmax`, by torchao's own
+    symmetric rule (what `Int8Tensor.from_hp` computes from a whole row)."""
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine
+
+    extremes = torch.stack((-row_absmax, row_absmax), dim=-1).float()
+    scale, _ = choose_qparams_affine(
+        input=extremes,
+        mapping_type=MappingType.SYMMETRIC,
+        block_size=[1, 2],
+        target_dtype=torch.int8,
+        quant_min=-128,
+        quant_max=127,
+        scale_dtype=torch.float32,
+        zero_point_dtype=torch.int8,
+        keepdim=True,
+        eps=torch.finfo(torch.float32).eps,
+    )
+    return scale
+
+
+def quantize(
+    method: Method, weight: torch.Tensor, device: torch.device, group: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """One [rows, inputs] weight (already in the activation dtype) -> the method's torchao
-    tensor on `device`."""
+    tensor on `device`: int4 in groups of `group` inputs; int8 with the given row `scale`
+    (a tensor-parallel shard of a row takes the whole row's) or its own."""
     ao = torchao()
-    rows, inputs = weight.shape
     if method.name == "int8":
         from torchao.quantization.granularity import PerRow
 
-        return ao.quantization.Int8Tensor.from_hp(weight.to(device), PerRow())
+        return ao.quantization.Int8Tensor.from_hp(weight.to(device), PerRow(), scale=scale)
     if method.name == "int4":
-        group = method.group_size(inputs)
-        if group is None:
-            raise UsageError(f"int4 needs a layer's input features divisible by 32; a layer has {inputs}")
+        # Rows beyond a multiple of the kernel's tile are padded with zeros; the tensor keeps
+        # the true shape, and torchao's linear drops the padded outputs.
+        rows = weight.shape[0]
+        padded = F.pad(weight, (0, 0, 0, method.stored_rows(rows) - rows))
         if device.type == "cpu":
             from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
-            return Int4OpaqueTensor.from_hp(weight, [1, group])
+            q = Int4OpaqueTensor.from_hp(padded, [1, group])
+            return q if rows == padded.shape[0] else Int4OpaqueTensor(q.qdata, q.scale_and_zero, q.block_size, weight.shape)
         from torchao.quantization import Int4TilePackedTo4dTensor
 
+        if rows != padded.shape[0]:
+            raise UsageError(f"int4 on CUDA needs rows in multiples of {method.row_multiple}; a layer has {rows}")
         return Int4TilePackedTo4dTensor.from_hp(weight.to(device), [1, group])
     if method.name == "fp8":
         from torchao.quantization import Float8Tensor
@@ -117,22 +144,35 @@ def quantizable(model: nn.Module) -> set[str]:
 @dataclass(frozen=True)
 class Quantizer:
     """How the loader places the parameters of one model under `method`: quantizable ones
-    quantized, the others as they would be without it."""
+    quantized (`groups`: each one's inputs per scale), the others as they would be without
+    it. Under tensor parallelism a layer whose inputs are split over ranks (`split`) is
+    quantized as the whole tensor would be: int4 groups never straddle a shard, and int8 row
+    scales are taken over the whole row (each rank's row maxima, gathered), so every rank
+    holds exactly its slice of the single-process quantized weight."""
 
     method: Method
-    names: frozenset[str]
+    groups: dict[str, int]
+    split: frozenset[str]
     dtype: torch.dtype
     device: torch.device
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor | nn.Module:
         tensor = tensor.to(dtype=self.dtype)
-        if name not in self.names:
+        if name not in self.groups:
             return tensor.to(device=self.device)
+        scale = None
+        if self.method.name == "int8" and name in self.split:
+            scale = row_scales(parallel_state.all_gather(tensor.abs().amax(dim=-1)).amax(dim=0))
+        group = self.groups[name]
         if tensor.dim() == 3:
             return nn.ParameterList(
-                nn.Parameter(quantize(self.method, e, self.device), requires_grad=False) for e in tensor
+                nn.Parameter(
+                    quantize(self.method, e, self.device, group, None if scale is None else scale[i]),
+                    requires_grad=False,
+                )
+                for i, e in enumerate(tensor)
             )
-        return quantize(self.method, tensor, self.device)
+        return quantize(self.method, tensor, self.device, group, scale)
 
 
 def quantizer(model: nn.Module, method: Method, dtype: torch.dtype, device: torch.device) -> Quantizer:
@@ -143,14 +183,25 @@ def quantizer(model: nn.Module, method: Method, dtype: torch.dtype, device: torc
     if not names:
         raise UsageError(f"--quantization {method.name}: this model has no layers dlm can quantize")
     params = dict(model.named_parameters())
+    groups, split = {}, set()
     for name in sorted(names):
-        inputs = params[name].shape[-1]
-        if method.group_size(inputs) is None:
+        local = params[name].shape[-1]
+        inputs = getattr(params[name], "split_inputs", local)  # the whole row's, when split over ranks
+        group = method.group_size(inputs)
+        if group is None:
             raise UsageError(
                 f"--quantization {method.name} cannot quantize {name}: its {inputs} input features are not a "
-                "multiple of any group size the kernel takes (32, 64, 128)"
+                f"multiple of any group size the kernel takes ({', '.join(map(str, INT4_GROUP_SIZES))})"
             )
-    return Quantizer(method, frozenset(names), dtype, device)
+        if local != inputs:
+            split.add(name)
+            if method.scale == "group" and local % group:
+                raise UsageError(
+                    f"--quantization {method.name} cannot split {name} over tensor-parallel ranks: each rank's "
+                    f"{local} of its {inputs} input features would cut its groups of {group}"
+                )
+        groups[name] = group if method.scale == "group" else local
+    return Quantizer(method, groups, frozenset(split), dtype, device)
 
 
 def probe(method: Method, device: torch.device) -> str | None:
@@ -167,7 +218,8 @@ def probe(method: Method, device: torch.device) -> str | None:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(64, 256, generator=gen).to(dtype)
         x = torch.randn(4, 256, generator=gen).to(dtype)
-        got = F.linear(x.to(device), quantize(method, w, device)).float().cpu()
+        weight = quantize(method, w, device, method.group_size(w.shape[1]) or w.shape[1])
+        got = F.linear(x.to(device), weight).float().cpu()
         want = F.linear(x.float(), w.float())
         error = ((got - want).norm() / want.norm()).item()
         if not error < 0.2:  # int4 of a Gaussian weight errs by ~0.1; a broken kernel by ~1
@@ -183,5 +235,3 @@ def probe_all(devices: list[torch.device]) -> dict[str, dict[str, str | None]]:
     """`probe` of every method on every device: method -> device -> None or why not."""
     return {name: {str(d): probe(m, d) for d in devices} for name, m in METHODS.items()}
 
-
-Placement = Callable[[str, torch.Tensor], "torch.Tensor | nn.Module"]

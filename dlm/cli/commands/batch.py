@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dlm.cli.model_options import DEVICE_OPTION
+from dlm.cli.model_options import DEVICE_OPTION, QUANTIZATION_OPTION
 from dlm.cli.output import cli_errors, emit_json, err_console
 
 
@@ -20,6 +20,7 @@ def batch(
     max_concurrency: int = typer.Option(8, "--max-concurrency", help="Requests decoded together [8]."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16."),
     device: str | None = DEVICE_OPTION,
+    quantization: str | None = QUANTIZATION_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the counts as JSON on stdout."),
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""
@@ -42,6 +43,7 @@ def batch(
             "max_num_seqs": max_concurrency,
             "dtype": dtype,
             "device": device,
+            "quantization": quantization,
             "max_queue": max(len(requests), 1),
             "ready_wait": 0,
         }

@@ -8,7 +8,7 @@ import typer
 
 from dlm.cli import parallel as tp
 from dlm.cli import params as dp
-from dlm.cli.model_options import MODEL_ARGUMENT
+from dlm.cli.model_options import MODEL_ARGUMENT, QUANTIZATION_OPTION
 from dlm.cli.output import cli_errors, emit_json, err_console
 
 
@@ -117,6 +117,7 @@ def generate(
     response_format: str | None = dp.option("response_format"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    quantization: str | None = QUANTIZATION_OPTION,
     backend: str = typer.Option(
         "native", "--backend", help="native, or transformers: load any checkpoint with transformers."
     ),
@@ -166,7 +167,7 @@ def generate(
 
         from dlm.engine.llm import LLM
 
-        if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
+        if tp.run_worker(model, dtype, device, parallel, quantization=quantization):  # another node's rank
             return
         with err_console.status("loading model"):
             llm = LLM(
@@ -176,6 +177,7 @@ def generate(
                 backend=backend,
                 trust_remote_code=trust_remote_code,
                 parallel=parallel,
+                quantization=quantization,
             )
         with llm:  # stops the worker ranks of a tensor-parallel model however this ends
             if llm.engine.tensor_parallel_size > 1:
@@ -210,6 +212,7 @@ def generate(
                         "tokens_fed": sum(out.query_lengths),
                         "params": dict(resolved.__dict__),
                         "dtype": str(llm.dtype).replace("torch.", ""),
+                        "quantization": llm.quantization,
                         "device": str(llm.device),
                         "backend": {"name": backend, "path": path},
                         "tensor_parallel_size": llm.engine.tensor_parallel_size,

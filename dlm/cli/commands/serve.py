@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from dlm.cli import parallel as tp
-from dlm.cli.model_options import DEVICE_OPTION, MODEL_ARGUMENT
+from dlm.cli.model_options import DEVICE_OPTION, MODEL_ARGUMENT, QUANTIZATION_OPTION
 from dlm.cli.output import cli_errors, emit_json, err_console
 
 
@@ -32,6 +32,7 @@ def serve(
         None, "--dtype", help="auto (per device, see dlm doctor), float32, bfloat16, float16."
     ),
     device: str | None = DEVICE_OPTION,
+    quantization: str | None = QUANTIZATION_OPTION,
     gpu_memory_utilization: float | None = typer.Option(
         None,
         "--gpu-memory-utilization",
@@ -179,6 +180,7 @@ def serve(
             config.device,
             parallel,  # not rank 0: no HTTP
             config.gpu_memory_utilization,
+            config.quantization,
         ):
             return
 

@@ -43,6 +43,9 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = Field(
+        None, description="int8, int4 or fp8 (CUDA) weights, quantized at load (docs/quantization.md); none: the dtype's"
+    )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="share of each GPU's memory the server may use (a ceiling; CUDA only)"
     )
@@ -127,6 +130,17 @@ class ServeConfig(BaseModel):
         if value not in CHOICES:
             raise ValueError(f"must be one of {', '.join(CHOICES)}")
         return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, value: str | None) -> str | None:
+        from dlm.engine.quantization import method_named
+
+        try:
+            method = method_named(value)
+        except UsageError as exc:
+            raise ValueError(str(exc).removeprefix("--quantization ")) from None
+        return None if method is None else method.name
 
     @field_validator("log_level")
     @classmethod

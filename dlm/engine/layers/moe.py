@@ -180,6 +180,8 @@ class FusedExperts(nn.Module):
         # the gate and up rows of a stacked tensor on dim 1.
         self.gate_up_proj.shard = Shard(gate_up, lambda shape: 1 if len(shape) == 3 else 0)  # type: ignore[attr-defined]
         self.down_proj.shard = Shard(down)  # type: ignore[attr-defined]
+        if self.placement == "tp":
+            self.down_proj.split_inputs = full  # type: ignore[attr-defined]  # quantized as whole rows
 
     def sources(self, stem: str, attr: str, available: Mapping[str, object]) -> list[str]:
         """Checkpoint tensors of parameter `attr` for experts at checkpoint path `stem`

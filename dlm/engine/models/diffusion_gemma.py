@@ -131,6 +131,7 @@ class Experts(nn.Module):
             down: list[Index] = [(slice(None), slice(None), slice(i0, i1))]
             self.gate_up_proj.shard = Shard(lambda i, shape: gate_up, cat_dim=1)  # type: ignore[attr-defined]
             self.down_proj.shard = Shard(lambda i, shape: down)  # type: ignore[attr-defined]
+            self.down_proj.split_inputs = ffn  # type: ignore[attr-defined]  # quantized as whole rows
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
