@@ -165,3 +165,64 @@ def test_layers_int4_cannot_group_are_refused(family: str) -> None:
         LLM(f"tiny:{family}", device="cpu", dtype="float32", quantization="int4")
     LLM(f"tiny:{family}", device="cpu", dtype="float32", quantization="int8")
 
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+def _tp_decode(model: Path, family: str, method: str, ranks: int) -> list[int]:
+    from dlm.engine.parallel.distributed import ParallelConfig
+    from tests.tp_checkpoints import PARAMS as TP_PARAMS
+    from tests.tp_checkpoints import PROMPT as TP_PROMPT
+
+    parallel = ParallelConfig(tensor_parallel_size=ranks) if ranks > 1 else None
+    with LLM(model, dtype="float32", device="cpu", parallel=parallel, quantization=method) as llm:
+        return llm.generate(TP_PROMPT, **TP_PARAMS[family])[0].output_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llada", "llada2_moe"])
+def test_two_ranks_decode_the_single_process_int8_ids(tmp_path: Path, family: str) -> None:
+    """Each rank quantizes the shard it reads; a row split over ranks takes the whole row's
+    scale (the ranks' row maxima gathered), so the ranks hold exactly the slices of the
+    single-process int8 weights and decode its ids."""
+    from tests.tp_checkpoints import write_family
+
+    model = write_family(tmp_path, family)
+    assert _tp_decode(model, family, "int8", 2) == _tp_decode(model, family, "int8", 1)
+
+
+def test_a_rank_holds_the_slice_of_the_whole_int8_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of two, holding the left half of each row of a row-parallel weight: the row
+    maxima of both halves are gathered, so its int8 data and scales are exactly the left
+    half of the single-process quantization (a per-shard scale would differ)."""
+    from dlm.engine import quantized_weights as qw
+
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(32, 128, generator=gen)
+    full[:, 100] = 9.0  # each row's largest magnitude lies in the other rank's half
+    left, right = full[:, :64], full[:, 64:]
+    monkeypatch.setattr(qw.parallel_state, "all_gather", lambda x: torch.stack((x, right.abs().amax(-1))))
+    quantizer = qw.Quantizer(METHODS["int8"], {"w": 64}, frozenset({"w"}), torch.float32, torch.device("cpu"))
+    mine, whole = quantizer("w", left), qw.quantize(METHODS["int8"], full, torch.device("cpu"), 128)
+    assert torch.equal(mine.scale, whole.scale) and torch.equal(mine.qdata, whole.qdata[:, :64])
+
+
+@pytest.mark.slow
+def test_two_ranks_decode_the_single_process_int4_ids(tmp_path: Path) -> None:
+    """int4 groups are those of the whole row, and a rank's share of a row holds whole
+    groups, so a split model holds the single-process int4 weights."""
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+
+    config = llada_config(300, 299, 298, d_model=256, n_heads=4, n_kv_heads=2, mlp_hidden_size=512)
+    save_checkpoint(tmp_path, config, random_llada_tensors(config, seed=3))
+    assert _tp_decode(tmp_path, "llada", "int4", 2) == _tp_decode(tmp_path, "llada", "int4", 1)
+
+
+@pytest.mark.slow
+def test_int4_split_that_would_cut_groups_is_refused(tmp_path: Path) -> None:
+    """The tiny LLaDA's 64-input rows are one group of 64; two ranks would hold half a group."""
+    from dlm.engine.parallel.distributed import ParallelConfig
+    from tests.tp_checkpoints import write_family
+
+    model = write_family(tmp_path, "llada")
+    with pytest.raises(Exception, match=r"cannot split \S+ over tensor-parallel ranks: each rank's 32 of its 64"):
+        LLM(model, dtype="float32", device="cpu", parallel=ParallelConfig(tensor_parallel_size=2), quantization="int4")
