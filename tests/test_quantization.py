@@ -226,3 +226,25 @@ def test_int4_split_that_would_cut_groups_is_refused(tmp_path: Path) -> None:
     model = write_family(tmp_path, "llada")
     with pytest.raises(Exception, match=r"cannot split \S+ over tensor-parallel ranks: each rank's 32 of its 64"):
         LLM(model, dtype="float32", device="cpu", parallel=ParallelConfig(tensor_parallel_size=2), quantization="int4")
+
+
+# --------------------------------------------------------------------------- dlm estimate
+@pytest.mark.parametrize("method", CPU_METHODS)
+@pytest.mark.parametrize("family", DECODED)
+def test_estimate_agrees_with_the_loaded_weight_bytes(checkpoints: dict[str, str], family: str, method: str) -> None:
+    """`dlm estimate --quantization X` plans, from config.json alone, the weight bytes the
+    loader then holds, within 5%, for every family (bf16, one rank)."""
+    from dlm.cli.estimate.plan import Serving, architecture_from_config, parameter_components, plan_memory
+    from dlm.engine.config import read_config_json
+    from dlm.engine.resolve import resolve_model
+
+    model = resolve_model(checkpoints[family])
+    arch = architecture_from_config(read_config_json(model))
+    measured, planned = {}, {}
+    for q in (None, method):
+        measured[q] = weight_bytes(LLM(model, dtype="bfloat16", device="cpu", quantization=q).engine.loaded.model)
+        plan = plan_memory(arch, parameter_components(arch), Serving(dtype="bf16", quantization=q))
+        planned[q] = sum(r.bytes for r in plan.rows if r.name.startswith("weights:"))
+    assert planned[method] == pytest.approx(measured[method], rel=0.05)
+    # The tiny models are mostly embedding: the bytes quantization saves agree as well.
+    assert planned[None] - planned[method] == pytest.approx(measured[None] - measured[method], rel=0.05)

@@ -64,20 +64,22 @@ class Method:
             return in_features
         return next((g for g in INT4_GROUP_SIZES if in_features % g == 0), None)
 
-    def weight_bytes(self, rows: int, in_features: int, act_bytes: int) -> int:
-        """Bytes of one [rows, in_features] weight held in this format (data + scales)."""
+    def weight_bytes(self, rows: int, in_features: int, act_bytes: int, group: int | None = None) -> int:
+        """Bytes of one [rows, in_features] weight held in this format (data + scales), in
+        groups of `group` inputs (default: the loader's choice)."""
         rows = self.stored_rows(rows)
         data = rows * in_features * self.bits // 8
         if self.scale == "row":
             return data + rows * self.row_bytes
-        group = self.group_size(in_features)
+        group = group or self.group_size(in_features)
         if group is None:
             raise UsageError(f"{self.name}: no group size in {INT4_GROUP_SIZES} divides {in_features} input features")
-        return data + (in_features // group) * rows * 2 * act_bytes
+        return data + -(-in_features // group) * rows * 2 * act_bytes
 
-    def bytes_per_param(self, in_features: int, act_bytes: int) -> float:
-        """`weight_bytes` per weight, for planning from parameter counts."""
-        return self.weight_bytes(1, in_features, act_bytes) / in_features
+    def bytes_per_param(self, in_features: int, act_bytes: int, group: int | None = None) -> float:
+        """`weight_bytes` per weight of a layer with `in_features` inputs (row padding aside),
+        for planning from parameter counts."""
+        return (self.weight_bytes(self.row_multiple, in_features, act_bytes, group)) / (self.row_multiple * in_features)
 
 
 METHODS: dict[str, Method] = {
