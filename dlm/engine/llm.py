@@ -106,6 +106,8 @@ class LLM:
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config
+        if backend == "native":  # a pre-quantized checkpoint brings its own method
+            self.quantization = self.engine.loaded.quantization
 
     def close(self) -> None:
         """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""

@@ -97,6 +97,16 @@ def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list
     return [name]
 
 
+def parameter_sources(model: torch.nn.Module, available: Mapping[str, object]) -> dict[str, list[str]]:
+    """Every parameter of `model` -> the checkpoint tensors it is made of, in order."""
+    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
+    custom = getattr(model, "tensor_sources", None)
+    return {
+        name: (custom(name, available) if custom is not None else None) or checkpoint_sources(name, packed)
+        for name, _ in model.named_parameters()
+    }
+
+
 def load_weights(
     model: torch.nn.Module,
     model_dir: Path,
@@ -104,18 +114,17 @@ def load_weights(
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
     place: Callable[[str, torch.Tensor], torch.Tensor | torch.nn.Module] | None = None,
+    decoded: Mapping[str, Callable[[], torch.Tensor]] | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`. `place` turns a
     parameter's tensor as read into what the model holds (default: cast to `dtype`, moved to
     `device`); quantization places a quantized tensor, or a list of them for stacked experts
-    (dlm/engine/quantized_weights.py)."""
-    locations = tensor_locations(model_dir)
-    packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
-    custom = getattr(model, "tensor_sources", None)
-    sources = {
-        name: (custom(name, locations) if custom is not None else None) or checkpoint_sources(name, packed)
-        for name, _ in model.named_parameters()
-    }
+    (dlm/engine/quantized_weights.py). `decoded`: tensors the checkpoint holds in another
+    form (a pre-quantized layer's `weight`, dlm/engine/compressed_tensors.py), read whole by
+    their function."""
+    decoded = decoded or {}
+    locations: dict[str, object] = {**tensor_locations(model_dir), **decoded}
+    sources = parameter_sources(model, locations)
     missing = [src for srcs in sources.values() for src in srcs if src not in locations]
     if missing:
         raise UsageError(
@@ -128,6 +137,7 @@ def load_weights(
 
         def handle(src: str) -> Any:
             file = locations[src]
+            assert isinstance(file, Path)
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return handles[file]
@@ -137,7 +147,7 @@ def load_weights(
             shard: Shard | None = getattr(param, "shard", None)
             dim = 0
             if shard is None:
-                parts = [handle(src).get_tensor(src) for src in srcs]
+                parts = [decoded[src]() if src in decoded else handle(src).get_tensor(src) for src in srcs]
             else:
                 parts, cat_dim = [], shard.cat_dim
                 for i, src in enumerate(srcs):
@@ -153,8 +163,9 @@ def load_weights(
                 tensor = loader(param, tensor)
             if tuple(tensor.shape) != tuple(param.shape):
                 shown = srcs[0] if len(srcs) == 1 else f"{name} (from {', '.join(srcs)})"
+                where = locations[srcs[0]]
                 raise UsageError(
-                    f"tensor {shown} in {locations[srcs[0]].name} has shape {tuple(tensor.shape)}, "
+                    f"tensor {shown} in {where.name if isinstance(where, Path) else model_dir.name} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(param.shape)}"
                 )
             _set_parameter(model, name, tensor.to(device=device, dtype=dtype) if place is None else place(name, tensor))

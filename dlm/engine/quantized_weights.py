@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,6 +101,32 @@ def quantize(
     raise AssertionError(f"no torchao tensor for {method.name}")  # METHODS and this function go together
 
 
+def from_integers(
+    method: Method, values: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A pre-quantized [rows, inputs] weight, its signed integer `values` times `scale`
+    ([rows, 1] per row, or [rows, inputs / group]), as the method's torchao tensor holding
+    exactly those integers and scales (no requantization)."""
+    ao = torchao()
+    rows, inputs = values.shape
+    if method.name == "int8":
+        q, s = values.to(device=device, dtype=torch.int8), scale.to(device=device, dtype=torch.float32)
+        return ao.quantization.Int8Tensor(q, s, [1, inputs], dtype, zero_point=torch.zeros_like(q[:, :1]))
+    if method.name == "int4" and device.type == "cpu":
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+        from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+        # tinygemm reads (u - 8) * scale + zero for u in [0, 15]: a signed value v is u = v + 8
+        # with zero 0. Rows are padded with zeros to the kernel's tile, as `quantize` does.
+        pad = method.stored_rows(rows) - rows
+        unsigned = F.pad(values.to(torch.int32) + 8, (0, 0, 0, pad), value=8)
+        scale = F.pad(scale.to(dtype), (0, 0, 0, pad), value=1.0)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+        scale_and_zero = pack_tinygemm_scales_and_zeros(scale, torch.zeros_like(scale), dtype)
+        return Int4OpaqueTensor(packed, scale_and_zero, [1, group], torch.Size((rows, inputs)))
+    raise UsageError(f"pre-quantized {method.name} weights load on a CPU only (this model runs on {device.type})")
+
+
 def is_quantized(t: torch.Tensor) -> bool:
     """Whether `t` is a quantized (torchao) weight rather than a dense one."""
     return type(t) not in (torch.Tensor, nn.Parameter)
@@ -155,8 +183,15 @@ class Quantizer:
     split: frozenset[str]
     dtype: torch.dtype
     device: torch.device
+    # Pre-quantized parameters: their integer values arrive as the tensor, and this gives
+    # their scales (the sources' concatenated) by parameter name.
+    scales: Callable[[str], torch.Tensor] | None = None
+    given: frozenset[str] = frozenset()
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor | nn.Module:
+        if name in self.given:
+            assert self.scales is not None
+            return self._given(name, tensor, self.scales(name))
         tensor = tensor.to(dtype=self.dtype)
         if name not in self.groups:
             return tensor.to(device=self.device)
@@ -173,6 +208,16 @@ class Quantizer:
                 for i, e in enumerate(tensor)
             )
         return quantize(self.method, tensor, self.device, group, scale)
+
+    def _given(self, name: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | nn.Module:
+        group = self.groups[name]
+        if values.dim() == 3:  # stacked experts: their scales arrive concatenated over the experts
+            scale = scale.reshape(values.shape[0], values.shape[1], -1)
+            return nn.ParameterList(
+                nn.Parameter(from_integers(self.method, v, s, group, self.dtype, self.device), requires_grad=False)
+                for v, s in zip(values, scale)
+            )
+        return from_integers(self.method, values, scale, group, self.dtype, self.device)
 
 
 def quantizer(model: nn.Module, method: Method, dtype: torch.dtype, device: torch.device) -> Quantizer:

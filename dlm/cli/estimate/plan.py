@@ -22,6 +22,7 @@ from typing import Any
 from dlm.cli.estimate import canvas as canvas_terms
 from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
+from dlm.engine.compressed_tensors import read_scheme
 from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
@@ -695,6 +696,23 @@ def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
 
 
 # --------------------------------------------------------------------------- report
+def _checkpoint_quantization(raw: dict[str, Any], serving: Serving) -> tuple[Serving, str | None]:
+    """A pre-quantized checkpoint is planned as `dlm serve` loads it (its own method) unless
+    the command line names one; the note says so (its headers count packed tensors)."""
+    try:
+        scheme = read_scheme(raw)
+    except UsageError as exc:
+        return serving, f"its quantization_config cannot be served by dlm ({exc}); planned as given"
+    if scheme is None:
+        return serving, None
+    if serving.quantization is None and weight_format(serving.dtype) not in METHODS:
+        serving = replace(serving, quantization=scheme.method, group_size=serving.group_size or scheme.group_size)
+    return serving, (
+        f"pre-quantized checkpoint (compressed-tensors {scheme.method}, format {scheme.format}): "
+        "header counts are of its packed data and scales"
+    )
+
+
 def estimate(
     spec: str,
     serving: Serving,
@@ -716,7 +734,10 @@ def plan_report(
     arch = architecture_from_config(source.raw)
     comps = parameter_components(arch)
     counts = count_parameters(comps)
+    serving, scheme_note = _checkpoint_quantization(source.raw, serving)
     plan = plan_memory(arch, comps, serving)
+    if scheme_note:
+        plan.notes.append(scheme_note)
     resolved = serving.resolved(arch)
     checkpoint = None
     if source.headers is not None:

@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 
 from dlm.engine.capabilities import supported
-from dlm.engine.config import ModelConfig, load_config
+from dlm.engine.compressed_tensors import placement, read_scheme
+from dlm.engine.config import ModelConfig, load_config, read_config_json
 from dlm.engine.decoding.constrain import Vocabulary, layout
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights
+from dlm.engine.parallel import state as parallel_state
 from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.quantization import method_named
 from dlm.engine.quantized_weights import quantizer
@@ -85,9 +87,25 @@ def load_model(
         raise UsageError(f"model directory {model_dir} does not exist")
     config = load_config(model_dir)
     method = method_named(quantization)
+    scheme = read_scheme(read_config_json(model_dir))
     model = build_on_meta(config)
-    place = None if method is None else quantizer(model, method, dtype, device)
-    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor, place=place)
+    decoded = None
+    if scheme is not None:  # a pre-quantized checkpoint: its own weights, scales and method
+        if method is not None and method.name != scheme.method:
+            raise UsageError(
+                f"{model_dir.name} is already quantized ({scheme.method}, compressed-tensors): "
+                f"--quantization {method.name} cannot apply; omit it or give {scheme.method}"
+            )
+        if parallel_state.current().size > 1:
+            raise UsageError(
+                "pre-quantized checkpoints are not split over tensor-parallel ranks (their packed data and "
+                "scales are read whole); serve the bf16/fp32 checkpoint with --quantization instead"
+            )
+        place, decoded = placement(model, model_dir, scheme, dtype, device)
+        method = method_named(scheme.method)
+    else:
+        place = None if method is None else quantizer(model, method, dtype, device)
+    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor, place=place, decoded=decoded)
     return LoadedModel(config, model.eval(), dtype, device, model_dir, None if method is None else method.name)
 
 
