@@ -166,7 +166,6 @@ def test_layers_int4_cannot_group_are_refused(family: str) -> None:
     LLM(f"tiny:{family}", device="cpu", dtype="float32", quantization="int8")
 
 
-
 # --------------------------------------------------------------------------- tensor parallelism
 def _tp_decode(model: Path, family: str, method: str, ranks: int) -> list[int]:
     from dlm.engine.parallel.distributed import ParallelConfig

@@ -114,8 +114,11 @@ def test_missing_scales_are_refused_and_reported(written: dict, tmp_path: Path) 
         LLM(broken, dtype="float32", device="cpu")
     failures = [(f.file, f.check, f.problem) for f in verify_directory(broken).failures]
     assert failures == [
-        ("model.safetensors", "quantization", f"{LAYER}.weight_packed is quantized but its scales "
-         f"({LAYER}.weight_scale) are missing")
+        (
+            "model.safetensors",
+            "quantization",
+            f"{LAYER}.weight_packed is quantized but its scales ({LAYER}.weight_scale) are missing",
+        )
     ]
 
 
@@ -125,7 +128,11 @@ def test_misshapen_and_impossible_scales_are_reported(written: dict, tmp_path: P
     other = "model.transformer.blocks.1.attn_out.weight_scale"
     zeroed = scales[other].clone()
     zeroed[3, 1] = 0.0
-    broken = _edit(source, tmp_path / "broken", {f"{LAYER}.weight_scale": scales[f"{LAYER}.weight_scale"][:, :1].contiguous(), other: zeroed})
+    broken = _edit(
+        source,
+        tmp_path / "broken",
+        {f"{LAYER}.weight_scale": scales[f"{LAYER}.weight_scale"][:, :1].contiguous(), other: zeroed},
+    )
     problems = sorted(f.problem for f in verify_directory(broken).failures)
     assert problems == [
         f"{LAYER}.weight_scale: shape [64, 1], expected [64, 2] for {LAYER}.weight_packed [64, 8] (int4, groups of 32)",

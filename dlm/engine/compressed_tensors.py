@@ -110,7 +110,12 @@ def header_problems(headers: Mapping[str, Header], scheme: Scheme) -> list[tuple
         data = packed or headers.get(f"{layer}.weight")
         stored = f"{layer}.weight_packed" if packed else f"{layer}.weight"
         if data is None:
-            problems.append((f"{layer}.weight_scale", f"{layer}.weight_scale has no {layer}.weight_packed or int8 {layer}.weight to scale"))
+            problems.append(
+                (
+                    f"{layer}.weight_scale",
+                    f"{layer}.weight_scale has no {layer}.weight_packed or int8 {layer}.weight to scale",
+                )
+            )
             continue
         if scale is None:
             problems.append((stored, f"{stored} is quantized but its scales ({layer}.weight_scale) are missing"))
@@ -127,7 +132,12 @@ def header_problems(headers: Mapping[str, Header], scheme: Scheme) -> list[tuple
                 problems.append((stored, f"{stored} has no {layer}.weight_shape"))
         groups = 1 if scheme.group_size is None else inputs // scheme.group_size
         if scale.dtype not in SCALE_DTYPES:
-            problems.append((f"{layer}.weight_scale", f"{layer}.weight_scale: dtype {scale.dtype}, expected {'/'.join(SCALE_DTYPES)}"))
+            problems.append(
+                (
+                    f"{layer}.weight_scale",
+                    f"{layer}.weight_scale: dtype {scale.dtype}, expected {'/'.join(SCALE_DTYPES)}",
+                )
+            )
         elif tuple(scale.shape) != (rows, groups):
             problems.append(
                 (
@@ -138,7 +148,9 @@ def header_problems(headers: Mapping[str, Header], scheme: Scheme) -> list[tuple
                 )
             )
         if (packed is None) != (scheme.format != "pack-quantized"):
-            problems.append((stored, f"{stored}: stored {'packed' if packed else 'unpacked'}, the format is {scheme.format}"))
+            problems.append(
+                (stored, f"{stored}: stored {'packed' if packed else 'unpacked'}, the format is {scheme.format}")
+            )
     return problems
 
 
@@ -255,7 +267,9 @@ def placement(model: Any, model_dir: Path, scheme: Scheme, dtype: Any, device: A
             integer_sources.update(srcs)
             groups[param] = scheme.group_size or 0
     decoded = {
-        src: (lambda layer=layer: integers(layer)) if src in integer_sources else (lambda layer=layer: dequantized(layer))
+        src: (lambda layer=layer: integers(layer))
+        if src in integer_sources
+        else (lambda layer=layer: dequantized(layer))
         for src, layer in names.items()
     }
 

@@ -164,9 +164,9 @@ def load_weights(
             if tuple(tensor.shape) != tuple(param.shape):
                 shown = srcs[0] if len(srcs) == 1 else f"{name} (from {', '.join(srcs)})"
                 where = locations[srcs[0]]
+                file = where.name if isinstance(where, Path) else model_dir.name
                 raise UsageError(
-                    f"tensor {shown} in {where.name if isinstance(where, Path) else model_dir.name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
+                    f"tensor {shown} in {file} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
                 )
             _set_parameter(model, name, tensor.to(device=device, dtype=dtype) if place is None else place(name, tensor))
             if on_tensor is not None:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,12 @@ from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_run
 @cache
 def torchao() -> Any:
     """torchao, imported on first use (it takes a second) and quietly: a CPU build of torch
-    cannot load its CUDA extensions, which it reports as warnings on every import."""
+    cannot load its CUDA extensions, which it reports as warnings on every import, and torch
+    warns about how it registers its enums; neither concerns a user of dlm."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -43,6 +46,8 @@ def torchao() -> Any:
             import torchao.prototype.quantization.int4  # noqa: F401 - the CPU int4 tensor
         except ImportError as exc:  # pragma: no cover - a dependency of dlm
             raise UsageError(f"quantized weights need torchao ({exc})") from exc
+        finally:
+            pytree.setLevel(level)
     return module
 
 
@@ -87,7 +92,11 @@ def quantize(
             from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
             q = Int4OpaqueTensor.from_hp(padded, [1, group])
-            return q if rows == padded.shape[0] else Int4OpaqueTensor(q.qdata, q.scale_and_zero, q.block_size, weight.shape)
+            return (
+                q
+                if rows == padded.shape[0]
+                else Int4OpaqueTensor(q.qdata, q.scale_and_zero, q.block_size, weight.shape)
+            )
         from torchao.quantization import Int4TilePackedTo4dTensor
 
         if rows != padded.shape[0]:
@@ -257,8 +266,8 @@ def probe(method: Method, device: torch.device) -> str | None:
         if method.min_capability is not None and device.type == "cuda":
             have = torch.cuda.get_device_capability(device)
             if have < method.min_capability:
-                want = ".".join(map(str, method.min_capability))
-                return f"needs compute capability {want}+, this GPU has {have[0]}.{have[1]}"
+                needed = ".".join(map(str, method.min_capability))
+                return f"needs compute capability {needed}+, this GPU has {have[0]}.{have[1]}"
         dtype = torch.bfloat16 if method.dtypes.get(device.type) else torch.float32
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(64, 256, generator=gen).to(dtype)
@@ -279,4 +288,3 @@ def probe(method: Method, device: torch.device) -> str | None:
 def probe_all(devices: list[torch.device]) -> dict[str, dict[str, str | None]]:
     """`probe` of every method on every device: method -> device -> None or why not."""
     return {name: {str(d): probe(m, d) for d in devices} for name, m in METHODS.items()}
-

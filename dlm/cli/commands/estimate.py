@@ -21,6 +21,10 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M" if n >= 1e5 else f"{n:,}"
 
 
+def _quantized(serving: dict[str, Any]) -> str:
+    return f" ({serving['quantization']} linear layers)" if serving["quantization"] else ""
+
+
 def _render(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -56,7 +60,7 @@ def _render(report: dict[str, Any]) -> None:
         err_console.print(f"[dim]checkpoint headers: not read ({report['checkpoint_note']})[/]")
 
     mem = Table(
-        title=f"memory per GPU: {s['dtype']} weights{' (' + s['quantization'] + ' linear layers)' if s['quantization'] else ''}, TP {s['tp']}, batch {s['batch']}, context "
+        title=f"memory per GPU: {s['dtype']} weights{_quantized(s)}, TP {s['tp']}, batch {s['batch']}, context "
         f"{s['context']} (gen {s['gen_length']}, block {s['block_length']}), cache {s['cache']}",
         title_justify="left",
     )

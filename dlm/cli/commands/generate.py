@@ -232,3 +232,5 @@ def generate(
             )
             if llm.dtype_choice.requested == "auto":
                 err_console.print(f"[dim]dtype {llm.dtype_choice.name} (auto: {llm.dtype_choice.reason})[/]")
+            if llm.quantization is not None:
+                err_console.print(f"[dim]weights: {llm.quantization} (docs/quantization.md)[/]")

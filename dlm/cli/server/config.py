@@ -44,7 +44,8 @@ class ServeConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     quantization: str | None = Field(
-        None, description="int8, int4 or fp8 (CUDA) weights, quantized at load (docs/quantization.md); none: the dtype's"
+        None,
+        description="int8, int4 or fp8 (CUDA) weights, quantized at load (docs/quantization.md); none: the dtype's",
     )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="share of each GPU's memory the server may use (a ceiling; CUDA only)"
