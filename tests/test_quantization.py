@@ -247,3 +247,47 @@ def test_estimate_agrees_with_the_loaded_weight_bytes(checkpoints: dict[str, str
     assert planned[method] == pytest.approx(measured[method], rel=0.05)
     # The tiny models are mostly embedding: the bytes quantization saves agree as well.
     assert planned[None] - planned[method] == pytest.approx(measured[None] - measured[method], rel=0.05)
+
+
+# --------------------------------------------------------------------------- entry points
+def test_serve_setting_is_validated_from_the_declaration() -> None:
+    from dlm.cli.server.config import load_config
+
+    assert load_config(None, {"quantization": "int4"}, environ={}).quantization == "int4"
+    assert load_config(None, {}, environ={"DLM_QUANTIZATION": "int8"}).quantization == "int8"
+    assert load_config(None, {"quantization": "none"}, environ={}).quantization is None
+    with pytest.raises(UsageError, match="invalid setting.*quantization.*one of none, int8, int4, fp8"):
+        load_config(None, {"quantization": "int3"}, environ={})
+
+
+@pytest.mark.slow
+def test_generate_batch_estimate_take_the_option(tmp_path: Path) -> None:
+    """Each command line that loads a model, and the planner, take --quantization; a method
+    the device cannot run is one `error:` line, exit 2."""
+    import json
+
+    from tests.cli_process import dlm
+
+    ids = ("tiny:llada", "--prompt-ids", "5,6,7", "--gen-length", "8", "--block-length", "8", "--device", "cpu")
+    done = dlm("generate", *ids, "--quantization", "int4", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["quantization"] == "int4", done.stderr
+    refused = dlm("generate", *ids, "--quantization", "fp8")
+    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: --quantization fp8 needs a CUDA")
+    source = tmp_path / "in.jsonl"
+    body = {"prompt": [5, 6, 7], "max_tokens": 8}
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    batch = dlm("batch", str(source), str(tmp_path / "out.jsonl"), "--model", "tiny:llada", "--quantization", "int8")
+    assert batch.returncode == 0, batch.stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text())["response"]["status_code"] == 200
+    plan = dlm("estimate", "tiny:llada", "--quantization", "int8", "--json")
+    assert json.loads(plan.stdout)["serving"]["quantization"] == "int8"
+
+
+@pytest.mark.slow
+def test_serve_answers_with_quantized_weights() -> None:
+    from tests.serving import in_process_server
+
+    with in_process_server(model="tiny:llada2_moe", dtype="float32", device="cpu", quantization="int8") as client:
+        assert client.get("/health").json()["quantization"] == "int8"
+        answer = client.post("/v1/completions", json={"model": "tiny:llada2_moe", "prompt": [5, 6], "max_tokens": 32})
+        assert answer.status_code == 200, answer.text
