@@ -167,7 +167,12 @@ def check_quantization() -> Check:
     broken = [name for name, why in results.items() if why is not None and device.type in METHODS[name].devices]
     value = ", ".join(supported) or "none"
     value += "".join(f"; {name}: {why}" for name, why in results.items() if why is not None)
-    data = {"device": str(device), "supported": supported, "refused": {n: w for n, w in results.items() if w}}
+    data = {
+        "device": str(device),
+        "supported": supported,
+        "refused": {n: w for n, w in results.items() if w},
+        "library": {n: METHODS[n].library for n in results},
+    }
     return Check("quantization", "warn" if broken else "ok", value, data)
 
 

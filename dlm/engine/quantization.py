@@ -47,8 +47,7 @@ class Method:
     bits: int
     scale: str
     devices: tuple[str, ...]
-    library: str
-    torch_class: dict[str, str]  # device type -> the torchao tensor class holding the weight
+    library: str  # what holds and multiplies the weight (the tensor classes: quantized_weights.quantize)
     dtypes: dict[str, tuple[str, ...]]
     min_capability: tuple[int, int] | None = None  # CUDA compute capability, where it matters
     row_bytes: int = 4
@@ -92,7 +91,6 @@ METHODS: dict[str, Method] = {
             scale="row",
             devices=("cpu", "cuda"),
             library="torchao",
-            torch_class={"cpu": "Int8Tensor", "cuda": "Int8Tensor"},
             dtypes={},
             row_bytes=5,  # Int8Tensor keeps an int8 zero point (0) beside each scale
         ),
@@ -103,7 +101,6 @@ METHODS: dict[str, Method] = {
             scale="group",
             devices=("cpu", "cuda"),
             library="torchao",
-            torch_class={"cpu": "Int4OpaqueTensor", "cuda": "Int4TilePackedTo4dTensor"},
             dtypes={"cuda": ("bfloat16",)},  # tinygemm's CUDA kernel is bf16 only
             row_multiple=16,  # tinygemm packs rows in tiles of 16 (CPU) / 8 (CUDA)
         ),
@@ -114,7 +111,6 @@ METHODS: dict[str, Method] = {
             scale="row",
             devices=("cuda",),
             library="torchao",
-            torch_class={"cuda": "Float8Tensor"},
             dtypes={},
             min_capability=(8, 9),
         ),
