@@ -502,11 +502,19 @@ def save(model: TinyLLaDA, config: dict, tok_dir: Path, out: Path) -> None:
     save_checkpoint(out, config, tensors)
 
 
-def evaluate(directory: Path, per_task: int, batch: int = 64, **params: object) -> dict[str, float]:
-    """Exact-match accuracy per task on held-out prompts, through dlm's engine (fp32, chat)."""
+def evaluate(
+    directory: Path,
+    per_task: int,
+    batch: int = 64,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    **params: object,
+) -> dict[str, float]:
+    """Exact-match accuracy per task on held-out prompts, through dlm's engine (chat; fp32
+    for the model card, other dtypes and quantized weights for benchmarks/quantization.py)."""
     from dlm.engine.llm import LLM
 
-    llm = LLM(directory, dtype="float32", device="cpu")
+    llm = LLM(directory, dtype=dtype, device="cpu", quantization=quantization)
     scores: dict[str, float] = {}
     for name, pairs in evaluation_set(per_task).items():
         right = 0

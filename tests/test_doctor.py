@@ -44,7 +44,7 @@ def test_reports_every_item(monkeypatch: pytest.MonkeyPatch) -> None:
     assert code == 0 and report["ok"] and report["blockers"] == [], report["blockers"]
     checks = report["checks"]
     expected = {"python", "torch", "driver", "gpus", "nccl", "kernel dispatch", "triton", "dtype", "disk", "port"}
-    expected |= {"store", "hub", "tested with"} | {f"kernel {name}" for name in selftest.CHECKS}
+    expected |= {"store", "hub", "tested with", "quantization"} | {f"kernel {name}" for name in selftest.CHECKS}
     assert expected <= set(checks)
     assert checks["torch"]["version"] == torch.__version__
     assert checks["hub"]["offline"] is True
@@ -53,6 +53,26 @@ def test_reports_every_item(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():  # this machine: GPU items absent, kernels not compiled
         assert checks["gpus"]["count"] == 0 and checks["nccl"]["version"] is None
         assert checks["kernel rms_norm"]["self_test"] in ("skipped", "absent")
+        # probed on this CPU: int8 and int4 run, fp8 is refused with its reason
+        assert checks["quantization"]["supported"] == ["int8", "int4"]
+        assert "fp8 needs a CUDA device" in checks["quantization"]["refused"]["fp8"]
+
+
+def test_quantization_is_probed_not_assumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method whose kernel fails here is reported with the failure, as a warning."""
+    from dlm.engine import quantized_weights
+
+    real = quantized_weights.quantize
+
+    def broken(method, weight, device, group, scale=None):  # noqa: ANN001, ANN202
+        if method.name == "int4":
+            raise RuntimeError("no int4 kernel on this CPU")
+        return real(method, weight, device, group, scale)
+
+    monkeypatch.setattr(quantized_weights, "quantize", broken)
+    check = doctor.check_quantization()
+    assert check.status == "warn" and check.data["supported"] == ["int8"]
+    assert check.data["refused"]["int4"] == "RuntimeError: no int4 kernel on this CPU"
 
 
 def test_no_disk_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:

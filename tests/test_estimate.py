@@ -417,11 +417,16 @@ def test_weights_split_by_tp_with_replicated_parts() -> None:
 
 def test_quantized_formats_shrink_linear_layers_only() -> None:
     _, bf16 = _plan(LLADA_8B, dtype="bf16")
-    _, fp8 = _plan(LLADA_8B, dtype="fp8")
-    _, int4 = _plan(LLADA_8B, dtype="int4", group_size=128)
+    _, fp8 = _plan(LLADA_8B, quantization="fp8")
+    _, int8 = _plan(LLADA_8B, dtype="int8")  # the older spelling of --quantization int8
+    _, int4 = _plan(LLADA_8B, quantization="int4")
     mlp = 32 * 3 * 4096 * 12288
     assert _row(bf16, "weights: dense MLP") == 2 * mlp
-    assert _row(int4, "weights: dense MLP") == round(mlp * (0.5 + 2.5 / 128))
+    # What the loader holds (dlm/engine/quantization.py): int4 with a bf16 scale and zero per
+    # 128 inputs; int8 and fp8 with per-row fp32 scales (int8 also keeps an int8 zero point).
+    assert _row(int4, "weights: dense MLP") == round(mlp * (0.5 + 4 / 128))
+    assert _row(int8, "weights: dense MLP") == round(mlp * (1 + 5 / 4096))
+    assert _row(fp8, "weights: dense MLP") == round(mlp * (1 + 4 / 4096))
     assert _row(int4, "weights: dense MLP") < _row(fp8, "weights: dense MLP") < _row(bf16, "weights: dense MLP")
     assert _row(int4, "weights: embeddings") == _row(bf16, "weights: embeddings")  # not quantized
 

@@ -162,6 +162,29 @@ def check_dtype() -> Check:
     return Check("dtype", "ok", value, choice.to_dict())
 
 
+def check_quantization() -> Check:
+    """Which `--quantization` methods run here: each is probed (a small weight quantized and
+    multiplied on the serving device, checked against the dense product), not assumed from
+    the declaration. One the device should run but that fails its probe is a warning; serving
+    without quantization is unaffected."""
+    from dlm.engine.quantization import METHODS
+    from dlm.engine.quantized_weights import probe
+
+    device = serving_device()
+    results = {name: probe(method, device) for name, method in METHODS.items()}
+    supported = [name for name, why in results.items() if why is None]
+    broken = [name for name, why in results.items() if why is not None and device.type in METHODS[name].devices]
+    value = ", ".join(supported) or "none"
+    value += "".join(f"; {name}: {why}" for name, why in results.items() if why is not None)
+    data = {
+        "device": str(device),
+        "supported": supported,
+        "refused": {n: w for n, w in results.items() if w},
+        "library": {n: METHODS[n].library for n in results},
+    }
+    return Check("quantization", "warn" if broken else "ok", value, data)
+
+
 def check_kernels() -> list[Check]:
     """DLM_KERNELS, triton, and every kernel's self-test on the serving device (in the dtype
     auto picks there)."""
@@ -285,6 +308,7 @@ def diagnose(port: int) -> Report:
             check_nccl,
             check_kernels,
             check_dtype,
+            check_quantization,
             check_disk,
             lambda: check_port(port),
             check_store,

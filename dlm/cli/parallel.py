@@ -55,6 +55,7 @@ def run_worker(
     device: str,
     parallel: ParallelConfig,
     gpu_memory_utilization: float | None = None,
+    quantization: str | None = None,
 ) -> bool:
     """Whether this process is a worker rank, not rank 0: it then serves the driver until the
     group stops, and the command has nothing else to do."""
@@ -68,5 +69,6 @@ def run_worker(
         "until it stops[/]",
         highlight=False,
     )
-    serve_worker(EngineSpec(str(resolve_model(model)), dtype, device, gpu_memory_utilization), parallel)
+    spec = EngineSpec(str(resolve_model(model)), dtype, device, gpu_memory_utilization, quantization)
+    serve_worker(spec, parallel)
     return True

@@ -72,6 +72,10 @@ class ModelShape:
     head_dim: int
     ffn: int
     vocab: int
+    # The linear layers' weights: "dense" (the dtype's) or a quantization method
+    # (dlm/engine/quantization.py). Plans are cached per format: the loaded model is timed in
+    # its own (a model too large for that has one layer timed, dense).
+    weights: str = "dense"
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:

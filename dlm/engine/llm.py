@@ -16,6 +16,7 @@ from dlm.engine.device import resolve_device
 from dlm.engine.dtype import checkpoint_dtype, choose_dtype
 from dlm.engine.errors import UsageError
 from dlm.engine.params import GenerationParams
+from dlm.engine.quantization import method_named
 from dlm.engine.resolve import resolve_model
 from dlm.engine.runtime.engine import cap_device_memory, load_engine
 from dlm.engine.runtime.interface import Engine
@@ -58,16 +59,24 @@ class LLM:
         trust_remote_code: bool = False,
         parallel: ParallelConfig | None = None,
         gpu_memory_utilization: float | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
         process is then rank 0 and drives the others until `close()`.
         `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
-        `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU)."""
+        `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU).
+        `quantization`: int8, int4 or fp8 weights for the linear layers and experts
+        (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        shape = _shape(self.model_dir) if self.device.type == "cpu" else None
+        self.quantization = None if method_named(quantization) is None else quantization
+        shape = _shape(self.model_dir, self.quantization) if self.device.type == "cpu" else None
         distributed = parallel is not None and parallel.resolved().parallel
-        probe = _ModelProbe(self.model_dir, self.device, on_load) if backend == "native" and not distributed else None
+        probe = (
+            _ModelProbe(self.model_dir, self.device, on_load, self.quantization)
+            if backend == "native" and not distributed
+            else None
+        )
         timer = probe if probe is not None and shape is not None and probe.affordable() else None
         self.dtype_choice = choose_dtype(dtype, self.device, checkpoint_dtype(self.model_dir), shape, timer)
         self.dtype = self.dtype_choice.dtype
@@ -82,6 +91,11 @@ class LLM:
         if backend == "transformers":
             if distributed:
                 raise UsageError("--tensor-parallel-size needs the native backend")
+            if self.quantization is not None:
+                raise UsageError(
+                    "--quantization needs the native backend: the transformers backend runs the checkpoint's "
+                    "own layers, which dlm does not quantize"
+                )
             from dlm.engine.transformers_backend import load_transformers_engine
 
             tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
@@ -95,15 +109,19 @@ class LLM:
                 from dlm.engine.parallel.distributed import EngineSpec, start_driver
 
                 # The resolved dtype: every rank runs in the one this process chose.
-                spec = EngineSpec(str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization)
+                spec = EngineSpec(
+                    str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization, self.quantization
+                )
                 self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:
                 kept = probe.take(self.dtype) if probe is not None else None
-                self.engine = kept or load_engine(self.model_dir, self.dtype, self.device, on_load)
+                self.engine = kept or load_engine(self.model_dir, self.dtype, self.device, on_load, self.quantization)
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config
+        if backend == "native":  # a pre-quantized checkpoint brings its own method
+            self.quantization = self.engine.loaded.quantization
 
     def close(self) -> None:
         """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""
@@ -177,13 +195,14 @@ class LLM:
         ]
 
 
-def _shape(model_dir: Path) -> ModelShape | None:
-    """The model's layer shape for the CPU plan; None for a checkpoint no native family reads
-    (the transformers backend): its dtype and threads are then not measured."""
+def _shape(model_dir: Path, quantization: str | None) -> ModelShape | None:
+    """The model's layer shape for the CPU plan (with the weights' quantization, which times
+    differently); None for a checkpoint no native family reads (the transformers backend):
+    its dtype and threads are then not measured."""
     from dlm.engine.config import config_from_dict, read_config_json
 
     try:
-        return ModelShape.of(config_from_dict(read_config_json(model_dir)))
+        return replace(ModelShape.of(config_from_dict(read_config_json(model_dir))), weights=quantization or "dense")
     except UsageError:
         return None
 
@@ -198,8 +217,10 @@ class _ModelProbe:
     (dlm/engine/cpu_plan.py): the engine is loaded in each dtype once, the one chosen is kept
     (`take`) and the others are dropped."""
 
-    def __init__(self, model_dir: Path, device: Any, on_load: Callable[[str], None] | None) -> None:
-        self.model_dir, self.device, self.on_load = model_dir, device, on_load
+    def __init__(
+        self, model_dir: Path, device: Any, on_load: Callable[[str], None] | None, quantization: str | None
+    ) -> None:
+        self.model_dir, self.device, self.on_load, self.quantization = model_dir, device, on_load, quantization
         self.engines: dict[Any, Engine] = {}
 
     def affordable(self) -> bool:
@@ -213,7 +234,7 @@ class _ModelProbe:
         engine = self.engines.get(candidate.dtype)
         if engine is None:
             engine = self.engines[candidate.dtype] = load_engine(
-                self.model_dir, candidate.dtype, self.device, self.on_load
+                self.model_dir, candidate.dtype, self.device, self.on_load, self.quantization
             )
         prompt = [engine.config.eos_token_id or 0] * PROBE_TOKENS
         params = replace(engine.warmup_params, gen_length=PROBE_TOKENS)

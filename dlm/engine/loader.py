@@ -86,10 +86,14 @@ class Shard:
     cat_dim: int | Callable[[tuple[int, ...]], int] = 0
 
 
-def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set_parameter(model: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Module) -> None:
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
-    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+    if isinstance(value, torch.nn.Module):  # a list of per-expert (quantized) weights replaces the stacked one
+        delattr(module, attr)
+        setattr(module, attr, value)
+    else:
+        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
 def checkpoint_sources(name: str, packed: Mapping[str, tuple[str, ...]]) -> list[str]:
@@ -125,9 +129,17 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    place: Callable[[str, torch.Tensor], torch.Tensor | torch.nn.Module] | None = None,
+    decoded: Mapping[str, Callable[[], torch.Tensor]] | None = None,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
-    locations = tensor_locations(model_dir)
+    """Fill every parameter of `model` from the checkpoint in `model_dir`. `place` turns a
+    parameter's tensor as read into what the model holds (default: cast to `dtype`, moved to
+    `device`); quantization places a quantized tensor, or a list of them for stacked experts
+    (dlm/engine/quantized_weights.py). `decoded`: tensors the checkpoint holds in another
+    form (a pre-quantized layer's `weight`, dlm/engine/compressed_tensors.py), read whole by
+    their function."""
+    decoded = decoded or {}
+    locations: dict[str, object] = {**tensor_locations(model_dir), **decoded}
     sources = parameter_sources(model, locations)
     missing = missing_tensors(model, locations)
     if missing:
@@ -137,26 +149,30 @@ def load_weights(
         )
     params = dict(model.named_parameters())
     try:
-        _read(model, locations, sources, params, dtype, device, on_tensor)
+        _read(model, model_dir, locations, sources, params, dtype, device, on_tensor, place, decoded)
     except SafetensorError as exc:
         raise _damaged(model_dir, exc) from None
 
 
 def _read(
     model: torch.nn.Module,
-    locations: dict[str, Path],
+    model_dir: Path,
+    locations: dict[str, object],
     sources: dict[str, list[str]],
     params: dict[str, torch.nn.Parameter],
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None,
+    place: Callable[[str, torch.Tensor], torch.Tensor | torch.nn.Module] | None,
+    decoded: Mapping[str, Callable[[], torch.Tensor]],
 ) -> None:
-    """Read each parameter's sources, shape-check, cast and place it."""
+    """Read each parameter's sources (or decode them), shape-check, cast and place it."""
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
         def handle(src: str) -> Any:
             file = locations[src]
+            assert isinstance(file, Path)
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             return handles[file]
@@ -166,7 +182,7 @@ def _read(
             shard: Shard | None = getattr(param, "shard", None)
             dim = 0
             if shard is None:
-                parts = [handle(src).get_tensor(src) for src in srcs]
+                parts = [decoded[src]() if src in decoded else handle(src).get_tensor(src) for src in srcs]
             else:
                 parts, cat_dim = [], shard.cat_dim
                 for i, src in enumerate(srcs):
@@ -182,10 +198,11 @@ def _read(
                 tensor = loader(param, tensor)
             if tuple(tensor.shape) != tuple(param.shape):
                 shown = srcs[0] if len(srcs) == 1 else f"{name} (from {', '.join(srcs)})"
+                where = locations[srcs[0]]
+                file = where.name if isinstance(where, Path) else model_dir.name
                 raise UsageError(
-                    f"tensor {shown} in {locations[srcs[0]].name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
+                    f"tensor {shown} in {file} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
                 )
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype) if place is None else place(name, tensor))
             if on_tensor is not None:
                 on_tensor(name)

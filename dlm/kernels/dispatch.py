@@ -170,4 +170,13 @@ rms_norm = _dispatched("rms_norm", rms_norm_torch)
 rotary = _dispatched("rotary", rotary_torch)
 attention = _dispatched("attention", attention_torch)
 masked_attention = _dispatched("masked_attention", masked_attention_torch)  # torch only: no Triton kernel yet
-fused_moe = _dispatched("fused_moe", fused_moe_torch)
+_fused_moe = _dispatched("fused_moe", fused_moe_torch)
+
+
+@functools.wraps(fused_moe_torch)
+def fused_moe(x: torch.Tensor, w13: Any, w2: Any, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    # The Triton kernel reads stacked dense experts; one (quantized) weight per expert runs
+    # through the twin, whose matmuls dispatch to the weights' own kernels.
+    if isinstance(w13, torch.Tensor):
+        return _fused_moe(x, w13, w2, topk_ids, topk_weights)
+    return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)

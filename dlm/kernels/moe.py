@@ -14,6 +14,7 @@ the sum over the K slots in fp32, rounded once at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +41,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertOrder:
 
 def fused_moe_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
@@ -50,10 +51,11 @@ def fused_moe_torch(
     This is CPU serving's MoE, where small batches make it bound by per-op overhead: token
     rows and weights are gathered once in expert order, each expert works on contiguous
     slices of them and writes its weighted rows in place, and one scatter restores the
-    (token, slot) order."""
+    (token, slot) order. The experts may also come as one weight per expert (quantized
+    experts, whose tensors are 2-D): `w13[e]` is expert e's either way."""
     t, k = topk_ids.shape
-    d, f = x.shape[1], w2.shape[2]
-    groups = sort_by_expert(topk_ids, w13.shape[0])
+    d, f = x.shape[1], w2[0].shape[-1]
+    groups = sort_by_expert(topk_ids, len(w13))
     rows = x[groups.order // k]
     weights = topk_weights.reshape(-1)[groups.order].float()[:, None]
     sorted_out = torch.zeros((t * k, d), dtype=torch.float32, device=x.device)  # experts held elsewhere: 0

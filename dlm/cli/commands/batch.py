@@ -30,6 +30,7 @@ def batch(
     ),
     dtype: str | None = setting_option("dtype", from_file=True),
     device: str | None = setting_option("device", from_file=True),
+    quantization: str | None = setting_option("quantization", from_file=True),
     json_out: bool = typer.Option(False, "--json", help="Print the counts as JSON on stdout."),
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""
@@ -50,6 +51,7 @@ def batch(
             "max_num_seqs": max_concurrency,
             "dtype": dtype,
             "device": device,
+            "quantization": quantization,
             "max_queue": max(len(requests), 1),
             "ready_wait": 0,
         }

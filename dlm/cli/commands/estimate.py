@@ -7,6 +7,7 @@ from typing import Any
 import typer
 
 from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.engine.quantization import CHOICES
 
 
 def _size(n: float) -> str:
@@ -18,6 +19,10 @@ def _size(n: float) -> str:
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M" if n >= 1e5 else f"{n:,}"
+
+
+def _quantized(serving: dict[str, Any]) -> str:
+    return f" ({serving['quantization']} linear layers)" if serving["quantization"] else ""
 
 
 def _render(report: dict[str, Any]) -> None:
@@ -55,7 +60,7 @@ def _render(report: dict[str, Any]) -> None:
         err_console.print(f"[dim]checkpoint headers: not read ({report['checkpoint_note']})[/]")
 
     mem = Table(
-        title=f"memory per GPU: {s['dtype']} weights, TP {s['tp']}, batch {s['batch']}, context "
+        title=f"memory per GPU: {s['dtype']} weights{_quantized(s)}, TP {s['tp']}, batch {s['batch']}, context "
         f"{s['context']} (gen {s['gen_length']}, block {s['block_length']}), cache {s['cache']}",
         title_justify="left",
     )
@@ -99,7 +104,15 @@ def estimate(
     model: str = typer.Argument(
         ..., help="Checkpoint directory, store model (NAME[@VERSION]), a config.json file, or a hub repo id (org/name)."
     ),
-    dtype: str = typer.Option("auto", "--dtype", help="Weights: auto (bf16), bf16, fp16, fp32, fp8, int8, int4."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="Activations and unquantized weights: auto (bf16), bf16, fp16, fp32."
+    ),
+    quantization: str | None = typer.Option(
+        None,
+        "--quantization",
+        help=f"Linear layers and experts as `dlm serve --quantization` loads them: {', '.join(CHOICES)}. "
+        "(--dtype int8/int4/fp8, the older spelling, means bf16 with that quantization.)",
+    ),
     kv_dtype: str = typer.Option(
         "auto", "--kv-dtype", help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8."
     ),
@@ -134,7 +147,12 @@ def estimate(
     fragmentation: float = typer.Option(
         0.10, "--fragmentation", help="Share of cache and transient memory lost to fragmentation."
     ),
-    group_size: int = typer.Option(128, "--group-size", help="Quantization group size for int8/int4."),
+    group_size: int | None = typer.Option(
+        None,
+        "--group-size",
+        help="int4 inputs per scale.",
+        show_default="the loader's: 128, or 64/32 where 128 does not divide",
+    ),
     gpu: str | None = typer.Option(
         None, "--gpu", help="Judge one GPU from the catalogue.", show_default="every GPU of the catalogue"
     ),
@@ -164,6 +182,7 @@ def estimate(
             prefill_chunk=prefill_chunk or None,
             overhead_gib=overhead_gb,
             fragmentation=fragmentation,
+            quantization=quantization,
             group_size=group_size,
         )
         report = plan(model, serving, gpu=gpu, gpu_memory_gib=gpu_memory, revision=revision)

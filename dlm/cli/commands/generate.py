@@ -127,6 +127,7 @@ def generate(
     response_format: str | None = dp.option("response_format"),
     dtype: str = setting_option("dtype"),
     device: str = setting_option("device"),
+    quantization: str | None = setting_option("quantization"),
     backend: str = setting_option("backend"),
     trust_remote_code: bool = setting_option("trust_remote_code"),
     tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,
@@ -172,7 +173,7 @@ def generate(
 
         from dlm.engine.llm import LLM
 
-        if tp.run_worker(model, dtype, device, parallel):  # another node's (or torchrun's) rank
+        if tp.run_worker(model, dtype, device, parallel, quantization=quantization):  # another node's rank
             return
         with err_console.status("loading model"):
             llm = LLM(
@@ -182,6 +183,7 @@ def generate(
                 backend=backend,
                 trust_remote_code=trust_remote_code,
                 parallel=parallel,
+                quantization=quantization,
             )
         with llm:  # stops the worker ranks of a tensor-parallel model however this ends
             if llm.engine.tensor_parallel_size > 1:
@@ -216,6 +218,7 @@ def generate(
                         "tokens_fed": sum(out.query_lengths),
                         "params": dict(resolved.__dict__),
                         "dtype": str(llm.dtype).replace("torch.", ""),
+                        "quantization": llm.quantization,
                         "device": str(llm.device),
                         "backend": {"name": backend, "path": path},
                         "tensor_parallel_size": llm.engine.tensor_parallel_size,
@@ -235,3 +238,5 @@ def generate(
             )
             if llm.dtype_choice.requested == "auto":
                 err_console.print(f"[dim]dtype {llm.dtype_choice.name} (auto: {llm.dtype_choice.reason})[/]")
+            if llm.quantization is not None:
+                err_console.print(f"[dim]weights: {llm.quantization} (docs/quantization.md)[/]")

@@ -80,6 +80,7 @@ def serve(
             config.device,
             parallel,  # not rank 0: no HTTP
             config.gpu_memory_utilization,
+            config.quantization,
         ):
             return
 

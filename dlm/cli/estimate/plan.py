@@ -22,10 +22,12 @@ from typing import Any
 from dlm.cli.estimate import canvas as canvas_terms
 from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
+from dlm.engine.compressed_tensors import read_scheme
 from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
+from dlm.engine.quantization import METHODS, Method, method_named
 from dlm.engine.registry import Family, family_for
 
 GIB = 1024**3
@@ -222,13 +224,12 @@ class WeightFormat:
         return self.bits / 8 + (self.scale_bytes / group if self.scale_bytes else 0.0)
 
 
+# The activation (and unquantized weight) dtypes; quantized formats are the engine's
+# methods (dlm/engine/quantization.py), `--quantization`.
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat(32, assumption="fp32"),
     "bf16": WeightFormat(16, assumption="bf16"),
     "fp16": WeightFormat(16, assumption="fp16"),
-    "fp8": WeightFormat(8, 4.0, 128 * 128, "fp8 with one fp32 scale per 128x128 block"),
-    "int8": WeightFormat(8, 3.0, 0, "int8 with an fp16 scale and int8 zero point per group"),
-    "int4": WeightFormat(4, 2.5, 0, "int4 with an fp16 scale and int4 zero point per group"),
 }
 ALIASES = {
     "auto": "bf16",
@@ -243,8 +244,10 @@ KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def weight_format(name: str) -> str:
+    """The activation dtype `--dtype` names; a quantization method (the older spelling
+    `--dtype int4`) is returned as is, for `Serving.resolved` to read as `--quantization`."""
     key = ALIASES.get(name.lower(), name.lower())
-    if key not in WEIGHT_FORMATS:
+    if key not in WEIGHT_FORMATS and key not in METHODS:
         raise UsageError(f"unknown --dtype {name!r}; use one of auto, {', '.join(WEIGHT_FORMATS)}")
     return key
 
@@ -270,11 +273,21 @@ class Serving:
     prefill_chunk: int | None = 8192  # tokens per prefill forward (chunked prefill); None: whole prompts
     overhead_gib: float | None = None  # default 1.0, +0.5 with TP > 1
     fragmentation: float = 0.10
-    group_size: int = 128
+    quantization: str | None = None  # a method of dlm/engine/quantization.py, or None
+    group_size: int | None = None  # int4 inputs per scale; None: what the loader picks
+
+    @property
+    def method(self) -> Method | None:
+        return method_named(self.quantization)
 
     def resolved(self, a: Architecture) -> Serving:
         """Fill defaults and reject impossible combinations with one clear message."""
         fmt = weight_format(self.dtype)
+        method = method_named(self.quantization)
+        if fmt in METHODS:  # `--dtype int4`: the older spelling of bf16 with --quantization int4
+            if method is not None and method.name != fmt:
+                raise UsageError(f"--dtype {fmt} and --quantization {method.name} disagree: give --quantization only")
+            method, fmt = METHODS[fmt], "bf16"
         kv = self.kv_dtype.lower()
         kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
         if kv not in KV_BYTES:
@@ -300,7 +313,7 @@ class Serving:
             ("batch", self.batch),
             ("gen-length", self.gen_length),
             ("block-length", self.block_length),
-            ("group-size", self.group_size),
+            ("group-size", self.group_size or 1),
         ):
             if value < 1:
                 raise UsageError(f"--{name} must be at least 1, got {value}")
@@ -320,7 +333,8 @@ class Serving:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         check_tensor_parallel(a.config, self.tp)
-        return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache)
+        quantization = None if method is None else method.name
+        return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization)
 
 
 def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
@@ -358,10 +372,20 @@ def _act_bytes(s: Serving) -> int:
     return 4 if s.dtype == "fp32" else 2
 
 
+def _quant_text(method: Method, inputs: int, group: int | None) -> str:
+    if method.scale == "row":
+        return f"{method.name}: {method.description}"
+    return f"{method.name}: int{method.bits} weights, a scale and zero per {group or method.group_size(inputs)} inputs"
+
+
 def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Row]:
     fmt = WEIGHT_FORMATS[s.dtype]
-    quant_bpp = fmt.bytes_per_param(s.group_size)
     plain_bpp = 4 if s.dtype == "fp32" else 2
+    method = s.method
+    # A layer's inputs decide its scale overhead; the hidden size stands for them all.
+    d = a.config.hidden_size
+    quant_bpp = plain_bpp if method is None else method.bytes_per_param(d, plain_bpp, s.group_size)
+    quant_text = fmt.assumption if method is None else _quant_text(method, d, s.group_size)
     kv_share = max(1, a.config.num_kv_heads // s.tp) / a.config.num_kv_heads
     rows = []
     for c in comps:
@@ -375,7 +399,7 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
         else:
             per_rank, place = c.params, "replicated on every rank"
         bpp = quant_bpp if c.quantized else plain_bpp
-        dtype = fmt.assumption if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
+        dtype = quant_text if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
         rows.append(
             Row(f"weights: {c.name}", round(per_rank * bpp), f"{c.params:,} params, {dtype}, {place}; {c.assumption}")
         )
@@ -678,6 +702,23 @@ def _hub_source(repo_id: str, revision: str | None) -> ModelSource:
 
 
 # --------------------------------------------------------------------------- report
+def _checkpoint_quantization(raw: dict[str, Any], serving: Serving) -> tuple[Serving, str | None]:
+    """A pre-quantized checkpoint is planned as `dlm serve` loads it (its own method) unless
+    the command line names one; the note says so (its headers count packed tensors)."""
+    try:
+        scheme = read_scheme(raw)
+    except UsageError as exc:
+        return serving, f"its quantization_config cannot be served by dlm ({exc}); planned as given"
+    if scheme is None:
+        return serving, None
+    if serving.quantization is None and weight_format(serving.dtype) not in METHODS:
+        serving = replace(serving, quantization=scheme.method, group_size=serving.group_size or scheme.group_size)
+    return serving, (
+        f"pre-quantized checkpoint (compressed-tensors {scheme.method}, format {scheme.format}): "
+        "header counts are of its packed data and scales"
+    )
+
+
 def estimate(
     spec: str,
     serving: Serving,
@@ -699,7 +740,10 @@ def plan_report(
     arch = architecture_from_config(source.raw)
     comps = parameter_components(arch)
     counts = count_parameters(comps)
+    serving, scheme_note = _checkpoint_quantization(source.raw, serving)
     plan = plan_memory(arch, comps, serving)
+    if scheme_note:
+        plan.notes.append(scheme_note)
     resolved = serving.resolved(arch)
     checkpoint = None
     if source.headers is not None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from dlm.engine.errors import UsageError
 from dlm.engine.params import DEFAULTS
+from dlm.engine.quantization import CHOICES as QUANTIZATION_CHOICES
 
 GEN_LENGTH = DEFAULTS["gen_length"]  # a request's length when neither it nor the server says
 
@@ -67,6 +68,11 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
     dtype: str = Field("auto", description="auto (per device, see dlm doctor), float32, bfloat16, float16.")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N.")
+    quantization: Annotated[str | None, Cli(shown="none, or the checkpoint's own")] = Field(
+        None,
+        description=f"Weights of the linear layers and experts: {', '.join(QUANTIZATION_CHOICES)} "
+        "(quantized at load; fp8 on CUDA only; docs/quantization.md).",
+    )
     gpu_memory_utilization: Annotated[float | None, Cli(shown="no cap")] = Field(
         None,
         gt=0,
@@ -203,6 +209,17 @@ class ServeConfig(BaseModel):
         if value not in CHOICES:
             raise ValueError(f"must be one of {', '.join(CHOICES)}")
         return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, value: str | None) -> str | None:
+        from dlm.engine.quantization import method_named
+
+        try:
+            method = method_named(value)
+        except UsageError as exc:
+            raise ValueError(str(exc).removeprefix("--quantization ")) from None
+        return None if method is None else method.name
 
     @field_validator("log_level")
     @classmethod

@@ -166,6 +166,7 @@ class Service:
             parallel=cfg.parallel(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             on_load=LoadProgress(),
+            quantization=cfg.quantization,
         )
         if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
             log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
@@ -219,6 +220,7 @@ class Service:
         tested = selftest.guard(llm.device, llm.dtype) if llm.backend == "native" else []
         self.runtime = {
             "dtype": llm.dtype_choice.to_dict(),
+            "quantization": llm.quantization,
             "kernels": {
                 "backend": dispatch.backend(llm.device),
                 "self_test": {result.name: result.status for result in tested},

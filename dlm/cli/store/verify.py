@@ -168,6 +168,38 @@ def check_config(directory: Path, report: VerifyReport) -> None:
         report.fail("config.json", "config", str(exc))
 
 
+def check_quantization(directory: Path, report: VerifyReport) -> None:
+    """A pre-quantized checkpoint (compressed-tensors): a scheme dlm serves, and for every
+    quantized layer its data and scales present, of the right dtypes and shapes (headers),
+    and scales finite and positive (read: they are small)."""
+    from safetensors import safe_open
+
+    from dlm.engine import compressed_tensors as ct
+    from dlm.engine.config import read_config_json
+
+    try:
+        scheme = ct.read_scheme(read_config_json(directory))
+    except DlmError as exc:
+        report.fail("config.json", "quantization", str(exc))
+        return
+    if scheme is None:
+        return
+    files = {p: p.relative_to(directory).as_posix() for p in iter_files(directory) if p.suffix == ".safetensors"}
+    headers, holder = {}, {}
+    for path in files:
+        for name, header in ct.read_headers([path]).items():
+            headers[name], holder[name] = header, path
+    for tensor, problem in ct.header_problems(headers, scheme):
+        report.fail(files.get(holder.get(tensor, directory), "."), "quantization", problem)
+
+    def read(name: str) -> Any:
+        with safe_open(str(holder[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    for tensor, problem in ct.value_problems(read, headers):
+        report.fail(files[holder[tensor]], "quantization", problem)
+
+
 def check_tokenizer(directory: Path, report: VerifyReport) -> None:
     from dlm.engine.tokenizer import has_tokenizer, load_tokenizer
 
@@ -200,8 +232,12 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
         return
     if report.family is None:
         return  # no family to hold them against; check_config has said why
+    from dlm.engine.compressed_tensors import quantized_layers, read_headers
     from dlm.engine.config import load_config
     from dlm.engine.loader import missing_tensors
+
+    # A pre-quantized layer's `weight` is decoded from its integers and scales (check_quantization).
+    names |= {f"{layer}.weight" for layer in quantized_layers(read_headers(shards))}
     from dlm.engine.runtime.engine import build_on_meta
 
     missing = missing_tensors(build_on_meta(load_config(directory)), names)
@@ -213,6 +249,7 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
 STRUCTURE_CHECKS = (
     ("safetensors", ".", check_weights),
     ("config", "config.json", check_config),
+    ("quantization", "config.json", check_quantization),
     ("tensors", ".", check_tensors),  # after config: it needs the family
     ("tokenizer", "tokenizer", check_tokenizer),
 )

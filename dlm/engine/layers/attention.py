@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlm.engine.layers.rotary import Rotary
+from dlm.engine.quantized_weights import is_quantized
 from dlm.engine.runtime.batch import ForwardBatch, gather_rows
 from dlm.kernels import dispatch
 
@@ -66,9 +67,12 @@ def self_attention(
     head_dim = w.shape[0] // (num_heads + 2 * num_kv_heads)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     cos, sin = cos_sin
-    if select is None:
+    if select is None or is_quantized(w):
+        # A quantized weight is not sliced by rows: its packed layout need not allow it.
         q, k, v = qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
         cos_q, sin_q = cos, sin
+        if select is not None:
+            q, cos_q, sin_q = gather_rows(q, select), gather_rows(cos, select), gather_rows(sin, select)
     else:
         # Keys and values for every fed row, queries only where hidden states are wanted.
         k, v = F.linear(h, w[q_size:], None if b is None else b[q_size:]).split([kv_size, kv_size], dim=-1)

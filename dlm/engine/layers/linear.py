@@ -137,6 +137,7 @@ class RowParallelLinear(nn.Linear):
         self.reduce = reduce
         if tp.size > 1:
             _mark(self.weight, Shard(lambda i, shape: [(slice(None), slice(start, stop))]))
+            self.weight.split_inputs = in_features  # type: ignore[attr-defined]  # quantized as whole rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = parallel_state.current()

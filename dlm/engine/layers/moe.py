@@ -159,6 +159,7 @@ class FusedExperts(nn.Module):
         for param in (self.gate_up_proj, self.down_proj):
             # Per-expert sources arrive concatenated along dim 0: restore the expert axis.
             param.weight_loader = lambda p, t: t.reshape(p.shape)  # type: ignore[attr-defined]
+            param.stacked_experts = True  # type: ignore[attr-defined]  # quantized expert by expert
         if self.placement == "single":
             return
         experts = slice(self.local.start, self.local.stop)
@@ -179,6 +180,8 @@ class FusedExperts(nn.Module):
         # the gate and up rows of a stacked tensor on dim 1.
         self.gate_up_proj.shard = Shard(gate_up, lambda shape: 1 if len(shape) == 3 else 0)  # type: ignore[attr-defined]
         self.down_proj.shard = Shard(down)  # type: ignore[attr-defined]
+        if self.placement == "tp":
+            self.down_proj.split_inputs = full  # type: ignore[attr-defined]  # quantized as whole rows
 
     def sources(self, stem: str, attr: str, available: Collection[str]) -> list[str]:
         """Checkpoint tensors of parameter `attr` for experts at checkpoint path `stem`
@@ -235,8 +238,10 @@ class SparseMoE(nn.Module):
         shared = GatedMLP(hidden, shared_ffn, reduce=False) if shared_ffn else None
         self.shared_experts = None if gated_shared else shared
         self.shared_expert = shared if gated_shared else None
-        # Replicated, like the router.
+        # Replicated, like the router, and like it kept in the model dtype under quantization.
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared is not None and gated_shared else None
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.keep_precision = True  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -102,6 +102,7 @@ class Router(nn.Module):
     def __init__(self, hidden: int, experts: int, top_k: int, eps: float) -> None:
         super().__init__()
         self.proj = nn.Linear(hidden, experts, bias=False)
+        self.proj.keep_precision = True  # type: ignore[assignment]  # a router: never quantized
         self.scale = nn.Parameter(torch.empty(hidden))
         self.per_expert_scale = nn.Parameter(torch.empty(experts))
         self.top_k, self.eps, self.root = top_k, eps, hidden**-0.5
@@ -123,11 +124,14 @@ class Experts(nn.Module):
         i0, i1 = split(ffn, "the expert intermediate size")
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * (i1 - i0), hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, i1 - i0))
+        self.gate_up_proj.stacked_experts = True  # type: ignore[attr-defined]  # quantized expert by expert
+        self.down_proj.stacked_experts = True  # type: ignore[attr-defined]
         if parallel_state.current().size > 1:
             gate_up: list[Index] = [(slice(None), slice(i0, i1)), (slice(None), slice(ffn + i0, ffn + i1))]
             down: list[Index] = [(slice(None), slice(None), slice(i0, i1))]
             self.gate_up_proj.shard = Shard(lambda i, shape: gate_up, cat_dim=1)  # type: ignore[attr-defined]
             self.down_proj.shard = Shard(lambda i, shape: down)  # type: ignore[attr-defined]
+            self.down_proj.split_inputs = ffn  # type: ignore[attr-defined]  # quantized as whole rows
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

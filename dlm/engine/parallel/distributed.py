@@ -163,6 +163,7 @@ class EngineSpec:
     dtype: str = "auto"
     device: str = "auto"
     gpu_memory_utilization: float | None = None  # each rank's ceiling on its GPU
+    quantization: str | None = None  # each rank quantizes the shard it reads
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -252,7 +253,8 @@ def _build(spec: EngineSpec, device: torch.device) -> Engine:
     from dlm.engine.runtime.engine import cap_device_memory, load_engine
 
     cap_device_memory(device, spec.gpu_memory_utilization)
-    return load_engine(spec.model_dir, choose_dtype(spec.dtype, device, checkpoint_dtype(spec.model_dir)).dtype, device)
+    dtype = choose_dtype(spec.dtype, device, checkpoint_dtype(spec.model_dir)).dtype
+    return load_engine(spec.model_dir, dtype, device, quantization=spec.quantization)
 
 
 def worker_loop(engine: Engine, group: Group) -> None:

@@ -15,13 +15,17 @@ from pathlib import Path
 import torch
 
 from dlm.engine.capabilities import supported
-from dlm.engine.config import ModelConfig, load_config
+from dlm.engine.compressed_tensors import placement, read_scheme
+from dlm.engine.config import ModelConfig, load_config, read_config_json
 from dlm.engine.decoding.constrain import Constraint, Vocabulary, layout
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights
+from dlm.engine.parallel import state as parallel_state
 from dlm.engine.params import GenerationParams, ResolvedParams
+from dlm.engine.quantization import method_named
+from dlm.engine.quantized_weights import quantizer
 from dlm.engine.registry import family_for, family_named
 from dlm.engine.runtime.block_runner import BlockRunner
 from dlm.engine.runtime.interface import Engine, Runner
@@ -56,6 +60,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     model_dir: Path | None = None  # where its tokenizer is, for response formats
+    quantization: str | None = None  # the weight format of its linear layers (dlm/engine/quantization.py)
 
 
 # torch.nn.init's fills, which the layers' constructors call. On meta tensors they have nothing
@@ -94,14 +99,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """The family's model over the checkpoint in `model_dir`; with `quantization` (a name of
+    dlm/engine/quantization.py) its linear layers and experts are quantized as they load."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UsageError(f"model directory {model_dir} does not exist")
     config = load_config(model_dir)
+    method = method_named(quantization)
+    scheme = read_scheme(read_config_json(model_dir))
     model = build_on_meta(config)
-    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor)
-    return LoadedModel(config, model.eval(), dtype, device, model_dir)
+    decoded = None
+    if scheme is not None:  # a pre-quantized checkpoint: its own weights, scales and method
+        if method is not None and method.name != scheme.method:
+            raise UsageError(
+                f"{model_dir.name} is already quantized ({scheme.method}, compressed-tensors): "
+                f"--quantization {method.name} cannot apply; omit it or give {scheme.method}"
+            )
+        if parallel_state.current().size > 1:
+            raise UsageError(
+                "pre-quantized checkpoints are not split over tensor-parallel ranks (their packed data and "
+                "scales are read whole); serve the bf16/fp32 checkpoint with --quantization instead"
+            )
+        place, decoded = placement(model, model_dir, scheme, dtype, device)
+        method = method_named(scheme.method)
+    else:
+        place = None if method is None else quantizer(model, method, dtype, device)
+    load_weights(model, model_dir, dtype, device, on_tensor=on_tensor, place=place, decoded=decoded)
+    return LoadedModel(config, model.eval(), dtype, device, model_dir, None if method is None else method.name)
 
 
 def load_engine(
@@ -109,6 +135,7 @@ def load_engine(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
+    quantization: str | None = None,
 ) -> LLMEngine:
     """The family's native engine over the checkpoint in `model_dir` (this rank's shard
     under tensor parallelism). Which engine decodes a family is known before any weight
@@ -116,7 +143,7 @@ def load_engine(
     from dlm.engine.config import read_config_json
 
     engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
-    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor))
+    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor, quantization))
 
 
 class LLMEngine(Engine):

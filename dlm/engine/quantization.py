@@ -1,0 +1,146 @@
+"""Quantized weights: the methods dlm serves, declared once (torch-free).
+
+A method names a weight format, the devices that run it, the library class that holds and
+multiplies it, and the bytes it takes. Everything else derives from this table: the
+`--quantization` choices of `dlm serve` / `generate` / `batch`, the bytes `dlm estimate`
+plans, the methods `dlm doctor` probes, the loader's quantization at load
+(dlm/engine/quantized_weights.py) and the pre-quantized checkpoints it accepts
+(dlm/engine/compressed_tensors.py).
+
+What is quantized (`dlm.engine.quantized_weights.quantizable`): the weights of the linear
+layers (attention and DeltaNet projections, dense and shared MLPs) and the routed experts.
+What is not: the token embedding and the LM head (the LM head decides every token and its
+probability, which orders the commits; it is read chunk by chunk by
+`dlm.kernels.token_stats` exactly as without quantization), routers (routing runs in fp32),
+norms, biases and the DeltaNet convolution. This is also what the compressed-tensors
+releases leave out (`ignore: ["lm_head"]`).
+
+The library is torchao (PyTorch's own). Its int8 tensor (`Int8Tensor`, weight-only, one
+fp32 scale per output row) runs anywhere; its stable int4 formats need CUDA (tinygemm) or
+mslk, so int4 on a CPU uses torchao's CPU int4 tensor (`Int4OpaqueTensor`, prototype
+namespace: aten's `_weight_int4pack_mm_for_cpu`), group-wise asymmetric with a bf16/fp32
+scale and zero per group; fp8 (`Float8Tensor`, e4m3, one fp32 scale per row) needs a GPU
+with fp8 (compute capability 8.9+).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlm.engine.errors import UsageError
+
+# Group sizes the int4 kernels take (tinygemm), largest first: a layer takes the largest that
+# divides its input features.
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One weight format. `bits`: bits per weight; `scale`: how scales are laid out
+    ("row": `row_bytes` per output row, an fp32 scale and whatever else the tensor keeps;
+    "group": a scale and a zero per `group_size` inputs of a row, in the activation dtype);
+    `devices`: torch device types that run it; `dtypes`: activation dtypes it runs with on
+    each device (absent: any)."""
+
+    name: str
+    description: str
+    bits: int
+    scale: str
+    devices: tuple[str, ...]
+    library: str  # what holds and multiplies the weight (the tensor classes: quantized_weights.quantize)
+    dtypes: dict[str, tuple[str, ...]]
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability, where it matters
+    row_bytes: int = 4
+    row_multiple: int = 1  # the kernel's rows come in tiles of this many: a weight is padded with zero rows
+
+    def stored_rows(self, rows: int) -> int:
+        return -(-rows // self.row_multiple) * self.row_multiple
+
+    def group_size(self, in_features: int) -> int | None:
+        """Inputs sharing one scale in a row of `in_features` (None: the whole row); a row
+        no group size divides cannot take the method."""
+        if self.scale == "row":
+            return in_features
+        return next((g for g in INT4_GROUP_SIZES if in_features % g == 0), None)
+
+    def weight_bytes(self, rows: int, in_features: int, act_bytes: int, group: int | None = None) -> int:
+        """Bytes of one [rows, in_features] weight held in this format (data + scales), in
+        groups of `group` inputs (default: the loader's choice)."""
+        rows = self.stored_rows(rows)
+        data = rows * in_features * self.bits // 8
+        if self.scale == "row":
+            return data + rows * self.row_bytes
+        group = group or self.group_size(in_features)
+        if group is None:
+            raise UsageError(f"{self.name}: no group size in {INT4_GROUP_SIZES} divides {in_features} input features")
+        return data + -(-in_features // group) * rows * 2 * act_bytes
+
+    def bytes_per_param(self, in_features: int, act_bytes: int, group: int | None = None) -> float:
+        """`weight_bytes` per weight of a layer with `in_features` inputs (row padding aside),
+        for planning from parameter counts."""
+        return (self.weight_bytes(self.row_multiple, in_features, act_bytes, group)) / (self.row_multiple * in_features)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "int8",
+            "int8 weights, one fp32 scale per output row (weight-only)",
+            bits=8,
+            scale="row",
+            devices=("cpu", "cuda"),
+            library="torchao",
+            dtypes={},
+            row_bytes=5,  # Int8Tensor keeps an int8 zero point (0) beside each scale
+        ),
+        Method(
+            "int4",
+            f"int4 weights, a scale and zero per group of {INT4_GROUP_SIZES[0]} inputs (weight-only)",
+            bits=4,
+            scale="group",
+            devices=("cpu", "cuda"),
+            library="torchao",
+            dtypes={"cuda": ("bfloat16",)},  # tinygemm's CUDA kernel is bf16 only
+            row_multiple=16,  # tinygemm packs rows in tiles of 16 (CPU) / 8 (CUDA)
+        ),
+        Method(
+            "fp8",
+            "float8 e4m3 weights, one fp32 scale per output row (weight-only)",
+            bits=8,
+            scale="row",
+            devices=("cuda",),
+            library="torchao",
+            dtypes={},
+            min_capability=(8, 9),
+        ),
+    )
+}
+
+NONE = "none"
+CHOICES = (NONE, *METHODS)  # what `--quantization` accepts
+
+
+def method_named(name: str | None) -> Method | None:
+    """The method `--quantization NAME` asks for (None for none/unset); unknown names are a
+    usage error listing the choices."""
+    if name is None or name == NONE:
+        return None
+    if name not in METHODS:
+        raise UsageError(f"--quantization must be one of {', '.join(CHOICES)}, got {name!r}")
+    return METHODS[name]
+
+
+def check_runs(method: Method, device_type: str, dtype_name: str) -> None:
+    """Refuse, before any weight is read, a method this device or dtype cannot run."""
+    if device_type not in method.devices:
+        raise UsageError(
+            f"--quantization {method.name} needs a {' or '.join(method.devices).upper()} device "
+            f"({method.description}); this model runs on {device_type}"
+        )
+    allowed = method.dtypes.get(device_type)
+    if allowed is not None and dtype_name not in allowed:
+        raise UsageError(
+            f"--quantization {method.name} on {device_type} runs with --dtype {' or '.join(allowed)} only "
+            f"(got {dtype_name})"
+        )
