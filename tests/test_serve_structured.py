@@ -270,7 +270,8 @@ SUBSCHEMAS = st.recursive(
 def _response_format(draw: st.DrawFn) -> Any:
     root = draw(SUBSCHEMAS)
     if isinstance(root, dict) and draw(st.booleans()):
-        root["$defs"] = draw(st.dictionaries(NAME, SUBSCHEMAS, max_size=2) | ODD)
+        # A new object: `st.just` hands out one shared dict, which mutating could make cyclic.
+        root = {**root, "$defs": draw(st.dictionaries(NAME, SUBSCHEMAS, max_size=2) | ODD)}
     return draw(
         st.sampled_from(
             [

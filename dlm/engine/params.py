@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 from dlm.engine.capabilities import require
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.registry import FAMILIES, Family
-from dlm.engine.structured import FIELD, Skeleton, compile_response_format
+from dlm.engine.structured import FIELD, Skeleton, asks_structure, compile_response_format
 
 P = TypeVar("P", bound="GenerationParams")
 
@@ -430,6 +430,8 @@ class GenerationParams:
             raise UsageError("give steps (in all) or refinement_steps (per block), not both", field="refinement_steps")
         if self.threshold is not None and self.factor is not None:
             raise UsageError("threshold and factor are alternative commit rules: give one", field="factor")
+        if asks_structure(self.response_format):
+            _validate_structured(self, family)  # before compiling: these refusals hold whatever the schema
         p = self._resolved(family, prompt_length, forwards or Forwards())
         _validate_edits(self, p, family)  # first: the presets fill a threshold other rules would judge
         if p.cache not in family.caches and p.cache != "none":
@@ -458,8 +460,12 @@ class GenerationParams:
         _validate_sampler(p, family)
         if p.drafts:
             _validate_drafts(p, family, fixed_block)
-        if p.response_format is not None:
-            _validate_structured(p, family)
+        if p.skeleton is not None and family.sampler == "dream" and p.cache != "none":
+            raise Unsupported(
+                "response_format with Dream's cached decoding is not supported (its first step of each block "
+                "commits the block's first position, which may be a fixed skeleton token); use cache none",
+                field="cache",
+            )
         if p.mode != "diffusion" and not family.block_causal:
             raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
         if p.suffix:
@@ -742,12 +748,11 @@ def _validate_drafts(p: ResolvedParams, family: Family, fixed_block: int | None)
         )
 
 
-def _validate_structured(p: ResolvedParams, family: Family) -> None:
-    """A response format compiles (a keyword dlm cannot enforce is refused, named), and the
-    family decodes a canvas whose later positions are already committed: bidirectional
-    attention, no fixed block, and not Dream's cached first-token rule."""
-    if p.skeleton is None:  # plain text: nothing to enforce
-        return
+def _validate_structured(p: GenerationParams, family: Family) -> None:
+    """A response format asking for JSON goes with a family that decodes a canvas whose later
+    positions are already committed (bidirectional attention, no fixed block; Dream's cached
+    first-token rule is refused once the cache is resolved), and with nothing else that
+    decides where the answer ends."""
     if p.suffix:
         raise Unsupported(
             "response_format and suffix cannot be combined: the skeleton fills the answer", field="suffix"
@@ -759,12 +764,6 @@ def _validate_structured(p: ResolvedParams, family: Family) -> None:
             field=given[0],
         )
     require(family, FIELD)  # bidirectional families only (dlm/engine/capabilities.py)
-    if family.sampler == "dream" and p.cache != "none":
-        raise Unsupported(
-            "response_format with Dream's cached decoding is not supported (its first step of each block "
-            "commits the block's first position, which may be a fixed skeleton token); use cache none",
-            field="cache",
-        )
 
 
 def _validate_block_causal(p: ResolvedParams) -> None:

@@ -181,23 +181,40 @@ def compile_response_format(text: str | dict[str, Any] | None, max_tokens: int |
     the skeleton cannot fit that many positions."""
     if text is None:
         return None
-    if isinstance(text, dict):
-        text = json.dumps(text)
-    if not isinstance(text, str):
-        raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
     try:
-        return _compile(text, max_tokens)
+        return _compile(_spec(text), max_tokens)
     except RecursionError:  # a schema nested thousands deep (the command line has no body limits)
         raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
 
-def _compile(text: str, max_tokens: int | None) -> Skeleton | None:
+def asks_structure(text: str | dict[str, Any] | None) -> bool:
+    """Whether a `response_format` asks for JSON (not plain text), known before its schema is
+    compiled: what refuses the request whatever the schema (a family without bidirectional
+    attention, `ignore_eos`) is then said before what depends on it (a skeleton too long)."""
+    if text is None:
+        return False
+    try:
+        return _spec(text).get("type") not in (None, "text")
+    except RecursionError:
+        raise UsageError("response_format is nested too deeply", field=FIELD) from None
+
+
+def _spec(text: str | dict[str, Any]) -> dict[str, Any]:
+    """The response format as an object (the Python API may pass the object itself)."""
+    if isinstance(text, dict):
+        return text
+    if not isinstance(text, str):
+        raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
     try:
         spec = json.loads(text)
     except ValueError as exc:
         raise UsageError(f"response_format is not valid JSON: {exc}", field=FIELD) from None
     if not isinstance(spec, dict):
         raise UsageError("response_format must be an object with a type", field=FIELD)
+    return spec
+
+
+def _compile(spec: dict[str, Any], max_tokens: int | None) -> Skeleton | None:
     kind = spec.get("type")
     if kind in (None, "text"):
         return None

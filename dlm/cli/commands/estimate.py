@@ -112,6 +112,7 @@ def estimate(
         "--quantization",
         help=f"Linear layers and experts as `dlm serve --quantization` loads them: {', '.join(CHOICES)}. "
         "(--dtype int8/int4/fp8, the older spelling, means bf16 with that quantization.)",
+        show_default="none",
     ),
     kv_dtype: str = typer.Option(
         "auto", "--kv-dtype", help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8."

@@ -128,9 +128,9 @@ class DiffusionFields(_Body):
     top_k: int | None = _param("top_k")
     top_p: float | None = _param("top_p")
     # Stop ids besides EOS (vLLM's name), with each family's own stop rule.
-    stop_token_ids: list[StrictInt] | None = _param("stop_token_ids")
+    stop_token_ids: list[int] | None = _param("stop_token_ids")
     # Fixed output lengths (vLLM's names, sent by benchmark clients).
-    ignore_eos: StrictBool | None = _param("ignore_eos")
+    ignore_eos: bool | None = _param("ignore_eos")
     min_tokens: int | None = _param("min_tokens")
     # DiffusionGemma (entropy-bound sampler).
     entropy_bound: float | None = _param("entropy_bound")
