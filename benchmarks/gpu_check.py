@@ -1,12 +1,13 @@
-"""On a CUDA machine: compile every Triton kernel for real, check it against its torch twin
-at serving shapes, check the engine's ids through Triton equal the twins' for every family
+"""On a CUDA machine: compile every Triton kernel for real, check it against its torch twin at
+serving shapes, check the engine's ids through Triton equal the twins' for every family
 (and, with two or more GPUs, tensor parallel over NCCL equals one GPU), check the memory
-ceiling, time the kernels (benchmarks/kernels.py), then time the denoising step of an
-8B-shaped random LLaDA (d 4096, 32 layers, 12288 MLP, 126464 vocabulary) eagerly and through
-the step graphs (CUDA graphs, dlm/engine/runtime/step_graphs.py): forwards/s and tokens/s per batch
-size against the memory-bandwidth and compute rooflines. Not run in CI (there is no GPU
-there); prepared so one short session on an accelerator gives the figures for
-docs/benchmarks.md.
+ceiling, check every quantization method CUDA runs (int8, int4, fp8) per family against its
+dequantized twin and `dlm estimate`'s bytes, time the kernels (benchmarks/kernels.py), then
+time the denoising step of an 8B-shaped random LLaDA (d 4096, 32 layers, 12288 MLP, 126464
+vocabulary) eagerly and through the step graphs (CUDA graphs,
+dlm/engine/runtime/step_graphs.py): forwards/s and tokens/s per batch size against the
+memory-bandwidth and compute rooflines. Not run in CI (there is no GPU there); prepared so
+one short session on an accelerator gives the figures for docs/benchmarks.md.
 
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
     python benchmarks/gpu_check.py --step-only           # CUDA: the step section only
@@ -128,6 +129,61 @@ def engine_checks() -> list[tuple[str, bool, str]]:
                 split = [o.output_ids for o in tp.generate([PROMPT, PROMPT[:7]], **params)]
             out.append((f"{family} ids TP 2 (NCCL) == 1 GPU", split == ids["auto"], ""))
         del llm
+    return out
+
+
+def quantization_checks(device: str = "cuda", families: list[str] | None = None) -> list[tuple[str, bool, str]]:
+    """Every `--quantization` method the device runs (fp8 from compute capability 8.9), per
+    decoded family: the model loads quantized on the device and decodes its dequantized twin's
+    ids, and its weights take the bytes `dlm estimate` plans (within 5%). CI checks this on
+    the CPU for int8 and int4 (tests/test_quantization.py); here the CUDA kernels (int8,
+    tinygemm int4, fp8) run. Dtype: fp32 where the method takes it (ids compared exactly),
+    else the method's own (int4 on CUDA: bf16, where twin and kernel may round apart: the
+    share of equal ids is printed)."""
+    from dlm.cli.estimate.plan import Serving, architecture_from_config, parameter_components, plan_memory
+    from dlm.engine.config import read_config_json
+    from dlm.engine.errors import DlmError
+    from dlm.engine.llm import LLM
+    from dlm.engine.quantization import METHODS
+    from dlm.engine.quantized_weights import weight_bytes
+    from dlm.engine.resolve import resolve_model
+    from tests.quantization_checkpoints import DECODED, PARAMS, PROMPT, densify, int4_checkpoint
+
+    directory = Path(tempfile.mkdtemp())
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    out = []
+    for name, method in METHODS.items():
+        if device not in method.devices:
+            continue
+        if capability is not None and method.min_capability is not None and capability < method.min_capability:
+            out.append((f"{name}: compute capability {capability}", True, f"not run (needs {method.min_capability})"))
+            continue
+        dtype = method.dtypes.get(device, ("float32",))[0]
+        for family in families or DECODED:
+            label = f"{family} {name} ({dtype})"
+            try:
+                model = resolve_model(int4_checkpoint(family, directory))
+                quantized = LLM(model, dtype=dtype, device=device, quantization=name)
+                ids = quantized.generate(PROMPT, **PARAMS[family])[0].output_ids
+                held = weight_bytes(quantized.engine.loaded.model)
+                arch = architecture_from_config(read_config_json(model))
+                serving = Serving(dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=name)
+                plan = plan_memory(arch, parameter_components(arch), serving)
+                planned = sum(r.bytes for r in plan.rows if r.name.startswith("weights:"))
+                del quantized
+                twin = LLM(model, dtype=dtype, device=device, quantization=name)
+                densify(twin.engine.loaded.model)
+                twin_ids = twin.generate(PROMPT, **PARAMS[family])[0].output_ids
+                del twin
+            except (DlmError, RuntimeError, NotImplementedError) as exc:
+                out.append((label, False, f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            equal = sum(a == b for a, b in zip(ids, twin_ids, strict=True)) / len(ids)
+            exact = dtype == "float32"
+            out.append((f"{label} ids == dequantized twin", equal == 1.0 or not exact, f"{equal:.0%} equal"))
+            out.append(
+                (f"{label} bytes as planned", abs(planned - held) <= 0.05 * held, f"{held} held, {planned} planned")
+            )
     return out
 
 
@@ -312,6 +368,7 @@ def main() -> None:
     code = 0
     if not dry and not args.step_only:
         checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
+        checks += quantization_checks()
         report(checks)
         bench = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],

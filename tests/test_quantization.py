@@ -13,17 +13,13 @@ from torch import nn
 from dlm.engine.errors import UsageError
 from dlm.engine.llm import LLM
 from dlm.engine.quantization import CHOICES, METHODS, method_named
-from dlm.engine.quantized_weights import dense, is_quantized, quantizable, storage_bytes, weight_bytes
+from dlm.engine.quantized_weights import is_quantized, quantizable, storage_bytes, weight_bytes
 from dlm.engine.registry import FAMILIES
-from tests.quantization_checkpoints import DECODED, TINY_REFUSES_INT4, int4_checkpoint
+from tests.quantization_checkpoints import DECODED, PARAMS, PROMPT, TINY_REFUSES_INT4, densify, int4_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CPU_METHODS = [name for name, m in METHODS.items() if "cpu" in m.devices]
-PROMPT = list(range(5, 17))
-# Short decodes: block families decode one 32-token block (their trained block size).
-PARAMS = {f: dict(gen_length=32, threshold=0.2) for f in DECODED}
-PARAMS |= {"llada": dict(gen_length=8, block_length=8, steps=4), "dream": dict(gen_length=8, block_length=8, steps=4)}
-PARAMS["sdar"] = PARAMS["sdar_moe"] = dict(gen_length=8)
-PARAMS["diffusion_gemma"] = dict(gen_length=32, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +32,6 @@ def test_every_registered_family_is_covered() -> None:
     """The matrix below is the registry's: a new family that decodes joins it."""
     assert {f.name for f in FAMILIES if f.engine} <= set(DECODED)
     assert set(CPU_METHODS) == {"int8", "int4"}
-
-
-def _densify(model: nn.Module) -> int:
-    """Replace every quantized weight by the dense matrix its kernel multiplies by: the
-    model's dequantized twin. Returns how many weights were replaced."""
-    replaced = 0
-    for module in list(model.modules()):
-        for attr, child in list(module.named_children()):
-            if isinstance(child, nn.ParameterList) and child and is_quantized(child[0]):
-                stacked = torch.stack([dense(w) for w in child])
-                delattr(module, attr)
-                module.register_parameter(attr, nn.Parameter(stacked, requires_grad=False))
-                replaced += len(child)
-        for attr, param in list(module.named_parameters(recurse=False)):
-            if is_quantized(param):
-                setattr(module, attr, nn.Parameter(dense(param), requires_grad=False))
-                replaced += 1
-    return replaced
 
 
 # The hybrid and the encoder-decoder take tens of seconds per decode on two shared cores.
@@ -76,7 +54,7 @@ def test_decodes_the_ids_of_its_dequantized_twin(checkpoints: dict[str, str], fa
     assert len(out.output_ids) == PARAMS[family]["gen_length"]
 
     twin = LLM(checkpoints[family], dtype="float32", device="cpu", quantization=method)
-    assert _densify(twin.engine.loaded.model) >= len(names)
+    assert densify(twin.engine.loaded.model) >= len(names)
     assert not any(is_quantized(p) for p in twin.engine.loaded.model.parameters())
     assert twin.generate(PROMPT, **PARAMS[family])[0].output_ids == out.output_ids
 
@@ -291,3 +269,18 @@ def test_serve_answers_with_quantized_weights() -> None:
         assert client.get("/health").json()["quantization"] == "int8"
         answer = client.post("/v1/completions", json={"model": "tiny:llada2_moe", "prompt": [5, 6], "max_tokens": 32})
         assert answer.status_code == 200, answer.text
+
+
+def test_gpu_checks_quantization_section_passes_on_a_cpu() -> None:
+    """`benchmarks/gpu_check.py`'s quantization section, prepared for a CUDA session, runs
+    here on the CPU for the CPU's methods (one family each): its checks pass, so on a
+    device only the CUDA kernels are new."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    checks = gpu_check.quantization_checks("cpu", ["llada"])
+    assert len(checks) == 2 * len(CPU_METHODS), checks
+    assert all(ok for _, ok, _ in checks), checks
