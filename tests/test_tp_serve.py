@@ -149,11 +149,18 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
         cause = cause.format(pid=pid)
 
         health: list[httpx.Response] = []
+
+        def unhealthy() -> bool:
+            try:
+                health.append(httpx.get(server.url + "/health"))
+            except httpx.ConnectError:  # it should answer 503 for FAILED_EXIT_DELAY_S first
+                server.proc.wait(timeout=10)
+                raise AssertionError("the server exited before /health said 503:\n" + "\n".join(server.lines)) from None
+            return health[-1].status_code != 200
+
         assert wait_until(
-            lambda: health.append(httpx.get(server.url + "/health")) or health[-1].status_code != 200,
-            timeout=60,  # a hang guard only: the cause below proves which timeout fired
-            interval=0.1,
-        )
+            unhealthy, timeout=60, interval=0.1
+        )  # a hang guard only: the cause below proves which timeout fired
         assert health[-1].status_code == 503 and re.search(cause, health[-1].json()["error"]["message"])
         assert httpx.get(server.url + "/ready").status_code == 503
         refused = server.http.post(server.url + "/v1/completions", json=LONG)  # before it exits
