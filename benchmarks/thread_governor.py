@@ -84,7 +84,8 @@ def main() -> None:
         )
     ratios = [row["ratio"] for row in rows]
     print(
-        f"{Path(str(llm.model_dir)).name} {llm.dtype_choice.name}, plan {governor.base} thread(s), team {governor.team}: "
+        f"{Path(str(llm.model_dir)).name} {llm.dtype_choice.name}, plan {governor.base} thread(s), "
+        f"team {governor.team}: "
         f"on/off median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}), "
         f"load {min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f}, "
         f"home switches {governor.switches}"

@@ -216,7 +216,7 @@ def governed(
         now = time.perf_counter()
         if last:
             governor.observe(now - last[0], tokens[0])
-            apply_threads(governor.threads)
+        apply_threads(governor.threads)
         if on_step is not None:
             on_step(seqs)
         tokens[0] = sum(forward_tokens(s) for s in engine.running)
