@@ -31,10 +31,13 @@ step; setting it takes microseconds and the next parallel region uses the new te
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 
 from dlm.engine import cpu_plan
+
+log = logging.getLogger("dlm.engine")
 
 WINDOW = 8  # recent per-token costs kept per count
 MIN_SAMPLES = 3  # a count's median is trusted from this many steps
@@ -115,6 +118,7 @@ class ThreadGovernor:
             self._owed = lost / PROBE_SHARE
 
     def _move(self, threads: int) -> None:
+        log.debug("thread governor: %d -> %d intra-op threads", self.home, threads)
         self.home = threads
         self.switches += 1
         self._probe = None
