@@ -10,11 +10,13 @@ and the idle server is paused with SIGSTOP so it takes no CPU), every prompt at 
 1, 4 and 8 and records the latency of each request and the requests per second. The
 answers of the two servers are compared prompt by prompt; RSS is read from
 /proc/PID/smaps_rollup at the end. Ratios are dlm / peer per round; the table shows their
-median and range over the rounds.
+median and range over the rounds. With `--governor` a third server, `dlm serve
+--thread-governor` (dlm/engine/runtime/thread_governor.py), takes its turn in every round, and
+its ratios to the peer and to the plain dlm are printed too (with the load average per round).
 
 The peer's environment and the workarounds it needs: benchmarks/peers.py, docs/benchmarks.md.
 
-    python benchmarks/vs_peers.py [--rounds 3] [--gen-length 64] [--prompts 16] [--json out.json]
+    python benchmarks/vs_peers.py [--rounds 3] [--gen-length 64] [--prompts 16] [--governor] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.peers import DlmServer, DlmserveServer, Server  # noqa: E402
 
 LEVELS = (1, 4, 8)
+GOVERNED = "dlm+governor"  # dlm serve --thread-governor (dlm/engine/runtime/thread_governor.py)
 # The 104M checkpoint: LLaDA-8B's proportions at 1024 hidden, 8 layers.
 SHAPE = {"d_model": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 16, "mlp_hidden_size": 2816}
 
@@ -98,8 +101,12 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     token, mask_id = mask_token(model_dir)
     servers: dict[str, Server] = {}
     try:
-        servers["dlm"] = DlmServer(model_dir, *(["--dtype", args.dtype] if args.dtype else []))
+        dtype = ["--dtype", args.dtype] if args.dtype else []
+        servers["dlm"] = DlmServer(model_dir, *dtype)
         servers["dlm"].pause()
+        if args.governor:
+            servers[GOVERNED] = DlmServer(model_dir, *dtype, "--thread-governor")
+            servers[GOVERNED].pause()
         servers["dlmserve"] = DlmserveServer(model_dir, token, mask_id, args.dtype or "bf16")
         servers["dlmserve"].pause()
         rounds: list[dict[str, dict[int, dict[str, Any]]]] = []
@@ -113,7 +120,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                 result[name] = {c: run_level(server, requests, args.gen_length, c) for c in LEVELS}
                 server.pause()
             rounds.append(result)
-            print(f"  round {r + 1}: " + summary_line(result), flush=True)
+            print(f"  round {r + 1} (load {os.getloadavg()[0]:.2f}): " + summary_line(result), flush=True)
         for server in servers.values():
             server.resume()
         rss = {name: server.rss_mib() for name, server in servers.items()}
@@ -124,28 +131,41 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": model_dir.name, "rounds": rounds, "rss_mib": rss, "dlm_dtype": dtype}
 
 
+def pairs(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(server, baseline) pairs whose ratios are reported: each dlm against the peer, and
+    the governed dlm against the plain one."""
+    found = [("dlm", "dlmserve")]
+    if GOVERNED in result:
+        found += [(GOVERNED, "dlmserve"), (GOVERNED, "dlm")]
+    return found
+
+
 def summary_line(result: dict[str, dict[int, dict[str, Any]]]) -> str:
-    return "  ".join(
-        f"c={c}: lat {result['dlm'][c]['latency'] / result['dlmserve'][c]['latency']:.2f} "
-        f"rps {result['dlm'][c]['rps'] / result['dlmserve'][c]['rps']:.2f}"
-        for c in LEVELS
+    return "  |  ".join(
+        f"{a}/{b} "
+        + "  ".join(
+            f"c={c}: lat {result[a][c]['latency'] / result[b][c]['latency']:.2f} "
+            f"rps {result[a][c]['rps'] / result[b][c]['rps']:.2f}"
+            for c in LEVELS
+        )
+        for a, b in pairs(result)
     )
 
 
-def table(row: dict[str, Any]) -> list[str]:
-    """Markdown rows: per concurrency, medians and dlm/peer ratios (median, range)."""
+def table(row: dict[str, Any], a: str = "dlm", b: str = "dlmserve") -> list[str]:
+    """Markdown rows: per concurrency, medians and a/b ratios (median, range)."""
     lines = []
     for c in LEVELS:
-        lat = {n: [r[n][c]["latency"] for r in row["rounds"]] for n in ("dlm", "dlmserve")}
-        rps = {n: [r[n][c]["rps"] for r in row["rounds"]] for n in ("dlm", "dlmserve")}
-        lat_ratio = [a / b for a, b in zip(lat["dlm"], lat["dlmserve"])]
-        rps_ratio = [a / b for a, b in zip(rps["dlm"], rps["dlmserve"])]
-        same = sum(a == b for r in row["rounds"] for a, b in zip(r["dlm"][c]["answers"], r["dlmserve"][c]["answers"]))
-        total = sum(len(r["dlm"][c]["answers"]) for r in row["rounds"])
+        lat = {n: [r[n][c]["latency"] for r in row["rounds"]] for n in (a, b)}
+        rps = {n: [r[n][c]["rps"] for r in row["rounds"]] for n in (a, b)}
+        lat_ratio = [x / y for x, y in zip(lat[a], lat[b])]
+        rps_ratio = [x / y for x, y in zip(rps[a], rps[b])]
+        same = sum(x == y for r in row["rounds"] for x, y in zip(r[a][c]["answers"], r[b][c]["answers"]))
+        total = sum(len(r[a][c]["answers"]) for r in row["rounds"])
         lines.append(
-            f"| {row['model']} | {c} | {statistics.median(lat['dlm']):.3f} / {statistics.median(lat['dlmserve']):.3f} "
+            f"| {row['model']} {a} / {b} | {c} | {statistics.median(lat[a]):.3f} / {statistics.median(lat[b]):.3f} "
             f"| **{statistics.median(lat_ratio):.2f}** ({min(lat_ratio):.2f}-{max(lat_ratio):.2f}) "
-            f"| {statistics.median(rps['dlm']):.2f} / {statistics.median(rps['dlmserve']):.2f} "
+            f"| {statistics.median(rps[a]):.2f} / {statistics.median(rps[b]):.2f} "
             f"| **{statistics.median(rps_ratio):.2f}** ({min(rps_ratio):.2f}-{max(rps_ratio):.2f}) | {same}/{total} |"
         )
     return lines
@@ -162,6 +182,7 @@ def main() -> None:
         choices=("float32",),
         help="both servers in fp32 (an identity check of the decoding: not their defaults)",
     )
+    ap.add_argument("--governor", action="store_true", help=f"also {GOVERNED}: dlm serve --thread-governor")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-vs-peers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -172,10 +193,11 @@ def main() -> None:
         print(f"{name}:", flush=True)
         rows.append(measure(paths[name], args))
     print(f"load {os.getloadavg()[0]:.2f} at end\n")
-    print("| model | c | latency s dlm / peer | latency ratio | req/s dlm / peer | req/s ratio | same answers |")
+    print("| model, a / b | c | latency s a / b | latency ratio | req/s a / b | req/s ratio | same answers |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print("\n".join(table(row)))
+        for a, b in pairs(row["rounds"][0]):
+            print("\n".join(table(row, a, b)))
     for row in rows:
         rss = row["rss_mib"]
         print(

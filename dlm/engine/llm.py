@@ -21,6 +21,8 @@ from dlm.engine.resolve import resolve_model
 from dlm.engine.runtime.engine import cap_device_memory, load_engine
 from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
+from dlm.engine.runtime.scheduler import forward_tokens
+from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan
 from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -60,13 +62,16 @@ class LLM:
         parallel: ParallelConfig | None = None,
         gpu_memory_utilization: float | None = None,
         quantization: str | None = None,
+        thread_governor: bool = False,
     ) -> None:
         """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
         process is then rank 0 and drives the others until `close()`.
         `gpu_memory_utilization`: the share of each GPU this model may use (a ceiling, see
         `dlm.engine.runtime.engine.cap_device_memory`; no effect on CPU).
         `quantization`: int8, int4 or fp8 weights for the linear layers and experts
-        (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's."""
+        (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's.
+        `thread_governor`: on a CPU with more cores than the plan's threads, choose between the
+        two counts step by step by measured step time (dlm/engine/runtime/thread_governor.py)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.quantization = None if method_named(quantization) is None else quantization
@@ -84,6 +89,7 @@ class LLM:
             # On this thread, which runs the forwards (`dlm generate`; `dlm serve` loads on its
             # engine thread, dlm/engine/runtime/async_engine.py): OpenMP counts are per thread.
             apply_threads(self.dtype_choice.threads)
+        self.thread_governor = for_plan(self.dtype_choice.threads) if thread_governor and not distributed else None
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend
@@ -172,6 +178,8 @@ class LLM:
             given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
             params = GenerationParams(**{**given, **overrides})
         ids = [self.encode(p, chat=chat) for p in batch]
+        if self.thread_governor is not None:
+            on_step = governed(self.thread_governor, self.engine, on_step)
         start = time.perf_counter()
         seqs = self.engine.generate(ids, params, on_step=on_step)
         seconds = time.perf_counter() - start
@@ -193,6 +201,28 @@ class LLM:
             )
             for i, s in enumerate(seqs)
         ]
+
+
+def governed(
+    governor: ThreadGovernor, engine: Engine, on_step: Callable[[list[RequestState]], None] | None
+) -> Callable[[list[RequestState]], None]:
+    """`on_step` after the governor has seen the step's time and set the next one's threads
+    (on this thread: the one `Engine.generate` steps on). The first step of a call is not
+    observed: it follows the request's preparation and its time is not a step's."""
+    last: list[float] = []
+    tokens = [0]
+
+    def step_done(seqs: list[RequestState]) -> None:
+        now = time.perf_counter()
+        if last:
+            governor.observe(now - last[0], tokens[0])
+        apply_threads(governor.threads)
+        if on_step is not None:
+            on_step(seqs)
+        tokens[0] = sum(forward_tokens(s) for s in engine.running)
+        last[:] = [time.perf_counter()]
+
+    return step_done
 
 
 def _shape(model_dir: Path, quantization: str | None) -> ModelShape | None:

@@ -128,6 +128,7 @@ def generate(
     dtype: str = setting_option("dtype"),
     device: str = setting_option("device"),
     quantization: str | None = setting_option("quantization"),
+    thread_governor: bool = setting_option("thread_governor"),
     backend: str = setting_option("backend"),
     trust_remote_code: bool = setting_option("trust_remote_code"),
     tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,
@@ -184,6 +185,7 @@ def generate(
                 trust_remote_code=trust_remote_code,
                 parallel=parallel,
                 quantization=quantization,
+                thread_governor=thread_governor,
             )
         with llm:  # stops the worker ranks of a tensor-parallel model however this ends
             if llm.engine.tensor_parallel_size > 1:

@@ -79,6 +79,12 @@ class ServeConfig(BaseModel):
         le=1,
         description="Share (0-1] of each GPU's memory the server may use: a ceiling, nothing is reserved (CUDA only).",
     )
+    thread_governor: bool = Field(
+        False,
+        description="On a CPU, switch the forwards between the planned threads and every core by measured step "
+        "time (faster on a quiet machine; a model whose kernels round by thread count may then answer "
+        "differently run to run: docs/serve.md#threads).",
+    )
     backend: Literal["native", "transformers"] = Field(
         "native", description="native, or transformers: load any checkpoint with transformers."
     )

@@ -167,6 +167,7 @@ class Service:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             on_load=LoadProgress(),
             quantization=cfg.quantization,
+            thread_governor=cfg.thread_governor,
         )
         if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
             log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
@@ -200,7 +201,7 @@ class Service:
         elif budget:
             log.info("prefix cache: off (exact reuse needs a block-causal family on one process)")
         self.runtime.update(step_graphs=graphs, prefix_cache_bytes=budget if reuse else 0)
-        engine = AsyncEngine(llm.engine, limits, observer=self.metrics)
+        engine = AsyncEngine(llm.engine, limits, observer=self.metrics, governor=llm.thread_governor)
         ranks = llm.engine.tensor_parallel_size
         if ranks > 1:  # rank 0 schedules; a rank that dies fails the engine at once, even idle
             llm.engine.on_failure(engine.fail)

@@ -47,6 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from dlm.engine.cpu_plan import apply_threads
 from dlm.engine.decoding.logprobs import TokenLogprob
 from dlm.engine.errors import DlmError, EngineFailed
 from dlm.engine.params import GenerationParams
@@ -54,6 +55,7 @@ from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
+from dlm.engine.runtime.thread_governor import ThreadGovernor
 
 log = logging.getLogger("dlm.engine")
 
@@ -159,8 +161,10 @@ class AsyncEngine:
         engine: Engine,
         limits: SchedulerLimits,
         observer: EngineObserver | None = None,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         self.engine = engine
+        self.governor = governor  # the steps' thread count, applied on the engine thread
         self.scheduler = Scheduler(engine, limits)
         self.observer = observer
         self.accepting = True
@@ -367,6 +371,8 @@ class AsyncEngine:
                 continue
             masked_before = [r.seq.masks_left for r in batch]
             tokens = sum(forward_tokens(r.seq) for r in batch)
+            if self.governor is not None:
+                apply_threads(self.governor.threads)
             start = time.perf_counter()
             try:
                 self.engine.step()
@@ -381,6 +387,8 @@ class AsyncEngine:
                         self._finish(request, error=f"{type(exc).__name__}: {exc}")
                 continue
             seconds = time.perf_counter() - start
+            if self.governor is not None:
+                self.governor.observe(seconds, tokens)
             committed = [before - r.seq.masks_left for r, before in zip(batch, masked_before)]
             if self.observer is not None:
                 self.observer.on_step(len(batch), tokens, committed, seconds)

@@ -1,0 +1,174 @@
+"""The thread governor (dlm/engine/runtime/thread_governor.py): its decisions under made-up
+step times (no clock: it only sees the seconds it is given), that the serving loop and
+`LLM.generate` apply its count on the thread that steps, and that the default model's ids do
+not depend on it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from dlm.engine import cpu_plan
+from dlm.engine.runtime import thread_governor as tg
+from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan
+
+TOKENS = 64
+Costs = Callable[[int, int], float]  # (step index, threads) -> seconds of that step
+
+
+def drive(governor: ThreadGovernor, steps: int, seconds: Costs, start: int = 0) -> list[int]:
+    """Run `steps` steps whose time `seconds` gives; the thread count of each."""
+    used = []
+    for i in range(start, start + steps):
+        threads = governor.threads
+        used.append(threads)
+        governor.observe(seconds(i, threads), TOKENS)
+    return used
+
+
+def quiet(i: int, threads: int) -> float:
+    return {1: 0.050, 2: 0.031}[threads]  # the 104M model on a quiet 2-core machine
+
+
+def loaded(i: int, threads: int) -> float:
+    return {1: 0.050, 2: 1.6}[threads]  # a team meeting other processes on its cores
+
+
+@pytest.fixture(autouse=True)
+def _threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quiet_machine_takes_every_core_after_one_probe() -> None:
+    governor = ThreadGovernor(1, 2)
+    used = drive(governor, tg.PROBE_EVERY + tg.PROBE_STEPS + 20, quiet)
+    assert used[: tg.PROBE_EVERY] == [1] * tg.PROBE_EVERY  # the plan's count until its cost is known
+    assert used[tg.PROBE_EVERY : tg.PROBE_EVERY + tg.PROBE_STEPS] == [2] * tg.PROBE_STEPS  # the probe
+    assert governor.home == 2 and set(used[tg.PROBE_EVERY :]) == {2}
+    assert governor.switches == 1
+
+
+def test_loaded_machine_cuts_the_probe_short_and_waits_out_its_cost() -> None:
+    governor = ThreadGovernor(1, 2)
+    used = drive(governor, 2000, loaded)
+    probes = [i for i, t in enumerate(used) if t == 2]
+    assert probes[0] == tg.PROBE_EVERY and used[probes[0] + 1] == 1  # one slow step ends the probe
+    assert governor.home == 1
+    # every probe step lost 1.55 s: the next waits for 1.55 / PROBE_SHARE s (620 steps) at home
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and all(gap == 1 + int(1.55 / tg.PROBE_SHARE / 0.050) for gap in gaps)
+    lost = len(probes) * (1.6 - 0.050)
+    assert lost <= tg.PROBE_SHARE * 2000 * 0.050 + 1.6  # within the share, but for the first probe
+
+
+def test_collapse_at_home_falls_back_on_the_next_step() -> None:
+    governor = ThreadGovernor(1, 2)
+    drive(governor, 60, quiet)
+    assert governor.home == 2
+    used = drive(governor, 3, loaded, start=60)
+    assert used == [2, 1, 1]  # one collapsed step, then the plan's count at once
+    assert governor.home == 1 and not governor.costs[2]
+
+
+def test_hysteresis_keeps_the_plan_within_the_margin() -> None:
+    governor = ThreadGovernor(1, 2)
+    used = drive(governor, 200, lambda i, t: {1: 0.050, 2: 0.050 / (tg.SPEEDUP - 0.05)}[t])
+    assert governor.home == 1 and governor.switches == 0
+    assert 2 in used  # probed, and the 1.1x was not enough
+
+
+def test_the_team_reprobes_the_plan_and_returns_when_the_team_slows() -> None:
+    governor = ThreadGovernor(1, 2)
+    drive(governor, 60, quiet)
+    assert governor.home == 2
+    slower = {1: 0.050, 2: 0.060}  # the team got 2x slower gradually: no single collapsed step
+    used = drive(governor, 40, lambda i, t: slower[t] if i >= 60 + tg.WINDOW else quiet(i, t), start=60)
+    used += drive(governor, 2 * tg.PROBE_EVERY, lambda i, t: slower[t], start=100)
+    assert 1 in used and governor.home == 1
+
+
+def test_governor_needs_two_counts() -> None:
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, 2)
+
+
+def test_for_plan_takes_every_core_above_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 4)
+    governor = for_plan(3)
+    assert governor is not None and (governor.base, governor.team) == (3, 4)
+    assert for_plan(4) is None and for_plan(None) is None
+
+
+class Scripted(ThreadGovernor):
+    """Alternates 1 and 2 threads step by step and records, per step, the thread that ran it
+    and its torch thread count (what the caller applied)."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 2)
+        self.seen: list[tuple[str, int]] = []
+        self.steps = 0
+
+    @property
+    def threads(self) -> int:
+        return 1 + self.steps % 2
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        assert tokens > 0 and seconds >= 0
+        self.seen.append((threading.current_thread().name, torch.get_num_threads()))
+        self.steps += 1
+
+
+def test_generate_applies_the_governor_and_keeps_the_ids() -> None:
+    """The default model's ids with the thread count switched every step equal those at the
+    plan's count (its kernels give the same bits at 1 and 2 threads on this CPU)."""
+    from dlm.engine.llm import LLM
+
+    llm = LLM(None, dtype="float32", device="cpu")
+    prompt = llm.encode("What is 19 + 81?")
+    kwargs = {"gen_length": 32, "steps": 32, "block_length": 32}
+    llm.thread_governor = None
+    plain = llm.generate(prompt, **kwargs)[0].output_ids
+    scripted = Scripted()
+    llm.thread_governor = scripted
+    governed = llm.generate(prompt, **kwargs)[0].output_ids
+    assert governed == plain
+    # the first step is not observed; each later one ran with the count set after the one before
+    assert len(scripted.seen) == 31
+    assert [t for _, t in scripted.seen] == [1 + i % 2 for i in range(31)]
+    assert {name for name, _ in scripted.seen} == {threading.current_thread().name}
+
+
+def test_serve_applies_the_governor_on_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--thread-governor`: the serving loop sets the governor's count before each step, on
+    the engine thread, and reports each step's time and tokens to it."""
+    import dlm.engine.llm as llm_module
+    from dlm.engine.runtime.async_engine import ENGINE_THREAD
+    from tests.serving import in_process_server
+
+    made: list[Scripted] = []
+
+    def scripted(planned: int | None) -> Scripted:
+        made.append(Scripted())
+        return made[-1]
+
+    monkeypatch.setattr(llm_module, "for_plan", scripted)
+    with in_process_server(model="tiny:llada", dtype="float32", device="cpu", thread_governor=True) as client:
+        response = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "steps": 8})
+        assert response.status_code == 200, response.text
+    [governor] = made
+    assert len(governor.seen) >= 8
+    assert {name for name, _ in governor.seen} == {ENGINE_THREAD}
+    assert [t for _, t in governor.seen] == [1 + i % 2 for i in range(len(governor.seen))]
+
+
+def test_serve_without_the_flag_has_no_governor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlm.engine.llm as llm_module
+    from dlm.engine.llm import LLM
+
+    monkeypatch.setattr(llm_module, "for_plan", lambda planned: pytest.fail("no governor was asked for"))
+    assert LLM("tiny:llada", dtype="float32", device="cpu").thread_governor is None
