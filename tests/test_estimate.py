@@ -431,6 +431,26 @@ def test_quantized_formats_shrink_linear_layers_only() -> None:
     assert _row(int4, "weights: embeddings") == _row(bf16, "weights: embeddings")  # not quantized
 
 
+@pytest.mark.parametrize(
+    ("serving", "message"),
+    [
+        ({"quantization": "int4", "group_size": 0}, "--group-size must be one of 128, 64, 32"),
+        ({"quantization": "int4", "group_size": 48}, "--group-size must be one of 128, 64, 32"),
+        ({"quantization": "int8", "group_size": 64}, "--group-size applies to --quantization int4"),
+        ({"group_size": 64}, "--group-size applies to --quantization int4"),
+        ({"dtype": "int4", "quantization": "none"}, "--dtype int4 and --quantization none disagree"),
+    ],
+)
+def test_quantization_plans_only_what_the_loader_runs(serving: dict[str, Any], message: str) -> None:
+    """A group size the int4 kernels do not take (0 was read as unset, 48 planned), one given
+    without int4 (ignored), or `--quantization none` beside the older `--dtype int4` (planned
+    as int4): each is refused rather than silently planned as something else."""
+    with pytest.raises(UsageError, match=message):
+        _plan(LLADA_8B, **serving)
+    _, int4 = _plan(LLADA_8B, quantization="int4", group_size=64)
+    assert _row(int4, "weights: dense MLP") == round(32 * 3 * 4096 * 12288 * (0.5 + 4 / 64))
+
+
 def test_kv_cache_exact_for_block_causal_and_full_attention_layers_only() -> None:
     _, sdar = _plan(SDAR_8B, batch=2, context=4096)
     assert _row(sdar, "KV cache") == 2 * 36 * 8 * 128 * 2 * 4096 * 2

@@ -261,3 +261,21 @@ def test_jsonl_lines_may_fix_the_answer_length(tmp_path: Path) -> None:
     path.write_text('{"prompt": "a", "max_tokens": 8, "ignore_eos": true, "min_tokens": 8}\n')
     line = {"prompt": "a", "max_tokens": 8, "ignore_eos": True, "min_tokens": 8}
     assert load_jsonl(path) == (("/v1/completions", line),)
+
+
+def test_fixed_length_fixes_each_request_at_its_own_max_tokens(tmp_path: Path) -> None:
+    """`--fixed-length` fixes every answer at the request's max_tokens: a JSONL line's own
+    max_tokens (below --max-tokens here) gets min_tokens equal to it, not --max-tokens (which
+    the server refuses: min_tokens must not exceed max_tokens); a line's own min_tokens or
+    ignore_eos is kept, as every line field is."""
+    path = tmp_path / "lines.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 8}\n{"prompt": "b"}\n{"prompt": "c", "min_tokens": 2}\n')
+    workload = from_prompts(str(path), {"max_tokens": 16}, None, fixed_length=True)
+    bodies = [workload.request(i)[1] for i in range(3)]
+    assert [(b["max_tokens"], b["min_tokens"], b["ignore_eos"]) for b in bodies] == [
+        (8, 8, True),
+        (16, 16, True),
+        (16, 2, True),
+    ]
+    plain = from_prompts(str(path), {"max_tokens": 16}, None).request(0)[1]
+    assert "min_tokens" not in plain and "ignore_eos" not in plain

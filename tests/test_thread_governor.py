@@ -172,3 +172,59 @@ def test_serve_without_the_flag_has_no_governor(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(llm_module, "for_plan", lambda planned: pytest.fail("no governor was asked for"))
     assert LLM("tiny:llada", dtype="float32", device="cpu").thread_governor is None
+
+
+@pytest.mark.parametrize(
+    ("distributed", "device", "planned", "words"),
+    [
+        (True, "cpu", 1, "tensor-parallel"),
+        (False, "cuda", None, "cuda"),
+        (False, "cpu", None, "no CPU thread plan"),
+        (False, "cpu", 4, "every core (4)"),
+    ],
+)
+def test_why_no_governor_names_each_reason(
+    monkeypatch: pytest.MonkeyPatch, distributed: bool, device: str, planned: int | None, words: str
+) -> None:
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 4)
+    assert words in tg.why_no_governor(distributed, device, planned)
+
+
+def test_a_governor_asked_for_but_not_possible_is_said_not_silent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--thread-governor` where there is nothing to govern (here: the plan's threads are
+    every core) is said, by the server's log and on the LLM (which `dlm generate` prints),
+    rather than silently ignored; without the flag nothing is said."""
+    from dlm.engine.llm import LLM
+    from tests.serving import in_process_server
+
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 1)
+    llm = LLM("tiny:llada", dtype="float32", device="cpu", thread_governor=True)
+    assert llm.thread_governor is None
+    assert llm.thread_governor_off is not None and "every core (1)" in llm.thread_governor_off
+    assert LLM("tiny:llada", dtype="float32", device="cpu").thread_governor_off is None
+    with (
+        caplog.at_level("WARNING", logger="dlm.server"),
+        in_process_server(model="tiny:llada", dtype="float32", device="cpu", thread_governor=True),
+    ):
+        pass
+    assert any("thread_governor" in r.getMessage() and "every core" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_generate_says_the_governor_is_off_under_tensor_parallelism() -> None:
+    """Each rank runs its forwards on the CPU plan's threads: `dlm generate -tp 2
+    --thread-governor` says the flag has no effect there (it said nothing)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "dlm", "generate", "tiny:llada", "--prompt-ids", "1,2", "--gen-length", "4"]
+        + ["--dtype", "float32", "--tensor-parallel-size", "2", "--thread-governor"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "thread governor: off" in " ".join(result.stderr.split()), result.stderr

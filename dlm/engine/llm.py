@@ -22,7 +22,7 @@ from dlm.engine.runtime.engine import cap_device_memory, load_engine
 from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import forward_tokens
-from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan
+from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan, why_no_governor
 from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -90,6 +90,12 @@ class LLM:
             # engine thread, dlm/engine/runtime/async_engine.py): OpenMP counts are per thread.
             apply_threads(self.dtype_choice.threads)
         self.thread_governor = for_plan(self.dtype_choice.threads) if thread_governor and not distributed else None
+        # Asked for but nothing to govern: why, for the server's log and `dlm generate` to say.
+        self.thread_governor_off = (
+            why_no_governor(distributed, self.device.type, self.dtype_choice.threads)
+            if thread_governor and self.thread_governor is None
+            else None
+        )
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
         self.backend = backend

@@ -151,7 +151,7 @@ def estimate(
     group_size: int | None = typer.Option(
         None,
         "--group-size",
-        help="int4 inputs per scale.",
+        help="int4 inputs per scale: 128, 64 or 32 (the groups the int4 kernels take).",
         show_default="the loader's: 128, or 64/32 where 128 does not divide",
     ),
     gpu: str | None = typer.Option(

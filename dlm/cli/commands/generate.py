@@ -190,6 +190,8 @@ def generate(
         with llm:  # stops the worker ranks of a tensor-parallel model however this ends
             if llm.engine.tensor_parallel_size > 1:
                 err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
+            if llm.thread_governor_off is not None:
+                err_console.print(f"thread governor: off ({llm.thread_governor_off})")
             path = llm.engine.path
             if path is not None:
                 from dlm.engine.transformers_backend import PATHS

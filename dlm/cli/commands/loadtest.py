@@ -50,8 +50,9 @@ def loadtest(
     fixed_length: bool = typer.Option(
         False,
         "--fixed-length",
-        help="Every answer exactly --max-tokens long: sends ignore_eos and min_tokens = max_tokens "
-        "(vLLM's fields, as vLLM's bench and aiperf fix output lengths), so EOS cannot end an answer early.",
+        help="Every answer exactly --max-tokens long (a prompts file line's own max_tokens where it sets one): "
+        "sends ignore_eos and min_tokens = max_tokens (vLLM's fields, as vLLM's bench and aiperf fix output "
+        "lengths), so EOS cannot end an answer early.",
     ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature."),
     steps: int | None = typer.Option(None, "--steps", help="dLLM: denoising steps.", show_default=SERVERS),
@@ -121,9 +122,8 @@ def loadtest(
             "max_tokens": max_tokens,
             "temperature": temperature,
             **{k: v for k, v in dllm.items() if v is not None},
-            **({"ignore_eos": True, "min_tokens": max_tokens} if fixed_length else {}),
         }
-        workload = from_prompts(prompts, fields, model)
+        workload = from_prompts(prompts, fields, model, fixed_length=fixed_length)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         verify = tls_verify(cacert, insecure)
         plan = LoadPlan(

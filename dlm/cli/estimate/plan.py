@@ -27,7 +27,7 @@ from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
-from dlm.engine.quantization import METHODS, Method, method_named
+from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, method_named
 from dlm.engine.registry import Family, family_for
 
 GIB = 1024**3
@@ -285,9 +285,19 @@ class Serving:
         fmt = weight_format(self.dtype)
         method = method_named(self.quantization)
         if fmt in METHODS:  # `--dtype int4`: the older spelling of bf16 with --quantization int4
-            if method is not None and method.name != fmt:
-                raise UsageError(f"--dtype {fmt} and --quantization {method.name} disagree: give --quantization only")
+            if self.quantization is not None and (method is None or method.name != fmt):
+                raise UsageError(
+                    f"--dtype {fmt} and --quantization {self.quantization} disagree: give --quantization only"
+                )
             method, fmt = METHODS[fmt], "bf16"
+        if self.group_size is not None:  # groups the int4 kernels take, as the loader refuses others
+            if method is None or method.scale != "group":
+                raise UsageError("--group-size applies to --quantization int4 only (its inputs per scale)")
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise UsageError(
+                    f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))} "
+                    f"(the groups the int4 kernels take), got {self.group_size}"
+                )
         kv = self.kv_dtype.lower()
         kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
         if kv not in KV_BYTES:
@@ -313,7 +323,6 @@ class Serving:
             ("batch", self.batch),
             ("gen-length", self.gen_length),
             ("block-length", self.block_length),
-            ("group-size", self.group_size or 1),
         ):
             if value < 1:
                 raise UsageError(f"--{name} must be at least 1, got {value}")

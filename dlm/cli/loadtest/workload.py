@@ -39,12 +39,15 @@ Requests = tuple[tuple[str, dict[str, Any]], ...]  # (path, body without model/s
 @dataclass(frozen=True)
 class Workload:
     """Request templates the users cycle through, and fields added to every request.
-    `requests` None: chosen once the served model is known (`for_model`)."""
+    `requests` None: chosen once the served model is known (`for_model`). `fixed_length`
+    (`--fixed-length`): every answer exactly its request's max_tokens long (`ignore_eos`, and
+    `min_tokens` equal to that request's max_tokens, a JSONL line's own where it sets one)."""
 
     requests: Requests | None
     fields: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     prompts: str = ""  # where the requests came from: a named set or a file, for the summary
+    fixed_length: bool = False
 
     def for_model(self, card: dict[str, Any]) -> Workload:
         """This workload for the server's /v1/models card: its model id unless one was given,
@@ -60,7 +63,10 @@ class Workload:
         if self.requests is None:
             raise ValueError("the prompts are chosen by for_model() first")
         path, body = self.requests[index % len(self.requests)]
-        full = {**self.fields, **body, "stream": True, "stream_options": {"include_usage": True}}
+        full = {**self.fields, **body}
+        if self.fixed_length:  # a line's own min_tokens / ignore_eos win, as its other fields do
+            full = {"ignore_eos": True, "min_tokens": full.get("max_tokens"), **full}
+        full.update(stream=True, stream_options={"include_usage": True})
         if self.model:
             full["model"] = self.model
         return path, full
@@ -102,15 +108,15 @@ def named(name: str) -> Requests:
     return task_requests() if name == TASK_PROMPTS else builtin_requests()
 
 
-def from_prompts(spec: str, fields: dict[str, Any], model: str | None) -> Workload:
+def from_prompts(spec: str, fields: dict[str, Any], model: str | None, *, fixed_length: bool = False) -> Workload:
     """`--prompts`: a named set (`auto`, `tasks`, `builtin`) unless a file has its name, else
     a JSONL file; `auto` leaves the choice to the served model (`Workload.for_model`)."""
     if not Path(spec).exists():
         if spec == AUTO_PROMPTS:
-            return Workload(None, fields, model, spec)
+            return Workload(None, fields, model, spec, fixed_length)
         if spec in (TASK_PROMPTS, BUILTIN_PROMPT_SET):
-            return Workload(named(spec), fields, model, spec)
-    return Workload(load_jsonl(spec), fields, model, spec)
+            return Workload(named(spec), fields, model, spec, fixed_length)
+    return Workload(load_jsonl(spec), fields, model, spec, fixed_length)
 
 
 def load_jsonl(path: str | Path) -> Requests:

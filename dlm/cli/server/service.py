@@ -171,6 +171,8 @@ class Service:
         )
         if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
             log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
+        if llm.thread_governor_off is not None:
+            log.warning("thread_governor has no effect: %s", llm.thread_governor_off)
         try:
             return self._serve(llm, ref, warmup)
         except BaseException:

@@ -130,3 +130,16 @@ def for_plan(planned: int | None) -> ThreadGovernor | None:
     they differ; None where there is nothing to choose (no plan: not a CPU, or one core)."""
     every = cpu_plan.default_threads()
     return None if planned is None or planned >= every else ThreadGovernor(planned, every)
+
+
+def why_no_governor(distributed: bool, device_type: str, planned: int | None) -> str:
+    """Why `--thread-governor` has nothing to govern (`for_plan` gave None, or the model runs
+    over tensor-parallel ranks): said by the server's log and `dlm generate`, so the flag is
+    never silently without effect."""
+    if distributed:
+        return "each tensor-parallel rank runs its forwards with the CPU plan's threads"
+    if device_type != "cpu":
+        return f"the forwards run on {device_type}; it chooses CPU threads"
+    if planned is None:
+        return "this model has no CPU thread plan (the transformers backend)"
+    return f"the CPU plan already gives the forwards every core ({cpu_plan.default_threads()})"
