@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import torch
-    from dtype_auto import write_llada_shaped
+
+    from benchmarks.vs_peers import write_llada_shaped
 
     big = write_llada_shaped(args.workdir / "llada-8x1024")
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
