@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.dtype_auto import write_llada_shaped  # noqa: E402
+from benchmarks.vs_peers import write_llada_shaped  # noqa: E402
 from dlm.engine.llm import LLM  # noqa: E402
 from dlm.kernels import dispatch  # noqa: E402
 from dlm.kernels.token_stats import TokenStats  # noqa: E402

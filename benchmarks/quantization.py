@@ -4,8 +4,8 @@ Two models:
 - the embedded default model: exact-match accuracy per task on its held-out prompts
   (scripts/train_tiny_dllm.py's evaluation, the model card's numbers) and the pass rate of its
   known-answer suite (`dlm validate --suite default-model`), in bf16, for each method;
-- an 8-layer, 1024-hidden, 32K-vocabulary LLaDA with random weights (the shape of
-  benchmarks/dtype_auto.py: 102.8M parameters in its layers, the part quantization applies
+- an 8-layer, 1024-hidden, 32K-vocabulary LLaDA with random weights (170M: `write_llada_shaped`
+  in benchmarks/vs_peers.py, 102.8M parameters in its layers, the part quantization applies
   to, plus 2 x 33.6M of embedding and LM head): weight bytes and process RSS after loading
   (each method loaded in a fresh process), and decode tokens/s, the three methods loaded
   together and decoded in alternation, round after round, so a busy neighbour slows all alike.
@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import torch
-    from dtype_auto import write_llada_shaped
+
+    from benchmarks.vs_peers import write_llada_shaped
 
     big = write_llada_shaped(args.workdir / "llada-8x1024")
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
@@ -155,7 +156,7 @@ def main() -> None:
         key = name(method)
         mem, spd = report["memory"][key], report["speed"][key]
         print(
-            f"104M LLaDA {key:5s}: weights {mem['weight_bytes'] / 2**20:8.1f} MiB "
+            f"170M LLaDA {key:5s}: weights {mem['weight_bytes'] / 2**20:8.1f} MiB "
             f"({mem['weight_bytes'] / base_mem['weight_bytes']:.2f}x), RSS {mem['rss'] / 2**20:8.1f} MiB "
             f"({mem['rss'] / base_mem['rss']:.2f}x), trimmed {mem['rss_trimmed'] / 2**20:8.1f} MiB "
             f"({mem['rss_trimmed'] / base_mem['rss_trimmed']:.2f}x), "

@@ -49,17 +49,32 @@ def default_model() -> Path:
     return Path(resolve_model(None))
 
 
-def write_104m(directory: Path) -> Path:
-    """The 104M random LLaDA with the default model's tokenizer (its ids, mask and EOS)."""
+def _write_shaped(directory: Path, vocab_size: int, mask_token_id: int, eos_token_id: int, **extra: Any) -> bool:
+    """SHAPE with random weights (seed 0) at this vocabulary; False when already written."""
     from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 
     if (directory / "model.safetensors").exists():
-        return directory
-    base = json.loads((default_model() / "config.json").read_text())
-    config = llada_config(base["vocab_size"], base["mask_token_id"], base["eos_token_id"], **SHAPE)
+        return False
+    config = llada_config(vocab_size, mask_token_id, eos_token_id, **SHAPE, **extra)
     save_checkpoint(directory, config, random_llada_tensors(config, seed=0))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).write_bytes((default_model() / name).read_bytes())
+    return True
+
+
+def write_104m(directory: Path) -> Path:
+    """The 104M random LLaDA with the default model's tokenizer (its ids, mask and EOS)."""
+    base = json.loads((default_model() / "config.json").read_text())
+    if _write_shaped(directory, base["vocab_size"], base["mask_token_id"], base["eos_token_id"]):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (directory / name).write_bytes((default_model() / name).read_bytes())
+    return directory
+
+
+def write_llada_shaped(directory: Path) -> Path:
+    """SHAPE at a 32K vocabulary, without a tokenizer (prompts are ids): 102.8M parameters in
+    its layers plus 2 x 33.6M of embedding and LM head, the checkpoint benchmarks/quantization.py
+    and benchmarks/decode_vs_reference.py measure (their tables were made on it)."""
+    vocab = 32768
+    _write_shaped(directory, vocab, vocab - 2, vocab - 1, max_sequence_length=4096)
     return directory
 
 
