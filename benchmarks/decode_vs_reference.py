@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=4, help="candidates per forward for the lossless column")
     args = ap.parse_args()
     gen = args.gen_length
+    if gen % args.block_length:  # the reference loops split gen_length into whole blocks
+        ap.error(f"--gen-length ({gen}) must be a multiple of --block-length ({args.block_length})")
     print(
         f"gen {gen}  block {args.block_length}  prompt {args.prompt_length}  drafts {args.drafts}  "
         f"threads {torch.get_num_threads()}  repeats {args.repeats} (median)"
