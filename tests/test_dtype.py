@@ -19,6 +19,7 @@ from dlm.engine import dtype as dtypes
 from dlm.engine.cpu_plan import ModelShape
 from dlm.engine.device import resolve_device
 from dlm.engine.errors import UsageError
+from dlm.kernels import dispatch
 
 CPU = torch.device("cpu")
 
@@ -111,7 +112,10 @@ def test_the_measurement_is_cached_per_machine_and_shape(cpu: dict) -> None:
     assert calls == 2 * (1 + cpu_plan.PROBE_ROUNDS)  # a first call each, then the rounds
     assert "measured" in first.reason
     cached = json.loads((cpu["home"] / cpu_plan.CACHE_FILE).read_text())
-    assert [key.split("/")[1:] for key in cached] == [[SMALL.key, "layer"]]
+    # The key also says how each candidate dtype's linear weights are held (a plan measured
+    # with plain bf16 weights does not describe packed ones).
+    layouts = "+".join(dispatch.linear_layout(d, CPU) for d in (torch.float32, torch.bfloat16))
+    assert [key.split("/")[1:] for key in cached] == [[SMALL.key, "layer", layouts]]
     again = dtypes.choose_dtype("auto", CPU, shape=SMALL)
     assert len(cpu["calls"]) == calls and again.dtype == first.dtype and "cached" in again.reason
     dtypes.choose_dtype("auto", CPU, shape=LARGE)  # another shape is measured

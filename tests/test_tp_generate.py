@@ -77,3 +77,19 @@ def test_two_ranks_infill_sample_and_report_logprobs_as_one_process(checkpoints:
         assert [t.token for t in a.logprobs] == [t.token for t in b.logprobs]
         assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-5)
         assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]
+
+
+def test_two_ranks_with_packed_bf16_weights_decode_the_plain_weights_ids(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 (what packing applies to; the comparison is exact), each rank packs the shard
+    it read (dlm/kernels/packed_linear.py): the same ids as two ranks holding plain shards
+    (`DLM_KERNELS=torch`, inherited by the workers). Where this CPU packs nothing both runs
+    are plain and the test still checks that two ranks decode in bf16."""
+    ids = {}
+    for kernels in ("auto", "torch"):
+        monkeypatch.setenv("DLM_KERNELS", kernels)
+        with LLM(checkpoints["llada"], dtype="bfloat16", device="cpu", parallel=ParallelConfig(2)) as llm:
+            out = llm.generate(PROMPT, **PARAMS["llada"])[0]
+        ids[kernels] = (out.output_ids, out.nfe)
+    assert ids["auto"] == ids["torch"]

@@ -21,7 +21,8 @@ faster by a margin (`BF16_MIN_SPEEDUP`, `THREADS_MIN_SPEEDUP`): within it the si
 fast, fp32 is exact where bf16 rounds, and a team costs cores other work could use.
 
 The result is cached in `$DLM_HOME/cpu_plan.json`, keyed by the CPU (model name, flags),
-torch's version, the default thread count and the shape: the next load of the same model on
+torch's version, the default thread count, the shape and how linear weights are held
+(dlm/kernels/packed_linear.py): the next load of the same model on
 the same machine reads it (delete the file to measure again). Tests replace `_forward_seconds`.
 """
 
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from dlm.engine.home import dlm_home
+from dlm.kernels import dispatch
 
 log = logging.getLogger("dlm.engine")
 
@@ -143,13 +145,14 @@ def _probe_inputs(shape: ModelShape, dtype: torch.dtype) -> dict[str, torch.Tens
     def rand(*size: int) -> torch.Tensor:
         return (torch.randn(*size, generator=g) / math.sqrt(size[-1])).to(dtype)
 
+    linear = dispatch.prepare_linear_weight  # held as the loaded model's layers hold them
     return {
         "x": rand(1, PROBE_TOKENS, d),
         "norm": torch.ones(d, dtype=dtype),
-        "qkv": rand(q + 2 * kv, d),
-        "out": rand(d, q),
-        "gate_up": rand(2 * shape.ffn, d),
-        "down": rand(d, shape.ffn),
+        "qkv": linear(rand(q + 2 * kv, d)),
+        "out": linear(rand(d, q)),
+        "gate_up": linear(rand(2 * shape.ffn, d)),
+        "down": linear(rand(d, shape.ffn)),
         "head": rand(shape.vocab, d),
     }
 
@@ -267,7 +270,10 @@ def plan(shape: ModelShape, dtypes: Iterable[torch.dtype], timer: Timer | None =
     if len(wanted) == 1:  # nothing to choose between
         return CpuPlan(wanted[0].dtype, wanted[0].threads, {}, False)
     kind = "layer" if timer is None else "model"
-    key = f"{machine_key()}/{shape.key}/{kind}"
+    # How the candidates' linear weights are held (a plan timed before bf16 weights were
+    # packed does not describe the packed model).
+    layouts = "+".join(dispatch.linear_layout(d, torch.device("cpu")) for d in dict.fromkeys(c.dtype for c in wanted))
+    key = f"{machine_key()}/{shape.key}/{kind}/{layouts}"
     cached = _read_cache().get(key)
     names = {c.name for c in wanted}
     if isinstance(cached, dict) and names <= set(cached):

@@ -137,7 +137,9 @@ def from_integers(
 
 
 def is_quantized(t: torch.Tensor) -> bool:
-    """Whether `t` is a quantized (torchao) weight rather than a dense one."""
+    """Whether `t` is a weight held in a library's layout (a torchao quantized tensor, or a
+    oneDNN-packed bf16 one: dlm/kernels/packed_linear.py) rather than a plain dense tensor:
+    such a weight is only multiplied (`F.linear`), never sliced."""
     return type(t) not in (torch.Tensor, nn.Parameter)
 
 

@@ -8,6 +8,10 @@
 Every kernel has a torch twin in `dlm/kernels/<name>.py` and a Triton version with the same
 signature in `dlm/kernels/<name>_triton.py`, imported only when first chosen.
 
+Linear layers are the one CPU kernel: under `auto` and `triton`, bf16 weights on a CPU with
+native bf16 are packed at load into oneDNN's blocked layout (`dlm/kernels/packed_linear.py`,
+`prepare_linear_weight`); under `torch` they stay plain and run `F.linear`, the twin.
+
 A Triton kernel that failed its self-test on this process's device (`dlm.kernels.selftest`,
 run by `dlm serve` at start) is switched off with `fall_back`: every later call of it runs
 the torch twin, whatever `DLM_KERNELS` says.
@@ -28,6 +32,7 @@ import torch
 from dlm.kernels.attention import attention_torch, masked_attention_torch
 from dlm.kernels.gumbel import draw_seed
 from dlm.kernels.moe import fused_moe_torch
+from dlm.kernels.packed_linear import pack, supported
 from dlm.kernels.rms_norm import rms_norm_torch
 from dlm.kernels.rotary import rotary_torch
 from dlm.kernels.token_stats import TokenStats, VocabShard, combine, merge, token_stats_partial_torch, token_stats_torch
@@ -73,11 +78,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def backend(device: torch.device) -> str:
-    """'triton' or 'torch' for tensors on `device`, per `DLM_KERNELS`."""
+def _choice() -> str:
     choice = os.environ.get("DLM_KERNELS", "auto").lower()
     if choice not in CHOICES:
         raise KernelChoiceError(f"DLM_KERNELS must be auto, torch or triton, not {choice!r}")
+    return choice
+
+
+def backend(device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on `device`, per `DLM_KERNELS`."""
+    choice = _choice()
     if choice == "torch":
         return "torch"
     if choice == "auto":
@@ -89,6 +99,19 @@ def backend(device: torch.device) -> str:
             f"DLM_KERNELS=triton on {device.type} tensors needs a CUDA device or TRITON_INTERPRET=1"
         )
     return "triton"
+
+
+def linear_layout(dtype: torch.dtype, device: torch.device) -> str:
+    """How linear weights of `dtype` on `device` are held: "onednn-packed" (packed once at
+    load, `dlm.kernels.packed_linear`) or "dense" (plain, `F.linear`)."""
+    return "onednn-packed" if _choice() != "torch" and supported(dtype, device.type) else "dense"
+
+
+def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's dense [out, in] weight as the layer will hold it (`linear_layout`)."""
+    if linear_layout(weight.dtype, weight.device) == "dense":
+        return weight
+    return pack(weight)
 
 
 def triton_kernels() -> list[str]:

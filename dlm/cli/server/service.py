@@ -226,6 +226,7 @@ class Service:
             "quantization": llm.quantization,
             "kernels": {
                 "backend": dispatch.backend(llm.device),
+                "linear": dispatch.linear_layout(llm.dtype, llm.device) if llm.backend == "native" else "dense",
                 "self_test": {result.name: result.status for result in tested},
                 "fallbacks": dispatch.fallbacks(),
             },

@@ -68,7 +68,7 @@ def self_attention(
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     cos, sin = cos_sin
     if select is None or is_quantized(w):
-        # A quantized weight is not sliced by rows: its packed layout need not allow it.
+        # A quantized or packed weight is not sliced by rows: its layout need not allow it.
         q, k, v = qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
         cos_q, sin_q = cos, sin
         if select is not None:

@@ -25,7 +25,7 @@ from dlm.engine.loader import load_weights
 from dlm.engine.parallel import state as parallel_state
 from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.quantization import method_named
-from dlm.engine.quantized_weights import quantizer
+from dlm.engine.quantized_weights import quantizable, quantizer
 from dlm.engine.registry import family_for, family_named
 from dlm.engine.runtime.block_runner import BlockRunner
 from dlm.engine.runtime.interface import Engine, Runner
@@ -35,6 +35,7 @@ from dlm.engine.runtime.runner import MIN_ROWS, ModelRunner
 from dlm.engine.runtime.sequence import Sequence
 from dlm.engine.runtime.step_graphs import ShapeBuckets, StepGraphs, graph_mode
 from dlm.engine.structured import FIELD
+from dlm.kernels import dispatch
 
 
 def cap_device_memory(device: torch.device, fraction: float | None) -> bool:
@@ -125,9 +126,29 @@ def load_model(
         place, decoded = placement(model, model_dir, scheme, dtype, device)
         method = method_named(scheme.method)
     else:
-        place = None if method is None else quantizer(model, method, dtype, device)
+        place = linear_placement(model, dtype, device) if method is None else quantizer(model, method, dtype, device)
     load_weights(model, model_dir, dtype, device, on_tensor=on_tensor, place=place, decoded=decoded)
     return LoadedModel(config, model.eval(), dtype, device, model_dir, None if method is None else method.name)
+
+
+def linear_placement(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device
+) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """The loader's placement that holds each linear layer's weight in the layout the kernels'
+    dispatch gives it (bf16 on a CPU with native bf16: packed once for oneDNN,
+    dlm/kernels/packed_linear.py), or None where every weight stays plain. The layers are the
+    ones quantization applies to (`quantizable`: not the LM head, embeddings or routers),
+    stacked experts aside."""
+    if dispatch.linear_layout(dtype, device) == "dense":
+        return None
+    params = dict(model.named_parameters())
+    linears = {name for name in quantizable(model) if params[name].dim() == 2}
+
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(device=device, dtype=dtype)
+        return dispatch.prepare_linear_weight(tensor) if name in linears else tensor
+
+    return place
 
 
 def load_engine(
