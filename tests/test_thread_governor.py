@@ -92,6 +92,29 @@ def test_the_team_reprobes_the_plan_and_returns_when_the_team_slows() -> None:
     assert 1 in used and governor.home == 1
 
 
+def test_a_probe_compares_only_steps_of_like_batch_size() -> None:
+    """Served at concurrency 8 the 104M model's steps fed 472 tokens (137 ms at one thread,
+    80 ms at two), and the wave's tail one canvas of 59 (80 ms at two threads): per token that
+    tail step cost 4.6x the full ones, which the governor once took for a collapsed team and
+    stayed on one thread. A probe step of a size home has no cost for decides nothing."""
+    governor = ThreadGovernor(1, 2)
+    full = {1: 0.137, 2: 0.080}
+    used = [governor.threads]
+    for _ in range(tg.PROBE_EVERY):
+        governor.observe(full[governor.threads], 472)
+        used.append(governor.threads)
+    assert governor.probing and governor.threads == 2
+    governor.observe(0.080, 59)  # the tail: one canvas
+    assert not governor.probing and governor.home == 1 and governor._owed == 0  # no verdict, no penalty
+    governor.observe(full[1], 472)  # the next batch: the probe starts again at once
+    assert governor.probing
+    for _ in range(tg.PROBE_STEPS):
+        governor.observe(full[governor.threads], 472)
+    assert governor.home == 2 and governor.switches == 1  # like for like, the team wins
+    governor.observe(0.080, 59)  # at home on the team, a small step is not a collapse either
+    assert governor.home == 2
+
+
 def test_governor_needs_two_counts() -> None:
     with pytest.raises(ValueError):
         ThreadGovernor(2, 2)

@@ -10,9 +10,11 @@ descheduled teammate holds the whole region for a time slice). Whether the machi
 changes by the minute, so no load-time measurement can decide it.
 
 The governor keeps two candidates, `base` (the plan's count) and `team` (every core), and the
-recent per-token cost of each (step seconds / canvas tokens fed to the forward, so batches of
-different sizes compare). It runs at one of them ("home") and now and then probes the other
-for `PROBE_STEPS` steps:
+recent per-token cost of each (step seconds / canvas tokens fed to the forward) per batch-size
+class (`size_class`: a small batch costs more per token, so only steps of like size compare).
+It runs at one of them ("home") and now and then probes the other for `PROBE_STEPS` steps,
+each compared with home's recent cost at its own size (a probe step of a size home has no
+cost for ends the probe undecided, and the next step at home of a known size starts it again):
 
 - it moves home when the probed count's median cost beats home's by `SPEEDUP` (hysteresis:
   within it the counts are as fast, and `base` leaves cores to other work);
@@ -48,14 +50,23 @@ COLLAPSE = 2.0  # a team step this many times its recent median means the cores 
 PROBE_SHARE = 0.05  # the share of time lost to probes of the team, at most
 
 
+def size_class(tokens: int) -> int:
+    """The batch-size class of a step of `tokens` canvas tokens: powers of two. Costs per token
+    compare only within a class: a step of one 59-token canvas cost 4.6x a step of eight per
+    token on the 104M model (the weights are read once per step whatever the batch), so a
+    probe step at the tail of a batch looked like a collapse of the team."""
+    return max(1, tokens).bit_length()
+
+
 class ThreadGovernor:
     def __init__(self, base: int, team: int) -> None:
         if not 1 <= base < team:
             raise ValueError(f"a governor needs base < team threads, got {base} and {team}")
         self.base, self.team = base, team
         self.home = base
-        self.costs: dict[int, deque[float]] = {base: deque(maxlen=WINDOW), team: deque(maxlen=WINDOW)}
-        self._probe: list[float] | None = None  # costs of the probe in progress
+        # Recent per-token costs, per thread count and size class.
+        self.costs: dict[int, dict[int, deque[float]]] = {base: {}, team: {}}
+        self._probe: list[tuple[int, float]] | None = None  # (size class, cost) of the probe in progress
         self._probe_lost = 0.0  # seconds the current probe lost against home's median
         self._home_steps = 0  # steps at home since the last probe
         self._home_seconds = 0.0  # seconds at home since the last probe
@@ -75,40 +86,56 @@ class ThreadGovernor:
     def _other(self) -> int:
         return self.team if self.home == self.base else self.base
 
-    def _median(self, threads: int) -> float | None:
-        costs = self.costs[threads]
+    def _median(self, threads: int, size: int) -> float | None:
+        costs = self.costs[threads].get(size, ())
         return statistics.median(costs) if len(costs) >= MIN_SAMPLES else None
+
+    def _record(self, threads: int, size: int, cost: float) -> None:
+        self.costs[threads].setdefault(size, deque(maxlen=WINDOW)).append(cost)
 
     def observe(self, seconds: float, tokens: int) -> None:
         """The step just run with `threads` took `seconds` over `tokens` canvas tokens."""
-        cost = seconds / max(1, tokens)
+        cost, size = seconds / max(1, tokens), size_class(tokens)
         if self._probe is not None:
-            self._observe_probe(cost, seconds, tokens)
+            self._observe_probe(cost, size, seconds, tokens)
             return
-        median = self._median(self.home)
+        median = self._median(self.home, size)
         if self.home == self.team and median is not None and cost > COLLAPSE * median:
             self._move(self.base)  # the cores are taken: back at once
             self.costs[self.team].clear()  # its costs were those of a quiet machine
             self._owed = (seconds - median * tokens) / PROBE_SHARE  # and it is not tried again soon
             return
-        self.costs[self.home].append(cost)
+        self._record(self.home, size, cost)
         self._home_steps += 1
         self._home_seconds += seconds
         if self._home_steps >= PROBE_EVERY and self._home_seconds >= self._owed and median is not None:
             self._probe, self._probe_lost = [], 0.0
 
-    def _observe_probe(self, cost: float, seconds: float, tokens: int) -> None:
+    def _observe_probe(self, cost: float, size: int, seconds: float, tokens: int) -> None:
         assert self._probe is not None
-        probed, home = self._other, self._median(self.home)
-        if home is not None:
-            self._probe_lost += max(0.0, seconds - home * tokens)
-        self._probe.append(cost)
-        collapsed = probed == self.team and home is not None and cost > COLLAPSE * home
+        probed, home = self._other, self._median(self.home, size)
+        if home is None:  # a batch size home has no recent cost for: nothing to compare with,
+            self._probe = None  # so no verdict, and the next step at home of a known size starts it again
+            return
+        self._probe_lost += max(0.0, seconds - home * tokens)
+        self._probe.append((size, cost / home))
+        collapsed = probed == self.team and cost > COLLAPSE * home
         if not collapsed and len(self._probe) < PROBE_STEPS:
             return
-        won = not collapsed and home is not None and statistics.median(self._probe) * SPEEDUP <= home
+        ratio = statistics.median(r for _, r in self._probe)  # probed cost over home's, like for like
+        won = not collapsed and ratio * SPEEDUP <= 1
+        log.debug(
+            "thread governor: %d threads probed at %.2fx home's per-token cost (%d threads)%s",
+            probed,
+            ratio,
+            self.home,
+            ", collapsed" if collapsed else "",
+        )
         self.costs[probed].clear()
-        self.costs[probed].extend(self._probe)
+        for probe_size, r in self._probe:
+            home_cost = self._median(self.home, probe_size)
+            assert home_cost is not None  # every probe step had home's cost of its class
+            self._record(probed, probe_size, r * home_cost)
         lost = self._probe_lost if probed == self.team else 0.0
         self._probe = None
         if won:
