@@ -15,6 +15,7 @@ against plain weights (`F.linear`, the twin), side by side in one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -53,7 +54,8 @@ def layers(args: argparse.Namespace, threads: list[int]) -> list[dict]:
             torch.set_num_threads(t)
             for rows in rows_list:
                 x = torch.randn(rows, inputs).bfloat16()
-                plain_fn, packed_fn = (lambda: F.linear(x, w)), (lambda: F.linear(x, packed))
+                plain_fn = functools.partial(F.linear, x, w)
+                packed_fn = functools.partial(F.linear, x, packed)
                 plain_fn(), packed_fn()  # oneDNN builds its kernel for the shape
                 times: dict[str, list[float]] = {"plain": [], "packed": []}
                 for _ in range(args.rounds):
