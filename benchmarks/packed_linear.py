@@ -94,7 +94,7 @@ def model_steps(args: argparse.Namespace, threads: list[int]) -> list[dict]:
         apply_threads(t)
         ms: dict[str, list[float]] = {"packed": [], "plain": []}
         ids = {}
-        for name, llm in llms.items():
+        for llm in llms.values():
             llm.generate(prompt, params)  # warm-up at this thread count
         for r in range(args.rounds):
             for name in llms if r % 2 == 0 else reversed(llms):

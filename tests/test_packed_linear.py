@@ -19,7 +19,7 @@ from torch import nn
 
 from dlm.engine.llm import LLM
 from dlm.engine.quantized_weights import storage_bytes
-from dlm.kernels import dispatch
+from dlm.kernels import dispatch, packed_linear
 from dlm.kernels.packed_linear import PackedLinearWeight, pack, supported
 from tests.tiny_families import tiny_names
 
@@ -89,10 +89,12 @@ def test_the_dispatch_packs_bf16_cpu_weights_only(monkeypatch: pytest.MonkeyPatc
     assert dispatch.prepare_linear_weight(w32) is w32  # fp32: MKL reads the plain layout
     assert dispatch.linear_layout(torch.bfloat16, torch.device("cuda")) == "dense"
     assert dispatch.linear_layout(torch.bfloat16, CPU) == ("onednn-packed" if PACKS else "dense")
+    small, large = weight(64, 64), weight(1024, packed_linear.MIN_WEIGHTS // 1024)
+    assert dispatch.prepare_linear_weight(small) is small  # where packing does not pay
+    assert isinstance(dispatch.prepare_linear_weight(large), PackedLinearWeight) == PACKS
     monkeypatch.setenv("DLM_KERNELS", "torch")  # the twins everywhere
     assert dispatch.linear_layout(torch.bfloat16, CPU) == "dense"
-    w16 = w32.bfloat16()
-    assert dispatch.prepare_linear_weight(w16) is w16
+    assert dispatch.prepare_linear_weight(large) is large
 
 
 def packed_weights(llm: LLM) -> int:
@@ -105,6 +107,7 @@ def test_every_family_decodes_the_same_ids_packed_and_plain(name: str, monkeypat
     """The whole engine in bf16, loaded with packed weights (the default) and with plain ones
     (`DLM_KERNELS=torch`): the same ids and forwards, ragged prompts batched. Every linear
     layer is packed (none of the LM head, embeddings, routers or stacked experts)."""
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)  # tiny layers: pack them all the same
     prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3]]
     outputs = {}
     for kernels in ("auto", "torch"):

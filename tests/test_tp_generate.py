@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 from dlm.engine.llm import LLM
 from dlm.engine.parallel.distributed import ParallelConfig
 from dlm.engine.params import GenerationParams
@@ -80,16 +81,22 @@ def test_two_ranks_infill_sample_and_report_logprobs_as_one_process(checkpoints:
 
 
 def test_two_ranks_with_packed_bf16_weights_decode_the_plain_weights_ids(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In bf16 (what packing applies to; the comparison is exact), each rank packs the shard
     it read (dlm/kernels/packed_linear.py): the same ids as two ranks holding plain shards
-    (`DLM_KERNELS=torch`, inherited by the workers). Where this CPU packs nothing both runs
-    are plain and the test still checks that two ranks decode in bf16."""
+    (`DLM_KERNELS=torch`, inherited by the workers). The layers are wide enough that every
+    rank's shard is above the packing floor (`MIN_WEIGHTS`); where this CPU packs nothing
+    both runs are plain and the test still checks that two ranks decode in bf16."""
+    config = llada_config(
+        vocab_size=300, mask_token_id=299, eos_token_id=298, d_model=1024, n_heads=8, n_kv_heads=4,
+        mlp_hidden_size=2048, n_layers=1,
+    )  # fmt: skip
+    save_checkpoint(tmp_path, config, random_llada_tensors(config, seed=3))
     ids = {}
     for kernels in ("auto", "torch"):
         monkeypatch.setenv("DLM_KERNELS", kernels)
-        with LLM(checkpoints["llada"], dtype="bfloat16", device="cpu", parallel=ParallelConfig(2)) as llm:
+        with LLM(tmp_path, dtype="bfloat16", device="cpu", parallel=ParallelConfig(2)) as llm:
             out = llm.generate(PROMPT, **PARAMS["llada"])[0]
         ids[kernels] = (out.output_ids, out.nfe)
     assert ids["auto"] == ids["torch"]

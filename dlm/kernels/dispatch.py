@@ -29,10 +29,10 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
+from dlm.kernels import packed_linear
 from dlm.kernels.attention import attention_torch, masked_attention_torch
 from dlm.kernels.gumbel import draw_seed
 from dlm.kernels.moe import fused_moe_torch
-from dlm.kernels.packed_linear import pack, supported
 from dlm.kernels.rms_norm import rms_norm_torch
 from dlm.kernels.rotary import rotary_torch
 from dlm.kernels.token_stats import TokenStats, VocabShard, combine, merge, token_stats_partial_torch, token_stats_torch
@@ -104,14 +104,15 @@ def backend(device: torch.device) -> str:
 def linear_layout(dtype: torch.dtype, device: torch.device) -> str:
     """How linear weights of `dtype` on `device` are held: "onednn-packed" (packed once at
     load, `dlm.kernels.packed_linear`) or "dense" (plain, `F.linear`)."""
-    return "onednn-packed" if _choice() != "torch" and supported(dtype, device.type) else "dense"
+    return "onednn-packed" if _choice() != "torch" and packed_linear.supported(dtype, device.type) else "dense"
 
 
 def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's dense [out, in] weight as the layer will hold it (`linear_layout`)."""
-    if linear_layout(weight.dtype, weight.device) == "dense":
+    """A linear layer's dense [out, in] weight as the layer will hold it (`linear_layout`;
+    a weight under `packed_linear.MIN_WEIGHTS` stays plain, where packing does not pay)."""
+    if linear_layout(weight.dtype, weight.device) == "dense" or weight.numel() < packed_linear.MIN_WEIGHTS:
         return weight
-    return pack(weight)
+    return packed_linear.pack(weight)
 
 
 def triton_kernels() -> list[str]:

@@ -33,6 +33,10 @@ from torch.utils._pytree import tree_map
 
 log = logging.getLogger("dlm.kernels")
 
+# Smaller weights stay plain: the packed call's fixed cost (a Python dispatch, ~5 us) outweighs
+# the reorder it saves below about this many weights (a 1024 x 512 layer; 128- and 256-wide
+# layers ran 0.74-0.99x, 512 x 1536 1.45-1.67x; `benchmarks/packed_linear.py --shapes`).
+MIN_WEIGHTS = 2**19
 # The row count oneDNN chooses the blocked layout for: a short canvas (a prompt and a block).
 # It only tunes speed: products are identical at every row count (tests check 1 to 904 rows).
 ROWS_HINT = 64
