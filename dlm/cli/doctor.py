@@ -187,7 +187,9 @@ def check_quantization() -> Check:
 
 def check_kernels() -> list[Check]:
     """DLM_KERNELS, triton, and every kernel's self-test on the serving device (in the dtype
-    auto picks there)."""
+    auto picks there), and how bf16 linear weights are held there."""
+    import torch
+
     from dlm.kernels import dispatch, selftest
 
     device = serving_device()
@@ -199,6 +201,13 @@ def check_kernels() -> list[Check]:
     checks = [
         Check("kernel dispatch", "ok", f"{backend} on {device.type}", {"backend": backend, "device": str(device)}),
         Check("triton", "ok" if triton else "info", triton or "absent", {"version": triton}),
+        # How bf16 linear weights are held here (docs/kernels.md#packed-bf16-linear-weights-cpu).
+        Check(
+            "linear weights",
+            "info",
+            f"bf16: {dispatch.linear_layout(torch.bfloat16, device)}",
+            {"bf16": dispatch.linear_layout(torch.bfloat16, device)},
+        ),
     ]
     dtype = default_model_choice().dtype
     # A failing kernel blocks only where the dispatch would run it (not under DLM_KERNELS=torch).
