@@ -46,13 +46,14 @@ ROWS_HINT = 64
 def supported(dtype: torch.dtype, device_type: str) -> bool:
     """Whether weights of `dtype` on `device_type` can be packed: bf16 on a CPU whose oneDNN
     computes bf16 natively (on one without, bf16 is emulated and packing is not measured)."""
-    return (
-        device_type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if device_type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:  # private ops of torch's oneDNN integration (what inductor packs with): absent, no packing
+        return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and bool(
+            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def linear_packed(x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
