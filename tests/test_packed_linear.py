@@ -67,6 +67,8 @@ def test_a_packed_weight_stands_where_the_plain_one_stood(caplog: pytest.LogCapt
     assert "PackedLinearWeight(shape=(96, 64)" in repr(layer.weight)
     assert torch.equal(layer.weight.dense(), w)  # unpacking is exact
     assert storage_bytes(layer.weight) == w.nbytes  # no plain copy beside it
+    assert packed_linear.layout_of(nn.Sequential(layer)) == "onednn-packed"  # what /health says
+    assert packed_linear.layout_of(nn.Linear(64, 96)) == "dense"
     x = weight(5, 64, seed=2)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, w))

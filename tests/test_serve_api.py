@@ -14,11 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from dlm.engine.default_model import NAME, default_model_dir
 from dlm.engine.tokenizer import load_tokenizer
-from dlm.kernels import dispatch
 from tests.conftest import session_home
 from tests.serving import ROOT, ServerProcess, ready_server, wait_until
 
@@ -80,9 +78,9 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok"
     assert health["dtype"]["dtype"] in ("float32", "bfloat16") and health["kernels"]["fallbacks"] == {}
-    # How the linear weights are held (dlm/kernels/packed_linear.py), as the dispatch decides here.
-    dtype = getattr(torch, health["dtype"]["dtype"])
-    assert health["kernels"]["linear"] == dispatch.linear_layout(dtype, torch.device("cpu"))
+    # How the linear weights are held (dlm/kernels/packed_linear.py): the default model's layers
+    # are under the packing floor in any dtype.
+    assert health["kernels"]["linear"] == "dense"
     assert httpx.get(server.url + "/ready").status_code == 200
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}).json()

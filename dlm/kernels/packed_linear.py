@@ -134,3 +134,9 @@ def _linear_args(
 def pack(weight: torch.Tensor) -> PackedLinearWeight:
     """A dense [out, in] bf16 CPU weight in oneDNN's blocked layout (`supported` must hold)."""
     return PackedLinearWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT))
+
+
+def layout_of(module: torch.nn.Module) -> str:
+    """How `module`'s linear weights are held, as `/health` reports it: "onednn-packed" when
+    any is packed, else "dense" (fp32, small layers, `DLM_KERNELS=torch`, other devices)."""
+    return "onednn-packed" if any(isinstance(p, PackedLinearWeight) for p in module.parameters()) else "dense"

@@ -218,7 +218,7 @@ class Service:
         """Where the dispatch would run Triton (CUDA), self-test every kernel on the model's
         device and dtype and fall back to the torch twin for any that fails (logged by
         dlm/kernels/selftest.py); record the dtype choice and the kernels for /health."""
-        from dlm.kernels import dispatch, selftest
+        from dlm.kernels import dispatch, packed_linear, selftest
 
         tested = selftest.guard(llm.device, llm.dtype) if llm.backend == "native" else []
         self.runtime = {
@@ -226,7 +226,7 @@ class Service:
             "quantization": llm.quantization,
             "kernels": {
                 "backend": dispatch.backend(llm.device),
-                "linear": dispatch.linear_layout(llm.dtype, llm.device) if llm.backend == "native" else "dense",
+                "linear": packed_linear.layout_of(llm.engine.loaded.model) if llm.backend == "native" else "dense",
                 "self_test": {result.name: result.status for result in tested},
                 "fallbacks": dispatch.fallbacks(),
             },
