@@ -21,6 +21,7 @@ from dlm.engine.llm import LLM
 from dlm.engine.quantized_weights import storage_bytes
 from dlm.kernels import dispatch, packed_linear
 from dlm.kernels.packed_linear import PackedLinearWeight, pack, supported
+from tests.serving import in_process_server
 from tests.tiny_families import tiny_names
 
 CPU = torch.device("cpu")
@@ -124,3 +125,21 @@ def test_every_family_decodes_the_same_ids_packed_and_plain(name: str, monkeypat
             assert linears > 0
             outputs[kernels] = [(o.output_ids, o.nfe) for o in llm.generate(prompts, gen_length=8)]
     assert outputs["auto"] == outputs["torch"]
+
+
+@needs_packing
+def test_a_server_serves_packed_weights_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through HTTP (the server's app in this process): `/health` reports the packed layout,
+    and a completion's ids equal those of a server whose weights are plain."""
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)  # tiny layers: pack them all the same
+    answers, layouts = {}, {}
+    for kernels in ("auto", "torch"):
+        monkeypatch.setenv("DLM_KERNELS", kernels)
+        with in_process_server(model="tiny:llada", dtype="bfloat16", device="cpu") as client:
+            layouts[kernels] = client.get("/health").json()["kernels"]["linear"]
+            body = {"prompt": "Write one sentence about the sea.", "max_tokens": 16, "return_token_ids": True}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers[kernels] = response.json()["choices"][0]["token_ids"]
+    assert layouts == {"auto": "onednn-packed", "torch": "dense"}
+    assert answers["auto"] == answers["torch"]
