@@ -267,6 +267,7 @@ def test_serve_answers_with_quantized_weights() -> None:
 
     with in_process_server(model="tiny:llada2_moe", dtype="float32", device="cpu", quantization="int8") as client:
         assert client.get("/health").json()["quantization"] == "int8"
+        assert client.get("/v1/models").json()["data"][0]["quantization"] == "int8"  # what clients list
         answer = client.post("/v1/completions", json={"model": "tiny:llada2_moe", "prompt": [5, 6], "max_tokens": 32})
         assert answer.status_code == 200, answer.text
 

@@ -85,6 +85,7 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["quantization"] is None  # dense weights
 
 
 def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> None:

@@ -150,6 +150,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             card["version"] = served.version
         if served is not None:  # the request features the loaded family honours (dlm/engine/capabilities.py)
             card["capabilities"] = list(served.engine.engine.capabilities)
+            # The weights' method (dlm/engine/quantization.py), or null: as /health says it.
+            card["quantization"] = service.runtime.get("quantization")
         return JSONResponse({"object": "list", "data": [card]})
 
     async def generate(request: Request, job: Job, model: type[CompletionRequest | ChatRequest]) -> Response:
