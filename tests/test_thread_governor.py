@@ -141,7 +141,7 @@ class Scripted(ThreadGovernor):
         return 1 + self.steps % 2
 
     def observe(self, seconds: float, tokens: int) -> None:
-        assert tokens > 0 and seconds >= 0
+        assert tokens > 0 and isinstance(seconds, float)  # a step's tokens and its duration
         self.seen.append((threading.current_thread().name, torch.get_num_threads()))
         self.steps += 1
 
