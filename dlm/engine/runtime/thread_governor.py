@@ -66,7 +66,8 @@ class ThreadGovernor:
         self.home = base
         # Recent per-token costs, per thread count and size class.
         self.costs: dict[int, dict[int, deque[float]]] = {base: {}, team: {}}
-        self._probe: list[tuple[int, float]] | None = None  # (size class, cost) of the probe in progress
+        # The probe in progress: per step, its size class, cost and home's median cost at that size.
+        self._probe: list[tuple[int, float, float]] | None = None
         self._probe_lost = 0.0  # seconds the current probe lost against home's median
         self._home_steps = 0  # steps at home since the last probe
         self._home_seconds = 0.0  # seconds at home since the last probe
@@ -118,11 +119,11 @@ class ThreadGovernor:
             self._probe = None  # so no verdict, and the next step at home of a known size starts it again
             return
         self._probe_lost += max(0.0, seconds - home * tokens)
-        self._probe.append((size, cost / home))
+        self._probe.append((size, cost, home))
         collapsed = probed == self.team and cost > COLLAPSE * home
         if not collapsed and len(self._probe) < PROBE_STEPS:
             return
-        ratio = statistics.median(r for _, r in self._probe)  # probed cost over home's, like for like
+        ratio = statistics.median(c / h for _, c, h in self._probe)  # probed cost over home's, like for like
         won = not collapsed and ratio * SPEEDUP <= 1
         log.debug(
             "thread governor: %d threads probed at %.2fx home's per-token cost (%d threads)%s",
@@ -132,10 +133,8 @@ class ThreadGovernor:
             ", collapsed" if collapsed else "",
         )
         self.costs[probed].clear()
-        for probe_size, r in self._probe:
-            home_cost = self._median(self.home, probe_size)
-            assert home_cost is not None  # every probe step had home's cost of its class
-            self._record(probed, probe_size, r * home_cost)
+        for probe_size, probe_cost, _ in self._probe:
+            self._record(probed, probe_size, probe_cost)
         lost = self._probe_lost if probed == self.team else 0.0
         self._probe = None
         if won:
