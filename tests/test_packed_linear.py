@@ -48,7 +48,7 @@ def test_packed_product_is_the_plain_product(out: int, inputs: int, threads: int
     bias = weight(1, out, seed=1)[0]
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 7, 64, 113, 300):
+        for rows in (1, 7, 64, 113, 300, 904):
             x = weight(rows, inputs, seed=rows)
             assert torch.equal(F.linear(x, packed), F.linear(x, w)), rows
             assert torch.equal(F.linear(x, packed, bias), F.linear(x, w, bias)), rows

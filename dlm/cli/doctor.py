@@ -198,16 +198,12 @@ def check_kernels() -> list[Check]:
     except dispatch.KernelChoiceError as exc:
         return [Check("kernel dispatch", "fail", str(exc))]
     triton = _version("triton")
+    layout = dispatch.linear_layout(torch.bfloat16, device)
     checks = [
         Check("kernel dispatch", "ok", f"{backend} on {device.type}", {"backend": backend, "device": str(device)}),
         Check("triton", "ok" if triton else "info", triton or "absent", {"version": triton}),
         # How bf16 linear weights are held here (docs/kernels.md#packed-bf16-linear-weights-cpu).
-        Check(
-            "linear weights",
-            "info",
-            f"bf16: {dispatch.linear_layout(torch.bfloat16, device)}",
-            {"bf16": dispatch.linear_layout(torch.bfloat16, device)},
-        ),
+        Check("linear weights", "info", f"bf16: {layout}", {"bf16": layout}),
     ]
     dtype = default_model_choice().dtype
     # A failing kernel blocks only where the dispatch would run it (not under DLM_KERNELS=torch).

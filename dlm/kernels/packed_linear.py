@@ -3,9 +3,9 @@
 Why: on a CPU with native bf16 (AVX512-BF16, AMX) `F.linear` hands oneDNN a plain row-major
 weight, and oneDNN reorders it into its blocked (VNNI) layout inside every call: at a short
 canvas that reorder is a large share of the matmul. On this project's 2-core AMX VM the
-104M-parameter LLaDA's linears took 1.35-1.78x less time with the weight packed once at load
+104M-parameter LLaDA's linears took 1.2-1.7x less time with the weight packed once at load
 (1024/2816-wide layers, 1-113 rows, 1 or 2 threads; `benchmarks/packed_linear.py`), and its
-step 1.3x less. The product is bit-identical to `F.linear` on the plain weight (the same
+step 1.22-1.28x less. The product is bit-identical to `F.linear` on the plain weight (the same
 oneDNN kernel, given its operand in the layout it would have made), which the tests check;
 fp32 gains nothing (MKL's sgemm reads the plain layout), so only bf16 is packed.
 
