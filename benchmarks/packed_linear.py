@@ -20,8 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,19 +29,14 @@ SHAPES = "3072x1024,1024x1024,5632x1024,1024x2816"  # out x in
 ROWS = "1,64,113,300,904"
 
 
-def seconds(fn: Callable[[], object], repeats: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
 def layers(args: argparse.Namespace, threads: list[int]) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from benchmarks.kernels import timed
     from dlm.kernels.packed_linear import pack
 
+    cpu = torch.device("cpu")
     rows_list = [int(r) for r in args.rows.split(",")]
     table = []
     for shape in args.shapes.split(","):
@@ -56,11 +49,10 @@ def layers(args: argparse.Namespace, threads: list[int]) -> list[dict]:
                 x = torch.randn(rows, inputs).bfloat16()
                 plain_fn = functools.partial(F.linear, x, w)
                 packed_fn = functools.partial(F.linear, x, packed)
-                plain_fn(), packed_fn()  # oneDNN builds its kernel for the shape
                 times: dict[str, list[float]] = {"plain": [], "packed": []}
-                for _ in range(args.rounds):
-                    times["plain"].append(seconds(plain_fn, args.repeats))
-                    times["packed"].append(seconds(packed_fn, args.repeats))
+                for _ in range(args.rounds):  # alternated, each round a median after a warm-up
+                    times["plain"].append(timed(plain_fn, cpu, args.repeats))
+                    times["packed"].append(timed(packed_fn, cpu, args.repeats))
                 plain, fast = statistics.median(times["plain"]), statistics.median(times["packed"])
                 table.append(
                     dict(
@@ -81,11 +73,14 @@ def model_steps(args: argparse.Namespace, threads: list[int]) -> list[dict]:
     from dlm.engine.llm import LLM
     from dlm.engine.params import GenerationParams
 
-    llms = {}
+    llms, given = {}, os.environ.get("DLM_KERNELS")
     for name, kernels in (("packed", "auto"), ("plain", "torch")):
         os.environ["DLM_KERNELS"] = kernels  # decided at load: each LLM keeps its weights' layout
         llms[name] = LLM(args.model, dtype="bfloat16", device="cpu")
-    os.environ.pop("DLM_KERNELS")
+    if given is None:
+        os.environ.pop("DLM_KERNELS")
+    else:
+        os.environ["DLM_KERNELS"] = given
     n = args.gen_length
     params = GenerationParams(gen_length=n, steps=n, block_length=n)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
@@ -113,7 +108,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="out x in, comma-separated")
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=20, help="calls per timed round (layers)")
+    ap.add_argument("--repeats", type=int, default=20, help="calls per timed round (layers): their median counts")
     ap.add_argument("--model", type=Path, help="also time this checkpoint's denoising step")
     ap.add_argument("--gen-length", type=int, default=32)
     ap.add_argument("--json", type=Path)
