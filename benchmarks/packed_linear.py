@@ -33,7 +33,7 @@ def layers(args: argparse.Namespace, threads: list[int]) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.kernels import timed
+    from benchmarks.kernel_speed import timed
     from dlm.kernels.packed_linear import pack
 
     cpu = torch.device("cpu")

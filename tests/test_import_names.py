@@ -100,3 +100,15 @@ def test_transformers_imports_work_from_the_project_root() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_no_script_shadows_a_library_it_runs_beside() -> None:
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script there named like
+    an installed distribution's import name (or the standard library's) is what every import
+    of that name gets. benchmarks/kernels.py did that: on a GPU, benchmarks/gpu_check.py's
+    transformers 5.25 imported it instead of Hugging Face's `kernels` and failed."""
+    taken = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    scripts = [path for folder in ("benchmarks", "scripts") for path in (ROOT / folder).iterdir()]
+    names = {path.stem for path in scripts if path.suffix == ".py" or (path / "__init__.py").is_file()}
+    assert "gpu_check" in names
+    assert sorted(names & taken) == []

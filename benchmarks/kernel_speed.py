@@ -8,7 +8,7 @@ largest amount of tensor memory live during the call above what existed before i
 serving step (32 decided positions, vocab 157184; 8 x 512-token canvases) scaled down on
 CPU so the run stays short; `--full` uses the GPU shapes anywhere.
 
-    python benchmarks/kernels.py [--device cuda] [--dtype bfloat16] [--full] [--json out.json]
+    python benchmarks/kernel_speed.py [--device cuda] [--dtype bfloat16] [--full] [--json out.json]
 """
 
 from __future__ import annotations
