@@ -2,7 +2,7 @@
 serving shapes, check the engine's ids through Triton equal the twins' for every family
 (and, with two or more GPUs, tensor parallel over NCCL equals one GPU), check the memory
 ceiling, check every quantization method CUDA runs (int8, int4, fp8) per family against its
-dequantized twin and `dlm estimate`'s bytes, time the kernels (benchmarks/kernels.py), then
+dequantized twin and `dlm estimate`'s bytes, time the kernels (benchmarks/kernel_speed.py), then
 time the denoising step of an 8B-shaped random LLaDA (d 4096, 32 layers, 12288 MLP, 126464
 vocabulary) eagerly and through the step graphs (CUDA graphs,
 dlm/engine/runtime/step_graphs.py): forwards/s and tokens/s per batch size against the
@@ -12,6 +12,12 @@ one short session on an accelerator gives the figures for docs/benchmarks.md.
     python benchmarks/gpu_check.py [--json gpu.json]     # exits 1 if a check fails
     python benchmarks/gpu_check.py --step-only           # CUDA: the step section only
     python benchmarks/gpu_check.py --dry-run             # CPU, tiny shapes: the step section only
+    python benchmarks/gpu_check.py --only quantization   # CUDA: one section (comma-separated)
+
+Sections, in order: kernels, engine, memory, quantization, bench (benchmarks/kernel_speed.py), step.
+A lent device's minutes are few: run each section as its own process under `timeout`, so a
+hang or crash in one leaves the others' figures. The checks of a run go to `<json>_checks.json`
+(name, pass, detail), the step table to `<json>_step.json`.
 
 `--dry-run` runs the step section on the CPU with a tiny model: the same engine, bucketing,
 padding and static buffers as the CUDA-graph path ("static" mode: a CPU has no graphs), its
@@ -167,7 +173,9 @@ def quantization_checks(device: str = "cuda", families: list[str] | None = None)
                 ids = quantized.generate(PROMPT, **PARAMS[family])[0].output_ids
                 held = weight_bytes(quantized.engine.loaded.model)
                 arch = architecture_from_config(read_config_json(model))
-                serving = Serving(dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=name)
+                serving = Serving(
+                    dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=name, device=device
+                )
                 plan = plan_memory(arch, parameter_components(arch), serving)
                 planned = sum(r.bytes for r in plan.rows if r.name.startswith("weights:"))
                 del quantized
@@ -343,11 +351,23 @@ def report(checks: list[tuple[str, bool, str]]) -> None:
         print(f"{'PASS' if ok else 'FAIL'}  {name:40s} {detail}", flush=True)
 
 
+SECTIONS = ("kernels", "engine", "memory", "quantization", "bench", "step")
+
+
+def sections(value: str) -> list[str]:
+    chosen = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(SECTIONS)}; got {value!r}")
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=Path("gpu_benchmarks.json"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the step section only")
-    ap.add_argument("--step-only", action="store_true", help="on CUDA, only the step section (no kernel checks)")
+    ap.add_argument("--step-only", action="store_true", help="on CUDA, only the step section (= --only step)")
+    ap.add_argument("--only", type=sections, default=None, help=f"on CUDA, these sections: {','.join(SECTIONS)}")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens [128; dry run 24]")
     ap.add_argument("--gen", type=int, default=None, help="generated tokens [128; dry run 16]")
@@ -364,22 +384,33 @@ def main() -> None:
     args.steps = args.steps or (4 if dry else 20)
     if not dry and not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA device (--dry-run runs its step section on the CPU)")
+    run = ["step"] if dry or args.step_only else (args.only or list(SECTIONS))
     checks: list[tuple[str, bool, str]] = []
     code = 0
-    if not dry and not args.step_only:
-        checks = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16) + engine_checks() + [memory_cap_check()]
-        checks += quantization_checks()
-        report(checks)
-        bench = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cuda", "--json", str(args.json)],
-            check=False,
-        )
-        code = bench.returncode
-    rows, step_checks = step_benchmark(args)
-    report(step_checks)
+    for section in run:
+        found: list[tuple[str, bool, str]] = []
+        if section == "kernels":
+            found = kernel_checks(torch.float32) + kernel_checks(torch.bfloat16)
+        elif section == "engine":
+            found = engine_checks()
+        elif section == "memory":
+            found = [memory_cap_check()]
+        elif section == "quantization":
+            found = quantization_checks()
+        elif section == "bench":
+            kernels_py = ROOT / "benchmarks" / "kernel_speed.py"
+            bench = subprocess.run([sys.executable, str(kernels_py), "--device", "cuda", "--json", str(args.json)])
+            code = code or bench.returncode
+        else:
+            rows, found = step_benchmark(args)
+            if not dry:
+                args.json.with_name(args.json.stem + "_step.json").write_text(json.dumps(rows, indent=2))
+        report(found)
+        checks += found
     if not dry:
-        args.json.with_name(args.json.stem + "_step.json").write_text(json.dumps(rows, indent=2))
-    code = code or int(not all(ok for _, ok, _ in checks + step_checks))
+        table = [{"name": name, "pass": ok, "detail": detail} for name, ok, detail in checks]
+        args.json.with_name(args.json.stem + "_checks.json").write_text(json.dumps(table, indent=2))
+    code = code or int(not all(ok for _, ok, _ in checks))
     sys.exit(code)
 
 

@@ -327,3 +327,22 @@ def test_init_script_fetches_verifies_and_names_the_model(tmp_path: Path) -> Non
         [sys.executable, "-m", "dlm", "models", "--json"], env=env, cwd=ROOT, capture_output=True, text=True
     )
     assert ref.split("@")[1] in listed.stdout and "verified" in listed.stdout
+
+
+def test_quantized_pods_are_sized_for_their_quantized_weights(tmp_path: Path, big_config: Path) -> None:
+    """`quantization` in the serve settings reaches the sizing, on the device the pods run: a CPU
+    pod of the 8B model asks for the memory `dlm estimate --quantization int4 --device cpu`
+    plans, less than a bf16 pod's."""
+    from dlm.cli.estimate.plan import Serving, estimate
+
+    def request(settings: str) -> int:
+        path = tmp_path / "serve.toml"
+        path.write_text(settings)
+        args = ("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "--config", str(path))
+        container = by_kind(render(*args))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+        return int(container["resources"]["requests"]["memory"].removesuffix("Gi")) * 1024**3
+
+    plan = estimate(str(big_config), Serving(quantization="int4", device="cpu"))
+    int4 = request('device = "cpu"\nquantization = "int4"\n')
+    assert int4 >= plan["memory_per_gpu"]["total_bytes"]
+    assert int4 < request('device = "cpu"\n')

@@ -423,10 +423,11 @@ def test_quantized_formats_shrink_linear_layers_only() -> None:
     mlp = 32 * 3 * 4096 * 12288
     assert _row(bf16, "weights: dense MLP") == 2 * mlp
     # What the loader holds (dlm/engine/quantization.py): int4 with a bf16 scale and zero per
-    # 128 inputs; int8 and fp8 with per-row fp32 scales (int8 also keeps an int8 zero point).
+    # 128 inputs; int8 and fp8 with per-row fp32 scales (int8 also keeps an int8 zero point):
+    # a row of gate/up reads 4096 inputs, a row of down 12288.
     assert _row(int4, "weights: dense MLP") == round(mlp * (0.5 + 4 / 128))
-    assert _row(int8, "weights: dense MLP") == round(mlp * (1 + 5 / 4096))
-    assert _row(fp8, "weights: dense MLP") == round(mlp * (1 + 4 / 4096))
+    assert _row(int8, "weights: dense MLP") == round(mlp * (2 / 3 * (1 + 5 / 4096) + 1 / 3 * (1 + 5 / 12288)))
+    assert _row(fp8, "weights: dense MLP") == round(mlp * (2 / 3 * (1 + 4 / 4096) + 1 / 3 * (1 + 4 / 12288)))
     assert _row(int4, "weights: dense MLP") < _row(fp8, "weights: dense MLP") < _row(bf16, "weights: dense MLP")
     assert _row(int4, "weights: embeddings") == _row(bf16, "weights: embeddings")  # not quantized
 

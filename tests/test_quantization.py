@@ -76,7 +76,7 @@ def test_every_quantizable_weight_is_quantized_and_only_those(method: str) -> No
     expected = 0
     for p in model.parameters():
         if is_quantized(p):
-            expected += m.weight_bytes(p.shape[0], p.shape[1], 2)
+            expected += m.weight_bytes(p.shape[0], p.shape[1], 2, "cpu")
         else:
             expected += p.nbytes
     assert weight_bytes(model) == expected
@@ -220,11 +220,57 @@ def test_estimate_agrees_with_the_loaded_weight_bytes(checkpoints: dict[str, str
     measured, planned = {}, {}
     for q in (None, method):
         measured[q] = weight_bytes(LLM(model, dtype="bfloat16", device="cpu", quantization=q).engine.loaded.model)
-        plan = plan_memory(arch, parameter_components(arch), Serving(dtype="bf16", quantization=q))
+        plan = plan_memory(arch, parameter_components(arch), Serving(dtype="bf16", quantization=q, device="cpu"))
         planned[q] = sum(r.bytes for r in plan.rows if r.name.startswith("weights:"))
     assert planned[method] == pytest.approx(measured[method], rel=0.05)
     # The tiny models are mostly embedding: the bytes quantization saves agree as well.
     assert planned[None] - planned[method] == pytest.approx(measured[None] - measured[method], rel=0.05)
+
+
+@pytest.mark.parametrize("method", [name for name, m in METHODS.items() if "cuda" in m.devices])
+@pytest.mark.parametrize("family", DECODED)
+def test_cuda_plan_agrees_with_the_cuda_layout_of_every_weight(
+    checkpoints: dict[str, str], family: str, method: str
+) -> None:
+    """`dlm estimate --device cuda` plans what the CUDA layouts hold, from config.json alone:
+    each quantizable weight (every expert apart) at the method's CUDA bytes for its shape
+    (int4: tinygemm pads inputs to 1024, which the tiny models feel 8-16x), the rest dense,
+    within 5%. The layout's bytes against torchao's tensors on a GPU: benchmarks/gpu_check.py."""
+    from dlm.cli.estimate.plan import Serving, architecture_from_config, parameter_components, plan_memory
+    from dlm.engine.config import read_config_json
+    from dlm.engine.resolve import resolve_model
+
+    m = METHODS[method]
+    dtype = m.dtypes.get("cuda", ("bfloat16",))[0]
+    act = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    model = resolve_model(checkpoints[family])
+    # int8 on the CPU quantizes the same weights, each expert apart: their true shapes
+    loaded = LLM(model, dtype=dtype, device="cpu", quantization="int8").engine.loaded.model
+    expected = 0
+    for p in loaded.parameters():
+        expected += m.weight_bytes(p.shape[0], p.shape[1], act, "cuda") if is_quantized(p) else p.nbytes
+    arch = architecture_from_config(read_config_json(model))
+    serving = Serving(dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=method, device="cuda")
+    plan = plan_memory(arch, parameter_components(arch), serving.resolved(arch))
+    assert sum(r.bytes for r in plan.rows if r.name.startswith("weights:")) == pytest.approx(expected, rel=0.05)
+
+
+def test_estimate_plans_per_device_and_refuses_what_the_device_cannot_run() -> None:
+    """int4's padding is the device's (CUDA pads a 64-wide tiny layer's inputs to 1024, the
+    CPU's packing none); fp8 and a CUDA int4 in fp32 are refused as `dlm serve` refuses them."""
+    from dlm.cli.estimate.plan import Serving, architecture_from_config
+    from dlm.engine.config import read_config_json
+    from dlm.engine.resolve import resolve_model
+
+    arch = architecture_from_config(read_config_json(resolve_model("tiny:llada")))
+    assert METHODS["int4"].weight_bytes(64, 64, 2, "cuda") == 64 * 1024 // 2 + 1024 // 64 * 64 * 2 * 2
+    assert METHODS["int4"].weight_bytes(64, 64, 2, "cpu") == 64 * 64 // 2 + 64 * 2 * 2
+    with pytest.raises(UsageError, match="fp8 needs a CUDA device"):
+        Serving(quantization="fp8", device="cpu").resolved(arch)
+    with pytest.raises(UsageError, match="runs with --dtype bfloat16 only"):
+        Serving(dtype="fp32", quantization="int4", device="cuda").resolved(arch)
+    with pytest.raises(UsageError, match="--device must be one of cuda, cpu"):
+        Serving(device="tpu").resolved(arch)
 
 
 # --------------------------------------------------------------------------- entry points

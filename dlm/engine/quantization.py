@@ -25,7 +25,7 @@ with fp8 (compute capability 8.9+).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlm.engine.errors import UsageError
 
@@ -51,10 +51,14 @@ class Method:
     dtypes: dict[str, tuple[str, ...]]
     min_capability: tuple[int, int] | None = None  # CUDA compute capability, where it matters
     row_bytes: int = 4
-    row_multiple: int = 1  # the kernel's rows come in tiles of this many: a weight is padded with zero rows
+    # Per device type, the tile the kernel's layout rounds a weight up to, (rows, inputs): a
+    # weight is stored padded with zeros to multiples of these (absent: (1, 1), no padding).
+    tiles: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def stored_rows(self, rows: int) -> int:
-        return -(-rows // self.row_multiple) * self.row_multiple
+    def stored_shape(self, rows: int, in_features: int, device: str) -> tuple[int, int]:
+        """The [rows, inputs] a weight of that shape takes in this format on `device`."""
+        tile_rows, tile_inputs = self.tiles.get(device, (1, 1))
+        return -(-rows // tile_rows) * tile_rows, -(-in_features // tile_inputs) * tile_inputs
 
     def group_size(self, in_features: int) -> int | None:
         """Inputs sharing one scale in a row of `in_features` (None: the whole row); a row
@@ -63,22 +67,24 @@ class Method:
             return in_features
         return next((g for g in INT4_GROUP_SIZES if in_features % g == 0), None)
 
-    def weight_bytes(self, rows: int, in_features: int, act_bytes: int, group: int | None = None) -> int:
-        """Bytes of one [rows, in_features] weight held in this format (data + scales), in
-        groups of `group` inputs (default: the loader's choice)."""
-        rows = self.stored_rows(rows)
-        data = rows * in_features * self.bits // 8
-        if self.scale == "row":
-            return data + rows * self.row_bytes
+    def weight_bytes(self, rows: int, in_features: int, act_bytes: int, device: str, group: int | None = None) -> int:
+        """Bytes of one [rows, in_features] weight held in this format on `device` (data +
+        scales, padding included), in groups of `group` inputs (default: the loader's choice,
+        which the true inputs decide)."""
         group = group or self.group_size(in_features)
         if group is None:
             raise UsageError(f"{self.name}: no group size in {INT4_GROUP_SIZES} divides {in_features} input features")
+        rows, in_features = self.stored_shape(rows, in_features, device)
+        data = rows * in_features * self.bits // 8
+        if self.scale == "row":
+            return data + rows * self.row_bytes
         return data + -(-in_features // group) * rows * 2 * act_bytes
 
-    def bytes_per_param(self, in_features: int, act_bytes: int, group: int | None = None) -> float:
-        """`weight_bytes` per weight of a layer with `in_features` inputs (row padding aside),
-        for planning from parameter counts."""
-        return (self.weight_bytes(self.row_multiple, in_features, act_bytes, group)) / (self.row_multiple * in_features)
+    def bytes_per_param(self, in_features: int, act_bytes: int, device: str, group: int | None = None) -> float:
+        """`weight_bytes` per weight of a layer with `in_features` inputs on `device`, input
+        padding included and row padding aside, for planning from parameter counts."""
+        rows = self.tiles.get(device, (1, 1))[0]
+        return self.weight_bytes(rows, in_features, act_bytes, device, group) / (rows * in_features)
 
 
 METHODS: dict[str, Method] = {
@@ -102,7 +108,9 @@ METHODS: dict[str, Method] = {
             devices=("cpu", "cuda"),
             library="torchao",
             dtypes={"cuda": ("bfloat16",)},  # tinygemm's CUDA kernel is bf16 only
-            row_multiple=16,  # tinygemm packs rows in tiles of 16 (CPU) / 8 (CUDA)
+            # the CPU's int4 packing takes rows in tiles of 16; torchao's CUDA tensor
+            # (tinygemm) pads rows to 8 and inputs to 1024 itself (a 3584-wide layer holds 4096)
+            tiles={"cpu": (16, 1), "cuda": (8, 1024)},
         ),
         Method(
             "fp8",

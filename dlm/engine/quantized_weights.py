@@ -84,13 +84,13 @@ def quantize(
 
         return ao.quantization.Int8Tensor.from_hp(weight.to(device), PerRow(), scale=scale)
     if method.name == "int4":
-        # Rows beyond a multiple of the kernel's tile are padded with zeros; the tensor keeps
-        # the true shape, and torchao's linear drops the padded outputs.
-        rows = weight.shape[0]
-        padded = F.pad(weight, (0, 0, 0, method.stored_rows(rows) - rows))
         if device.type == "cpu":
             from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
+            # Rows beyond a multiple of the kernel's tile are padded with zeros; the tensor
+            # keeps the true shape, and torchao's linear drops the padded outputs.
+            rows = weight.shape[0]
+            padded = F.pad(weight, (0, 0, 0, method.stored_shape(rows, weight.shape[1], "cpu")[0] - rows))
             q = Int4OpaqueTensor.from_hp(padded, [1, group])
             return (
                 q
@@ -99,8 +99,7 @@ def quantize(
             )
         from torchao.quantization import Int4TilePackedTo4dTensor
 
-        if rows != padded.shape[0]:
-            raise UsageError(f"int4 on CUDA needs rows in multiples of {method.row_multiple}; a layer has {rows}")
+        # torchao pads to tinygemm's tile itself (the method's "cuda" tiles) and keeps the true shape.
         return Int4TilePackedTo4dTensor.from_hp(weight.to(device), [1, group])
     if method.name == "fp8":
         from torchao.quantization import Float8Tensor
@@ -127,7 +126,7 @@ def from_integers(
 
         # tinygemm reads (u - 8) * scale + zero for u in [0, 15]: a signed value v is u = v + 8
         # with zero 0. Rows are padded with zeros to the kernel's tile, as `quantize` does.
-        pad = method.stored_rows(rows) - rows
+        pad = method.stored_shape(rows, inputs, "cpu")[0] - rows
         unsigned = F.pad(values.to(torch.int32) + 8, (0, 0, 0, pad), value=8)
         scale = F.pad(scale.to(dtype), (0, 0, 0, pad), value=1.0)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)

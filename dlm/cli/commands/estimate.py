@@ -154,6 +154,12 @@ def estimate(
         help="int4 inputs per scale: 128, 64 or 32 (the groups the int4 kernels take).",
         show_default="the loader's: 128, or 64/32 where 128 does not divide",
     ),
+    device: str = typer.Option(
+        "cuda",
+        "--device",
+        help="Device type planned for, cuda or cpu: a quantized layout's padding differs "
+        "(CUDA int4 pads every layer's inputs to 1024).",
+    ),
     gpu: str | None = typer.Option(
         None, "--gpu", help="Judge one GPU from the catalogue.", show_default="every GPU of the catalogue"
     ),
@@ -185,6 +191,7 @@ def estimate(
             fragmentation=fragmentation,
             quantization=quantization,
             group_size=group_size,
+            device=device,
         )
         report = plan(model, serving, gpu=gpu, gpu_memory_gib=gpu_memory, revision=revision)
         if json_out:

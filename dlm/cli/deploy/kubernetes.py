@@ -231,6 +231,8 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revisi
         context=config.max_model_len,
         gen_length=math.ceil(config.max_tokens / block) * block,
         block_length=block,
+        quantization=config.quantization,
+        device="cpu" if config.device == "cpu" else "cuda",
     )
     try:
         return estimate(estimate_from, serving, gpu=gpu, revision=revision)

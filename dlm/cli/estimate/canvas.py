@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def components(a: Architecture) -> list[Component]:
-    from dlm.cli.estimate.plan import Component
+    from dlm.cli.estimate.plan import Component, Matrices, mlp_matrices
 
     c, sp = a.config, a.config.canvas
     assert sp is not None
@@ -40,6 +40,11 @@ def components(a: Architecture) -> list[Component]:
             "split",
             True,
             f"{sliding} sliding-window layers (head {c.head_dim}), {full} full (head {sp.global_head_dim})",
+            (
+                Matrices(d * heads * head_dims, d),
+                Matrices(sliding * d * heads * c.head_dim, heads * c.head_dim, inputs_split=True),
+                Matrices(full * d * heads * sp.global_head_dim, heads * sp.global_head_dim, inputs_split=True),
+            ),
         ),
         Component(
             "attention K/V",
@@ -56,6 +61,7 @@ def components(a: Architecture) -> list[Component]:
             "split",
             True,
             f"{c.num_layers} GELU layers beside the experts + the self-conditioning MLP, intermediate {ffn}",
+            mlp_matrices(c.num_layers + 1, d, ffn),
         ),
         Component(
             "routed experts",
@@ -64,6 +70,7 @@ def components(a: Architecture) -> list[Component]:
             "split",
             True,
             f"{c.num_layers} layers x {sp.num_experts} experts; top-{sp.top_k} active per token",
+            mlp_matrices(c.num_layers * sp.num_experts, d, sp.expert_ffn),
         ),
         Component(
             "router",

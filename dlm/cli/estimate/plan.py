@@ -27,7 +27,7 @@ from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
-from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, method_named
+from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_runs, method_named
 from dlm.engine.registry import Family, family_for
 
 GIB = 1024**3
@@ -93,6 +93,17 @@ def architecture_from_config(raw: dict[str, Any]) -> Architecture:
 
 # --------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
+class Matrices:
+    """Parameters of a component's weight matrices that share one input width. A quantized
+    format's bytes depend on it: a scale per group of inputs, and CUDA int4 pads the inputs
+    of every matrix to its tile (dlm/engine/quantization.py)."""
+
+    params: int
+    inputs: int
+    inputs_split: bool = False  # row-parallel under TP: each rank holds inputs / tp of every row
+
+
+@dataclass(frozen=True)
 class Component:
     """One group of parameters, with how it is placed under tensor parallelism."""
 
@@ -102,6 +113,14 @@ class Component:
     tp: str  # "split" | "kv" (split by KV head, replicated below one head per rank) | "replicated"
     quantized: bool  # takes the weight format (linear layers); False: kept in 16 bits
     assumption: str
+    # Quantized components: their params by input width (empty: all of them take the hidden size).
+    matrices: tuple[Matrices, ...] = ()
+
+
+def mlp_matrices(count: int, d: int, ffn: int) -> tuple[Matrices, ...]:
+    """`count` gated MLPs of intermediate `ffn`: gate and up read the hidden size, down (row
+    parallel) the intermediate."""
+    return (Matrices(count * 2 * d * ffn, d), Matrices(count * d * ffn, ffn, inputs_split=True))
 
 
 def parameter_components(a: Architecture) -> list[Component]:
@@ -114,9 +133,18 @@ def parameter_components(a: Architecture) -> list[Component]:
     kv = a.config.num_kv_heads * hd
     rows: list[Component] = []
 
-    def add(name: str, params: int, tp: str, quantized: bool, assumption: str, active: int | None = None) -> None:
+    def add(
+        name: str,
+        params: int,
+        tp: str,
+        quantized: bool,
+        assumption: str,
+        active: int | None = None,
+        matrices: tuple[Matrices, ...] = (),
+    ) -> None:
         if params:
-            rows.append(Component(name, params, params if active is None else active, tp, quantized, assumption))
+            active = params if active is None else active
+            rows.append(Component(name, params, active, tp, quantized, assumption, matrices))
 
     add("embeddings", a.config.logits_size * d, "split", False, "vocab-parallel; not quantized")
     add(
@@ -126,6 +154,7 @@ def parameter_components(a: Architecture) -> list[Component]:
         True,
         f"{n_full} full-attention layers, {a.config.num_heads} heads split by TP"
         + ("; q_proj also emits the output gate" if a.config.q_gate else ""),
+        matrices=(Matrices(n_full * d * q_out, d), Matrices(n_full * q * d, q, inputs_split=True)),
     )
     add(
         "attention K/V",
@@ -151,6 +180,10 @@ def parameter_components(a: Architecture) -> list[Component]:
             "split",
             True,
             f"{la.layers} Gated DeltaNet layers, heads split by TP",
+            matrices=(
+                Matrices(la.layers * (d * la.conv_dim + d * v + 2 * d * la.value_heads), d),
+                Matrices(la.layers * v * d, v, inputs_split=True),
+            ),
         )
     add(
         "dense MLP",
@@ -159,6 +192,7 @@ def parameter_components(a: Architecture) -> list[Component]:
         "split",
         True,
         f"{a.config.dense_layers} SwiGLU layers, intermediate {a.config.intermediate_size}",
+        matrices=mlp_matrices(a.config.dense_layers, d, a.config.intermediate_size),
     )
     if a.config.moe is not None:
         m = a.config.moe
@@ -171,6 +205,7 @@ def parameter_components(a: Architecture) -> list[Component]:
             f"{len(m.layers)} MoE layers x {m.num_experts} experts; top-{m.top_k} active per token; "
             "sharded by TP (EP holds the same bytes per rank)",
             active=len(m.layers) * m.top_k * expert,
+            matrices=mlp_matrices(len(m.layers) * m.num_experts, d, m.expert_ffn),
         )
         add(
             "shared experts",
@@ -178,6 +213,7 @@ def parameter_components(a: Architecture) -> list[Component]:
             "split",
             True,
             f"intermediate {m.shared_ffn}, always active",
+            matrices=mlp_matrices(len(m.layers), d, m.shared_ffn),
         )
         add(
             "router",
@@ -254,6 +290,7 @@ def weight_format(name: str) -> str:
 
 # --------------------------------------------------------------------------- serving plan
 LOGITS = ("fused", "unfused")
+DEVICES = ("cuda", "cpu")  # what `dlm estimate --device` plans for
 STATS_CHUNK = 16384  # vocabulary chunk of dlm/kernels/token_stats.py
 
 
@@ -275,6 +312,7 @@ class Serving:
     fragmentation: float = 0.10
     quantization: str | None = None  # a method of dlm/engine/quantization.py, or None
     group_size: int | None = None  # int4 inputs per scale; None: what the loader picks
+    device: str = "cuda"  # the device type planned for (DEVICES): a quantized layout's padding is per device
 
     @property
     def method(self) -> Method | None:
@@ -342,6 +380,10 @@ class Serving:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         check_tensor_parallel(a.config, self.tp)
+        if self.device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if method is not None:
+            check_runs(method, self.device, {"fp32": "float32", "fp16": "float16"}.get(fmt, "bfloat16"))
         quantization = None if method is None else method.name
         return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization)
 
@@ -391,26 +433,43 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
     fmt = WEIGHT_FORMATS[s.dtype]
     plain_bpp = 4 if s.dtype == "fp32" else 2
     method = s.method
-    # A layer's inputs decide its scale overhead; the hidden size stands for them all.
     d = a.config.hidden_size
-    quant_bpp = plain_bpp if method is None else method.bytes_per_param(d, plain_bpp, s.group_size)
     quant_text = fmt.assumption if method is None else _quant_text(method, d, s.group_size)
     kv_share = max(1, a.config.num_kv_heads // s.tp) / a.config.num_kv_heads
     rows = []
     for c in comps:
         if c.tp == "split":
-            per_rank, place = c.params / s.tp, f"1/{s.tp} per rank" if s.tp > 1 else "one rank"
+            share, place = 1 / s.tp, f"1/{s.tp} per rank" if s.tp > 1 else "one rank"
         elif c.tp == "kv":
-            per_rank = c.params * kv_share
+            share = kv_share
             place = f"{max(1, a.config.num_kv_heads // s.tp)} of {a.config.num_kv_heads} KV heads per rank" + (
                 " (replicated)" if a.config.num_kv_heads < s.tp else ""
             )
         else:
-            per_rank, place = c.params, "replicated on every rank"
-        bpp = quant_bpp if c.quantized else plain_bpp
+            share, place = 1.0, "replicated on every rank"
+        weight_bytes: float = c.params * plain_bpp
+        if c.quantized and method is not None:
+            # Each matrix at its rank's input width; what no matrix counts (biases, the
+            # DeltaNet convolution) stays in the activation dtype.
+            matrices = c.matrices or (Matrices(c.params, d),)
+            quantized = sum(m.params for m in matrices)
+            weight_bytes = (c.params - quantized) * plain_bpp + sum(
+                m.params
+                * method.bytes_per_param(
+                    m.inputs // s.tp if m.inputs_split and c.tp == "split" else m.inputs,
+                    plain_bpp,
+                    s.device,
+                    s.group_size,
+                )
+                for m in matrices
+            )
         dtype = quant_text if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
         rows.append(
-            Row(f"weights: {c.name}", round(per_rank * bpp), f"{c.params:,} params, {dtype}, {place}; {c.assumption}")
+            Row(
+                f"weights: {c.name}",
+                round(weight_bytes * share),
+                f"{c.params:,} params, {dtype}, {place}; {c.assumption}",
+            )
         )
     return rows
 
