@@ -449,8 +449,9 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
             share, place = 1.0, "replicated on every rank"
         weight_bytes: float = c.params * plain_bpp
         if c.quantized and method is not None:
-            # Each matrix at its rank's input width; what no matrix counts (biases, the
-            # DeltaNet convolution) stays in the activation dtype.
+            # Each matrix at its rank's input width, in the groups the loader takes for the
+            # whole row (a rank's shard never straddles one); what no matrix counts (biases,
+            # the DeltaNet convolution) stays in the activation dtype.
             matrices = c.matrices or (Matrices(c.params, d),)
             quantized = sum(m.params for m in matrices)
             weight_bytes = (c.params - quantized) * plain_bpp + sum(
@@ -459,7 +460,7 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
                     m.inputs // s.tp if m.inputs_split and c.tp == "split" else m.inputs,
                     plain_bpp,
                     s.device,
-                    s.group_size,
+                    s.group_size or method.group_size(m.inputs),
                 )
                 for m in matrices
             )
