@@ -258,7 +258,7 @@ def test_cuda_plan_agrees_with_the_cuda_layout_of_every_weight(
 def test_estimate_plans_per_device_and_refuses_what_the_device_cannot_run() -> None:
     """int4's padding is the device's (CUDA pads a 64-wide tiny layer's inputs to 1024, the
     CPU's packing none); fp8 and a CUDA int4 in fp32 are refused as `dlm serve` refuses them."""
-    from dlm.cli.estimate.plan import Serving, architecture_from_config
+    from dlm.cli.estimate.plan import Serving, architecture_from_config, parameter_components, plan_memory
     from dlm.engine.config import read_config_json
     from dlm.engine.resolve import resolve_model
 
@@ -271,6 +271,11 @@ def test_estimate_plans_per_device_and_refuses_what_the_device_cannot_run() -> N
         Serving(dtype="fp32", quantization="int4", device="cuda").resolved(arch)
     with pytest.raises(UsageError, match="--device must be one of cuda, cpu"):
         Serving(device="tpu").resolved(arch)
+    # a model the loader cannot quantize is refused by the plan too, naming a component
+    for family in TINY_REFUSES_INT4:
+        tiny = architecture_from_config(read_config_json(resolve_model(f"tiny:{family}")))
+        with pytest.raises(UsageError, match="int4 cannot quantize the .*: their 48 input features"):
+            plan_memory(tiny, parameter_components(tiny), Serving(quantization="int4").resolved(tiny))
 
 
 # --------------------------------------------------------------------------- entry points

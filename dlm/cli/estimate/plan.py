@@ -454,16 +454,17 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
             # the DeltaNet convolution) stays in the activation dtype.
             matrices = c.matrices or (Matrices(c.params, d),)
             quantized = sum(m.params for m in matrices)
-            weight_bytes = (c.params - quantized) * plain_bpp + sum(
-                m.params
-                * method.bytes_per_param(
-                    m.inputs // s.tp if m.inputs_split and c.tp == "split" else m.inputs,
-                    plain_bpp,
-                    s.device,
-                    s.group_size or method.group_size(m.inputs),
-                )
-                for m in matrices
-            )
+            weight_bytes = (c.params - quantized) * plain_bpp
+            for m in matrices:
+                group = s.group_size or method.group_size(m.inputs)
+                if group is None:  # the loader refuses such a layer too
+                    raise UsageError(
+                        f"--quantization {method.name} cannot quantize the {c.name}: their {m.inputs} input "
+                        f"features are not a multiple of any group size the kernel takes "
+                        f"({', '.join(map(str, INT4_GROUP_SIZES))})"
+                    )
+                local = m.inputs // s.tp if m.inputs_split and c.tp == "split" else m.inputs
+                weight_bytes += m.params * method.bytes_per_param(local, plain_bpp, s.device, group)
         dtype = quant_text if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
         rows.append(
             Row(
