@@ -111,3 +111,16 @@ def reference_llada() -> Any:
 def reference_dream() -> Any:
     """The tiny reference Dream checkpoint, loaded (float32, CPU)."""
     return _reference_llm("dream_tiny_v2")
+
+
+@pytest.fixture(scope="session")
+def gpu_check() -> Any:
+    """benchmarks/gpu_check.py as a module (a script, not a package): the checks a lent
+    device runs, exercised on the CPU where they can be."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,6 +5,7 @@ dequantized twin in fp32, batching stays invariant, and what cannot run is refus
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,6 @@ from dlm.engine.quantization import CHOICES, METHODS, method_named
 from dlm.engine.quantized_weights import is_quantized, quantizable, storage_bytes, weight_bytes
 from dlm.engine.registry import FAMILIES
 from tests.quantization_checkpoints import DECODED, PARAMS, PROMPT, TINY_REFUSES_INT4, densify, int4_checkpoint
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CPU_METHODS = [name for name, m in METHODS.items() if "cpu" in m.devices]
 
@@ -323,16 +322,10 @@ def test_serve_answers_with_quantized_weights() -> None:
         assert answer.status_code == 200, answer.text
 
 
-def test_gpu_checks_quantization_section_passes_on_a_cpu() -> None:
+def test_gpu_checks_quantization_section_passes_on_a_cpu(gpu_check: Any) -> None:
     """`benchmarks/gpu_check.py`'s quantization section, prepared for a CUDA session, runs
     here on the CPU for the CPU's methods (one family each): its checks pass, so on a
     device only the CUDA kernels are new."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     checks = gpu_check.quantization_checks("cpu", ["llada"])
     assert len(checks) == 2 * len(CPU_METHODS), checks
     assert all(ok for _, ok, _ in checks), checks

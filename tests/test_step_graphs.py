@@ -9,6 +9,7 @@ the choice of mode is explicit and CUDA-only under auto.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,18 +89,11 @@ def test_the_serve_setting_is_checked_at_the_boundary() -> None:
         load_config(None, {"step_graphs": "sometimes"})
 
 
-def test_gpu_check_dry_run_covers_the_graph_path_on_cpu() -> None:
+def test_gpu_check_dry_run_covers_the_graph_path_on_cpu(gpu_check: Any) -> None:
     """`benchmarks/gpu_check.py --dry-run`'s step section, in process: its checks pass and
     its table has a row per batch size (timings are not asserted)."""
     import argparse
-    import importlib.util
 
-    from tests.conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     args = argparse.Namespace(
         dry_run=True, batches=[1, 3], prompt=20, gen=16, block=8, steps=2, bandwidth=None, flops=None
     )
@@ -107,3 +101,15 @@ def test_gpu_check_dry_run_covers_the_graph_path_on_cpu() -> None:
     assert [r["batch"] for r in rows] == [1, 3]
     assert checks and all(ok for _, ok, _ in checks), checks
     assert all(r["forwards_per_s_on"] > 0 and r["tokens_per_s_on"] > 0 for r in rows)
+
+
+def test_gpu_check_sections_are_named_and_checked(gpu_check: Any) -> None:
+    """`--only` takes the sections a lent device runs one process each (docs/benchmarks.md),
+    in any subset; a misspelt one is refused before any device time is spent."""
+    import argparse
+
+    assert gpu_check.sections("quantization, engine") == ["quantization", "engine"]
+    assert set(gpu_check.SECTIONS) == {"kernels", "engine", "memory", "quantization", "bench", "step"}
+    for bad in ("quantisation", "", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="sections are kernels, engine"):
+            gpu_check.sections(bad)
