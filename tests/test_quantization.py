@@ -270,6 +270,7 @@ def test_estimate_plans_per_device_and_refuses_what_the_device_cannot_run() -> N
         Serving(dtype="fp32", quantization="int4", device="cuda").resolved(arch)
     with pytest.raises(UsageError, match="--device must be one of cuda, cpu"):
         Serving(device="tpu").resolved(arch)
+    assert Serving(device="CUDA:1").resolved(arch).device == "cuda"  # as `dlm serve --device` spells it
     # a model the loader cannot quantize is refused by the plan too, naming a component
     for family in TINY_REFUSES_INT4:
         tiny = architecture_from_config(read_config_json(resolve_model(f"tiny:{family}")))

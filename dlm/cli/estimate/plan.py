@@ -380,12 +380,15 @@ class Serving:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         check_tensor_parallel(a.config, self.tp)
-        if self.device not in DEVICES:
+        device = self.device.lower().partition(":")[0]  # `dlm serve`'s spellings: cuda:1 plans as cuda
+        if device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if method is not None:
-            check_runs(method, self.device, {"fp32": "float32", "fp16": "float16"}.get(fmt, "bfloat16"))
+            check_runs(method, device, {"fp32": "float32", "fp16": "float16"}.get(fmt, "bfloat16"))
         quantization = None if method is None else method.name
-        return replace(self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization)
+        return replace(
+            self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization, device=device
+        )
 
 
 def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
