@@ -706,3 +706,14 @@ def test_an_unreachable_hub_fails_at_once_without_retries(monkeypatch: pytest.Mo
     monkeypatch.setattr("dlm.cli.hub.hub_status", lambda: HubStatus("https://hub.test", False, "unreachable"))
     with pytest.raises(DlmError, match="unreachable"):
         estimate("org/model", Serving())
+
+
+def test_a_cpu_plan_is_not_judged_against_the_gpu_catalogue(tmp_path: Path) -> None:
+    """`--device cpu` plans a host: no GPU verdicts (a note says how to judge a host's
+    memory), unless `--gpu-memory` names one."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLADA_8B))
+    report = estimate(str(config), Serving(device="cpu"))
+    assert report["verdicts"] == [] and any("--gpu-memory GiB judges a host" in n for n in report["notes"])
+    assert [v["gpu"] for v in estimate(str(config), Serving(device="cpu"), gpu_memory_gib=64)["verdicts"]] == ["64 GiB"]
+    assert len(estimate(str(config), Serving())["verdicts"]) > 1  # cuda: the whole catalogue

@@ -95,7 +95,8 @@ def _render(report: dict[str, Any]) -> None:
             str(v["smallest_tp"] or "none"),
             str(v["max_batch"]),
         )
-    err_console.print(verdicts)
+    if report["verdicts"]:
+        err_console.print(verdicts)
     for note in report["notes"]:
         err_console.print(f"[yellow]note:[/] {escape(note)}")
 

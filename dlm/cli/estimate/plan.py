@@ -836,7 +836,12 @@ def plan_report(
         targets = [Gpu(f"{gpu_memory_gib:g} GiB", round(gpu_memory_gib * 1024))]
     elif gpu is not None:
         targets = [find_gpu(gpu)]
-    verdicts = [_verdict(arch, comps, resolved, plan, g) for g in (targets or CATALOGUE)]
+    notes = list(plan.notes)
+    if not targets and resolved.device == "cpu":  # a GPU catalogue says nothing of a host
+        notes.append("planned for a CPU: no GPU verdicts; --gpu-memory GiB judges a host's memory")
+    elif not targets:
+        targets = list(CATALOGUE)
+    verdicts = [_verdict(arch, comps, resolved, plan, g) for g in targets]
     return {
         "model": {
             "source": source.label,
@@ -874,7 +879,7 @@ def plan_report(
             },
         },
         "verdicts": verdicts,
-        "notes": plan.notes,
+        "notes": notes,
     }
 
 
