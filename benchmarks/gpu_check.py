@@ -173,9 +173,7 @@ def quantization_checks(device: str = "cuda", families: list[str] | None = None)
                 ids = quantized.generate(PROMPT, **PARAMS[family])[0].output_ids
                 held = weight_bytes(quantized.engine.loaded.model)
                 arch = architecture_from_config(read_config_json(model))
-                serving = Serving(
-                    dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=name, device=device
-                )
+                serving = Serving(dtype=dtype, quantization=name, device=device)  # --dtype's spellings
                 plan = plan_memory(arch, parameter_components(arch), serving)
                 planned = sum(r.bytes for r in plan.rows if r.name.startswith("weights:"))
                 del quantized

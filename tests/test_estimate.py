@@ -415,22 +415,22 @@ def test_weights_split_by_tp_with_replicated_parts() -> None:
     assert _row(eight, "weights: attention K/V") * 4 == _row(one, "weights: attention K/V")
 
 
-def test_int4_plans_each_rank_in_the_whole_rows_groups() -> None:
-    """Under TP a row-parallel shard keeps the groups of the whole row (the loader's rule), so
-    a rank whose share of an 11008-wide down projection (344 inputs at TP 32) no group size
-    divides is still planned, not an error, and smallest_tp can try every TP."""
+def test_int4_tp_plans_as_the_loader_splits() -> None:
+    """A row-parallel int4 shard keeps the whole row's groups (the loader's rule), so a TP
+    whose share of an 11008-wide down projection would cut its groups of 128 (TP 4 and up) is
+    refused as the loader refuses it, and smallest_tp passes over it; a shard that splits
+    cleanly (TP 2: 5504 inputs) is planned with CUDA's padding of its inputs (to 6144)."""
     config = {**LLADA_8B, "mlp_hidden_size": 11008}
     arch = architecture_from_config(config)
     comps = parameter_components(arch)
     serving = Serving(quantization="int4").resolved(arch)
-    assert smallest_tp(arch, comps, serving, capacity=1) is None  # tried every TP, 32 among them
-    cpu = replace(serving, device="cpu")
-    one, split = (_row(plan_memory(arch, comps, replace(cpu, tp=tp)), "weights: dense MLP") for tp in (1, 32))
-    assert split * 32 == pytest.approx(one, rel=0.01)
-    # on CUDA each rank's 344 down inputs are padded to tinygemm's 1024: the plan says so
-    one, split = (_row(plan_memory(arch, comps, replace(serving, tp=tp)), "weights: dense MLP") for tp in (1, 32))
-    down = 32 * 4096 * 11008 * (0.5 + 4 / 128) / 32  # a rank's down projection, unpadded
-    assert split == pytest.approx(one / 32 + down * (1024 / 344 - 1), rel=0.01)
+    with pytest.raises(UsageError, match="cannot split the dense MLP over tensor-parallel ranks: each rank's 2752"):
+        plan_memory(arch, comps, replace(serving, tp=4))
+    two = plan_memory(arch, comps, replace(serving, tp=2))
+    per_input = 32 * 4096 * (0.5 + 4 / 128)  # int4 data + a bf16 scale and zero per 128 inputs, all rows
+    assert _row(two, "weights: dense MLP") == pytest.approx(per_input * (11008 + 6144), rel=1e-6)
+    assert smallest_tp(arch, comps, serving, capacity=two.total) == 2
+    assert smallest_tp(arch, comps, serving, capacity=two.total - 1) is None  # 4-32 would fit, but cut groups
 
 
 def test_quantized_formats_shrink_linear_layers_only() -> None:

@@ -249,7 +249,7 @@ def test_cuda_plan_agrees_with_the_cuda_layout_of_every_weight(
     for p in loaded.parameters():
         expected += m.weight_bytes(p.shape[0], p.shape[1], act, "cuda") if is_quantized(p) else p.nbytes
     arch = architecture_from_config(read_config_json(model))
-    serving = Serving(dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype], quantization=method, device="cuda")
+    serving = Serving(dtype=dtype, quantization=method, device="cuda")
     plan = plan_memory(arch, parameter_components(arch), serving.resolved(arch))
     assert sum(r.bytes for r in plan.rows if r.name.startswith("weights:")) == pytest.approx(expected, rel=0.05)
 
@@ -274,7 +274,7 @@ def test_estimate_plans_per_device_and_refuses_what_the_device_cannot_run() -> N
     # a model the loader cannot quantize is refused by the plan too, naming a component
     for family in TINY_REFUSES_INT4:
         tiny = architecture_from_config(read_config_json(resolve_model(f"tiny:{family}")))
-        with pytest.raises(UsageError, match="int4 cannot quantize the .*: their 48 input features"):
+        with pytest.raises(UsageError, match="int4 cannot quantize the .*: its 48 input features"):
             plan_memory(tiny, parameter_components(tiny), Serving(quantization="int4").resolved(tiny))
 
 

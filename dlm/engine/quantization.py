@@ -67,13 +67,31 @@ class Method:
             return in_features
         return next((g for g in INT4_GROUP_SIZES if in_features % g == 0), None)
 
+    def group_for(self, in_features: int, layer: str) -> int:
+        """`group_size`, or the refusal of `layer` (the loader's and the plan's alike) when no
+        group size divides its inputs."""
+        group = self.group_size(in_features)
+        if group is None:
+            raise UsageError(
+                f"--quantization {self.name} cannot quantize {layer}: its {in_features} input features are not a "
+                f"multiple of any group size the kernel takes ({', '.join(map(str, INT4_GROUP_SIZES))})"
+            )
+        return group
+
+    def check_split(self, in_features: int, local: int, group: int, layer: str) -> None:
+        """Refuse a tensor-parallel shard of `local` of a row's `in_features` inputs that would
+        cut the row's groups (a shard is quantized as the whole row is: dlm/engine/quantized_weights.py)."""
+        if self.scale == "group" and local % group:
+            raise UsageError(
+                f"--quantization {self.name} cannot split {layer} over tensor-parallel ranks: each rank's "
+                f"{local} of its {in_features} input features would cut its groups of {group}"
+            )
+
     def weight_bytes(self, rows: int, in_features: int, act_bytes: int, device: str, group: int | None = None) -> int:
         """Bytes of one [rows, in_features] weight held in this format on `device` (data +
         scales, padding included), in groups of `group` inputs (default: the loader's choice,
         which the true inputs decide)."""
-        group = group or self.group_size(in_features)
-        if group is None:
-            raise UsageError(f"{self.name}: no group size in {INT4_GROUP_SIZES} divides {in_features} input features")
+        group = group or self.group_for(in_features, f"a {rows} x {in_features} weight")
         rows, in_features = self.stored_shape(rows, in_features, device)
         data = rows * in_features * self.bits // 8
         if self.scale == "row":

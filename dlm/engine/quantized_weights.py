@@ -27,7 +27,7 @@ from torch import nn
 
 from dlm.engine.errors import UsageError
 from dlm.engine.parallel import state as parallel_state
-from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_runs
+from dlm.engine.quantization import METHODS, Method, check_runs
 
 
 @cache
@@ -242,19 +242,10 @@ def quantizer(model: nn.Module, method: Method, dtype: torch.dtype, device: torc
     for name in sorted(names):
         local = params[name].shape[-1]
         inputs = getattr(params[name], "split_inputs", local)  # the whole row's, when split over ranks
-        group = method.group_size(inputs)
-        if group is None:
-            raise UsageError(
-                f"--quantization {method.name} cannot quantize {name}: its {inputs} input features are not a "
-                f"multiple of any group size the kernel takes ({', '.join(map(str, INT4_GROUP_SIZES))})"
-            )
+        group = method.group_for(inputs, name)
         if local != inputs:
             split.add(name)
-            if method.scale == "group" and local % group:
-                raise UsageError(
-                    f"--quantization {method.name} cannot split {name} over tensor-parallel ranks: each rank's "
-                    f"{local} of its {inputs} input features would cut its groups of {group}"
-                )
+            method.check_split(inputs, local, group, name)
         groups[name] = group if method.scale == "group" else local
     return Quantizer(method, groups, frozenset(split), dtype, device)
 

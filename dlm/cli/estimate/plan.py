@@ -254,6 +254,7 @@ class WeightFormat:
     scale_bytes: float = 0.0  # per group of `group` weights
     group: int = 0
     assumption: str = ""
+    torch_dtype: str = ""  # the engine's name for it (`dlm serve --dtype`)
 
     def bytes_per_param(self, group_size: int) -> float:
         group = self.group or group_size
@@ -263,9 +264,9 @@ class WeightFormat:
 # The activation (and unquantized weight) dtypes; quantized formats are the engine's
 # methods (dlm/engine/quantization.py), `--quantization`.
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "fp32": WeightFormat(32, assumption="fp32"),
-    "bf16": WeightFormat(16, assumption="bf16"),
-    "fp16": WeightFormat(16, assumption="fp16"),
+    "fp32": WeightFormat(32, assumption="fp32", torch_dtype="float32"),
+    "bf16": WeightFormat(16, assumption="bf16", torch_dtype="bfloat16"),
+    "fp16": WeightFormat(16, assumption="fp16", torch_dtype="float16"),
 }
 ALIASES = {
     "auto": "bf16",
@@ -384,7 +385,7 @@ class Serving:
         if device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if method is not None:
-            check_runs(method, device, {"fp32": "float32", "fp16": "float16"}.get(fmt, "bfloat16"))
+            check_runs(method, device, WEIGHT_FORMATS[fmt].torch_dtype)
         quantization = None if method is None else method.name
         return replace(
             self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization, device=device
@@ -453,20 +454,17 @@ def _weight_rows(a: Architecture, comps: list[Component], s: Serving) -> list[Ro
         weight_bytes: float = c.params * plain_bpp
         if c.quantized and method is not None:
             # Each matrix at its rank's input width, in the groups the loader takes for the
-            # whole row (a rank's shard never straddles one); what no matrix counts (biases,
-            # the DeltaNet convolution) stays in the activation dtype.
+            # whole row, refused where the loader refuses (no group divides the row, or a
+            # rank's shard would cut one); what no matrix counts (biases, the DeltaNet
+            # convolution) stays in the activation dtype.
             matrices = c.matrices or (Matrices(c.params, d),)
             quantized = sum(m.params for m in matrices)
             weight_bytes = (c.params - quantized) * plain_bpp
             for m in matrices:
-                group = s.group_size or method.group_size(m.inputs)
-                if group is None:  # the loader refuses such a layer too
-                    raise UsageError(
-                        f"--quantization {method.name} cannot quantize the {c.name}: their {m.inputs} input "
-                        f"features are not a multiple of any group size the kernel takes "
-                        f"({', '.join(map(str, INT4_GROUP_SIZES))})"
-                    )
+                group = s.group_size or method.group_for(m.inputs, f"the {c.name}")
                 local = m.inputs // s.tp if m.inputs_split and c.tp == "split" else m.inputs
+                if local != m.inputs:
+                    method.check_split(m.inputs, local, group, f"the {c.name}")
                 weight_bytes += m.params * method.bytes_per_param(local, plain_bpp, s.device, group)
         dtype = quant_text if c.quantized else ("fp32" if s.dtype == "fp32" else "16-bit")
         rows.append(
@@ -670,7 +668,11 @@ def _finish(
 # --------------------------------------------------------------------------- verdicts
 def smallest_tp(a: Architecture, comps: list[Component], serving: Serving, capacity: int) -> int | None:
     for tp in valid_tps(a):
-        if plan_memory(a, comps, replace(serving, tp=tp)).total <= capacity:
+        try:
+            plan = plan_memory(a, comps, replace(serving, tp=tp))
+        except UsageError:  # the serving shape was checked at its own TP: this TP cuts int4 groups
+            continue
+        if plan.total <= capacity:
             return tp
     return None
 
