@@ -34,9 +34,10 @@ run)
     out=${3:?usage: gpu_session.sh run WHEELS OUT}
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dlm-site \
-        "$wheels"/*.whl > /tmp/dlm-pip.txt 2>&1 || { tail -20 /tmp/dlm-pip.txt; exit 1; }
-    export PYTHONPATH=/tmp/dlm-site
+    site=$(mktemp -d)  # the wheels' install, beside the machine's own packages; gone with the machine
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "$wheels"/*.whl > "$site.log" 2>&1 || { tail -20 "$site.log"; exit 1; }
+    export PYTHONPATH=$site
     log=$out/log.txt
     python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'torchao', torchao.__version__, \
