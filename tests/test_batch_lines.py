@@ -127,6 +127,28 @@ def test_an_output_that_is_not_a_batch_output_is_refused_untouched(tmp_path: Pat
     assert out.read_bytes() == content
 
 
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"custom_id": ""}, "custom_id must be a non-empty string"),
+        ({"custom_id": 5}, "custom_id must be a non-empty string"),
+        ({"custom_id": "q0"}, "custom_id 'q0' appears twice"),
+        ({"method": "GET"}, "got 'GET' to '/v1/completions'"),
+        ({"url": "/v1/embeddings"}, "got 'POST' to '/v1/embeddings'"),
+        ({"body": [1]}, "body must be a JSON object"),
+        ({"body": {"prompt": "hi", "stream": True}}, "cannot stream"),
+    ],
+    ids=["empty-id", "number-id", "duplicate-id", "get", "other-url", "body-not-object", "stream"],
+)
+def test_a_bad_input_line_is_refused_by_number_before_anything_runs(tmp_path: Path, change: dict, says: str) -> None:
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello"), {**request("q1", "hi"), **change}])
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 2 and summary is None
+    assert "in.jsonl:2: " in stderr and says in stderr.replace("\n", " "), stderr
+    assert "Traceback" not in stderr and not out.exists()
+
+
 def test_an_output_directory_is_refused(tmp_path: Path) -> None:
     source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
     code, _, stderr = run(source, tmp_path)

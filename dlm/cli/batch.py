@@ -71,8 +71,11 @@ def read_requests(path: Path) -> list[BatchRequest]:
             raise UsageError(f"{path}:{number}: custom_id must be a non-empty string")
         if custom_id in seen:
             raise UsageError(f"{path}:{number}: custom_id {custom_id!r} appears twice")
-        if item.get("method", "POST") != "POST" or url not in URLS:
-            raise UsageError(f"{path}:{number}: only POST to {' or '.join(URLS)} is supported, got {url!r}")
+        method = item.get("method", "POST")
+        if method != "POST" or url not in URLS:
+            raise UsageError(
+                f"{path}:{number}: only POST to {' or '.join(URLS)} is supported, got {method!r} to {url!r}"
+            )
         if not isinstance(body, dict):
             raise UsageError(f"{path}:{number}: body must be a JSON object")
         if body.get("stream"):
