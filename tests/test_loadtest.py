@@ -241,6 +241,9 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
             "vllm",
         )
     assert result.returncode == 1, result.stderr[-2000:]
+    # Under --json the table still goes to stderr, and the failure is the contract's error line.
+    assert "dlm loadtest" in result.stderr and "knee" not in result.stderr.splitlines()[-1]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: threshold exceeded: p50_e2e>1ms"), result.stderr
     vllm = json.loads(result.stdout)  # --format vllm: one object for a fixed run
     assert vllm["endpoint_type"] == "openai-chat" and vllm["max_concurrency"] == 2 and vllm["failed"] == 0
     summary = json.loads((tmp_path / "fixed" / "summary.json").read_text())

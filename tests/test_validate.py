@@ -182,6 +182,7 @@ def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
     with serve(Behaviour()) as url:
         ok = run_cli(url, "--json", "--burst", "4", "--junit-xml", str(junit))
     assert ok.exit_code == 0, ok.stderr
+    assert "PASSED" in ok.stderr and "error:" not in ok.stderr  # the table on stderr under --json too
     payload = json.loads(ok.stdout)
     assert payload["passed"] is True and payload["counts"]["failed"] == 0
     assert {c["name"] for c in payload["checks"]} >= {"completion_stream", "burst", "metrics"}
@@ -190,9 +191,13 @@ def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
     assert len(suite.findall("testcase")) == len(payload["checks"])
 
     with serve(Behaviour(status=500)) as url:
-        bad = run_cli(url, "--burst", "4", "--junit-xml", str(junit))
+        bad = run_cli(url, "--burst", "4", "--junit-xml", str(junit), "--json")
     assert bad.exit_code == 1
     assert "FAILED" in bad.stderr and "completion" in bad.stderr
+    assert json.loads(bad.stdout)["passed"] is False
+    # The failure ends with the contract's one error line, naming the failed checks.
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 3 of ") and last.endswith("checks failed: completion, chat, invalid_params"), last
     failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None}
     assert failures == {"completion", "chat", "invalid_params"}
 

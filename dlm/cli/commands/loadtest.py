@@ -146,10 +146,11 @@ def loadtest(
                 f"no request succeeded (errors by status: "
                 f"{summary['totals']['errors_by_status']}); results in {directory}/"
             )
+        # Human text on stderr in both modes (docs/cli.md): a --json run's warnings and the
+        # reason it failed are not only in summary.json.
+        render_summary(summary, err_console)
+        err_console.print(f"results in {directory}/: {', '.join(summary['files'])}")
         if json_out:
             emit_json(summary if result_format == "dlm" else (vllm if len(vllm) > 1 else vllm[0]))
-        else:
-            render_summary(summary, err_console)
-            err_console.print(f"results in {directory}/: {', '.join(summary['files'])}")
         if not summary["passed"]:
-            raise typer.Exit(1)
+            raise DlmError(f"threshold exceeded: {'; '.join(summary['violations'])}")

@@ -51,7 +51,7 @@ def validate(
         from dlm.cli.checks.suite import load_suite
         from dlm.cli.checks.validate import run_validation
         from dlm.cli.client.api import tls_verify
-        from dlm.engine.errors import UsageError
+        from dlm.engine.errors import DlmError, UsageError
 
         if max_tokens < 1 or burst < 1 or timeout <= 0 or ready_timeout < 0:
             raise UsageError("--max-tokens and --burst must be >= 1, --timeout > 0, --ready-timeout >= 0")
@@ -75,12 +75,12 @@ def validate(
             )
         if junit_xml:
             write_junit(results, url, junit_xml)
+        render_table(results, url, err_console)  # human text on stderr in both modes (docs/cli.md)
         if json_out:
             emit_json(to_json(results, url))
-        else:
-            render_table(results, url, err_console)
-        if any(r.status == FAILED for r in results):
-            raise typer.Exit(1)
+        failed = [r.name for r in results if r.status == FAILED]
+        if failed:
+            raise DlmError(f"{len(failed)} of {len(results)} checks failed: {', '.join(failed)}")
 
 
 def _writable(path: Path) -> None:

@@ -172,5 +172,3 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                 )
     else:
         console.print("server /metrics not readable: no client/server agreement check")
-    for violation in summary["violations"]:
-        console.print(f"[bold red]threshold exceeded:[/] {violation}")
