@@ -4,6 +4,7 @@ when fed a failure: no disk, a busy port, a kernel that disagrees with its twin.
 from __future__ import annotations
 
 import json
+import re
 import socket
 from pathlib import Path
 
@@ -110,8 +111,13 @@ def test_kernel_mismatch_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bad_kernel_choice_is_a_blocker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLM_KERNELS", "bogus")
+    # Not the choice an earlier test of this process cached: it passed only after one did,
+    # and alone the whole report died on the default model's load.
+    doctor.default_model_choice.cache_clear()
     code, report = run_doctor("--port", str(free_port()))
+    doctor.default_model_choice.cache_clear()
     assert code == 1 and report["blockers"] == ["kernel dispatch"]
+    assert report["checks"]["dtype"]["status"] == "warn" and "DLM_KERNELS" in report["checks"]["dtype"]["value"]
 
 
 def test_store_reports_failed_unverified_and_corrupt_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,3 +166,16 @@ def test_a_port_serve_would_refuse_is_bad_usage(port: str) -> None:
     assert result.exit_code == 2 and not isinstance(result.exception, OverflowError), result.exception
     assert result.stderr.startswith("error: invalid setting port:"), result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("package", ["torch", "triton", "transformers"])
+def test_the_support_matrix_names_the_versions_ci_installs(package: str) -> None:
+    """`tested with` says what the suite ran on: constraints.txt's pins (docs/install.md), which
+    CI installs; the matrix once still said transformers 5.24 after the pin moved to 5.25."""
+    text = (Path(__file__).resolve().parent.parent / "constraints.txt").read_text()
+    pinned = re.search(rf"^{package}==(\d+\.\d+)", text, re.M)
+    assert pinned is not None, f"constraints.txt pins no {package}"
+    assert any(entry.split()[0] == pinned.group(1) for entry in doctor.SUPPORT_MATRIX[package]), (
+        doctor.SUPPORT_MATRIX[package],
+        pinned.group(1),
+    )

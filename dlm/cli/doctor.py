@@ -38,8 +38,9 @@ SUPPORT_MATRIX: dict[str, Any] = {
     "os": ["Linux x86_64"],
     "torch": ["2.13 (CPU build)"],
     "triton": ["3.9 (interpreter on CPU)"],
-    "transformers": ["5.24"],
-    "gpus": [],  # no GPU run yet: the CUDA path is prepared (benchmarks/gpu_check.py) but unmeasured
+    "transformers": ["5.25"],
+    # benchmarks/gpu_check.py, every section (docs/benchmarks.md, "GPU"), on a lent device.
+    "gpus": ["NVIDIA H200 (torch 2.11 CUDA 13, triton 3.6)"],
 }
 
 
@@ -157,7 +158,12 @@ def default_model_choice() -> Any:
 
 
 def check_dtype() -> Check:
-    choice = default_model_choice()
+    from dlm.engine.errors import DlmError
+
+    try:
+        choice = default_model_choice()
+    except DlmError as exc:  # e.g. a bad DLM_KERNELS: its own check is the blocker, this says why no dtype
+        return Check("dtype", "warn", f"not chosen: the default model did not load ({exc})")
     value = f"{choice.name} on {choice.device} for the default model: {choice.reason}"
     return Check("dtype", "ok", value, choice.to_dict())
 
