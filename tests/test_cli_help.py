@@ -133,3 +133,29 @@ def test_every_serve_setting_is_documented() -> None:
     for name in ServeConfig.model_fields:
         flags = [o for spelling in names(name) for o in spelling.split("/")] if name in settings() else []
         assert f"`{name}`" in doc or any(flag in doc for flag in flags), f"docs/serve.md never names {name}"
+
+
+@pytest.mark.parametrize("path", list(COMMANDS), ids=" ".join)
+def test_help_written_to_a_pipe_cuts_no_option_name(
+    path: tuple[str, ...], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `dlm serve --help | grep ...` prints it: no terminal and no width set (capsys's
+    stdout is no terminal). At rich's 80 columns `--tensor-parallel-size` printed as
+    `--tensor-parallel…` and grep found nothing; `main` widens piped help first."""
+    import typer.rich_utils
+
+    from dlm.cli.main import piped_help_width
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", None)
+    piped_help_width()
+    with pytest.raises(SystemExit):
+        command().main([*path, "--help"], prog_name="dlm")
+    text = capsys.readouterr().out
+    assert "…" not in text
+    words = set(BORDERS.sub(" ", text).replace(",", " ").split())
+    for param in COMMANDS[path].params:
+        for name in [*param.opts, *param.secondary_opts]:
+            if name.startswith("--"):
+                assert name in words, f"dlm {' '.join(path)}: {name} not whole in piped help"

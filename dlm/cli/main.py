@@ -103,10 +103,29 @@ def command() -> Any:
     return cli
 
 
+# Columns of help written to a pipe or a file: the widest option names (`--gpu-memory-utilization`,
+# `--no-trust-remote-code`) and doc paths fit whole from 140 on.
+PIPED_HELP_WIDTH = 160
+
+
+def piped_help_width() -> None:
+    """Help piped to grep or a file is drawn at rich's default 80 columns when no terminal
+    gives a width, and rich then cuts long option names (`--tensor-parallel-…`), so
+    `dlm serve --help | grep -- --keep-alive-timeout` found nothing. Give it room unless
+    the user set a width (TERMINAL_WIDTH, COLUMNS) or a terminal has one."""
+    import os
+
+    import typer.rich_utils
+
+    if typer.rich_utils.MAX_WIDTH is None and "COLUMNS" not in os.environ and not sys.stdout.isatty():
+        typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH
+
+
 def main() -> None:
     """The `dlm` entry point: the Typer app as one click command, its help tidied, and a
     command line click refuses (an unknown flag, a missing argument) reported like every
     other usage error: one `error:` line, exit 2, not a boxed panel."""
+    piped_help_width()
     try:
         result = command().main(standalone_mode=False)
     except Exception as exc:
