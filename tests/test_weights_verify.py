@@ -303,3 +303,56 @@ def test_a_damaged_config_in_the_store_is_a_failed_operation(
     code, _, err = cli("estimate", ref)
     assert code == 1 and err.startswith(f"error: {ref}'s config.json does not match the sha256"), err
     assert f"dlm verify {ref}" in err
+
+
+def test_a_dangling_link_in_a_version_is_a_finding_recorded_not_a_crash(stored: tuple[Store, str, Path]) -> None:
+    """A stored file replaced by a link to nowhere: the report names it (it crashed on the
+    file's stat before, printing no report and leaving the version "verified")."""
+    store, ref, files = stored
+    (files / SHARD1).unlink()
+    (files / SHARD1).symlink_to(files / "nowhere")
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    report = json.loads(stdout)
+    assert any(f["file"] == SHARD1 and "unreadable" in f["problem"] for f in report["failures"]), report
+    assert store.manifest(*ref.split("@")).state == "failed"
+
+
+def _fail(store: Store, ref: str, files: Path) -> None:
+    _flip_byte(files / SHARD1)
+    assert cli("verify", ref, "--store", str(store.root))[0] == 1
+
+
+@pytest.mark.parametrize("named", ["NAME@VERSION", "NAME"])
+@pytest.mark.parametrize("command", ["generate", "estimate"])
+def test_a_version_that_failed_verification_is_never_loaded(
+    named: str, command: str, stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`NAME@VERSION` of a failed version loaded and answered without a word (only a bare NAME
+    skipped it); now it is the store's failure (exit 1) naming the damage and the fixes, and a
+    bare NAME whose versions all failed says so instead of "run `dlm verify`"."""
+    store, ref, files = stored
+    _fail(store, ref, files)
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    spec = ref if named == "NAME@VERSION" else ref.split("@")[0]
+    args = [command, spec, "--prompt", "hi", "--gen-length", "4"] if command == "generate" else [command, spec]
+    code, _, err = cli(*args)
+    assert code == 1 and err.startswith("error: ") and "failed verification" in err, err
+    assert f"dlm rm {ref.split('@')[0]}@" in err and "Traceback" not in err
+
+
+def test_a_release_damaged_after_it_was_released_is_not_served(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlm.cli.store.releases import current_checkpoint
+    from dlm.engine.errors import DlmError
+
+    store, ref, files = stored
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    assert cli("release", ref, "--deployment", "prod")[0] == 0
+    assert current_checkpoint(store, "prod")[0].ref == ref
+    _fail(store, ref, files)
+    with pytest.raises(DlmError, match="failed verification.*dlm rollback -d prod"):
+        current_checkpoint(store, "prod")
+    code, _, err = cli("release", ref, "--deployment", "other")
+    assert code == 1 and "failed verification" in err and "run `dlm verify" not in err, err

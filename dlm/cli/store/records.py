@@ -142,6 +142,21 @@ class Manifest(Record):
             return "unverified"
         return "verified" if self.verification.ok else "failed"
 
+    def failure(self) -> str | None:
+        """Why this version must not be loaded, when its last verification failed: its first
+        findings and the fixes (the files are damaged: verifying again changes nothing).
+        None for a verified or unverified version."""
+        if self.verification is None or self.verification.ok:
+            return None
+        found = self.verification.failures
+        named = "; ".join(f"{f.file}: {f.problem}" for f in found[:2]) + (
+            f"; {len(found) - 2} more" if len(found) > 2 else ""
+        )
+        return (
+            f"{self.ref} failed verification ({named or 'see `dlm verify`'}): fetch it again or remove it "
+            f"(`dlm rm {self.ref}`); `dlm verify {self.ref}` lists every finding"
+        )
+
 
 # -- a deployment's state ----------------------------------------------------------------------
 class Ref(Record):

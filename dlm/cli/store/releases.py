@@ -194,6 +194,8 @@ def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tu
     if current is None:
         raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")
     manifest = store.manifest(current.model, current.version)
+    if (failure := manifest.failure()) is not None:  # damaged since it was released
+        raise DlmError(f"deployment {deployment!r}'s current release {failure}; or `dlm rollback -d {deployment}`")
     return manifest, store.files_dir(manifest.name, manifest.version)
 
 
@@ -251,6 +253,8 @@ class Outcome:
 def _usable(store: Store, manifest: Manifest) -> None:
     """A release needs a verified version whose files are all still there at their size."""
     ref = manifest.ref
+    if (failure := manifest.failure()) is not None:
+        raise DlmError(failure)
     if not manifest.verified:
         raise DlmError(f"{ref} is {manifest.state}; run `dlm verify {ref}` first")
     root = store.files_dir(manifest.name, manifest.version)

@@ -22,6 +22,8 @@ def resolve_model(spec: str | Path | None) -> Path:
     store = Store()
     if NAME_RE.match(name) and store.model_dir(name).is_dir():
         manifest = store.find(str(spec))
+        if (failure := manifest.failure()) is not None:  # NAME@VERSION of a damaged version
+            raise DlmError(failure)
         directory = store.files_dir(manifest.name, manifest.version)
         check_config(manifest, directory)
         return directory

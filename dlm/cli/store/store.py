@@ -190,6 +190,12 @@ class Store:
             verified = [m for m in manifests if m.verified]
             if not verified and corrupt and not manifests:  # the store's failure, not the user's
                 return corrupt[-1]
+            if not verified and manifests and all(m.state == "failed" for m in manifests):
+                # The store's damage (exit 1), and verifying again would not help.
+                raise DlmError(
+                    f"every version of {name!r} failed verification ({', '.join(m.version for m in manifests)}): "
+                    f"fetch it again or remove them (`dlm rm {name}@VERSION`); `dlm verify {name}@VERSION` lists why"
+                )
             if not verified:
                 raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
             return verified[-1]

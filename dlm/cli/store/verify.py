@@ -79,7 +79,11 @@ def check_hashes(
         if path is None:
             report.fail(rel, "manifest", "file is missing")
             continue
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError as exc:  # a dangling link, a file gone mid-check: a finding, never a crash
+            report.fail(rel, "manifest", f"unreadable: {exc.strerror}")
+            continue
         if size != entry.size:
             report.fail(rel, "size", f"{size} bytes, the manifest says {entry.size} (truncated or replaced)")
             continue
