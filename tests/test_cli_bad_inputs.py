@@ -190,6 +190,45 @@ def test_missing_things_say_what_is_missing(tmp_path: Path) -> None:
     _assert_one_error(code, stdout, stderr, 1)
 
 
+STORE_COMMANDS = [("models",), ("verify", "m"), ("fetch", "SOURCE"), ("release", "m"), ("rollback",), ("rm", "m")]
+
+
+@pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("where", ["empty", "a file"])
+def test_a_store_option_that_names_no_directory_is_refused(
+    args: tuple[str, ...], where: str, good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--store ''` was the current directory (a fetch filled ./models without a word), and
+    `--store FILE` said "File exists"; both are bad usage now, named, and nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    target = "" if where == "empty" else str(tmp_path / "a-file")
+    if where == "a file":
+        (tmp_path / "a-file").write_text("")
+    args = tuple(str(good) if a == "SOURCE" else a for a in args)
+    code, stdout, stderr = cli(*args, "--store", target)
+    _assert_one_error(code, stdout, stderr, 2)
+    assert ("must name a directory" if where == "empty" else "is a file, not a store directory") in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where == "empty" else ["a-file"])
+
+
+def test_listing_a_store_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "no" / "store"
+    code, stdout, stderr = cli("models", "--store", str(root), "--json")
+    assert code == 0 and json.loads(stdout)["models"] == [], stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_the_listing_says_why_a_version_failed(good: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    version = fetch(str(good), store, name="m").manifest.version
+    shard = _shard(store.files_dir("m", version))
+    shard.write_bytes(shard.read_bytes()[:-4])
+    assert cli("verify", f"m@{version}", "--store", str(store.root))[0] == 1
+    code, stdout, _ = cli("models", "--store", str(store.root), "--json")
+    (listed,) = json.loads(stdout)["models"][0]["versions"]
+    assert listed["state"] == "failed" and shard.name in listed["reason"] and "bytes" in listed["reason"]
+
+
 def test_deployment_names_cannot_collide_with_server_records(good: Path, tmp_path: Path) -> None:
     """Issue 16 point 5: deployments `X` and `X.server` are independent, and a running
     server's record is neither of them."""

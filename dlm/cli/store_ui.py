@@ -21,10 +21,19 @@ STORE_OPTION: Any = typer.Option(
 JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
 
 
-def open_store(path: Path | None) -> Any:
+def open_store(path: str | None) -> Any:
+    """The store at --store / DLM_STORE (else $DLM_HOME/store). An empty --store is refused:
+    it read as the current directory, and a fetch filled ./models with no word; a path that
+    is a file is refused by name before any command tries to lock or create under it."""
     from dlm.cli.store.store import Store
+    from dlm.engine.errors import UsageError
 
-    return Store(path)
+    if path is not None and not path.strip():
+        raise UsageError("--store must name a directory, got an empty string")
+    store = Store(Path(path) if path is not None else None)
+    if store.root.exists() and not store.root.is_dir():
+        raise UsageError(f"--store {store.root} is a file, not a store directory")
+    return store
 
 
 class ByteBar:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from dlm.cli.output import cli_errors, emit_json, err_console
@@ -33,7 +31,7 @@ def fetch(
     workers: int | None = typer.Option(
         None, "--workers", help="Parallel file transfers / hashes.", show_default="CPU count"
     ),
-    store: Path | None = STORE_OPTION,
+    store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Fetch SOURCE into the versioned store; hashes every file and checks the checkpoint.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -25,6 +24,8 @@ def _settled_listing(store: Any) -> dict[str, Any]:
     from dlm.cli.store.atomic import Busy
     from dlm.cli.store.releases import transaction
 
+    if not store.root.exists():  # nothing to list, and a listing creates no store (nor its lock)
+        return _listing(store)
     try:
         with transaction(store, blocking=False):
             return _listing(store)
@@ -51,6 +52,7 @@ def _listing(store: Any) -> dict[str, Any]:
                 "verified_at": m.verification.at if m.verification else None,
                 "source": m.source.to_json(),
                 "release_role": roles.get((name, m.version)),
+                **({"reason": m.problems()} if m.state == "failed" else {}),
             }
             for m in manifests
         ]
@@ -83,7 +85,7 @@ def _listing(store: Any) -> dict[str, Any]:
     }
 
 
-def models(store: Path | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> None:
+def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> None:
     """List the store on stdout: names, versions, sizes, verification state, and release history."""
     with cli_errors():
         listing = _settled_listing(open_store(store))
@@ -140,7 +142,7 @@ def rm(
     keep: int | None = typer.Option(
         None, "--keep", help="Keep only the newest N versions of NAME.", show_default="none: delete NAME@VERSION"
     ),
-    store: Path | None = STORE_OPTION,
+    store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Delete store versions; never the current or previous release of a deployment."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -33,7 +32,7 @@ def release(
         ..., help="MODEL@VERSION from the store (must be verified); a bare MODEL means its newest verified version."
     ),
     deployment: str = DEPLOYMENT_OPTION,
-    store: Path | None = STORE_OPTION,
+    store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Make a verified version the deployment's current one (hot-swapping its running server)."""
@@ -51,7 +50,7 @@ def rollback(
         show_default="the previous good release",
     ),
     deployment: str = DEPLOYMENT_OPTION,
-    store: Path | None = STORE_OPTION,
+    store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Return the deployment to its previous good release (or to --to)."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from dlm.cli.output import cli_errors, emit_json, err_console
@@ -13,7 +11,7 @@ from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, ope
 def verify(
     model: str = typer.Argument(..., help="Store name[@version], or a checkpoint directory (structure only)."),
     workers: int | None = typer.Option(None, "--workers", help="Files hashed in parallel.", show_default="CPU count"),
-    store: Path | None = STORE_OPTION,
+    store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Check every file's sha256, the safetensors headers, the shard index, config.json and

@@ -148,14 +148,16 @@ class Manifest(Record):
         None for a verified or unverified version."""
         if self.verification is None or self.verification.ok:
             return None
-        found = self.verification.failures
-        named = "; ".join(f"{f.file}: {f.problem}" for f in found[:2]) + (
-            f"; {len(found) - 2} more" if len(found) > 2 else ""
-        )
         return (
-            f"{self.ref} failed verification ({named or 'see `dlm verify`'}): fetch it again or remove it "
-            f"(`dlm rm {self.ref}`); `dlm verify {self.ref}` lists every finding"
+            f"{self.ref} failed verification ({self.problems() or 'see `dlm verify`'}): fetch it again or "
+            f"remove it (`dlm rm {self.ref}`); `dlm verify {self.ref}` lists every finding"
         )
+
+    def problems(self, shown: int = 2) -> str:
+        """The last verification's first findings, in one line ("" when it found none)."""
+        found = self.verification.failures if self.verification is not None else []
+        more = f"; {len(found) - shown} more" if len(found) > shown else ""
+        return "; ".join(f"{f.file}: {f.problem}" for f in found[:shown]) + more
 
 
 # -- a deployment's state ----------------------------------------------------------------------
