@@ -421,3 +421,16 @@ def test_batch_refuses_a_bad_input_file_before_loading(label: str, tmp_path: Pat
     code, stdout, stderr = cli("batch", str(source), str(tmp_path / "out.jsonl"))
     _assert_one_error(code, stdout, stderr, 2)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_interrupted_command_ends_with_the_contracts_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C during a command's work: exit 130 and one `error: interrupted` line, as an
+    interrupt while click parses says it (it printed a bare `interrupted` there)."""
+    import typer
+
+    from dlm.cli.output import cli_errors
+
+    with pytest.raises(typer.Exit) as stopped, cli_errors():
+        raise KeyboardInterrupt
+    assert stopped.value.exit_code == 130
+    assert capsys.readouterr().err.strip() == "error: interrupted"

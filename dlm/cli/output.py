@@ -56,7 +56,7 @@ def cli_errors() -> Iterator[None]:
         err_console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        err_console.print("[red]interrupted[/]")
+        err_console.print("[bold red]error:[/] interrupted", highlight=False)  # as `main` says it
         raise typer.Exit(130) from None
 
 
