@@ -237,17 +237,22 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", COMMIT_A, "--store-size", "lots"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--gpu", "A100-40GB", "--config", "TP1"], "more than A100-40GB has"),
         (["org/m", "--revision", COMMIT_A, "--config", "KEYS"], "API keys go in the Secret"),
+        # Manifests that rendered with exit 0 and could never run (a new user's attack):
+        ([""], "invalid setting source"),
+        (["org/m", "--revision", COMMIT_A, "--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
+        (["CKPT", "--revision", COMMIT_A], "--revision applies to hub sources, not to a local directory"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:
     files = {"TP1": "max_num_seqs = 64\n", "KEYS": 'api_keys = ["sk-1"]\n'}
+    args = [str(big_config.parent) if a == "CKPT" else a for a in args]
     for i, arg in enumerate(args):
         if arg in files:
             args[i] = str(tmp_path / "serve.toml")
             (tmp_path / "serve.toml").write_text(files[arg])
     result = runner.invoke(app, ["deploy", "kubernetes", *args, "--estimate-from", str(big_config)])
     assert result.exit_code in (1, 2), result.output
-    assert "Traceback" not in result.output
+    assert "Traceback" not in result.output and "Value error" not in result.output
     assert message in result.output
 
 

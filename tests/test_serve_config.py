@@ -193,3 +193,20 @@ def test_weight_loading_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplo
         LLM(ensure_tiny_model("tiny:llada"), dtype="float32", device="cpu", on_load=LoadProgress())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading weights:")]
     assert lines and lines[-1].startswith(f"loading weights: {len(lines)} tensors read")
+
+
+@pytest.mark.parametrize("name", ["tpu", "mps", "meta", "xla", "cuda:x", "cuda:-1", "", "cpu:0"])
+def test_a_device_dlm_does_not_run_on_is_refused_everywhere_it_is_named(name: str) -> None:
+    """One rule (dlm.engine.device.device_name) for `dlm serve`'s setting, a deployment's
+    (`dlm deploy kubernetes --device tpu` rendered pods with exit 0) and the engine's."""
+    from dlm.engine.device import resolve_device
+
+    with pytest.raises(UsageError, match=f"invalid setting device: must be auto, cpu, cuda or cuda:N, got {name!r}"):
+        load_config(flags={"device": name}, environ={})
+    with pytest.raises(UsageError, match="must be auto, cpu, cuda or cuda:N"):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize(("name", "kept"), [("CPU", "cpu"), ("auto", "auto"), ("Cuda:1", "cuda:1")])
+def test_device_spellings_are_kept_lower_cased(name: str, kept: str) -> None:
+    assert load_config(flags={"device": name}, environ={}).device == kept

@@ -4,13 +4,28 @@ machine lacks, or a `DLM_KERNELS` choice the device cannot run, is a usage error
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dlm.engine.errors import UsageError
 from dlm.kernels import dispatch
 
+# The devices dlm runs on, as every --device and `device` setting spells them (any case).
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_name(device: str) -> str:
+    """`device` checked against the spellings dlm accepts, lower-cased; on any machine (a
+    deployment is planned where it does not run). torch knows more device types (meta, mps,
+    xla) that dlm does not run on: refused here, not by a failure deep in the load."""
+    if not isinstance(device, str) or not DEVICE_NAME.fullmatch(device.lower()):
+        raise UsageError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return device.lower()
+
 
 def resolve_device(device: str) -> torch.device:
+    device = device_name(device)
     if device == "auto":
         resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:

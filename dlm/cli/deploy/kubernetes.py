@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dlm.cli.server.config import Cli, ServeConfig
+from dlm.cli.server.config import Cli, ServeConfig, setting_error
 from dlm.engine.errors import DlmError, UsageError
 
 PORT = 8000  # the container's HTTP port
@@ -64,7 +64,7 @@ class KubernetesSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("dlm", description="Name of every object (a DNS-1035 label).")
-    source: str = Field(description="What `dlm fetch` takes: a hub repo id or a path mounted in the pod.")
+    source: str = Field(min_length=1, description="What `dlm fetch` takes: a hub repo id or a path mounted in the pod.")
     revision: Annotated[str | None, Cli(shown="none; a hub source needs one")] = Field(
         None, description="Hub commit the init step fetches (40 hex digits)."
     )
@@ -133,14 +133,17 @@ def kubernetes_settings(**values: Any) -> KubernetesSettings:
     try:
         settings = KubernetesSettings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UsageError(f"invalid setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise setting_error(exc) from None
     hub = HUB_ID.match(settings.source) and not Path(settings.source).exists()
     if hub and (settings.revision is None or not REVISION.match(settings.revision)):
         raise UsageError(
             "--revision must be a full 40-digit commit for a hub source: a branch would let pods started "
             "at different times serve different weights"
         )
+    if not hub and settings.revision is not None:  # the init step's `dlm fetch` would refuse it in every pod
+        from dlm.cli.store.fetch import LOCAL_REVISION
+
+        raise UsageError(f"{LOCAL_REVISION} (SOURCE {settings.source!r} is a path)")
     if settings.max_replicas is not None and settings.max_replicas < settings.replicas:
         raise UsageError(f"--max-replicas ({settings.max_replicas}) is below --replicas ({settings.replicas})")
     return settings

@@ -207,6 +207,16 @@ class ServeConfig(BaseModel):
     log_prompts: bool = Field(False, description="Put prompt and output text in request logs.")
     log_level: str = Field("info", description="critical, error, warning, info, debug.")
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        from dlm.engine.device import device_name
+
+        try:
+            return device_name(value)
+        except UsageError as exc:
+            raise ValueError(str(exc).removeprefix("device ")) from None
+
     @field_validator("step_graphs")
     @classmethod
     def _graphs(cls, value: str) -> str:
@@ -401,6 +411,14 @@ def setting(name: str, value: Any) -> Any:
     return getattr(load_config(flags={name: value}, environ={}), name)
 
 
+def setting_error(exc: ValidationError) -> UsageError:
+    """A settings model's first validation error as the one `error:` line: the setting's
+    path and pydantic's message without the "Value error, " it wraps our validators' in."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    return UsageError(f"invalid setting {where}: {str(first['msg']).removeprefix('Value error, ')}")
+
+
 def load_config(
     file: Path | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -413,9 +431,7 @@ def load_config(
     try:
         config = ServeConfig(**merged)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        raise UsageError(f"invalid setting {where}: {first['msg']}") from None
+        raise setting_error(exc) from None
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
     if config.default_max_tokens is None:

@@ -84,6 +84,10 @@ class FetchResult:
         }
 
 
+# A local source is what it is: nothing pins it (its version is its content hash).
+LOCAL_REVISION = "--revision applies to hub sources, not to a local directory"
+
+
 def _select(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> list[str]:
     """The hub's own --include/--exclude semantics, for hub and local sources alike."""
     from huggingface_hub.utils import filter_repo_objects
@@ -457,7 +461,7 @@ def fetch(
         if not path.is_dir():
             raise UsageError(f"{source} is a file; SOURCE must be a directory or a hub repo id")
         if revision is not None:
-            raise UsageError("--revision applies to hub sources, not to a local directory")
+            raise UsageError(LOCAL_REVISION)
         return fetch_local(path, store, name, include, exclude, link, progress, workers, follow_symlinks)
     if link or follow_symlinks:
         raise UsageError(f"{'--link' if link else '--follow-symlinks'} applies to local sources only")
