@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
 from dlm.engine.config import load_config
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.llm import LLM
 
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -71,8 +71,9 @@ def test_misshaped_tensor_is_named(tiny_llada: Path, tmp_path: Path) -> None:
 def test_missing_shard_is_named(tmp_path: Path) -> None:
     sharded = _write(tmp_path / "sharded", 2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(UsageError, match="model-00002-of-00002"):
+    with pytest.raises(DlmError, match="model-00002-of-00002") as refused:
         LLM(sharded, dtype="float32", device="cpu")
+    assert refused.value.exit_code == 1  # a damaged checkpoint: a failed operation, not bad usage
 
 
 def test_unknown_model_type_names_supported(tmp_path: Path) -> None:

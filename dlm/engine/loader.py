@@ -11,7 +11,10 @@ attribute when it needs a transform (a reshape). A tensor-parallel shard carries
 safetensors' `get_slice`, so a rank never reads (or holds) more than its part. A model whose
 checkpoints come in several layouts (one tensor per expert or stacked experts, a text model
 nested under `model.language_model.`) may define `tensor_sources(name, available)` returning
-the source names for a parameter, or None for the default rule.
+the source names for a parameter, or None for the default rule. A damaged checkpoint (a
+malformed index, a shard missing or not a file, a file safetensors cannot read) is a failed
+operation, `damaged_weights`, said alike here and by `dlm estimate`, which reads the index
+through `shard_index` (so this module imports torch only where weights are read).
 """
 
 from __future__ import annotations
@@ -20,16 +23,78 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from dlm.engine.errors import DlmError, UsageError
 
+if TYPE_CHECKING:  # imported where weights are read: `dlm estimate` reads the index through
+    import torch  # `shard_index` without paying for (or needing) torch
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+REFETCH = "fetch the checkpoint again (`dlm verify` checks every file of a checkpoint)"
+
+
+def damaged_weights(where: Path, problem: object) -> DlmError:
+    """A weight file (or the index) that cannot be read as one: the checkpoint is damaged, so
+    the operation failed (exit 1, as a disk error would) rather than was asked wrongly; the
+    message names the file and the fix. Every reader of weights (the loader, `dlm estimate`'s
+    headers) says it this way, so a damage reads the same from every entry point."""
+    return DlmError(f"cannot read the weights in {where}: {problem}; {REFETCH}")
+
+
+def require_file(path: Path) -> None:
+    """Refuse a weight file (or the index) replaced by a directory or a device: opening one
+    fails with the OS's words ("No such device") and no file name, or, for a FIFO, hangs."""
+    if not path.is_file():
+        raise damaged_weights(path, "it is a directory, not a file" if path.is_dir() else "it is not a regular file")
+
+
+def shard_index(model_dir: Path) -> dict[str, Path] | None:
+    """The sharded index of `model_dir` (`model.safetensors.index.json`), checked and resolved:
+    each tensor name -> the shard file holding it; None when there is no index.
+
+    The one place an index is parsed and checked, for every reader of it (the loader, `dlm
+    estimate`'s headers): it comes from the checkpoint, so whatever is wrong with it (not
+    UTF-8 JSON, no `weight_map` of tensor name -> shard file name, a shard outside the
+    directory, missing or not a file) is a damaged checkpoint, refused as `damaged_weights`
+    naming the file, rather than a traceback from whichever reader tripped over it first.
+    """
+    index = Path(model_dir) / INDEX_NAME
+    if not index.exists():
+        return None
+    require_file(index)
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise damaged_weights(index, exc.strerror or exc) from None
+    except RecursionError:
+        raise damaged_weights(index, "not a valid safetensors index (JSON nested too deeply)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged_weights(index, f"not a valid safetensors index (not UTF-8 JSON: {exc})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) and file for name, file in weight_map.items()
+    ):
+        raise damaged_weights(
+            index, "not a valid safetensors index (weight_map must map tensor names to shard file names)"
+        )
+    if not weight_map:
+        raise damaged_weights(index, "not a valid safetensors index (its weight_map names no tensor)")
+    locations: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        relative = PurePosixPath(file)
+        if relative.is_absolute() or ".." in relative.parts:
+            raise damaged_weights(index, f"it names shard {file}, outside the checkpoint directory")
+        locations[name] = index.parent / relative
+    for file in sorted(set(locations.values())):
+        if not file.exists():
+            raise damaged_weights(index, f"it names shard {file.name}, which is missing")
+        require_file(file)
+    return locations
 
 
 def tensor_locations(model_dir: Path) -> dict[str, Path]:
@@ -39,35 +104,24 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     every `*.safetensors` file in the directory is scanned.
     """
     model_dir = Path(model_dir)
-    index = model_dir / INDEX_NAME
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise UsageError(f"{index} is not a valid safetensors index: {exc}") from exc
-        locations: dict[str, Path] = {name: model_dir / file for name, file in weight_map.items()}
-        for file in set(locations.values()):
-            if not file.exists():
-                raise UsageError(f"{index} names shard {file.name}, which is missing")
-        return locations
+    indexed = shard_index(model_dir)
+    if indexed is not None:
+        return indexed
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"no safetensors weights in {model_dir}")
     locations = {}
     for file in files:
+        require_file(file)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     locations[name] = file
         except SafetensorError as exc:
-            raise _damaged(model_dir, exc) from None
+            raise damaged_weights(file, exc) from None
+        except OSError as exc:  # unreadable: permissions, an I/O error
+            raise damaged_weights(file, exc.strerror or exc) from None
     return locations
-
-
-def _damaged(model_dir: Path, exc: SafetensorError) -> DlmError:
-    """A weight file safetensors cannot read (truncated, overwritten): reading the checkpoint
-    failed, an operation's failure (exit 1), as a disk error would be."""
-    return DlmError(f"cannot read the weights in {model_dir}: {exc}; `dlm verify` checks every file of a checkpoint")
 
 
 Index = tuple[slice, ...]
@@ -87,6 +141,8 @@ class Shard:
 
 
 def _set_parameter(model: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Module) -> None:
+    import torch
+
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
     if isinstance(value, torch.nn.Module):  # a list of per-expert (quantized) weights replaces the stacked one
@@ -151,7 +207,7 @@ def load_weights(
     try:
         _read(model, model_dir, locations, sources, params, dtype, device, on_tensor, place, decoded)
     except SafetensorError as exc:
-        raise _damaged(model_dir, exc) from None
+        raise damaged_weights(model_dir, exc) from None
 
 
 def _read(
@@ -167,6 +223,8 @@ def _read(
     decoded: Mapping[str, Callable[[], torch.Tensor]],
 ) -> None:
     """Read each parameter's sources (or decode them), shape-check, cast and place it."""
+    import torch
+
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
@@ -174,7 +232,10 @@ def _read(
             file = locations[src]
             assert isinstance(file, Path)
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                except OSError as exc:  # gone or replaced since it was listed, unreadable
+                    raise damaged_weights(file, exc.strerror or exc) from None
             return handles[file]
 
         for name, srcs in sources.items():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlm.cli.store.safetensors_format import DTYPE_BITS, MAX_HEADER
-from dlm.engine.errors import UsageError
+from dlm.engine.loader import damaged_weights, require_file, shard_index
 
 
 @dataclass(frozen=True)
@@ -52,55 +52,57 @@ class CheckpointHeaders:
 
 
 def read_file_header(path: Path) -> dict[str, TensorHeader]:
-    """Tensors listed in one local .safetensors file's header."""
+    """Tensors listed in one local .safetensors file's header.
+
+    A file that cannot be read as safetensors is a damaged checkpoint: refused as the loader
+    refuses it (`damaged_weights`: exit 1, the file and the fix named), so `dlm estimate` and
+    `dlm generate` say the same of the same damage."""
     path = Path(path)
+    require_file(path)
     try:
         with path.open("rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise UsageError(f"{path} is too short to be a safetensors file")
+                raise damaged_weights(path, "too short to be a safetensors file")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER:
-                raise UsageError(f"{path}: safetensors header of {length} bytes exceeds the format's limit")
+                raise damaged_weights(path, f"safetensors header of {length} bytes exceeds the format's limit")
             raw = handle.read(length)
     except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from exc
+        raise damaged_weights(path, exc.strerror or exc) from None
     try:
         header = json.loads(raw)
+    except RecursionError:
+        raise damaged_weights(path, "the safetensors header is JSON nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: the safetensors header is not valid JSON: {exc}") from exc
+        raise damaged_weights(path, f"the safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise damaged_weights(path, "the safetensors header is not a JSON object")
     tensors: dict[str, TensorHeader] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             tensors[name] = TensorHeader(str(info["dtype"]), tuple(int(s) for s in info["shape"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"{path}: tensor {name!r} has a malformed header entry") from exc
+        except (KeyError, TypeError, ValueError):
+            raise damaged_weights(path, f"tensor {name!r} has a malformed header entry") from None
     return tensors
 
 
 def local_headers(directory: Path) -> CheckpointHeaders | None:
     """All tensors of a local checkpoint directory, or None when it holds no safetensors.
 
-    The shard list comes from `model.safetensors.index.json` when present, as transformers
-    and the loader do; otherwise every `*.safetensors` file counts.
+    The shard list comes from `model.safetensors.index.json` when present, read and checked
+    by the loader's `shard_index`, so a damaged index is refused here as loading refuses it;
+    otherwise every `*.safetensors` file counts.
     """
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise UsageError(f"{index} is not a valid safetensors index: {exc}") from exc
-    else:
-        files = sorted(directory.glob("*.safetensors"))
+    indexed = shard_index(directory)
+    files = sorted(set(indexed.values())) if indexed is not None else sorted(directory.glob("*.safetensors"))
     if not files:
         return None
     result = CheckpointHeaders(str(directory))
     for file in files:
-        if not file.exists():
-            raise UsageError(f"{index} names shard {file.name}, which is missing")
         result.tensors.update(read_file_header(file))
     return result
 
