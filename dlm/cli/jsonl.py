@@ -13,6 +13,7 @@ in two (and a resumed `dlm batch` would misread its own output).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,34 @@ def lines(text: str) -> list[str]:
     return parts[:-1] if parts[-1] == "" else parts
 
 
+class NotJSON(ValueError):
+    """Raised from inside `json.loads` hooks: a literal JSON does not have."""
+
+
+def no_constant(name: str) -> Any:
+    """`json.loads`'s `parse_constant`: NaN, Infinity and -Infinity are not JSON."""
+    raise NotJSON(f"{name} is not JSON")
+
+
+def finite_float(text: str) -> float:
+    """`json.loads`'s `parse_float`: a number too large for a float (1e999) is not inf."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotJSON(f"{text} is out of range for a JSON number")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; ValueError saying what it is not ("not JSON", "not a
-    JSON object", too deep), for the caller to place (a file's line, a stream's event)."""
+    JSON object", too deep), for the caller to place (a file's line, a stream's event).
+
+    Strict JSON, as `dlm serve` reads a body (dlm/cli/server/body.py, through the same hooks):
+    Python's `json` also reads `NaN`, `Infinity` and `-Infinity`, and a number like 1e999 as
+    inf, none of which JSON has or any request can carry on (`dlm batch` would send its body
+    on and fail on it), so each is refused as not JSON."""
     try:
-        item = json.loads(text)
-    except json.JSONDecodeError:
+        item = json.loads(text, parse_constant=no_constant, parse_float=finite_float)
+    except json.JSONDecodeError:  # a NotJSON from a hook goes on as it is
         raise ValueError("not JSON") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ValueError("JSON nested too deeply to read") from None

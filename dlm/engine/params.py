@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -96,13 +97,18 @@ class Param:
     shown: str | None = None
 
     def check(self, name: str, value: Any) -> None:
-        """Refuse a value outside the range or choices (None means "not given")."""
+        """Refuse a value outside the range or choices, or a non-finite float (None means
+        "not given")."""
         if value is None:
             return
         if self.choices is not None:
             if value not in self.choices:
                 raise UsageError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}", field=name)
             return
+        # NaN fails every comparison and so would pass any range; no parameter gives inf a
+        # meaning, so a non-finite float (nan, inf, -inf) is refused for all of them.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{name} must be a finite number, got {value}", field=name)
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if too_low or too_high:

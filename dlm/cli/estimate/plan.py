@@ -14,6 +14,7 @@ Every row of the plan carries the assumption it rests on.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_run
 from dlm.engine.registry import Family, family_for
 
 GIB = 1024**3
+MAX_GIB = 1 << 30  # the largest --overhead-gb or --gpu-memory planned with: an exbibyte, beyond any device
 
 
 # --------------------------------------------------------------------------- architecture
@@ -376,8 +378,8 @@ class Serving:
             )
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--fragmentation must be in [0, 1), got {self.fragmentation}")
-        if self.overhead_gib is not None and self.overhead_gib < 0:
-            raise UsageError(f"--overhead-gb must be >= 0, got {self.overhead_gib}")
+        if self.overhead_gib is not None:
+            check_gib("--overhead-gb", self.overhead_gib, positive=False)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         check_tensor_parallel(a.config, self.tp)
@@ -390,6 +392,16 @@ class Serving:
         return replace(
             self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization, device=device
         )
+
+
+def check_gib(flag: str, value: float, positive: bool) -> None:
+    """Refuse a GiB amount that is not a finite number > 0 (>= 0 unless `positive`) up to
+    MAX_GIB: NaN passes every comparison, and inf (or a number whose bytes overflow a float)
+    cannot be rounded to bytes."""
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise UsageError(f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value:g}")
+    if value > MAX_GIB:
+        raise UsageError(f"{flag} must be at most {MAX_GIB} GiB (an exbibyte), got {value:g}")
 
 
 def valid_tps(a: Architecture, limit: int = 64) -> list[int]:
@@ -833,8 +845,7 @@ def plan_report(
         }
     targets: list[Gpu] = []
     if gpu_memory_gib is not None:
-        if gpu_memory_gib <= 0:
-            raise UsageError(f"--gpu-memory must be positive, got {gpu_memory_gib}")
+        check_gib("--gpu-memory", gpu_memory_gib, positive=True)
         targets = [Gpu(f"{gpu_memory_gib:g} GiB", round(gpu_memory_gib * 1024))]
     elif gpu is not None:
         targets = [find_gpu(gpu)]

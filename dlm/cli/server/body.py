@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from dlm.cli.jsonl import NotJSON, finite_float, no_constant
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError, bad_request
 
 MAX_DEPTH = 64  # nested objects/arrays; a JSON schema of a tool stays far below
@@ -112,14 +112,17 @@ def _int(text: str) -> int:
 
 def _float(text: str) -> float:
     _number(text)
-    value = float(text)
-    if not math.isfinite(value):  # 1e999
-        raise _Refused(bad_request(f"{text} is out of range for a JSON number", code="invalid_json"))
-    return value
+    try:
+        return finite_float(text)
+    except NotJSON as exc:
+        raise _Refused(bad_request(str(exc), code="invalid_json")) from None
 
 
 def _constant(name: str) -> Any:
-    raise _Refused(bad_request(f"{name} is not JSON", code="invalid_json"))
+    try:
+        return no_constant(name)
+    except NotJSON as exc:
+        raise _Refused(bad_request(str(exc), code="invalid_json")) from None
 
 
 def _too_deep() -> APIError:
