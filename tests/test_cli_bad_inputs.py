@@ -434,3 +434,21 @@ def test_an_interrupted_command_ends_with_the_contracts_error_line(capsys: pytes
         raise KeyboardInterrupt
     assert stopped.value.exit_code == 130
     assert capsys.readouterr().err.strip() == "error: interrupted"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("verify", "m", "--workers", "0"),
+        ("fetch", "SOURCE", "--workers", "-5"),
+        ("generate", "--prompt", "hi", "--master-port", "70000"),
+        ("generate", "--prompt", "hi", "--master-port", "0"),
+    ],
+    ids=" ".join,
+)
+def test_counts_and_ports_out_of_range_are_refused(args: tuple[str, ...], good: Path, tmp_path: Path) -> None:
+    """Taken silently before: --workers 0 or -5 (clamped), --master-port 70000 (no such port)."""
+    args = tuple(str(good) if a == "SOURCE" else a for a in args)
+    code, stdout, stderr = cli(*args, *(["--store", str(tmp_path / "s")] if args[0] != "generate" else []))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert ("--workers" if "--workers" in args else "--master-port") in stderr

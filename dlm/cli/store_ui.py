@@ -19,6 +19,19 @@ STORE_OPTION: Any = typer.Option(
     show_default="$DLM_HOME/store",
 )
 JSON_OPTION: Any = typer.Option(False, "--json", help="Print a JSON result on stdout.")
+WORKERS_OPTION: Any = typer.Option(
+    None, "--workers", help="Files transferred / hashed in parallel.", show_default="CPU count"
+)
+
+
+def check_workers(workers: int | None) -> int | None:
+    """--workers as given: at least one (0 and negative counts were taken silently); more
+    than there are files is harmless."""
+    from dlm.engine.errors import UsageError
+
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    return workers
 
 
 def open_store(path: str | None) -> Any:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import typer
 
 from dlm.cli.output import cli_errors, emit_json, err_console
-from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, open_store, render_findings
+from dlm.cli.store_ui import (
+    JSON_OPTION,
+    STORE_OPTION,
+    WORKERS_OPTION,
+    ByteBar,
+    check_workers,
+    human_size,
+    open_store,
+    render_findings,
+)
 
 
 def fetch(
@@ -28,9 +37,7 @@ def fetch(
         "--follow-symlinks",
         help="Copy what symbolic links pointing outside the source directory point to (refused otherwise).",
     ),
-    workers: int | None = typer.Option(
-        None, "--workers", help="Parallel file transfers / hashes.", show_default="CPU count"
-    ),
+    workers: int | None = WORKERS_OPTION,
     store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -53,7 +60,7 @@ def fetch(
             link=link,
             follow_symlinks=follow_symlinks,
             progress=ByteBar(),
-            workers=workers,
+            workers=check_workers(workers),
         )
         m = result.manifest
         if json_out:

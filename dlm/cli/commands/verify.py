@@ -5,12 +5,21 @@ from __future__ import annotations
 import typer
 
 from dlm.cli.output import cli_errors, emit_json, err_console
-from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, ByteBar, human_size, open_store, render_findings
+from dlm.cli.store_ui import (
+    JSON_OPTION,
+    STORE_OPTION,
+    WORKERS_OPTION,
+    ByteBar,
+    check_workers,
+    human_size,
+    open_store,
+    render_findings,
+)
 
 
 def verify(
     model: str = typer.Argument(..., help="Store name[@version], or a checkpoint directory (structure only)."),
-    workers: int | None = typer.Option(None, "--workers", help="Files hashed in parallel.", show_default="CPU count"),
+    workers: int | None = WORKERS_OPTION,
     store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -20,7 +29,7 @@ def verify(
         from dlm.cli.store.verify import verify_model
         from dlm.engine.errors import DlmError
 
-        report = verify_model(model, open_store(store), progress=ByteBar(), workers=workers)
+        report = verify_model(model, open_store(store), progress=ByteBar(), workers=check_workers(workers))
         if json_out:
             emit_json(report.to_json())
         render_findings(report)

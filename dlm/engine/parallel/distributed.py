@@ -99,6 +99,8 @@ class ParallelConfig:
             raise UsageError(f"--moe-parallel must be one of {', '.join(parallel_state.MOE_MODES)}, got {config.moe!r}")
         if config.timeout_s <= 0:
             raise UsageError(f"the collective timeout must be positive, got {config.timeout_s}")
+        if config.master_port is not None and not 1 <= config.master_port <= 65535:
+            raise UsageError(f"--master-port must be a port in 1..65535, got {config.master_port}")
         if config.nnodes > 1 and not torchrun() and (config.master_addr is None or config.master_port is None):
             raise UsageError("multi-node runs need --master-addr and --master-port (node 0's address)")
         return config
