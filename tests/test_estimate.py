@@ -717,3 +717,17 @@ def test_a_cpu_plan_is_not_judged_against_the_gpu_catalogue(tmp_path: Path) -> N
     assert report["verdicts"] == [] and any("--gpu-memory GiB judges a host" in n for n in report["notes"])
     assert [v["gpu"] for v in estimate(str(config), Serving(device="cpu"), gpu_memory_gib=64)["verdicts"]] == ["64 GiB"]
     assert len(estimate(str(config), Serving())["verdicts"]) > 1  # cuda: the whole catalogue
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "config.json"])
+def test_a_revision_for_a_local_source_is_refused_not_ignored(what: str) -> None:
+    """`--revision` pins a hub repo; given with a path it was taken and ignored."""
+    from dlm.cli.estimate.plan import load_source
+    from dlm.engine.default_model import ensure_default_model
+    from dlm.engine.errors import UsageError
+
+    directory = ensure_default_model()
+    spec = str(directory if what == "checkpoint" else directory / "config.json")
+    with pytest.raises(UsageError, match="--revision applies to hub sources"):
+        load_source(spec, "main")
+    assert load_source(spec).config  # without it, the same source plans

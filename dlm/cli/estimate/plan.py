@@ -739,10 +739,14 @@ def load_source(spec: str, revision: str | None = None) -> ModelSource:
     from dlm.engine.config import read_config_json
 
     path = Path(spec).expanduser()
-    if path.is_file():
-        return ModelSource(str(path), "config", read_config_json(path), None, "a bare config.json has no weights")
     if not path.exists() and REPO_ID.match(spec):  # store names never contain "/"
         return _hub_source(spec, revision)
+    if revision is not None:  # taken and ignored before: a path or a store version is what it is
+        from dlm.cli.store.fetch import LOCAL_REVISION
+
+        raise UsageError(f"{LOCAL_REVISION}, a config.json or a store name ({spec!r} is not a hub repo id)")
+    if path.is_file():
+        return ModelSource(str(path), "config", read_config_json(path), None, "a bare config.json has no weights")
     directory = resolve_model(spec)  # a checkpoint directory, or a store NAME[@VERSION]
     headers = local_headers(directory)
     return ModelSource(
