@@ -305,3 +305,22 @@ def test_refinement_steps_on_the_command_line(tiny_llada: Path) -> None:
     assert in_all["output_ids"] == out["output_ids"] and in_all["nfe"] == out["nfe"]
     both = dlm(*common, "--steps", "4", "--refinement-steps", "2")
     assert both.returncode == 2 and "error: give steps (in all) or refinement_steps (per block)" in both.stderr
+
+
+@pytest.mark.parametrize(("text", "ids"), [("1,2,3", [1, 2, 3]), (" 4, 5 ", [4, 5]), ("7", [7]), ("-1", [-1])])
+def test_command_line_ids_parse(text: str, ids: list[int]) -> None:
+    from dlm.cli.params import parse_ids
+
+    assert parse_ids(text, "--prompt-ids") == ids
+
+
+@pytest.mark.parametrize(
+    ("text", "says"), [("", "is empty"), ("1,,2", "comma-separated"), ("1,2,", "comma"), ("1,x", "comma")]
+)
+def test_command_line_ids_with_a_gap_or_a_word_are_refused(text: str, says: str) -> None:
+    """`1,,2` was read as [1, 2]: an empty element is refused, not dropped."""
+    from dlm.cli.params import parse_ids
+    from dlm.engine.errors import UsageError
+
+    with pytest.raises(UsageError, match=says):
+        parse_ids(text, "--prompt-ids")

@@ -39,16 +39,17 @@ def option(name: str) -> Any:
 
 
 def parse_ids(text: str, flag: str) -> list[int]:
-    """Token ids given on the command line: comma-separated integers."""
+    """Token ids given on the command line: comma-separated integers. An empty element
+    (`1,,2`) is refused, not dropped: it is a typo as likely as a missing id."""
     from dlm.engine.errors import UsageError
 
+    parts = text.replace(" ", "").split(",")
+    if parts == [""]:
+        raise UsageError(f"{flag} is empty")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in parts]
     except ValueError:
         raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UsageError(f"{flag} is empty")
-    return ids
 
 
 def _holds_ids(name: str) -> bool:
