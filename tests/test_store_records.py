@@ -161,3 +161,30 @@ def test_a_corrupt_server_record_is_passed_over(stocked: tuple[Store, list[str]]
     assert cli("models", "--store", root, "--json")[0] == 0
     assert cli("release", f"m@{v3}", "--store", root)[0] == 0
     assert cli("rm", "m", "--keep", "2", "--store", root)[0] == 0
+
+
+@pytest.mark.parametrize("command", [("models",), ("rollback",), ("rm", "m", "--keep", "2")], ids=" ".join)
+def test_the_next_transaction_removes_what_killed_writers_left(
+    command: tuple[str, ...], stocked: tuple[Store, list[str]]
+) -> None:
+    """docs/weights.md, invariant 4: a killed fetch's staging copy and a killed removal's trash
+    were cleared only by the next fetch or removal of that same model; any store command's
+    transaction clears them now, except a staging copy a running fetch still holds."""
+    store, _ = stocked
+    base = store.model_dir("m")
+    staging, trash = base / ".staging" / "local-killed", base / ".trash-v0-123"
+    for leftover in (staging, trash):
+        (leftover / "files").mkdir(parents=True)
+        (leftover / "files" / "model.safetensors").write_bytes(b"x" * 1024)
+    code, _, stderr = cli(*command, "--store", str(store.root))
+    assert code == 0, stderr
+    assert not staging.exists() and not trash.exists()
+
+
+def test_a_staging_copy_of_a_running_fetch_is_left_alone(stocked: tuple[Store, list[str]]) -> None:
+    store, _ = stocked
+    staging = store.model_dir("m") / ".staging" / "local-running"
+    staging.mkdir(parents=True)
+    with store.staging_lock("m"):  # a fetch of m transferring
+        assert cli("models", "--store", str(store.root))[0] == 0
+    assert staging.exists()

@@ -103,6 +103,8 @@ def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
         if store.deployments_dir.is_dir():
             for torn in store.deployments_dir.glob(".*.tmp"):
                 torn.unlink(missing_ok=True)
+        for name in store.models():
+            store.clear_leftovers(name)
         for state in readable_states(store)[0]:
             if state.pending is not None:
                 _settle(store, state.deployment)

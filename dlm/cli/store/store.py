@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dlm.cli.store.atomic import fsync_dir, locked, write_json_atomic
+from dlm.cli.store.atomic import Busy, fsync_dir, locked, write_json_atomic
 from dlm.cli.store.records import CorruptRecord, FileEntry, Manifest, Verification, read_record
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.home import dlm_home
@@ -126,10 +126,10 @@ class Store:
         `dlm.cli.store.releases.transaction`, which also settles interrupted hot swaps."""
         return locked(self.root / ".lock", blocking)
 
-    def staging_lock(self, name: str) -> Any:
+    def staging_lock(self, name: str, blocking: bool = True) -> Any:
         """Serialises the (long) transfers of one model's fetches into its staging area;
-        taken before, never inside, the store-wide lock."""
-        return locked(self.model_dir(name) / ".lock")
+        taken before, never inside, the store-wide lock (inside it only without blocking)."""
+        return locked(self.model_dir(name) / ".lock", blocking)
 
     # -- reading ------------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -276,6 +276,19 @@ class Store:
     def remove(self, name: str, version: str) -> None:
         """Unlist the version atomically, then delete its files (the caller holds the store lock)."""
         self._unlist(self.version_dir(name, version))
+
+    def clear_leftovers(self, name: str) -> None:
+        """What killed writers left under model `name`: removals' trash (removals run under
+        the store lock, which the caller holds) and abandoned fresh staging copies, unless a
+        fetch of the model is transferring now (it holds the staging lock; its successor
+        clears what it abandons)."""
+        for leftover in self.model_dir(name).glob(".trash-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            with self.staging_lock(name, blocking=False):
+                self.clear_stale_staging(name)
+        except Busy:
+            pass
 
     def _unlist(self, target: Path) -> None:
         """Rename a version directory to a dot name (no longer listed), then delete it."""
