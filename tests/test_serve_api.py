@@ -269,11 +269,11 @@ LONG_PROMPT = list(range(10, 600))
         ),
         (dict(body={"prompt": "x", "cache": "block"}), 400, "invalid_request_error", "cache", "invalid_value"),
         (dict(body={"prompt": "x", "cache": "quad"}), 400, "invalid_request_error", "cache", "invalid_value"),
-        (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "invalid_value"),
-        (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "invalid_value"),
+        (dict(body={"prompt": "x", "alg": "entropy"}), 400, "invalid_request_error", "alg", "unsupported"),
+        (dict(body={"prompt": "x", "top_p": 0.5}), 400, "invalid_request_error", "top_p", "unsupported"),
         (dict(body={"prompt": "x", "decode_mode": "ar"}), 400, "invalid_request_error", "decode_mode", "invalid_value"),
         (dict(body={"prompt": "x", "n": 65}), 400, "invalid_request_error", "n", "invalid_value"),
-        (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", None),
+        (dict(body={"prompt": ["a", "b"]}), 400, "invalid_request_error", "prompt", "unsupported"),
         (dict(body={"prompt": [99999]}), 400, "invalid_request_error", "prompt", "invalid_value"),
         (dict(body={"prompt": "x"}, headers={}), 401, "authentication_error", None, "invalid_api_key"),
         (
@@ -313,7 +313,11 @@ def test_completion_error_paths(
         ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
         ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools.0.function"),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000},
+            400,
+            "max_completion_tokens",  # the field the client sent
+        ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
             400,

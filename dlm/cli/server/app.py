@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,8 @@ from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.cli.server.service import Job, Service
 from dlm.cli.version import dlm_version
+
+log = logging.getLogger("dlm.server")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}  # path -> log name
 
@@ -122,9 +125,16 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/tokenize", openapi_extra=openapi.body(CompletionRequest, ChatRequest))
     async def tokenize(request: Request) -> JSONResponse:
         """A completion's `prompt` or a chat's `messages` (template applied) as the token ids
-        the server would decode from, as vLLM's `/tokenize` answers."""
+        the server would decode from, as vLLM's `/tokenize` answers. The body is validated as
+        a generation request with it is (its parameters resolved, its sequences built, then
+        dropped), so what generation refuses, `/tokenize` refuses with the same 400."""
         key, raw = await utility(request)
-        prepared = await preparer.prepare(service, raw, None, key=key)
+        # The body's kind (chat: it has `messages`) names the fields its refusals concern.
+        kind = type((await preparer.prepare(service, raw, None, key=key)).body)
+        job = Job("chat.completions" if kind is ChatRequest else "completions", key=key)
+        prepared = await preparer.prepare(service, raw, kind, job)
+        for seq in prepared.seqs:
+            seq.finish("abort")
         ids = prepared.prompt_ids
         return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids})
 
@@ -177,8 +187,15 @@ def create_app(config: ServeConfig) -> FastAPI:
         except Exception:
             service.reject(job, errors.INTERNAL)
             raise
+        # Submitted: from here a failure nobody anticipated is the request's 500, logged
+        # `failed` and counted once it is delivered, on a connection that stays usable
+        # (an exception raised to the framework would close it).
         responder = Responder(service, job, streams, request)
-        return responder.streaming() if job.stream else await responder.respond()
+        try:
+            return responder.streaming() if job.stream else await responder.respond()
+        except Exception:
+            log.exception("unhandled error")
+            return responder.fail()
 
     @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
     async def completions(request: Request) -> Response:

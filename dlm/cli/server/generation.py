@@ -8,6 +8,13 @@ becomes one delta, and every OpenAI client can read the stream. A client that op
 (`stream_options.include_canvas`) also gets one canvas event per denoising step, beside
 the same deltas. When the client leaves
 (connection closed), the request is cancelled and leaves the batch before the next step.
+With `stop` strings, a delta holds back the end of the prefix that could still begin one (as
+vLLM does), so the deltas add up to the text a non-streamed answer has, stop strings cut.
+
+A failure nobody anticipated while answering (after the request was submitted) is an answer
+too: a 500 in the OpenAI error shape (streaming: an error event before `[DONE]`), logged
+`failed` with finish reason `error` and counted in `dlm_request_failures_total`, and the
+connection stays open for the client's next request.
 
 Every answer is handed over under the request's deadline (`_Delivery`): its log line says
 `answered` only once the client has acknowledged every byte of it (dlm/cli/server/connections.py).
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -32,13 +40,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from dlm.cli.server import errors
 from dlm.cli.server.connections import CONNECTION, Connection
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError
-from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
+from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs, token_bytes
 from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
 from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
 from dlm.engine.runtime.request import canvas_json
+
+log = logging.getLogger("dlm.server")
 
 DELIVERY_GRACE_S = 2.0  # after the deadline, for an answer's last bytes to reach a client that reads
 # How often a written answer's unacknowledged bytes are looked at: soon after the last write
@@ -58,6 +69,19 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> int | None:
     """Where the first stop string starts among those ending past `after` characters."""
     hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def undecided(text: str, stops: list[str]) -> int:
+    """How many of `text`'s last characters could still begin a stop string (the longest
+    suffix that is a proper prefix of one): a stream holds them back until the next
+    characters decide."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _failure(service: Service, out: RequestOutput) -> APIError | None:
@@ -136,9 +160,35 @@ class Responder:
         return text[:cut], True
 
     def close(self, choice: Choice, out: RequestOutput, text: str, stopped: bool, calls: list[Any]) -> str:
-        """A finished choice's completion ids; returns its OpenAI finish reason."""
-        choice.completion_ids = self.served.completion_ids(out.prefix_ids, choice.stream.seq.stop_ids)
+        """A finished choice's completion ids (`kept`: where a stop string cut the text, those
+        of the text answered); returns its OpenAI finish reason."""
+        ids = self._ids(choice, out)
+        choice.completion_ids = ids[: self._kept(choice, ids, text, stopped)]
         return "tool_calls" if calls else ("stop" if stopped else out.finish_reason or "length")
+
+    def _ids(self, choice: Choice, out: RequestOutput) -> list[int]:
+        """`out`'s completion ids: through the first stop id (EOS, stop_token_ids)."""
+        return self.served.completion_ids(out.prefix_ids, choice.stream.seq.stop_ids)
+
+    def _kept(self, choice: Choice, ids: list[int], text: str, stopped: bool) -> int:
+        """How many of a finished choice's completion `ids` its answer keeps: all of them, or
+        where a stop string cut the text, the fewest that spell `text` (`_covering`)."""
+        return self._covering(choice, ids, len(text)) if stopped else len(ids)
+
+    def _covering(self, choice: Choice, ids: list[int], chars: int, start: int = 0) -> int:
+        """The fewest of `ids` (at least `start`) that spell `chars` characters, a partial
+        UTF-8 character at their end not counted: the tokens of a text that long (the last may
+        run past it); all of them if theirs is shorter. That length only grows with the
+        tokens, so a binary search finds it in log2(len(ids)) decodings."""
+        stops = choice.stream.seq.stop_ids
+        low, high = start, len(ids)
+        while low < high:
+            mid = (low + high) // 2
+            if len(self.served.decode(ids[:mid], stops).rstrip("\ufffd")) < chars:
+                low = mid + 1
+            else:
+                high = mid
+        return low
 
     def account(self, texts: list[str], reasons: list[str]) -> None:
         """The answer is complete (every choice finished): what its log line will say once
@@ -173,6 +223,8 @@ class Responder:
                 sending.cancel()
         error = sending.exception() if sending.done() and not sending.cancelled() else None
         if error is not None:  # a failure of the response itself: the app's handler answers it
+            self.abort()
+            self.log("error", errors.INTERNAL.status, "failed")
             raise error
         if outcome != "undelivered" and self.pending is not None:  # (else: logged already)
             reason, status, received = self.pending
@@ -223,22 +275,35 @@ class Responder:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.job.created, "model": self.service.model_name}
 
-    def logprobs(self, choice: Choice, out: RequestOutput, text: str, stopped: bool) -> dict[str, Any] | None:
-        """The log-probabilities of the tokens of `out` not yet sent for `choice` (all of its
-        completion tokens, or those within `text` when a stop string cut it)."""
+    def logprobs(
+        self, choice: Choice, out: RequestOutput, text: str, stopped: bool, final: bool = True
+    ) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens of `out` not yet sent for `choice`: those its
+        answer keeps (`close`) when `final`, else those that spell the streamed `text`."""
         if out.logprobs is None:
             return None
         stops = choice.stream.seq.stop_ids
-        ids = self.served.completion_ids(out.prefix_ids, stops)
-        end = len(ids)
-        if stopped:  # the tokens whose text the cut kept
-            end = next((k for k in range(len(ids) + 1) if len(self.served.decode(ids[:k], stops)) >= len(text)), end)
+        ids = self._ids(choice, out)
+        if final:
+            end = self._kept(choice, ids, text, stopped)
+        else:
+            end = self._covering(choice, ids, len(text), choice.sent_tokens)
         tokens = out.logprobs[choice.sent_tokens : end]
         offset = len(self.served.decode(ids[: choice.sent_tokens], stops))
         choice.sent_tokens = max(choice.sent_tokens, end)
         if self.chat:
-            return chat_logprobs(tokens, self.served.token_text)
+            return chat_logprobs(tokens, self.served.token_text, self._token_bytes)
         return completion_logprobs(tokens, self.served.token_text, offset)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return token_bytes(self.served.tokenizer, token, self.served.token_text(token))
+
+    def fail(self) -> Response:
+        """A failure nobody anticipated while answering (the caller logs its traceback): the
+        request leaves the batch, and its 500 is delivered and logged `failed`."""
+        self.abort()
+        self.pending = ("error", errors.INTERNAL.status, "failed")
+        return _Delivery(self, errors.INTERNAL.response())
 
     # ---- one JSON body -----------------------------------------------------------------
 
@@ -367,6 +432,8 @@ class Responder:
                     yield self._canvas(choice, out)
                 if not out.finished:
                     visible = text.rstrip("\ufffd")  # a partial UTF-8 character waits for its bytes
+                    if not stopped:  # what may yet begin a stop string waits for what follows
+                        visible = visible[: len(visible) - undecided(visible, self.job.stops)]
                     if self.job.tools:
                         visible = streamable(visible)
                     sent = choice.sent
@@ -374,9 +441,8 @@ class Responder:
                         if not first_token:
                             first_token = True
                             self.service.metrics.ttft.observe(time.monotonic() - self.job.arrival)
-                        yield self._chunk(
-                            choice, visible[len(sent) :], logprobs=self.logprobs(choice, out, visible, stopped)
-                        )
+                        logprobs = self.logprobs(choice, out, visible, stopped, final=False)
+                        yield self._chunk(choice, visible[len(sent) :], logprobs=logprobs)
                         choice.sent = visible
                     continue
                 error = _failure(self.service, out)
@@ -416,6 +482,13 @@ class Responder:
                     }
                 )
             yield "data: [DONE]\n\n"
+        except Exception:  # nobody anticipated it: an error event (logged, counted), not a broken stream
+            log.exception("unhandled error")
+            completed = True
+            self.abort()
+            self.pending = ("error", errors.INTERNAL.status, "failed")
+            yield _sse(errors.INTERNAL.body())
+            yield "data: [DONE]\n\n"
         finally:
             if not completed:  # the client went away, or was cut off (the response task was cancelled)
                 self.abort()
@@ -436,7 +509,8 @@ class _Delivery(Response):
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One event; a value JSON cannot carry (NaN, infinity) is an error, never invalid JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 async def _disconnected(request: Request) -> None:

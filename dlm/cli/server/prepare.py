@@ -29,6 +29,8 @@ from dlm.cli.server.errors import APIError, bad_request
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.engine.errors import UsageError
+from dlm.engine.params import ends_the_answer
+from dlm.engine.structured import asks_structure
 
 if TYPE_CHECKING:
     from dlm.cli.server.service import Job, Service
@@ -131,6 +133,9 @@ def _prepare(
         body = model.model_validate(data)
     except ValidationError as exc:
         raise errors.validation_error(list(exc.errors())) from None
+    problem = body.field_problem()
+    if problem is not None:  # a nested object's field the schema types loosely (response_format)
+        raise bad_request(problem.message, param=problem.param, code=problem.code)
     refused = body.unsupported()
     if refused is not None:
         raise bad_request(refused[1], param=refused[0], code="unsupported")
@@ -147,14 +152,15 @@ def _prepare(
 
 def _options(job: Job, body: Body) -> None:
     job.stops = body.stop_strings()
-    job.stream = body.stream
+    if job.stops and asks_structure(body.response_format):  # as the engine refuses stop_token_ids
+        raise bad_request(str(ends_the_answer("stop")), param="stop", code="unsupported")
+    job.stream = bool(body.stream)  # null: the default, false
     job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
     job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
-    if job.include_canvas and not body.stream:
-        raise bad_request(
-            "stream_options.include_canvas needs stream: true", param="stream_options", code="invalid_value"
-        )
-    job.return_token_ids = body.return_token_ids
+    for name in ("include_usage", "include_canvas"):  # as OpenAI: stream options need a stream
+        if getattr(job, name) and not job.stream:
+            raise bad_request(f"stream_options.{name} needs stream: true", param="stream_options", code="invalid_value")
+    job.return_token_ids = bool(body.return_token_ids)
 
 
 def _detokenize(service: Service, served: LoadedModel, raw: bytes) -> str:
@@ -180,7 +186,9 @@ def _completion(served: LoadedModel, body: CompletionRequest) -> Prepared:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise bad_request(
-                "one prompt per request: send several requests (they are batched on the server)", param="prompt"
+                "one prompt per request: send several requests (they are batched on the server)",
+                param="prompt",
+                code="unsupported",
             )
         prompt = prompt[0]
     suffix = tuple(_text_ids(served, body.suffix, "suffix")) if body.suffix else ()
@@ -198,7 +206,9 @@ def _text_ids(served: LoadedModel, text: str | list[int], param: str) -> list[in
         return list(text)
     _fit(served, len(text), param, "characters", CHARS_PER_TOKEN)
     if served.tokenizer is None:
-        raise bad_request(f"this model has no tokenizer: send the {param} as token ids", param=param)
+        raise bad_request(
+            f"this model has no tokenizer: send the {param} as token ids", param=param, code="unsupported"
+        )
     from dlm.engine.tokenizer import encode
 
     return encode(served.tokenizer, text)
@@ -215,7 +225,7 @@ def _chat(served: LoadedModel, body: ChatRequest) -> Prepared:
     text = json.dumps(messages, ensure_ascii=False)
     _fit(served, len(text) + len(json.dumps(tools or [])), "messages", "characters", CHARS_PER_TOKEN)
     if served.tokenizer is None:
-        raise bad_request("this model has no tokenizer, so no chat template", param="messages")
+        raise bad_request("this model has no tokenizer, so no chat template", param="messages", code="unsupported")
     ids = _encode_chat(served.tokenizer, messages, tools)
     return Prepared(body, ids, text, body.max_completion_tokens or body.max_tokens, tools is not None)
 
@@ -228,9 +238,11 @@ def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
     try:
         return encode_chat(tokenizer, messages, tools)
     except UsageError as exc:
-        raise bad_request(str(exc), param="messages") from None
+        raise bad_request(str(exc), param="messages", code="invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
-        raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+        raise bad_request(
+            f"the chat template cannot render these messages: {exc}", param="messages", code="invalid_value"
+        ) from None
 
 
 def _fit(served: LoadedModel, size: int, param: str, unit: str, per_token: float) -> None:

@@ -27,7 +27,7 @@ tests/test_params_declaration.py checks field by field.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -97,10 +97,71 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool = False
+    """Only with `stream: true` when one asks for something (OpenAI answers 400 otherwise);
+    an unknown option is refused, as an unknown top-level field is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = False
     # dlm: also send the canvas (committed, provisional and masked positions) after every
     # denoising step, as `*.canvas` events (docs/serve.md, "Canvas streaming").
-    include_canvas: StrictBool = False
+    include_canvas: StrictBool | None = False
+
+
+class Problem(NamedTuple):
+    """A 400 about a field inside a loosely typed object: the body field, why, its code."""
+
+    param: str
+    message: str
+    code: str
+
+
+# response_format: the keys of each type (OpenAI's), and those of its `json_schema` object.
+FORMAT_KEYS: dict[str, tuple[str, ...]] = {
+    "text": ("type",),
+    "json_object": ("type",),
+    "json_schema": ("type", "json_schema"),
+}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+FORMAT = "response_format"
+
+
+def response_format_problem(value: dict[str, Any] | None) -> Problem | None:
+    """What OpenAI refuses in a `response_format` and the structured-output compiler would
+    not see (it reads `type` and `json_schema.schema`, nothing else): a missing `type`, a key
+    the type does not have, a missing or non-string `json_schema.name`, a `description` or
+    `strict` of the wrong type. `param` is `response_format`, the message names the place, as
+    for the compiler's own refusals (dlm/engine/structured.py), which check the type's name,
+    the `json_schema` object's shape and the schema itself."""
+    if value is None:
+        return None
+    if "type" not in value:
+        return Problem(FORMAT, "response_format.type is required: text, json_object or json_schema", "invalid_value")
+    keys = FORMAT_KEYS.get(value["type"]) if isinstance(value["type"], str) else None
+    if keys is None:
+        return None  # the compiler names the types it takes
+    for key in value:
+        if key not in keys:
+            return _unknown(f"response_format.{key}")
+    wrapper = value.get("json_schema")
+    if not isinstance(wrapper, dict) or "schema" not in wrapper:
+        return None  # the compiler says what json_schema needs
+    for key in wrapper:
+        if key not in JSON_SCHEMA_KEYS:
+            return _unknown(f"response_format.json_schema.{key}")
+    if "name" not in wrapper:
+        return Problem(FORMAT, "response_format.json_schema.name is required", "invalid_value")
+    for key, kind, optional in (("name", str, False), ("description", str, True), ("strict", bool, True)):
+        given = wrapper.get(key)
+        if key in wrapper and not isinstance(given, kind) and not (optional and given is None):
+            expected = "a string" if kind is str else "a boolean"
+            message = f"response_format.json_schema.{key} must be {expected}, got {type(given).__name__}"
+            return Problem(FORMAT, message, "invalid_value")
+    return None
+
+
+def _unknown(path: str) -> Problem:
+    return Problem(FORMAT, f"unrecognized request field {path!r}", "unknown_parameter")
 
 
 class DiffusionFields(_Body):
@@ -150,10 +211,10 @@ class DiffusionFields(_Body):
 class GenerationRequest(DiffusionFields):
     model: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)  # the Responses API's name for max_tokens
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # null: the default (OpenAI types it "boolean or null")
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    return_token_ids: StrictBool = False  # as in vLLM: also return the generated token ids
+    return_token_ids: StrictBool | None = False  # as in vLLM: also return the generated token ids
     # IGNORED
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -195,6 +256,10 @@ class GenerationRequest(DiffusionFields):
             return []
         return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
 
+    def field_problem(self) -> Problem | None:
+        """A nested field the body's types leave open that is malformed or unknown."""
+        return response_format_problem(self.response_format)
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field dlm cannot honour, else None."""
         for name, neutral in NEUTRAL.items():
@@ -209,7 +274,7 @@ class GenerationRequest(DiffusionFields):
 
 class CompletionRequest(GenerationRequest):
     prompt: StrictStr | list[int] | list[StrictStr] | list[list[int]]
-    echo: StrictBool = False
+    echo: StrictBool | None = False
     logprobs: int | None = None  # alternatives per token (range: GenerationParams.logprobs)
     suffix: StrictStr | list[StrictInt] | None = None  # infilling: the text after the answer
 

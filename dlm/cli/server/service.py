@@ -28,7 +28,7 @@ from dlm.cli.server.errors import APIError, bad_request
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
-from dlm.cli.server.ratelimit import RateLimiter
+from dlm.cli.server.ratelimit import OverCapacity, RateLimiter
 from dlm.engine.errors import DlmError, EngineFailed, Unsupported, UsageError
 from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
@@ -79,6 +79,8 @@ class Job:
     prompt_text: str | None = None
     output_text: str | None = None
     served: LoadedModel | None = None  # the model version the request was submitted to
+    charged_tokens: float = 0.0  # taken from its key's token budget; given back if it is refused
+    length_field: str = "max_tokens"  # the body field that set its length, as the client spelt it
 
 
 class Service:
@@ -319,27 +321,30 @@ class Service:
         GenerationParams field; the server's defaults (block length, per-block steps,
         --max-steps) fill in, and the caller's key names its prefix-cache partition."""
         cfg = self.config
+        job.length_field = length = _length_field(body)
         gen = max_tokens if max_tokens is not None else cfg.default_gen_length
         if gen > cfg.max_tokens:
             raise bad_request(
-                f"max_tokens ({gen}) exceeds this server's limit of {cfg.max_tokens}",
-                param="max_tokens",
+                f"{length} ({gen}) exceeds this server's limit of {cfg.max_tokens}",
+                param=length,
                 code="max_tokens_exceeded",
             )
         if len(job.prompt_ids) + gen + len(job.suffix_ids) > served.max_model_len:
             suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
             raise bad_request(
-                f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({gen}){suffix} exceeds the "
+                f"the prompt ({len(job.prompt_ids)} tokens) plus {length} ({gen}){suffix} exceeds the "
                 f"maximum context of {served.max_model_len} tokens",
                 param=_prompt_param(job),
                 code="context_length_exceeded",
             )
         if body.steps is not None and body.steps > cfg.max_steps:
             raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}", "steps")
-        if cfg.tokens_per_minute and gen > cfg.tokens_per_minute:
+        budget = self.limiter.capacity("tokens")  # the most one request may be charged
+        if budget is not None and gen > budget:  # no wait would ever let it pass: a 400, not a 429
             raise bad_request(
-                f"max_tokens ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
-                param="max_tokens",
+                f"{length} ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
+                param=length,
+                code="max_tokens_exceeded",
             )
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
         response_format = given.pop("response_format", None)
@@ -361,10 +366,19 @@ class Service:
             raise bad_request(
                 f"n ({resolved.n}) exceeds the {self.queue_share} requests one API key may queue on this server",
                 param="n",
+                code="invalid_value",
+            )
+        charge = resolved.gen_length * resolved.n  # what `submit` charges the token bucket
+        if budget is not None and charge > budget:
+            raise bad_request(
+                f"n ({resolved.n}) x {length} ({resolved.gen_length}) = {charge} tokens exceeds the per-key "
+                f"limit of {cfg.tokens_per_minute:g} tokens per minute",
+                param="n" if resolved.n > 1 else length,
+                code="max_tokens_exceeded",
             )
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             # Named after the field that set the step count: the request's own, else its length.
-            param = next((name for name in ("refinement_steps", "steps") if name in given), "max_tokens")
+            param = next((name for name in ("refinement_steps", "steps") if name in given), length)
             raise _steps_exceeded(
                 f"this request may spend {resolved.max_forwards} denoising steps (forwards), over this "
                 f"server's limit of {cfg.max_steps}",
@@ -385,13 +399,23 @@ class Service:
         the model served now) on that model, all of them or none (429 at once when the queue
         cannot take them); they stay on that model to their end. One stream per choice,
         choice i seeded `seed + i` (`GenerationParams.samples`). Sequences refused are ended,
-        so nothing keeps them."""
+        so nothing keeps them, and the tokens charged for them are given back."""
         assert self.served is not None
         engine = self.served.engine
         try:
-            wait = self.limiter.check(job.key, "tokens", params.gen_length * params.n)
+            amount = params.gen_length * params.n
+            try:
+                wait = self.limiter.check(job.key, "tokens", amount)
+            except OverCapacity as exc:  # `params` refuses it first; kept for a direct caller
+                raise bad_request(
+                    f"this request's {amount} tokens exceed the per-key limit of "
+                    f"{self.config.tokens_per_minute:g} tokens per minute",
+                    param="n" if params.n > 1 else job.length_field,
+                    code="max_tokens_exceeded",
+                ) from exc
             if wait:
                 raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
+            job.charged_tokens = float(amount)
             ids = [job.id] if len(seqs) == 1 else [f"{job.id}-{i}" for i in range(len(seqs))]
             try:
                 streams = engine.enqueue(
@@ -407,6 +431,7 @@ class Service:
         except APIError:
             for seq in seqs:
                 seq.finish("abort")
+            self.refund_tokens(job)
             raise
         job.params, job.served = params, self.served
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -414,8 +439,17 @@ class Service:
 
     # ---- accounting --------------------------------------------------------------------
 
+    def refund_tokens(self, job: Job) -> None:
+        """Give back the tokens `job` was charged (once)."""
+        if job.charged_tokens:
+            self.limiter.refund(job.key, "tokens", job.charged_tokens)
+            job.charged_tokens = 0.0
+
     def reject(self, job: Job, error: APIError) -> None:
         job.status, job.outcome = error.status, "refused"
+        # A refused request generated nothing: its tokens are given back. It stays a request
+        # against requests-per-minute, so a flood of bad or overflowing ones is limited too.
+        self.refund_tokens(job)
         self.metrics.rejections.labels(error.code or error.type).inc()
         self.record(job)
 
@@ -485,17 +519,33 @@ def _prompt_param(job: Job) -> str:
     return "messages" if job.endpoint == "chat.completions" else "prompt"
 
 
+def _length_field(body: GenerationRequest) -> str:
+    """The body field that set the answer's length, as the client spelt it (chat's
+    `max_completion_tokens` wins over `max_tokens`; `max_output_tokens` is read as it, and
+    the two may only be given equal)."""
+    if getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if body.max_output_tokens is not None:
+        return "max_output_tokens"
+    return "max_tokens"
+
+
 def _refused(exc: UsageError, job: Job) -> APIError:
     """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
     GenerationParams field or `prompt`), in the API's name for it."""
     field = exc.field
     if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
         param: str | None = "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
+    elif field == "gen_length":
+        param = job.length_field
     elif field in PARAMS and http_name(field) is not None:
         param = http_name(field)
     else:
         param = _prompt_param(job) if field == "prompt" else field
-    return bad_request(str(exc), param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
+    message = str(exc)
+    if field is not None and param is not None and param != field and message.startswith(f"{field} "):
+        message = param + message[len(field) :]  # "logprobs must be in [0, 20]" of chat's top_logprobs
+    return bad_request(message, param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
 
 
 def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:

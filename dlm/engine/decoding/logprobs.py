@@ -11,6 +11,10 @@ top-k filtering, after classifier-free guidance), in float32, for the committed 
 A position is decided by every step until one commits it; each step overwrites its record,
 so what remains is the committing step's. Computed only for requests that ask, and only on
 the rows a step decides (a [decided, vocab] block of logits, never [canvas, vocab]).
+
+A position no step decides was committed before decoding began: a response format's skeleton
+(dlm/engine/structured.py), certain under the constraint. Its token is reported with
+log-probability 0.0 (probability 1) and itself as its only alternative; never NaN.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class LogprobRecord:
     top alternatives (a committed position keeps its committing step's)."""
 
     def __init__(self, length: int, top: int) -> None:
-        self.logprob = torch.full((length,), math.nan, dtype=torch.float32)
+        self.logprob = torch.zeros((length,), dtype=torch.float32)
+        self.decided = torch.zeros((length,), dtype=torch.bool)  # a step proposed its token
         self.top_ids = torch.zeros((length, top), dtype=torch.long)
         self.top_logprobs = torch.full((length, top), -math.inf, dtype=torch.float32)
 
@@ -61,6 +66,7 @@ class LogprobRecord:
         logp = torch.log_softmax(logits.float(), dim=-1).cpu()[keep.cpu()]
         offsets, tokens = offsets.cpu()[keep.cpu()], tokens.cpu()[keep.cpu()]
         self.logprob[offsets] = logp.gather(1, tokens[:, None])[:, 0]
+        self.decided[offsets] = True
         k = self.top_ids.shape[1]
         if k:
             if 0 <= mask_id < logp.shape[1]:
@@ -70,9 +76,15 @@ class LogprobRecord:
             self.top_logprobs[offsets, : values.shape[1]] = values
 
     def tokens(self, ids: list[int]) -> list[TokenLogprob]:
-        """The records of the first len(ids) answer positions, whose tokens are `ids`."""
+        """The records of the first len(ids) answer positions, whose tokens are `ids`; a
+        position no step decided (a response format's skeleton) is certain: 0.0, and its
+        token its only alternative."""
         out = []
+        k = self.top_ids.shape[1]
         for i, token in enumerate(ids):
+            if not bool(self.decided[i]):
+                out.append(TokenLogprob(int(token), 0.0, ((int(token), 0.0),) if k else ()))
+                continue
             top = tuple(
                 (int(t), float(v))
                 for t, v in zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist())

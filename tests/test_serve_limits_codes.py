@@ -1,0 +1,265 @@
+"""Rate limits and error codes, in process (the app over tiny SDAR): a request whose whole
+token charge (n x max_tokens) no bucket can hold is a 400 naming the limit, never a 429
+forever; a request refused after its token charge gives the tokens back (it still counts as a
+request); every 400 carries a
+documented code and names the field the client sent; stream_options and response_format
+refuse what they do not know; the booleans OpenAI types "boolean or null" take null."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dlm.cli.server.ratelimit import OverCapacity, RateLimiter, TokenBucket
+from dlm.engine.runtime.scheduler import QueueFull
+from tests.serving import app_client
+
+# docs/serve.md, "Errors": the codes a 400 may carry.
+CODES_400 = {
+    "invalid_json",
+    "invalid_value",
+    "unknown_parameter",
+    "unsupported",
+    "context_length_exceeded",
+    "max_tokens_exceeded",
+    "steps_exceeded",
+}
+TPM = 100
+MESSAGES = [{"role": "user", "content": "hi"}]
+ROUTES = {
+    "completions": ("/v1/completions", {"prompt": "hi"}),
+    "chat": ("/v1/chat/completions", {"messages": MESSAGES}),
+}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    """--tokens-per-minute 100, --max-queue 8 (so one key may queue 8 requests)."""
+    settings = {"model": "tiny:sdar", "warmup": False, "tokens_per_minute": TPM, "max_queue": 8}
+    with app_client(settings) as test_client:
+        yield test_client
+
+
+@pytest.fixture(autouse=True)
+def fresh_buckets(request: pytest.FixtureRequest) -> None:
+    """Each test starts with full buckets (answered requests are charged)."""
+    if "client" in request.fixturenames:
+        service = request.getfixturevalue("client").app.state.service
+        service.limiter = RateLimiter(service.config.requests_per_minute, service.config.tokens_per_minute)
+
+
+def post(client: TestClient, route: str, **fields: Any) -> Any:
+    path, base = ROUTES[route]
+    return client.post(path, json={**base, **fields})
+
+
+def error_of(response: Any, status: int = 400) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    return dict(response.json()["error"])
+
+
+# ---- 1: a charge over the bucket's capacity -------------------------------------------------
+
+
+def test_a_bucket_refuses_an_amount_above_its_capacity() -> None:
+    bucket = TokenBucket(per_minute=1000, level=1000, stamp=0.0)
+    with pytest.raises(OverCapacity):
+        bucket.take(1001, now=0.0)
+    assert bucket.level == 1000  # nothing taken
+    assert bucket.take(1000, now=0.0) == 0.0
+    limiter = RateLimiter(0, 1000)
+    with pytest.raises(OverCapacity):
+        limiter.check("k", "tokens", 1200)
+    assert limiter.check("k", "tokens", 1000) == 0
+    assert RateLimiter(0.5, 0).check("k", "requests") == 0  # under one a minute: still one at a time
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"max_tokens": 60, "n": 2}, "n"), ({"max_tokens": 30, "n": 4}, "n"), ({"max_tokens": TPM + 1}, "max_tokens")],
+)
+def test_a_charge_over_the_token_rate_is_a_400_naming_the_limit(
+    client: TestClient, route: str, fields: dict[str, Any], param: str
+) -> None:
+    error = error_of(post(client, route, **fields))
+    assert (error["param"], error["code"]) == (param, "max_tokens_exceeded"), error
+    assert f"{TPM} tokens per minute" in error["message"]
+    # Just under the limit passes.
+    assert post(client, route, max_tokens=TPM // fields.get("n", 1) // 8, n=fields.get("n", 1)).status_code == 200
+
+
+# ---- 2: refused after the charge, charged nothing -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tight() -> Iterator[TestClient]:
+    settings = {
+        "model": "tiny:sdar",
+        "warmup": False,
+        "tokens_per_minute": 128,
+        "requests_per_minute": 3,
+        "max_queue": 1,
+        "max_num_seqs": 1,
+    }
+    with app_client(settings) as test_client:
+        yield test_client
+
+
+def _full(*_: Any, **__: Any) -> None:
+    raise QueueFull("the request queue is full (1 waiting)")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_requests_refused_after_the_token_charge_give_their_tokens_back(
+    tight: TestClient, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full queue at submission used to keep the tokens it was charged: 64 tokens gone per
+    refusal, and the next request refused by a token rate nothing had spent."""
+    service = tight.app.state.service
+    service.limiter = RateLimiter(100, 128)
+    with monkeypatch.context() as patch:  # the queue fills between admission and submission
+        patch.setattr(service.served.engine, "enqueue", _full)
+        for _ in range(2):
+            assert error_of(post(tight, route, max_tokens=64), 429)["code"] == "queue_full"
+    with monkeypatch.context() as patch:  # full at admission, before any token charge
+        patch.setattr(service.engine.scheduler, "check_room", _full)
+        assert error_of(post(tight, route, max_tokens=64), 429)["code"] == "queue_full"
+    assert error_of(post(tight, route, max_tokens=64, top_p=0.5))["code"] == "unsupported"
+    # The 128 tokens of the minute are all still there: 64 + 64, then the token rate refuses.
+    assert post(tight, route, max_tokens=64).status_code == 200
+    assert post(tight, route, max_tokens=64).status_code == 200
+    error = error_of(post(tight, route, max_tokens=8), 429)
+    assert error["code"] == "rate_limit_exceeded" and "token rate" in error["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_refused_requests_still_count_against_the_request_rate(
+    tight: TestClient, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal is still a request: a flood of bad or overflowing ones meets the request rate."""
+    service = tight.app.state.service
+    service.limiter = RateLimiter(3, 1000)
+    with monkeypatch.context() as patch:
+        patch.setattr(service.engine.scheduler, "check_room", _full)
+        assert error_of(post(tight, route, max_tokens=8), 429)["code"] == "queue_full"
+    assert error_of(post(tight, route, max_tokens=8, top_p=0.5))["code"] == "unsupported"
+    assert post(tight, route, max_tokens=8).status_code == 200
+    assert "request rate" in error_of(post(tight, route, max_tokens=8), 429)["message"]
+
+
+# ---- 3 and 4: every 400 has a documented code, naming what the client sent ----------------
+
+ERROR_PATHS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported"),
+    ("completions", {"prompt": "hi", "n": 9, "max_tokens": 2}, "n", "invalid_value"),
+    ("chat", {"n": 9, "max_tokens": 2}, "n", "invalid_value"),
+    ("completions", {"max_tokens": TPM + 1}, "max_tokens", "max_tokens_exceeded"),
+    ("chat", {"max_completion_tokens": TPM + 1}, "max_completion_tokens", "max_tokens_exceeded"),
+    ("chat", {"max_output_tokens": TPM + 1}, "max_output_tokens", "max_tokens_exceeded"),
+    ("completions", {"max_tokens": 60, "n": 2}, "n", "max_tokens_exceeded"),
+    ("chat", {"max_completion_tokens": 4000}, "max_completion_tokens", "max_tokens_exceeded"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("chat", {"max_completion_tokens": 4, "block_length": 4, "steps": 2000}, "steps", "steps_exceeded"),
+    ("completions", {"top_p": 0.5, "max_tokens": 8}, "top_p", "unsupported"),
+    ("chat", {"top_p": 0.5, "max_tokens": 8}, "top_p", "unsupported"),
+    ("completions", {"top_p": 1.5, "max_tokens": 8}, "top_p", "invalid_value"),
+    ("chat", {"logprobs": True, "top_logprobs": 21, "max_tokens": 8}, "top_logprobs", "invalid_value"),
+    ("completions", {"logprobs": 21, "max_tokens": 8}, "logprobs", "invalid_value"),
+    ("completions", {"prompt": "x" * 300_000}, "prompt", "context_length_exceeded"),
+    ("completions", {"treshold": 0.9}, "treshold", "unknown_parameter"),
+    ("completions", {"logit_bias": {"5": 1}}, "logit_bias", "unsupported"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ("chat", {"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "param", "code"), ERROR_PATHS)
+def test_every_400_has_a_documented_code(client: TestClient, route: str, fields: dict, param: str, code: str) -> None:
+    error = error_of(post(client, route, **fields))
+    assert error["code"] is not None and error["code"] in CODES_400, error
+    assert (error["param"], error["code"]) == (param, code), error
+    if param in ("top_logprobs", "logprobs", "max_completion_tokens", "max_output_tokens", "max_tokens"):
+        assert error["message"].startswith(param), error  # the field the client sent, not another
+
+
+def test_rejections_are_counted_by_their_code(client: TestClient) -> None:
+    for route, fields, _, _ in ERROR_PATHS:
+        post(client, route, **fields)
+    metrics = client.get("/metrics").text
+    assert 'reason="invalid_request_error"' not in metrics
+    assert 'reason="unsupported"' in metrics and 'reason="max_tokens_exceeded"' in metrics
+
+
+# ---- 5: stream_options and response_format refuse what they do not know -------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
+WRAPPER = {"name": "x", "schema": SCHEMA}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("fields", "place", "code"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        ({"stream_options": {"include_canvas": True}}, "stream_options", "invalid_value"),
+        ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus", "unknown_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": WRAPPER, "foo": 1}}, "foo", "unknown_parameter"),
+        ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "schema", "unknown_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {**WRAPPER, "x": 1}}}, "x", "unknown_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "name", "invalid_value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {**WRAPPER, "name": 5}}}, "name", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**WRAPPER, "strict": 1}}},
+            "strict",
+            "invalid_value",
+        ),
+        ({"response_format": {"json_schema": WRAPPER}}, "type", "invalid_value"),
+    ],
+)
+def test_stream_options_and_response_format_refuse_what_they_do_not_know(
+    client: TestClient, route: str, fields: dict, place: str, code: str
+) -> None:
+    """stream_options is named by its path (a typed object); response_format by its own name,
+    its message naming the place (as for the schema's own refusals: docs/serve.md)."""
+    error = error_of(post(client, route, max_tokens=8, **fields))
+    if "response_format" in fields:
+        assert error["param"] == "response_format" and place in error["message"], error
+        assert error["code"] == code, error
+    else:
+        assert (error["param"], error["code"]) == (place, code), error
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_stream_options_with_a_stream_and_neutral_ones_without_are_taken(client: TestClient, route: str) -> None:
+    streamed = post(client, route, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    assert streamed.status_code == 200, streamed.text
+    assert '"usage"' in streamed.text
+    plain = post(client, route, max_tokens=8, stream_options={"include_usage": False, "include_canvas": None})
+    assert plain.status_code == 200, plain.text
+
+
+# ---- 6: null is the default for OpenAI's "boolean or null" fields -------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "field"),
+    [
+        ("completions", "stream"),
+        ("chat", "stream"),
+        ("completions", "echo"),
+        ("completions", "return_token_ids"),
+        ("chat", "return_token_ids"),
+    ],
+)
+def test_null_booleans_take_their_default(client: TestClient, route: str, field: str) -> None:
+    response = post(client, route, max_tokens=8, **{field: None})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert "token_ids" not in choice or choice["token_ids"] is None
+    if route == "completions":
+        assert not choice["text"].startswith("hi")  # no echo

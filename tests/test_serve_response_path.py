@@ -1,0 +1,329 @@
+"""From a submitted request to its answer, over a real socket (uvicorn in a thread, the app
+on the embedded default model): logprobs with a response format are numbers (never NaN);
+a failure while answering is a logged, counted 500 on a connection that stays usable; a
+stream adds up to the non-streamed answer at every stop string, and token_ids, usage and
+logprobs cover the text answered; chat logprobs carry a token's raw bytes; `/tokenize`
+refuses what generation refuses; `stop` / `stop_token_ids` with a response format are refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from dlm.cli.server import generation
+from dlm.cli.server.app import create_app
+from dlm.cli.server.config import ServeConfig
+from dlm.cli.server.connections import protocol
+from dlm.cli.server.generation import Responder, undecided
+from dlm.cli.server.logprobs import chat_logprobs, token_bytes
+from dlm.engine.decoding.logprobs import LogprobRecord, TokenLogprob
+
+SORT = [{"role": "user", "content": "Sort: 4 3 9 8 5"}]  # the default model answers "3 4 5 8 9"
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"not JSON: {name}")
+
+
+def strict(text: str) -> Any:
+    """JSON as RFC 8259 has it: NaN and Infinity are not JSON (Python's json reads them)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", text[-500:]
+    return [strict(line) for line in lines[:-1]]
+
+
+class Served:
+    """The app under uvicorn on 127.0.0.1 (an ephemeral port), its request log lines kept."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.app = create_app(ServeConfig(device="cpu", dtype="float32", warmup=False))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            self.app, http=protocol(30), log_level="warning", log_config=None, lifespan="on", access_log=False
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def logs(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in list(self.lines)]
+
+    def metric(self, client: httpx.Client, sample: str) -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served()
+    handler = logging.Handler()
+    handler.emit = s.emit  # type: ignore[method-assign]
+    requests_log = logging.getLogger("dlm.requests")
+    level = requests_log.level
+    requests_log.addHandler(handler)
+    requests_log.setLevel(logging.INFO)
+    s.thread.start()
+    try:
+        end = time.monotonic() + 300
+        while httpx.get(s.url + "/ready").status_code != 200:
+            assert time.monotonic() < end and s.thread.is_alive(), httpx.get(s.url + "/health").text
+            time.sleep(0.05)
+        yield s
+    finally:
+        s.server.should_exit = True
+        s.thread.join(timeout=60)
+        s.sock.close()
+        requests_log.removeHandler(handler)
+        requests_log.setLevel(level)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.url, timeout=120) as c:  # one keep-alive connection
+        yield c
+
+
+def ask(client: httpx.Client, chat: bool, body: dict[str, Any], stream: bool = False) -> httpx.Response:
+    """A chat body (messages) to either endpoint: to completions as its prompt's token ids."""
+    body = dict(body)
+    if not chat:
+        messages = body.pop("messages")
+        body["prompt"] = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        if body.pop("logprobs", None):
+            body["logprobs"] = body.pop("top_logprobs", 0)
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return client.post(path, json=body)
+
+
+def answer(chat: bool, response: httpx.Response) -> tuple[str, list[Any], dict[str, Any], list[int] | None]:
+    """Text, logprob entries, usage and token_ids of a non-streamed answer."""
+    assert response.status_code == 200, response.text
+    body = strict(response.text)
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    lp = choice["logprobs"]
+    entries = (lp["content"] if chat else list(zip(lp["tokens"], lp["token_logprobs"]))) if lp else []
+    return text, entries, body["usage"], choice.get("token_ids")
+
+
+def streamed(chat: bool, response: httpx.Response) -> tuple[str, list[Any], dict[str, Any]]:
+    assert response.status_code == 200, response.text
+    text, entries, usage = "", [], {}
+    for event in events(response.text):
+        if "usage" in event and event["usage"]:
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            text += (choice["delta"].get("content") or "") if chat else choice["text"]
+            lp = choice.get("logprobs")
+            if lp:
+                entries += lp["content"] if chat else list(zip(lp["tokens"], lp["token_logprobs"]))
+    return text, entries, usage
+
+
+# ---- 1: logprobs of a response format's skeleton ---------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_response_format_logprobs_are_numbers(client: httpx.Client, chat: bool, stream: bool) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "logprobs": True, "top_logprobs": 1}
+    response = ask(client, chat, {**body, "response_format": FORMAT}, stream)
+    text, entries, _ = streamed(chat, response) if stream else answer(chat, response)[:3]
+    assert isinstance(json.loads(text)["x"], int)
+    values = [e["logprob"] for e in entries] if chat else [v for _, v in entries]
+    assert values and all(isinstance(v, float) and math.isfinite(v) for v in values)
+    assert values[0] == 0.0  # "{" is the skeleton's: certain under the constraint
+
+
+def test_a_record_never_reports_nan() -> None:
+    record = LogprobRecord(3, top=2)  # no step decided position 0: committed before decoding
+    record.note(torch.tensor([1, 2]), torch.eye(4)[:2], torch.randn(5, 4), torch.tensor([3, 4]), mask_id=0)
+    first, *rest = record.tokens([7, 3, 4])
+    assert first == TokenLogprob(7, 0.0, ((7, 0.0),))
+    assert all(math.isfinite(t.logprob) and t.logprob < 0 for t in rest)
+
+
+def test_events_refuse_values_json_cannot_carry() -> None:
+    with pytest.raises(ValueError):
+        generation._sse({"logprob": math.nan})
+
+
+# ---- 2: a failure while answering ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_a_failure_while_answering_is_a_logged_counted_500_on_a_usable_connection(
+    served: Served, client: httpx.Client, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    def boom(*_: Any) -> str:
+        raise RuntimeError("injected")
+
+    failures = served.metric(client, 'dlm_request_failures_total{reason="error"}')
+    before = len(served.logs())
+    with monkeypatch.context() as patch:
+        patch.setattr(Responder, "close", boom)
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": stream})
+    if stream:
+        assert response.status_code == 200  # the stream had begun: its error is an event
+        error = events(response.text)[-1]["error"]
+    else:
+        assert response.status_code == 500
+        error = response.json()["error"]
+    assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
+    again = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8})  # the same connection
+    assert again.status_code == 200
+    end = time.monotonic() + 10  # a line is written once the client has the whole answer
+    while len(served.logs()) < before + 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    lines = served.logs()[before:]
+    assert [(line["status"], line["outcome"], line["finish_reason"]) for line in lines] == [
+        (500, "failed", "error"),
+        (200, "answered", lines[1]["finish_reason"]),
+    ]
+    assert served.metric(client, 'dlm_request_failures_total{reason="error"}') == failures + 1
+
+
+# ---- 3, 4: stop strings: streams, token_ids, usage, logprobs ---------------------------
+
+
+def test_undecided_is_the_longest_suffix_that_may_begin_a_stop() -> None:
+    assert undecided("3 4 5 ", [" 8"]) == 1
+    assert undecided("3 4 5", [" 8", "5 8"]) == 1
+    assert undecided("ab", ["abc", "b"]) == 2
+    assert undecided("3 4", ["x"]) == 0 and undecided("", [" 8"]) == 0
+
+
+STOPS = [[" 8"], ["5 8"], [" "], ["4 5 8"], [" 8 9"], ["9"], [" 9", " 5"], ["nowhere"]]
+
+
+@pytest.mark.parametrize("stop", STOPS, ids=lambda s: repr(s))
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_streams_add_up_to_the_answer_at_every_stop_string(client: httpx.Client, chat: bool, stop: list[str]) -> None:
+    body = {"messages": SORT, "max_tokens": 32, "temperature": 0, "stop": stop, "logprobs": True, "top_logprobs": 1}
+    text, entries, usage, ids = answer(chat, ask(client, chat, {**body, "return_token_ids": True}))
+    assert not any(s in text for s in stop)
+    s_text, s_entries, s_usage = streamed(chat, ask(client, chat, body, stream=True))
+    assert s_text == text
+    assert s_entries == entries
+    assert s_usage["completion_tokens"] == usage["completion_tokens"]
+    # token_ids, completion_tokens and logprobs cover the text answered (the fewest tokens that spell it)
+    assert ids is not None and len(ids) == usage["completion_tokens"] == len(entries)
+    spelt = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    shorter = client.post("/detokenize", json={"tokens": ids[:-1]}).json()["prompt"]
+    if stop != ["nowhere"]:
+        assert spelt.startswith(text) and len(shorter) < len(text)
+
+
+def test_the_reported_stop_case(client: httpx.Client) -> None:
+    body = {"messages": SORT, "max_tokens": 32, "temperature": 0, "stop": [" 8"], "return_token_ids": True}
+    text, _, usage, ids = answer(True, ask(client, True, body))
+    assert text == "3 4 5" and usage["completion_tokens"] == len(ids or []) == 5
+    assert streamed(True, ask(client, True, body, stream=True))[0] == "3 4 5"
+
+
+# ---- 5: raw bytes of byte-level tokens -------------------------------------------------
+
+
+def test_chat_logprob_bytes_are_the_tokens_raw_bytes(served: Served) -> None:
+    tokenizer = served.app.state.service.served.tokenizer
+    vocab = tokenizer.get_vocab()
+    first = vocab["ð"]  # byte 0xF0 (a 4-byte character's first), decoded alone as U+FFFD
+    text = lambda t: str(tokenizer.decode([t]))  # noqa: E731
+    assert text(first) == "\ufffd" and token_bytes(tokenizer, first, text(first)) == b"\xf0"
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    space = vocab["Ġ"]
+    entry = chat_logprobs(
+        [TokenLogprob(first, -1.0, ((first, -1.0), (special, -2.0), (space, -3.0)))],
+        text,
+        lambda t: token_bytes(tokenizer, t, text(t)),
+    )["content"][0]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [0xF0]
+    assert [e["bytes"] for e in entry["top_logprobs"]] == [[0xF0], list(b"<|endoftext|>"), [0x20]]
+
+
+def test_served_chat_logprobs_carry_raw_bytes(
+    served: Served, client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    byte = served.app.state.service.served.tokenizer.get_vocab()["ð"]
+    tokens = LogprobRecord.tokens
+
+    def with_byte(self: LogprobRecord, ids: list[int]) -> list[TokenLogprob]:
+        return [TokenLogprob(t.token, t.logprob, ((byte, -50.0), *t.top)) for t in tokens(self, ids)]
+
+    monkeypatch.setattr(LogprobRecord, "tokens", with_byte)
+    body = {"messages": SORT, "max_tokens": 8, "logprobs": True, "top_logprobs": 1}
+    for stream in (False, True):
+        response = ask(client, True, body, stream)
+        entries = streamed(True, response)[1] if stream else answer(True, response)[1]
+        alternatives = [a for e in entries for a in e["top_logprobs"] if a["token"] == "\ufffd"]
+        assert alternatives and all(a["bytes"] == [0xF0] for a in alternatives)
+
+
+# ---- 6: /tokenize refuses what generation refuses --------------------------------------
+
+REFUSED = [
+    {"prompt": [-1]},
+    {"prompt": ""},
+    {"prompt": "x", "max_tokens": 5000},
+    {"prompt": "x", "n": 0},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+    {"messages": [{"role": "user", "content": "x"}], "stop": ["}"], "response_format": FORMAT},
+]
+
+
+@pytest.mark.parametrize("body", REFUSED, ids=lambda b: json.dumps(b)[:48])
+def test_tokenize_refuses_what_generation_refuses(client: httpx.Client, body: dict[str, Any]) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    generated = client.post(path, json=body)
+    tokenized = client.post("/tokenize", json=body)
+    assert generated.status_code == 400, generated.text
+    assert (tokenized.status_code, tokenized.json()) == (400, generated.json())
+
+
+def test_tokenize_still_answers_the_prompt_ids(client: httpx.Client) -> None:
+    body = {"messages": SORT, "max_tokens": 4}
+    tokens = client.post("/tokenize", json=body).json()
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert tokens["count"] == len(tokens["tokens"]) == usage["prompt_tokens"]
+
+
+# ---- 7: what would cut a response format's JSON ----------------------------------------
+
+
+@pytest.mark.parametrize(("field", "value"), [("stop", ["}"]), ("stop", "8"), ("stop_token_ids", [29])])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_stops_with_a_response_format_are_refused(client: httpx.Client, chat: bool, field: str, value: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 64, "response_format": FORMAT, field: value}
+    refused = ask(client, chat, body)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == (field, "unsupported")
+    ignore_eos = ask(client, chat, {**body, field: None, "ignore_eos": True}).json()["error"]
+    assert error["code"] == ignore_eos["code"]  # refused as ignore_eos is
