@@ -129,10 +129,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         a generation request with it is (its parameters resolved, its sequences built, then
         dropped), so what generation refuses, `/tokenize` refuses with the same 400."""
         key, raw = await utility(request)
-        # The body's kind (chat: it has `messages`) names the fields its refusals concern.
-        kind = type((await preparer.prepare(service, raw, None, key=key)).body)
-        job = Job("chat.completions" if kind is ChatRequest else "completions", key=key)
-        prepared = await preparer.prepare(service, raw, kind, job)
+        job = Job("completions", key=key)  # `prepare` names its endpoint from the body's kind
+        prepared = await preparer.prepare(service, raw, None, job)
         for seq in prepared.seqs:
             seq.finish("abort")
         ids = prepared.prompt_ids

@@ -129,6 +129,8 @@ def _prepare(
     data = parse_json(raw)
     if model is None:
         model = ChatRequest if "messages" in data else CompletionRequest
+        if job is not None:  # `/tokenize` validating a body as the endpoint it would go to
+            job.endpoint = "chat.completions" if model is ChatRequest else "completions"
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
