@@ -324,3 +324,30 @@ def test_command_line_ids_with_a_gap_or_a_word_are_refused(text: str, says: str)
 
     with pytest.raises(UsageError, match=says):
         parse_ids(text, "--prompt-ids")
+
+
+FOREIGN_FIELDS = [
+    ("dream", {"cfg_scale": 1.5}),
+    ("dream", {"factor": 1.0}),
+    ("dream", {"remasking": "random"}),
+    ("dream", {"drafts": 2}),
+    ("llada", {"edit_threshold": 0.5}),
+    ("llada", {"alg": "entropy"}),
+    ("llada", {"top_k": 5}),
+    ("llada", {"mode": "ar"}),
+    ("sdar", {"cfg_scale": 1.5}),
+    ("sdar", {"factor": 1.0}),
+]
+
+
+@pytest.mark.parametrize(("family", "field"), FOREIGN_FIELDS, ids=[f"{f}-{next(iter(x))}" for f, x in FOREIGN_FIELDS])
+def test_another_familys_field_is_unsupported_not_invalid(family: str, field: dict) -> None:
+    """A well-formed field the family cannot honour is `Unsupported` (HTTP `unsupported`),
+    as docs/serve.md says; all but alg and top_k here were plain usage errors (`invalid_value`)."""
+    from dlm.engine.errors import Unsupported
+    from dlm.engine.params import GenerationParams
+    from dlm.engine.registry import family_named
+
+    with pytest.raises(Unsupported) as refused:
+        GenerationParams(gen_length=8, **field).validate(4, 4096, family_named(family))
+    assert refused.value.field == next(iter(field))  # named, for the HTTP error's `param`

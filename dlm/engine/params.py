@@ -473,7 +473,7 @@ class GenerationParams:
                 field="cache",
             )
         if p.mode != "diffusion" and not family.block_causal:
-            raise UsageError(f"mode {p.mode!r} is not available for this model family", field="mode")
+            raise Unsupported(f"mode {p.mode!r} is not available for this model family", field="mode")
         if p.suffix:
             require(family, "suffix")
         if p.logprobs is not None:
@@ -665,13 +665,13 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
             raise Unsupported(f"{given[0]} applies to Dream-family models, not {family.name}", field=given[0])
         return
     if p.remasking != "low_confidence":
-        raise UsageError(
+        raise Unsupported(
             "remasking applies to LLaDA-family models; for Dream choose --alg (e.g. origin)", field="remasking"
         )
     if p.factor is not None:
-        raise UsageError("the factor rule applies to LLaDA-family models; for Dream use --threshold", field="factor")
+        raise Unsupported("the factor rule applies to LLaDA-family models; for Dream use --threshold", field="factor")
     if p.cfg_scale > 0:
-        raise UsageError("classifier-free guidance applies to LLaDA-family models, not Dream", field="cfg_scale")
+        raise Unsupported("classifier-free guidance applies to LLaDA-family models, not Dream", field="cfg_scale")
     if p.threshold is not None and p.alg != "confidence_threshold":
         raise UsageError(f"threshold goes with alg confidence_threshold, not {p.alg!r}", field="threshold")
     if p.alg_temp is not None and p.alg not in RANKING_ALGS:
@@ -695,7 +695,7 @@ def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) 
         )
     if family.block_rules is None or not family.block_rules.token_edits:
         editing = ", ".join(f.name for f in FAMILIES if f.block_rules is not None and f.block_rules.token_edits)
-        raise UsageError(
+        raise Unsupported(
             f"{given[0]} (draft-and-edit decoding) applies to {editing} models, not {family.name}", field=given[0]
         )
     if p.mode != "diffusion":
@@ -745,7 +745,7 @@ def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
 def _validate_drafts(p: ResolvedParams, family: Family, fixed_block: int | None) -> None:
     """Drafted steps are verified against LLaDA's deterministic rules only (dlm/engine/decoding/drafts.py)."""
     if family.sampler != "llada" or family.block_causal or fixed_block is not None:
-        raise UsageError(f"drafts (lossless multi-token steps) are not available for {family.name}", field="drafts")
+        raise Unsupported(f"drafts (lossless multi-token steps) are not available for {family.name}", field="drafts")
     if p.temperature > 0 or p.remasking != "low_confidence" or p.cfg_scale > 0:
         raise UsageError(
             "drafts (lossless multi-token steps) need the deterministic rules: temperature 0, "
@@ -782,9 +782,9 @@ def ends_the_answer(field: str) -> Unsupported:
 
 def _validate_block_causal(p: ResolvedParams) -> None:
     if p.cfg_scale > 0:
-        raise UsageError("classifier-free guidance is not available for block-causal models", field="cfg_scale")
+        raise Unsupported("classifier-free guidance is not available for block-causal models", field="cfg_scale")
     if p.factor is not None:
-        raise UsageError("the factor rule is not available for block-causal models; use --threshold", field="factor")
+        raise Unsupported("the factor rule is not available for block-causal models; use --threshold", field="factor")
 
 
 def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
@@ -795,4 +795,4 @@ def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None
             field="block_length",
         )
     if p.cfg_scale > 0:
-        raise UsageError(f"classifier-free guidance is not available for {family.name}", field="cfg_scale")
+        raise Unsupported(f"classifier-free guidance is not available for {family.name}", field="cfg_scale")
