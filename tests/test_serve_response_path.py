@@ -327,3 +327,38 @@ def test_stops_with_a_response_format_are_refused(client: httpx.Client, chat: bo
     assert (error["param"], error["code"]) == (field, "unsupported")
     ignore_eos = ask(client, chat, {**body, field: None, "ignore_eos": True}).json()["error"]
     assert error["code"] == ignore_eos["code"]  # refused as ignore_eos is
+
+
+@pytest.mark.parametrize("text", ["a\U0001f600b", "caf\u00e9 \u00fc", "x \u4e2d\u6587 y", "\U0001f600\U0001f600"])
+def test_text_offsets_index_the_answer_across_split_characters(served: Served, text: str) -> None:
+    """Completions' `text_offset` summed each token's own text: a character split over byte
+    tokens (each alone U+FFFD, together one character) made every later offset overshoot, and
+    a stream, restarting each chunk from a decoded prefix, disagreed with the body."""
+    from types import SimpleNamespace
+
+    loaded = served.app.state.service.served
+    ids = list(loaded.tokenizer.encode(text, add_special_tokens=False))
+    assert loaded.decode(ids, ()) == text and any("\ufffd" in loaded.token_text(t) for t in ids)
+    responder = SimpleNamespace(served=loaded)
+    offsets = Responder._offsets(responder, ids, 0, len(ids), ())  # type: ignore[arg-type]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    for token, at in zip(ids, offsets):
+        piece = loaded.token_text(token)
+        if "\ufffd" not in piece:
+            assert text[at : at + len(piece)] == piece, (piece, at)
+    for start in range(len(ids)):  # a stream's chunk starting at any token agrees with the body
+        assert Responder._offsets(responder, ids, start, len(ids), ()) == offsets[start:]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_stream_returns_the_token_ids_on_each_choices_finishing_chunk(client: httpx.Client, chat: bool) -> None:
+    """`return_token_ids` with `stream` was accepted and dropped: no chunk carried ids."""
+    body = {"messages": SORT, "max_tokens": 16, "return_token_ids": True, "n": 2, "stop": [" 8"]}
+    whole = strict(ask(client, chat, body).text)["choices"]
+    finishing = [
+        c for e in events(ask(client, chat, body, stream=True).text) for c in e.get("choices", []) if c["finish_reason"]
+    ]
+    assert sorted((c["index"], c["token_ids"]) for c in finishing) == sorted(
+        (c["index"], c["token_ids"]) for c in whole
+    )
+    assert all(c["token_ids"] for c in whole)

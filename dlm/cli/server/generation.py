@@ -289,11 +289,30 @@ class Responder:
         else:
             end = self._covering(choice, ids, len(text), choice.sent_tokens)
         tokens = out.logprobs[choice.sent_tokens : end]
-        offset = len(self.served.decode(ids[: choice.sent_tokens], stops))
+        start = choice.sent_tokens
         choice.sent_tokens = max(choice.sent_tokens, end)
         if self.chat:
             return chat_logprobs(tokens, self.served.token_text, self._token_bytes)
-        return completion_logprobs(tokens, self.served.token_text, offset)
+        return completion_logprobs(tokens, self.served.token_text, self._offsets(ids, start, end, stops))
+
+    def _offsets(self, ids: list[int], start: int, end: int, stops: Any) -> list[int]:
+        """`text_offset` of tokens start..end-1: where each begins in the answer's text. Summing
+        the tokens' own texts overshot after a character split over byte-level tokens (each
+        alone reads U+FFFD; together one character), and a stream, restarting each chunk from
+        a decoded prefix, then disagreed with the body. A token that is part of a character
+        begins where that character does; only there is the prefix decoded again."""
+
+        def decoded(k: int) -> int:
+            return len(self.served.decode(ids[:k], stops).rstrip("\ufffd"))
+
+        offsets, at, after_part = [], decoded(start), False
+        for k in range(start, end):
+            offsets.append(at)
+            piece = self.served.token_text(ids[k])
+            part = "\ufffd" in piece
+            at = decoded(k + 1) if part or after_part else at + len(piece)
+            after_part = part
+        return offsets
 
     def _token_bytes(self, token: int) -> bytes:
         return token_bytes(self.served.tokenizer, token, self.served.token_text(token))
@@ -374,8 +393,11 @@ class Responder:
         delta: str | dict[str, Any],
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        token_ids: list[int] | None = None,
     ) -> str:
         body: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None:
+            body["token_ids"] = token_ids
         if self.chat:
             body["delta"] = delta if isinstance(delta, dict) else {"content": delta}
         else:
@@ -468,7 +490,9 @@ class Responder:
                     yield self._chunk(choice, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
                 reasons[choice.index] = self.close(choice, out, text, stopped, calls)
                 texts[choice.index] = text
-                yield self._chunk(choice, {} if self.chat else "", finish_reason=reasons[choice.index])
+                # return_token_ids: all of the choice's ids on its finishing chunk (they were dropped)
+                ids = choice.completion_ids if self.job.return_token_ids else None
+                yield self._chunk(choice, {} if self.chat else "", finish_reason=reasons[choice.index], token_ids=ids)
             completed = True
             order = sorted(texts)
             self.account([texts[i] for i in order], [reasons[i] for i in order])

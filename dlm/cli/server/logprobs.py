@@ -60,15 +60,11 @@ def token_bytes(tokenizer: Any, token: int, text: str) -> bytes:
     return text.encode("utf-8")
 
 
-def completion_logprobs(tokens: list[TokenLogprob], text: Text, offset: int = 0) -> dict[str, Any]:
-    """A completion choice's `logprobs`; `offset`: characters of the answer before `tokens`.
-    The committed token is always in its `top_logprobs` (as the OpenAI API answers, up to
-    logprobs + 1 entries)."""
+def completion_logprobs(tokens: list[TokenLogprob], text: Text, offsets: list[int]) -> dict[str, Any]:
+    """A completion choice's `logprobs`; `offsets`: where each token begins in the answer's
+    text (the caller knows the text). The committed token is always in its `top_logprobs` (as
+    the OpenAI API answers, up to logprobs + 1 entries)."""
     strings = [text(t.token) for t in tokens]
-    offsets = []
-    for s in strings:
-        offsets.append(offset)
-        offset += len(s)
     tops = []
     for t, s in zip(tokens, strings):
         top = {s: t.logprob}
