@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -356,3 +358,53 @@ def test_a_release_damaged_after_it_was_released_is_not_served(
         current_checkpoint(store, "prod")
     code, _, err = cli("release", ref, "--deployment", "other")
     assert code == 1 and "failed verification" in err and "run `dlm verify" not in err, err
+
+
+def _within(seconds: float, call: Any) -> Any:
+    """`call()`'s result, failing (not hanging) if it takes longer: a FIFO read blocks forever."""
+    import threading
+
+    box: list[Any] = []
+    worker = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert box, f"still running after {seconds}s (blocked on a FIFO?)"
+    return box[0]
+
+
+@pytest.mark.parametrize("victim", [SHARD1, "config.json", "model.safetensors.index.json"])
+def test_a_fifo_in_a_versions_place_is_reported_never_read(
+    victim: str, stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO where a file was blocked `dlm verify` (and generate/estimate of the store name,
+    on config.json) until a writer came; an index that was a directory or a FIFO verified."""
+    store, ref, files = stored
+    (files / victim).unlink()
+    os.mkfifo(files / victim)
+    code, stdout, stderr = _within(60, lambda: cli("verify", ref, "--store", str(store.root), "--json"))
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert any(f["file"] == victim for f in json.loads(stdout)["failures"]), stdout
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, _, stderr = _within(60, lambda: cli("estimate", ref))
+    assert code == 1 and stderr.startswith("error: ") and "Traceback" not in stderr, stderr
+
+
+def test_a_deployment_whose_config_changed_in_place_is_not_served(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same-size edit of config.json that `dlm generate NAME@VERSION` refuses was loaded
+    by `dlm serve --deployment` and released (release compared sizes only)."""
+    from dlm.cli.store.releases import current_checkpoint
+    from dlm.engine.errors import DlmError
+
+    store, ref, files = stored
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    assert cli("release", ref, "--deployment", "prod")[0] == 0
+    config = files / "config.json"
+    text = config.read_text()
+    config.write_text(text.replace('"llada"', '"LLaDA"', 1))
+    assert len(config.read_text()) == len(text) and config.read_text() != text
+    with pytest.raises(DlmError, match="does not match the sha256"):
+        current_checkpoint(store, "prod")
+    code, _, err = cli("release", ref, "--deployment", "other")
+    assert code == 1 and "does not match the sha256" in err, err

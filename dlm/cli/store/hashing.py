@@ -7,9 +7,11 @@ in bytes through a small protocol so the engine never depends on a UI library.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +54,20 @@ def _chunks(handle: io.RawIOBase, advance: Callable[[int], None]) -> Iterable[me
         advance(n)
 
 
+def open_regular(path: Path) -> io.RawIOBase:
+    """`path` opened for reading if it is a regular file; OSError otherwise. A FIFO put where a
+    checkpoint file was would block a plain `open` until a writer came (`dlm verify`, and every
+    command resolving a store name, hung on one); it is opened without blocking and refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return io.FileIO(fd, "rb", closefd=True)
+
+
 def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> str:
-    with open(path, "rb", buffering=0) as handle:
+    with open_regular(path) as handle:
         return sha256_stream(handle, advance)
 
 

@@ -46,6 +46,7 @@ from dlm.cli.store.records import (
     Ref,
     read_record,
 )
+from dlm.cli.store.resolve import check_config
 from dlm.cli.store.store import NAME_RE, CorruptVersion, Store, check_name, now
 from dlm.engine.errors import DlmError, UsageError
 
@@ -197,8 +198,12 @@ def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tu
         raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")
     manifest = store.manifest(current.model, current.version)
     if (failure := manifest.failure()) is not None:  # damaged since it was released
-        raise DlmError(f"deployment {deployment!r}'s current release {failure}; or `dlm rollback -d {deployment}`")
-    return manifest, store.files_dir(manifest.name, manifest.version)
+        raise DlmError(
+            f"the current release of deployment {deployment!r}, {failure}; or `dlm rollback -d {deployment}`"
+        )
+    directory = store.files_dir(manifest.name, manifest.version)
+    check_config(manifest, directory)  # as every store name is resolved: the file read first
+    return manifest, directory
 
 
 # -- the server's side ---------------------------------------------------------------------
@@ -266,6 +271,7 @@ def _usable(store: Store, manifest: Manifest) -> None:
             raise DlmError(
                 f"{ref}: {entry.path} is missing or changed size since it was verified; run `dlm verify {ref}`"
             )
+    check_config(manifest, root)  # the file every load reads first, by its sha256 (it is small)
 
 
 def _switch(store: Store, deployment: str, action: Action, manifest: Manifest, state: DeploymentState) -> Outcome:

@@ -127,9 +127,18 @@ def _load_index(path: Path, report: VerifyReport) -> dict[str, str] | None:
     return weight_map
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The `*.safetensors` files every check reads: regular files only (reading a FIFO put in
+    a shard's place blocks until a writer comes; `check_weights` reports it)."""
+    return [p for p in iter_files(directory) if p.suffix == ".safetensors" and p.is_file()]
+
+
 def check_weights(directory: Path, report: VerifyReport) -> None:
     """safetensors structure of every shard, and the index against the shards' headers."""
-    shards = {p.relative_to(directory).as_posix(): p for p in iter_files(directory) if p.suffix == ".safetensors"}
+    for path in iter_files(directory):
+        if path.suffix == ".safetensors" and path.exists() and not path.is_file():
+            report.fail(path.relative_to(directory).as_posix(), "safetensors", "not a regular file")
+    shards = {p.relative_to(directory).as_posix(): p for p in weight_files(directory)}
     if not shards:
         report.fail(".", "safetensors", "no *.safetensors weights")
         return
@@ -148,7 +157,10 @@ def check_weights(directory: Path, report: VerifyReport) -> None:
         if len(files) > 1:
             report.fail(files[1], "safetensors", f"tensor {tensor} is also in {files[0]}")
     index = directory / INDEX
-    if not index.is_file():
+    if not index.exists():
+        return
+    if not index.is_file():  # passed as "no index" before, though every loader refuses it
+        report.fail(INDEX, "index", "not a regular file")
         return
     weight_map = _load_index(index, report)
     if weight_map is None:
@@ -188,7 +200,7 @@ def check_quantization(directory: Path, report: VerifyReport) -> None:
         return
     if scheme is None:
         return
-    files = {p: p.relative_to(directory).as_posix() for p in iter_files(directory) if p.suffix == ".safetensors"}
+    files = {p: p.relative_to(directory).as_posix() for p in weight_files(directory)}
     headers, holder = {}, {}
     for path in files:
         for name, header in ct.read_headers([path]).items():
@@ -222,7 +234,7 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
     read) and its loader says which checkpoint names it needs (`missing_tensors`), so a
     checkpoint that verifies is one `dlm serve` can load, not one that fails at the first
     request to start."""
-    shards = [p for p in iter_files(directory) if p.suffix == ".safetensors"]
+    shards = weight_files(directory)
     if not shards:
         return  # check_weights has said so
     names: set[str] = set()
