@@ -351,3 +351,10 @@ def test_quantized_pods_are_sized_for_their_quantized_weights(tmp_path: Path, bi
     int4 = request('device = "cpu"\nquantization = "int4"\n')
     assert int4 >= plan["memory_per_gpu"]["total_bytes"]
     assert int4 < request('device = "cpu"\n')
+
+
+def test_the_shipped_settings_are_the_validated_ones(big_config: Path) -> None:
+    """`--device CUDA:0` was accepted and shipped as typed (`device: CUDA:0`) while the image
+    was chosen from the validated `cuda:0`: the pods read what dlm validated."""
+    objects = by_kind(render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "--device", "CUDA:0"))
+    assert yaml.safe_load(objects["ConfigMap"]["data"]["serve.yaml"])["device"] == "cuda:0"

@@ -166,7 +166,8 @@ def serve_settings(file: Path | None, flags: dict[str, Any]) -> tuple[ServeConfi
             f"tensor_parallel_size ({config.tensor_parallel_size}) must be a multiple of nnodes ({config.nnodes})"
         )
     given = {**(read_file(file) if file is not None else {}), **{k: v for k, v in flags.items() if v is not None}}
-    return config, {k: v for k, v in given.items() if k not in NOT_IN_CONFIG}
+    resolved = config.model_dump(mode="json")  # as validated: `--device CUDA:0` ships as cuda:0
+    return config, {k: resolved.get(k, v) for k, v in given.items() if k not in NOT_IN_CONFIG}
 
 
 def image(settings: KubernetesSettings, config: ServeConfig) -> str:
