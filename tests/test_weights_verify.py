@@ -408,3 +408,29 @@ def test_a_deployment_whose_config_changed_in_place_is_not_served(
         current_checkpoint(store, "prod")
     code, _, err = cli("release", ref, "--deployment", "other")
     assert code == 1 and "does not match the sha256" in err, err
+
+
+def test_a_verify_of_a_copy_fetched_again_meanwhile_records_nothing(stored: tuple[Store, str, Path]) -> None:
+    """A verify that hashed the old (damaged) copy, finishing after a fetch replaced it with a
+    good one, marked the good copy failed; its record is refused now, the new copy's stands."""
+    from dlm.cli.store.atomic import write_json_atomic
+    from dlm.cli.store.records import Finding, Verification
+    from dlm.cli.store.store import MANIFEST
+    from dlm.engine.errors import DlmError
+
+    store, ref, _ = stored
+    name, version = ref.split("@")
+    old = store.manifest(name, version)
+    new = old.model_copy(update={"fetched_at": "2099-01-01T00:00:00.000+00:00"})  # the repairing fetch's
+    write_json_atomic(store.version_dir(name, version) / MANIFEST, new.to_json())
+    failed = Verification(
+        ok=False,
+        at="2099",
+        hashed=True,
+        family=None,
+        failures=[Finding(file="x", check="sha256", problem="p")],
+        warnings=[],
+    )
+    with pytest.raises(DlmError, match="fetched again while it was being verified"):
+        store.record_verification(old, failed)
+    assert store.manifest(name, version).state == "verified"

@@ -264,11 +264,19 @@ class Store:
         fsync_dir(target.parent)
         return True
 
-    def record_verification(self, name: str, version: str, verification: Verification) -> Manifest:
-        """Rewrite the version's verification record (the caller holds the store lock)."""
+    def record_verification(self, checked: Manifest, verification: Verification) -> Manifest:
+        """Rewrite the verification record of the version `checked` describes (the caller holds
+        the store lock), unless that copy is gone: a version fetched again (a repair) while a
+        verify of the old copy ran would otherwise be marked with the old copy's failures."""
+        name, version = checked.name, checked.version
         if not (self.version_dir(name, version) / MANIFEST).exists():
             raise DlmError(f"{name}@{version} was removed while it was being verified")
         manifest = self.manifest(name, version)
+        if manifest.fetched_at != checked.fetched_at:
+            raise DlmError(
+                f"{name}@{version} was fetched again while it was being verified: its new copy's record "
+                f"stands (`dlm verify {name}@{version}` checks the new copy)"
+            )
         manifest.verification = verification
         write_json_atomic(self.version_dir(name, version) / MANIFEST, manifest.to_json())
         return manifest

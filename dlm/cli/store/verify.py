@@ -323,5 +323,5 @@ def verify_model(
     manifest = store.find(spec)
     report = verify_directory(store.files_dir(manifest.name, manifest.version), manifest, progress, workers)
     with transaction(store):
-        store.record_verification(manifest.name, manifest.version, report.record(hashed=True))
+        store.record_verification(manifest, report.record(hashed=True))
     return report
