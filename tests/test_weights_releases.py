@@ -268,3 +268,23 @@ def test_release_killed_at_any_point_leaves_old_or_new(stocked: tuple[Store, lis
     _, _, v3 = stocked[1]
     assert release(store, f"m@{v3}").changed  # no stale lock; torn temporaries cleared
     assert not [p.name for p in store.deployments_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_keep_never_keeps_a_failed_version_in_place_of_a_usable_one(tmp_path: Path) -> None:
+    """`dlm rm k --keep 1` over a verified v1 and a newer v2 that failed removed v1, the only
+    copy that could be served."""
+    from dlm.cli.store.fetch import fetch
+    from dlm.cli.store.releases import remove_versions
+    from dlm.cli.store.store import Store
+    from tests.weights_helpers import make_checkpoints
+
+    store = Store(tmp_path / "store")
+    good, bad = (fetch(str(s), store, name="k").manifest for s in make_checkpoints(tmp_path / "src", 2))
+    shard = next(store.files_dir("k", bad.version).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4])
+    from tests.weights_helpers import cli
+
+    assert cli("verify", f"k@{bad.version}", "--store", str(store.root))[0] == 1
+    removed, _ = remove_versions(store, "k", None, 1)
+    assert removed == [f"k@{bad.version}"]
+    assert [m.version for m in store.versions("k")[0]] == [good.version]

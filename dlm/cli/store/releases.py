@@ -365,7 +365,7 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
 
 def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], list[str]]:
     """Delete one version (`version`, a corrupt one included), or all but the newest `keep`
-    readable ones (a corrupt version is removed only by naming it); never a version that
+    readable ones, failed ones counted last (a corrupt version is removed only by naming it); never a version that
     `protected_versions` names. Returns (removed, kept-because-released)."""
     if (version is None) == (keep is None):
         raise UsageError("give MODEL@VERSION, or MODEL with --keep N")
@@ -384,7 +384,10 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
             manifests, corrupt = store.versions(name)
             if not manifests and not corrupt:
                 raise UsageError(f"no model named {name!r} in the store at {store.root}")
-            targets = list(manifests[: max(0, len(manifests) - (keep or 0))])
+            # Failed versions go first: a version that cannot be served is never kept in place
+            # of one that can (`--keep 1` over a good v1 and a failed v2 removed the good one).
+            ranked = [m for m in manifests if m.state == "failed"] + [m for m in manifests if m.state != "failed"]
+            targets = list(ranked[: max(0, len(ranked) - (keep or 0))])
         removed, kept = [], []
         for target in targets:
             if (target.name, target.version) in protected:
