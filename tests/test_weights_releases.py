@@ -276,14 +276,12 @@ def test_keep_never_keeps_a_failed_version_in_place_of_a_usable_one(tmp_path: Pa
     from dlm.cli.store.fetch import fetch
     from dlm.cli.store.releases import remove_versions
     from dlm.cli.store.store import Store
-    from tests.weights_helpers import make_checkpoints
+    from tests.weights_helpers import cli, make_checkpoints
 
     store = Store(tmp_path / "store")
     good, bad = (fetch(str(s), store, name="k").manifest for s in make_checkpoints(tmp_path / "src", 2))
     shard = next(store.files_dir("k", bad.version).glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-4])
-    from tests.weights_helpers import cli
-
     assert cli("verify", f"k@{bad.version}", "--store", str(store.root))[0] == 1
     removed, _ = remove_versions(store, "k", None, 1)
     assert removed == [f"k@{bad.version}"]
