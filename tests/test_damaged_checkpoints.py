@@ -148,3 +148,14 @@ def test_estimate_reads_the_index_without_torch(checkpoints: dict[int, Path]) ->
     assert out.returncode == 0, out.stderr
     count, torch_loaded = out.stdout.split()
     assert int(count) > 0 and torch_loaded == "False"
+
+
+def test_serve_ends_a_failed_load_with_the_contracts_error_line(checkpoints: dict[int, Path], tmp_path: Path) -> None:
+    """`dlm serve` loads after binding, so a damaged checkpoint fails in its JSON log; its
+    stderr now also ends with the one `error:` line scripts look for (grep found none)."""
+    directory, named = _damaged(next(iter(DAMAGES)), checkpoints, tmp_path)
+    code, _, stderr = cli("serve", str(directory), "--port", "0", "--no-warmup")
+    assert code == 1, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot read the weights"), stderr[-2000:]
+    _assert_names_damage(last, named)

@@ -172,4 +172,7 @@ def serve(config: ServeConfig) -> int:
     server.run(sockets=sockets)
     if server.exit_code == 0 and not server.started:
         return 1  # uvicorn could not bind or start
+    error = app.state.service.load_error
+    if error is not None:  # logged as JSON above; its last line is the contract's, for scripts
+        sys.stderr.write(f"error: {error}\n")
     return server.exit_code
