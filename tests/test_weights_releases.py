@@ -95,7 +95,13 @@ def test_deployments_are_independent_and_cli_contract(stocked: tuple[Store, list
 def test_release_requires_a_verified_intact_version(stocked: tuple[Store, list[str]], sources: list[Path]) -> None:
     store, (v1, v2, _) = stocked
     broken = fetch(str(sources[0]), store, name="cfg", include=["*.json"])  # no weights: failed
-    with pytest.raises(DlmError, match=r"failed verification \(\.: no \*\.safetensors weights\): fetch it again"):
+    with pytest.raises(
+        DlmError,
+        match=(
+            r"failed verification \(\.: no \*\.safetensors weights\): fetching it again repairs it in place "
+            r"\(`dlm fetch \S+ --include '\*\.json' --name cfg`\)"
+        ),
+    ):
         release(store, f"cfg@{broken.manifest.version}")
     shard = store.files_dir("m", v2) / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-8])

@@ -148,9 +148,15 @@ class Manifest(Record):
         None for a verified or unverified version."""
         if self.verification is None or self.verification.ok:
             return None
+        source = self.source
+        again = f"{source.repo_id} --revision {source.commit}" if isinstance(source, HubSource) else source.path
+        again += "".join(f" --include '{g}'" for g in source.include) + "".join(
+            f" --exclude '{g}'" for g in source.exclude
+        )
         return (
-            f"{self.ref} failed verification ({self.problems() or 'see `dlm verify`'}): fetch it again or "
-            f"remove it (`dlm rm {self.ref}`); `dlm verify {self.ref}` lists every finding"
+            f"{self.ref} failed verification ({self.problems() or 'see `dlm verify`'}): fetching it again "
+            f"repairs it in place (`dlm fetch {again} --name {self.name}`), or remove it (`dlm rm {self.ref}`); "
+            f"`dlm verify {self.ref}` lists every finding"
         )
 
     def problems(self, shown: int = 2) -> str:
