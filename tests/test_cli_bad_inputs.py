@@ -452,3 +452,28 @@ def test_counts_and_ports_out_of_range_are_refused(args: tuple[str, ...], good: 
     code, stdout, stderr = cli(*args, *(["--store", str(tmp_path / "s")] if args[0] != "generate" else []))
     _assert_one_error(code, stdout, stderr, 2)
     assert ("--workers" if "--workers" in args else "--master-port") in stderr
+
+
+def test_ctrl_c_while_the_commands_load_is_the_contracts_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C in the first moments of any command (its modules importing) printed a
+    KeyboardInterrupt traceback and died by the signal; the script's entry catches it."""
+    import types
+
+    from dlm.cli import entry
+
+    loading = types.ModuleType("dlm.cli.main")
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    loading.main = interrupted  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dlm.cli.main", loading)
+    with pytest.raises(SystemExit) as stopped:
+        entry.main()
+    assert stopped.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+    from tests.weights_helpers import ROOT
+
+    assert 'dlm = "dlm.cli.entry:main"' in (ROOT / "pyproject.toml").read_text()  # the installed `dlm`
+    assert "from dlm.cli.entry import main" in (ROOT / "dlm" / "__main__.py").read_text()
