@@ -10,13 +10,16 @@ and the idle server is paused with SIGSTOP so it takes no CPU), every prompt at 
 1, 4 and 8 and records the latency of each request and the requests per second. The
 answers of the two servers are compared prompt by prompt; RSS is read from
 /proc/PID/smaps_rollup at the end. Ratios are dlm / peer per round; the table shows their
-median and range over the rounds. With `--governor` a third server, `dlm serve
---thread-governor` (dlm/engine/runtime/thread_governor.py), takes its turn in every round, and
-its ratios to the peer and to the plain dlm are printed too (with the load average per round).
+median and range over the rounds. `--also "ARGS"` (repeatable) adds a `dlm serve ARGS` that
+takes its turn in every round, with its ratios to the peer and to the plain dlm (settings
+that are not the defaults, to see what a flag would buy: `--also="--dtype bfloat16"`);
+`--governor` is `--also=--thread-governor` (dlm/engine/runtime/thread_governor.py). The
+load average is printed per round.
 
 The peer's environment and the workarounds it needs: benchmarks/peers.py, docs/benchmarks.md.
 
-    python benchmarks/vs_peers.py [--rounds 3] [--gen-length 64] [--prompts 16] [--governor] [--json out.json]
+    python benchmarks/vs_peers.py [--rounds 3] [--gen-length 64] [--prompts 16] [--governor]
+        [--also=ARGS] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -38,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.peers import DlmServer, DlmserveServer, Server  # noqa: E402
 
 LEVELS = (1, 4, 8)
-GOVERNED = "dlm+governor"  # dlm serve --thread-governor (dlm/engine/runtime/thread_governor.py)
+GOVERNOR = "--thread-governor"  # --governor's variant (dlm/engine/runtime/thread_governor.py)
 # The 104M checkpoint: LLaDA-8B's proportions at 1024 hidden, 8 layers.
 SHAPE = {"d_model": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 16, "mlp_hidden_size": 2816}
 
@@ -119,9 +123,9 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         dtype = ["--dtype", args.dtype] if args.dtype else []
         servers["dlm"] = DlmServer(model_dir, *dtype)
         servers["dlm"].pause()
-        if args.governor:
-            servers[GOVERNED] = DlmServer(model_dir, *dtype, "--thread-governor")
-            servers[GOVERNED].pause()
+        for also in args.also:
+            servers[variant(also)] = DlmServer(model_dir, *dtype, *shlex.split(also))
+            servers[variant(also)].pause()
         servers["dlmserve"] = DlmserveServer(model_dir, token, mask_id, args.dtype or "bf16")
         servers["dlmserve"].pause()
         rounds: list[dict[str, dict[int, dict[str, Any]]]] = []
@@ -146,12 +150,18 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": model_dir.name, "rounds": rounds, "rss_mib": rss, "dlm_dtype": dtype}
 
 
+def variant(args: str) -> str:
+    """The name of the dlm server started with `args` beside the plain one."""
+    return f"dlm {args}"
+
+
 def pairs(result: dict[str, Any]) -> list[tuple[str, str]]:
     """(server, baseline) pairs whose ratios are reported: each dlm against the peer, and
-    the governed dlm against the plain one."""
+    each variant (`--also`) against the plain dlm."""
     found = [("dlm", "dlmserve")]
-    if GOVERNED in result:
-        found += [(GOVERNED, "dlmserve"), (GOVERNED, "dlm")]
+    for name in result:
+        if name.startswith("dlm "):
+            found += [(name, "dlmserve"), (name, "dlm")]
     return found
 
 
@@ -197,10 +207,19 @@ def main() -> None:
         choices=("float32",),
         help="both servers in fp32 (an identity check of the decoding: not their defaults)",
     )
-    ap.add_argument("--governor", action="store_true", help=f"also {GOVERNED}: dlm serve --thread-governor")
+    ap.add_argument("--governor", action="store_true", help=f"the same as --also={GOVERNOR}")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help='also a dlm serve with these arguments (repeatable; --also="--dtype bfloat16")',
+    )
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dlm-vs-peers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.governor and GOVERNOR not in args.also:
+        args.also.append(GOVERNOR)
     paths = {"default": default_model(), "104m": write_104m(args.workdir / "llada-8x1024-104m")}
     print(f"load {os.getloadavg()[0]:.2f} at start", flush=True)
     rows = []
