@@ -7,13 +7,19 @@ refuse what they do not know; the booleans OpenAI types "boolean or null" take n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from dlm.cli.main import app
 from dlm.cli.server.ratelimit import OverCapacity, RateLimiter, TokenBucket
+from dlm.engine.errors import UnknownKey
+from dlm.engine.params import GenerationParams
 from dlm.engine.runtime.scheduler import QueueFull
 from tests.serving import app_client
 
@@ -232,6 +238,32 @@ def test_stream_options_and_response_format_refuse_what_they_do_not_know(
         assert error["code"] == code, error
     else:
         assert (error["param"], error["code"]) == (place, code), error
+
+
+UNKNOWN_KEYS = [
+    ({"type": "json_schema", "json_schema": WRAPPER, "foo": 1}, "response_format.foo"),
+    ({"type": "json_object", "schema": SCHEMA}, "response_format.schema"),
+    ({"type": "text", "json_schema": WRAPPER}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {**WRAPPER, "x": 1}}, "response_format.json_schema.x"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "path"), UNKNOWN_KEYS, ids=[path for _, path in UNKNOWN_KEYS])
+def test_every_entry_point_refuses_an_unknown_response_format_key_alike(
+    client: TestClient, tiny_llada: Path, fmt: dict[str, Any], path: str
+) -> None:
+    """The server, the Python API and `dlm generate` refuse the same key with the same words:
+    the engine's one rule (dlm/engine/structured.py), the server's 400 derived from its type.
+    The command line and the Python API used to ignore the key (only the server refused it)."""
+    http = error_of(post(client, "chat", max_tokens=8, response_format=fmt))
+    assert (http["param"], http["code"]) == ("response_format", "unknown_parameter"), http
+    with pytest.raises(UnknownKey) as caught:  # the Python API's object, as LLM.generate takes it
+        GenerationParams(response_format=fmt).validate(4, 1024)
+    assert (caught.value.path, caught.value.field, str(caught.value)) == (path, "response_format", http["message"])
+    args = ["generate", str(tiny_llada), "--prompt-ids", "1,2", "--gen-length", "8", "--response-format"]
+    result = CliRunner().invoke(app, [*args, json.dumps(fmt), "--dtype", "float32", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {http['message']}"
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -31,6 +31,16 @@ class Unsupported(UsageError):
     rather than silently ignored, so a client (or `dlm validate`) learns it has no effect."""
 
 
+class UnknownKey(UsageError):
+    """A key a request's object does not have (`response_format.json_schema.nmae`): refused,
+    as OpenAI refuses it, never ignored. `path` names the key where it sits, so a server
+    answers `unknown_parameter` from the type alone, whichever entry point met it."""
+
+    def __init__(self, path: str, field: str) -> None:
+        super().__init__(f"unrecognized request field {path!r}", field=field)
+        self.path = path
+
+
 class EngineFailed(DlmError):
     """The engine itself broke, not one request: nothing more can run on it (a
     tensor-parallel rank died or hung). A server fails every request it holds and exits."""

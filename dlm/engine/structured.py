@@ -23,7 +23,9 @@ has `DEFAULT_ITEMS` items, clamped to [minItems, maxItems]; a string has at most
 `MAX_DIGITS` integer digits and `FRACTION_DIGITS` decimals; a range with both bounds is
 an enumeration of its integers (at most `ENUM_SPAN` + 1, evenly spread). `json_object` is a generic object of
 `OBJECT_KEYS` string keys with string values. A keyword dlm cannot enforce is refused with a
-`UsageError` naming it (field `response_format`), never ignored.
+`UsageError` naming it (field `response_format`), never ignored; so is a key the
+response format's object (or its `json_schema` object) does not have (`UnknownKey`, checked by
+`format_spec`, the one rule every entry point applies: a server calls it at its boundary).
 
 The input is untrusted (an HTTP body), so the work is bounded before it is done: the schema
 is first checked against JSON Schema's own metaschema (draft 2020-12), so the compiler only
@@ -44,12 +46,20 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.errors import UnknownKey, Unsupported, UsageError
 
 if TYPE_CHECKING:
     from dlm.engine.registry import Family
 
 FIELD = "response_format"
+# The keys of each response format type (OpenAI's), and those of its `json_schema` object:
+# any other key is refused (`UnknownKey`), on every entry point (`format_spec`).
+FORMAT_KEYS: dict[str, tuple[str, ...]] = {
+    "text": ("type",),
+    "json_object": ("type",),
+    "json_schema": ("type", "json_schema"),
+}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 STRING_TOKENS = 12  # content tokens of a string without maxLength
 MAX_DIGITS = 9  # integer digits of an unbounded number
 FRACTION_DIGITS = 3  # decimals of a `number`
@@ -182,7 +192,7 @@ def compile_response_format(text: str | dict[str, Any] | None, max_tokens: int |
     if text is None:
         return None
     try:
-        return _compile(_spec(text), max_tokens)
+        return _compile(format_spec(text), max_tokens)
     except RecursionError:  # a schema nested thousands deep (the command line has no body limits)
         raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
@@ -194,40 +204,72 @@ def asks_structure(text: str | dict[str, Any] | None) -> bool:
     if text is None:
         return False
     try:
-        return _spec(text).get("type") not in (None, "text")
+        return format_spec(text)["type"] != "text"
     except RecursionError:
         raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
 
-def _spec(text: str | dict[str, Any]) -> dict[str, Any]:
-    """The response format as an object (the Python API may pass the object itself)."""
+def format_spec(text: str | dict[str, Any]) -> dict[str, Any]:
+    """The response format as an object (the Python API may pass the object itself), its
+    shape checked: the one rule for it on every entry point (`dlm generate`, `dlm batch`, the
+    Python API and a server's body, which calls this at its boundary). A missing or unknown
+    `type`, a key the type does not have (`UnknownKey`), a `json_schema` object without its
+    `schema` or `name`, a key it does not have, or a `name`, `description` or `strict` of the
+    wrong type is refused, naming the place; the schema itself is `_compile`'s to check."""
     if isinstance(text, dict):
-        return text
-    if not isinstance(text, str):
+        spec = text
+    elif not isinstance(text, str):
         raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
-    try:
-        spec = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"response_format is not valid JSON: {exc}", field=FIELD) from None
-    if not isinstance(spec, dict):
-        raise UsageError("response_format must be an object with a type", field=FIELD)
+    else:
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"response_format is not valid JSON: {exc}", field=FIELD) from None
+        if not isinstance(spec, dict):
+            raise UsageError("response_format must be an object with a type", field=FIELD)
+    if "type" not in spec:
+        raise UsageError("response_format.type is required: text, json_object or json_schema", field=FIELD)
+    kind = spec["type"]
+    keys = FORMAT_KEYS.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+        raise UsageError(f"response_format type must be text, json_object or json_schema, got {kind!r}", field=FIELD)
+    for key in spec:
+        if key not in keys:
+            raise UnknownKey(f"response_format.{key}", FIELD)
+    if kind == "json_schema":
+        _check_wrapper(spec.get("json_schema"))
     return spec
 
 
-def _compile(spec: dict[str, Any], max_tokens: int | None) -> Skeleton | None:
-    kind = spec.get("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return _Compiler({}, max_tokens).skeleton(None)
-    if kind != "json_schema":
-        raise UsageError(f"response_format type must be text, json_object or json_schema, got {kind!r}", field=FIELD)
-    wrapper = spec.get("json_schema")
+def _check_wrapper(wrapper: Any) -> None:
+    """The `json_schema` object: its `schema` (checked when compiled), a string `name`, an
+    optional string `description` and boolean `strict`, and nothing else."""
     if not isinstance(wrapper, dict) or "schema" not in wrapper:
         raise UsageError(
             "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}", field=FIELD
         )
-    schema = wrapper["schema"]
+    for key in wrapper:
+        if key not in JSON_SCHEMA_KEYS:
+            raise UnknownKey(f"response_format.json_schema.{key}", FIELD)
+    if "name" not in wrapper:
+        raise UsageError("response_format.json_schema.name is required", field=FIELD)
+    for key, kind, optional in (("name", str, False), ("description", str, True), ("strict", bool, True)):
+        given = wrapper.get(key)
+        if key in wrapper and not isinstance(given, kind) and not (optional and given is None):
+            expected = "a string" if kind is str else "a boolean"
+            raise UsageError(
+                f"response_format.json_schema.{key} must be {expected}, got {type(given).__name__}", field=FIELD
+            )
+
+
+def _compile(spec: dict[str, Any], max_tokens: int | None) -> Skeleton | None:
+    """The skeleton of a response format `format_spec` checked."""
+    kind = spec["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _Compiler({}, max_tokens).skeleton(None)
+    schema = spec["json_schema"]["schema"]
     if not isinstance(schema, dict | bool):
         raise UsageError("response_format json_schema.schema must be an object", field=FIELD)
     check_schema(schema)

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dlm.engine.errors import UnknownKey, Unsupported, UsageError
+
 log = logging.getLogger("dlm.server")
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request": logged, never sent
@@ -47,6 +49,14 @@ INTERNAL = APIError(500, "internal server error", type="server_error")  # what n
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def refusal_code(exc: UsageError) -> str:
+    """The documented 400 code of an engine refusal, read from its type (never its message):
+    a key the object does not have, a field this model cannot honour, else a bad value."""
+    if isinstance(exc, UnknownKey):
+        return "unknown_parameter"
+    return "unsupported" if isinstance(exc, Unsupported) else "invalid_value"
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|[\[(]")

@@ -25,12 +25,12 @@ from pydantic import ValidationError
 
 from dlm.cli.server import errors
 from dlm.cli.server.body import parse_json
-from dlm.cli.server.errors import APIError, bad_request
+from dlm.cli.server.errors import APIError, bad_request, refusal_code
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.engine.errors import UsageError
 from dlm.engine.params import ends_the_answer
-from dlm.engine.structured import asks_structure
+from dlm.engine.structured import asks_structure, format_spec
 
 if TYPE_CHECKING:
     from dlm.cli.server.service import Job, Service
@@ -135,9 +135,11 @@ def _prepare(
         body = model.model_validate(data)
     except ValidationError as exc:
         raise errors.validation_error(list(exc.errors())) from None
-    problem = body.field_problem()
-    if problem is not None:  # a nested object's field the schema types loosely (response_format)
-        raise bad_request(problem.message, param=problem.param, code=problem.code)
+    if body.response_format is not None:  # an object the body types loosely: the engine's rule for its keys
+        try:
+            format_spec(body.response_format)
+        except UsageError as exc:
+            raise bad_request(str(exc), param=exc.field, code=refusal_code(exc)) from None
     refused = body.unsupported()
     if refused is not None:
         raise bad_request(refused[1], param=refused[0], code="unsupported")

@@ -14,7 +14,10 @@ OpenAI API answers. Fields fall in four groups:
 - fields dlm cannot honour (`NEUTRAL`): accepted only with a value that asks for nothing,
   else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
 Nested objects (messages, tools) stay lenient about extra fields: clients echo assistant
-messages back with fields of their own (refusal, annotations, ...).
+messages back with fields of their own (refusal, annotations, ...). `response_format` is typed
+as an open object here: its keys are the engine's rule (`format_spec`, dlm/engine/structured.py),
+which the request preparation applies at the boundary (dlm/cli/server/prepare.py), so the
+command line, the Python API and the server refuse the same keys with the same words.
 
 Types are strict everywhere (pydantic's strict mode), as OpenAI's API types them: `"8"` is
 not a `max_tokens`, `true` is not a count (`logprobs` is a count on /v1/completions and a
@@ -27,7 +30,7 @@ tests/test_params_declaration.py checks field by field.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -106,62 +109,6 @@ class StreamOptions(_Body):
     # dlm: also send the canvas (committed, provisional and masked positions) after every
     # denoising step, as `*.canvas` events (docs/serve.md, "Canvas streaming").
     include_canvas: StrictBool | None = False
-
-
-class Problem(NamedTuple):
-    """A 400 about a field inside a loosely typed object: the body field, why, its code."""
-
-    param: str
-    message: str
-    code: str
-
-
-# response_format: the keys of each type (OpenAI's), and those of its `json_schema` object.
-FORMAT_KEYS: dict[str, tuple[str, ...]] = {
-    "text": ("type",),
-    "json_object": ("type",),
-    "json_schema": ("type", "json_schema"),
-}
-JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
-FORMAT = "response_format"
-
-
-def response_format_problem(value: dict[str, Any] | None) -> Problem | None:
-    """What OpenAI refuses in a `response_format` and the structured-output compiler would
-    not see (it reads `type` and `json_schema.schema`, nothing else): a missing `type`, a key
-    the type does not have, a missing or non-string `json_schema.name`, a `description` or
-    `strict` of the wrong type. `param` is `response_format`, the message names the place, as
-    for the compiler's own refusals (dlm/engine/structured.py), which check the type's name,
-    the `json_schema` object's shape and the schema itself."""
-    if value is None:
-        return None
-    if "type" not in value:
-        return Problem(FORMAT, "response_format.type is required: text, json_object or json_schema", "invalid_value")
-    keys = FORMAT_KEYS.get(value["type"]) if isinstance(value["type"], str) else None
-    if keys is None:
-        return None  # the compiler names the types it takes
-    for key in value:
-        if key not in keys:
-            return _unknown(f"response_format.{key}")
-    wrapper = value.get("json_schema")
-    if not isinstance(wrapper, dict) or "schema" not in wrapper:
-        return None  # the compiler says what json_schema needs
-    for key in wrapper:
-        if key not in JSON_SCHEMA_KEYS:
-            return _unknown(f"response_format.json_schema.{key}")
-    if "name" not in wrapper:
-        return Problem(FORMAT, "response_format.json_schema.name is required", "invalid_value")
-    for key, kind, optional in (("name", str, False), ("description", str, True), ("strict", bool, True)):
-        given = wrapper.get(key)
-        if key in wrapper and not isinstance(given, kind) and not (optional and given is None):
-            expected = "a string" if kind is str else "a boolean"
-            message = f"response_format.json_schema.{key} must be {expected}, got {type(given).__name__}"
-            return Problem(FORMAT, message, "invalid_value")
-    return None
-
-
-def _unknown(path: str) -> Problem:
-    return Problem(FORMAT, f"unrecognized request field {path!r}", "unknown_parameter")
 
 
 class DiffusionFields(_Body):
@@ -255,10 +202,6 @@ class GenerationRequest(DiffusionFields):
         if self.stop is None:
             return []
         return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
-
-    def field_problem(self) -> Problem | None:
-        """A nested field the body's types leave open that is malformed or unknown."""
-        return response_format_problem(self.response_format)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field dlm cannot honour, else None."""

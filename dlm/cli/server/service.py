@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dlm.cli.server.auth import KeyRing
 from dlm.cli.server.config import ServeConfig
-from dlm.cli.server.errors import APIError, bad_request
+from dlm.cli.server.errors import APIError, bad_request, refusal_code
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm.cli.server.ratelimit import OverCapacity, RateLimiter
-from dlm.engine.errors import DlmError, EngineFailed, Unsupported, UsageError
+from dlm.engine.errors import DlmError, EngineFailed, UsageError
 from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
@@ -545,7 +545,7 @@ def _refused(exc: UsageError, job: Job) -> APIError:
     message = str(exc)
     if field is not None and param is not None and param != field and message.startswith(f"{field} "):
         message = param + message[len(field) :]  # "logprobs must be in [0, 20]" of chat's top_logprobs
-    return bad_request(message, param=param, code="unsupported" if isinstance(exc, Unsupported) else "invalid_value")
+    return bad_request(message, param=param, code=refusal_code(exc))
 
 
 def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:
