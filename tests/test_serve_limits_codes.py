@@ -98,6 +98,23 @@ def test_a_charge_over_the_token_rate_is_a_400_naming_the_limit(
     assert post(client, route, max_tokens=TPM // fields.get("n", 1) // 8, n=fields.get("n", 1)).status_code == 200
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("n", "max_tokens"), [(1, TPM), (4, TPM // 4)])
+def test_a_charge_of_the_whole_capacity_is_taken_and_then_waits(
+    client: TestClient, route: str, n: int, max_tokens: int
+) -> None:
+    """One rule decides what a bucket can hold (`Service._check_charge`) and `submit` charges
+    exactly what it judged: n x max_tokens equal to the capacity is taken (200), one token
+    more per sample is the 400; the bucket it drained then answers a 429 with a wait (a
+    shortage refilling cures), never the 400."""
+    over = error_of(post(client, route, max_tokens=max_tokens + 1, n=n))
+    assert (over["code"], over["param"]) == ("max_tokens_exceeded", "n" if n > 1 else "max_tokens"), over
+    assert post(client, route, max_tokens=max_tokens, n=n).status_code == 200
+    short = post(client, route, max_tokens=TPM // 2)  # 50 tokens: half a minute to refill
+    assert error_of(short, 429)["code"] == "rate_limit_exceeded"
+    assert int(short.headers["retry-after"]) >= 1
+
+
 # ---- 2: refused after the charge, charged nothing -----------------------------------------
 
 

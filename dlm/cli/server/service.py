@@ -28,7 +28,7 @@ from dlm.cli.server.errors import APIError, bad_request, refusal_code
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
-from dlm.cli.server.ratelimit import OverCapacity, RateLimiter
+from dlm.cli.server.ratelimit import RateLimiter
 from dlm.engine.errors import DlmError, EngineFailed, UsageError
 from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
@@ -339,13 +339,7 @@ class Service:
             )
         if body.steps is not None and body.steps > cfg.max_steps:
             raise _steps_exceeded(f"steps ({body.steps}) exceeds this server's limit of {cfg.max_steps}", "steps")
-        budget = self.limiter.capacity("tokens")  # the most one request may be charged
-        if budget is not None and gen > budget:  # no wait would ever let it pass: a 400, not a 429
-            raise bad_request(
-                f"{length} ({gen}) exceeds the per-key limit of {cfg.tokens_per_minute:g} tokens per minute",
-                param=length,
-                code="max_tokens_exceeded",
-            )
+        self._check_charge(gen, 1, length)  # the length alone, before the family's rules: n is at least 1
         given = {name: getattr(body, key) for key, name in PARAM_FIELDS.items() if getattr(body, key) is not None}
         response_format = given.pop("response_format", None)
         if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
@@ -368,14 +362,7 @@ class Service:
                 param="n",
                 code="invalid_value",
             )
-        charge = resolved.gen_length * resolved.n  # what `submit` charges the token bucket
-        if budget is not None and charge > budget:
-            raise bad_request(
-                f"n ({resolved.n}) x {length} ({resolved.gen_length}) = {charge} tokens exceeds the per-key "
-                f"limit of {cfg.tokens_per_minute:g} tokens per minute",
-                param="n" if resolved.n > 1 else length,
-                code="max_tokens_exceeded",
-            )
+        self._check_charge(resolved.gen_length, resolved.n, length)
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             # Named after the field that set the step count: the request's own, else its length.
             param = next((name for name in ("refinement_steps", "steps") if name in given), length)
@@ -385,6 +372,23 @@ class Service:
                 param,
             )
         return resolved
+
+    def _check_charge(self, gen: int, n: int, length: str) -> None:
+        """Refuse a request whose token charge (`charge`, what `submit` takes from its key's
+        bucket) exceeds what the bucket can ever hold (`RateLimiter.capacity`): no wait would
+        let it pass, so it is a 400 naming the field to lower, never a 429 (that is for a
+        shortage refilling cures). The one place this is decided: `submit` only ever charges
+        requests this passed."""
+        budget = self.limiter.capacity("tokens")
+        amount = charge(gen, n)
+        if budget is None or amount <= budget:
+            return
+        what = f"{length} ({gen})" if n == 1 else f"n ({n}) x {length} ({gen}) = {amount} tokens"
+        raise bad_request(
+            f"{what} exceeds the per-key limit of {self.config.tokens_per_minute:g} tokens per minute",
+            param="n" if n > 1 else length,
+            code="max_tokens_exceeded",
+        )
 
     def build(self, job: Job, params: ResolvedParams, served: LoadedModel) -> list[RequestState]:
         """The request's `n` sequences on the model `served`, built (a response format laid
@@ -399,20 +403,14 @@ class Service:
         the model served now) on that model, all of them or none (429 at once when the queue
         cannot take them); they stay on that model to their end. One stream per choice,
         choice i seeded `seed + i` (`GenerationParams.samples`). Sequences refused are ended,
-        so nothing keeps them, and the tokens charged for them are given back."""
+        so nothing keeps them, and the tokens charged for them are given back. `params` come
+        from `Service.params`, which refused a charge the bucket can never hold
+        (`_check_charge`): here a shortage is only ever temporary (429)."""
         assert self.served is not None
         engine = self.served.engine
         try:
-            amount = params.gen_length * params.n
-            try:
-                wait = self.limiter.check(job.key, "tokens", amount)
-            except OverCapacity as exc:  # `params` refuses it first; kept for a direct caller
-                raise bad_request(
-                    f"this request's {amount} tokens exceed the per-key limit of "
-                    f"{self.config.tokens_per_minute:g} tokens per minute",
-                    param="n" if params.n > 1 else job.length_field,
-                    code="max_tokens_exceeded",
-                ) from exc
+            amount = charge(params.gen_length, params.n)
+            wait = self.limiter.check(job.key, "tokens", amount)
             if wait:
                 raise _rate_limited(f"token rate limit ({self.config.tokens_per_minute:g}/min) exceeded", wait)
             job.charged_tokens = float(amount)
@@ -513,6 +511,12 @@ def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
             engine.vocabulary()
         except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
             log.info("structured output unavailable: %s", exc)
+
+
+def charge(gen: int, n: int) -> int:
+    """A request's tokens against its key's rate: every sample's whole canvas of `max_tokens`
+    (dlm/cli/server/ratelimit.py says why), `n` samples."""
+    return gen * n
 
 
 def _prompt_param(job: Job) -> str:
