@@ -288,6 +288,7 @@ def test_served_chat_logprobs_carry_raw_bytes(
 
 # ---- 6: /tokenize refuses what generation refuses --------------------------------------
 
+LONG_CONST = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "word " * 40}}}
 REFUSED = [
     {"prompt": [-1]},
     {"prompt": ""},
@@ -295,6 +296,8 @@ REFUSED = [
     {"prompt": "x", "n": 0},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
     {"messages": [{"role": "user", "content": "x"}], "stop": ["}"], "response_format": FORMAT},
+    # compiles (one run of fixed text), but its tokens do not fit: refused where it is laid out
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 16, "response_format": LONG_CONST},
 ]
 
 
@@ -305,6 +308,28 @@ def test_tokenize_refuses_what_generation_refuses(client: httpx.Client, body: di
     tokenized = client.post("/tokenize", json=body)
     assert generated.status_code == 400, generated.text
     assert (tokenized.status_code, tokenized.json()) == (400, generated.json())
+
+
+def test_tokenize_builds_no_sequence(served: Served, client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/tokenize` runs the checks building would (parameters, ids, a response format's
+    layout) and builds nothing: it used to make the request's `n` sequences, a skeleton laid
+    on each, only to drop them (on a tensor-parallel server, mirrored to every rank too)."""
+    engine = served.app.state.service.served.engine.engine
+    built: list[int] = []
+    real = engine.make_sequences
+
+    def counted(prompt_ids: list[int], params: Any) -> Any:
+        built.append(params.n)
+        return real(prompt_ids, params)
+
+    monkeypatch.setattr(engine, "make_sequences", counted)
+    body = {"messages": SORT, "max_tokens": 32, "n": 3, "response_format": FORMAT}
+    tokens = client.post("/tokenize", json=body)
+    assert tokens.status_code == 200, tokens.text
+    assert built == []
+    answered = client.post("/v1/chat/completions", json=body)  # generation builds them, by the same path
+    assert answered.status_code == 200, answered.text
+    assert built == [3]
 
 
 def test_tokenize_still_answers_the_prompt_ids(client: httpx.Client) -> None:

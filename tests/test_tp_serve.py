@@ -80,6 +80,12 @@ def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict
     for body, expected in zip(BODIES, single):
         got = _complete(tp_server, body)
         assert (got["token_ids"], got["text"]) == (expected["token_ids"], expected["text"]), body
+    # /tokenize checks a body as generation does, on the driver alone (`check_request`):
+    # nothing built, so nothing mirrored to rank 1, whose next steps below stay in step.
+    tokens = tp_server.http.post(tp_server.url + "/tokenize", json=BODIES[0])
+    assert tokens.status_code == 200 and tokens.json()["count"] > 0, tokens.text
+    bad = tp_server.http.post(tp_server.url + "/tokenize", json={**BODIES[2], "prompt": [10**9]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "prompt"), bad.text
     # Together: admitted into shared forwards at different steps, mirrored on rank 1.
     results: list[Any] = [None] * len(BODIES)
     threads = [

@@ -126,13 +126,12 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def tokenize(request: Request) -> JSONResponse:
         """A completion's `prompt` or a chat's `messages` (template applied) as the token ids
         the server would decode from, as vLLM's `/tokenize` answers. The body is validated as
-        a generation request with it is (its parameters resolved, its sequences built, then
-        dropped), so what generation refuses, `/tokenize` refuses with the same 400."""
+        a generation request with it is, by the same path (its parameters resolved, its
+        sequences' checks run, none built), so what generation refuses, `/tokenize` refuses
+        with the same 400."""
         key, raw = await utility(request)
         job = Job("completions", key=key)  # `prepare` names its endpoint from the body's kind
-        prepared = await preparer.prepare(service, raw, None, job)
-        for seq in prepared.seqs:
-            seq.finish("abort")
+        prepared = await preparer.prepare(service, raw, None, job, build=False)
         ids = prepared.prompt_ids
         return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids})
 

@@ -74,13 +74,21 @@ class Preparer:
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="dlm-prepare")
 
     async def prepare(
-        self, service: Service, raw: bytes, model: type[Body] | None, job: Job | None = None, key: str = ""
+        self,
+        service: Service,
+        raw: bytes,
+        model: type[Body] | None,
+        job: Job | None = None,
+        key: str = "",
+        *,
+        build: bool = True,
     ) -> Prepared:
         """The body parsed and encoded by the model served when it is done: after a hot swap
         in between, it is encoded again with the new version's tokenizer. `model` None: a
         chat body when it has `messages`, else a completion body (`/tokenize`). With `job` (a
         generation request, whose key counts against its share), its options are read into
-        it, its parameters resolved and its sequences built, all for that same version."""
+        it, its parameters resolved and its sequences built, all for that same version;
+        `build` False (`/tokenize`): checked as they would be built, none built."""
         key = job.key if job is not None else key
         if self.pending >= self.backlog or self.by_key[key] >= self.share:
             raise APIError(
@@ -98,7 +106,7 @@ class Preparer:
                 served = service.served
                 if served is None:
                     raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
-                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model, job)
+                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model, job, build)
                 if service.served is served:
                     return prepared
                 for seq in prepared.seqs:  # built for the version a swap replaced
@@ -122,10 +130,16 @@ class Preparer:
 
 
 def _prepare(
-    service: Service, served: LoadedModel, raw: bytes, model: type[Body] | None, job: Job | None = None
+    service: Service,
+    served: LoadedModel,
+    raw: bytes,
+    model: type[Body] | None,
+    job: Job | None = None,
+    build: bool = True,
 ) -> Prepared:
     """In the contract's order: JSON, fields, supported options, model, then the prompt; for
-    a generation request then its options, parameters and sequences."""
+    a generation request then its options, parameters and sequences (`build` False: the
+    sequences' own checks, none built)."""
     data = parse_json(raw)
     if model is None:
         model = ChatRequest if "messages" in data else CompletionRequest
@@ -150,7 +164,7 @@ def _prepare(
         job.suffix_ids, job.echo = prepared.suffix_ids, prepared.echo
         _options(job, body)
         prepared.params = service.params(job, body, prepared.max_tokens, served)
-        prepared.seqs = service.build(job, prepared.params, served)
+        prepared.seqs = service.build(job, prepared.params, served, dry=not build)
     return prepared
 
 

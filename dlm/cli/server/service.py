@@ -390,11 +390,17 @@ class Service:
             code="max_tokens_exceeded",
         )
 
-    def build(self, job: Job, params: ResolvedParams, served: LoadedModel) -> list[RequestState]:
+    def build(self, job: Job, params: ResolvedParams, served: LoadedModel, *, dry: bool = False) -> list[RequestState]:
         """The request's `n` sequences on the model `served`, built (a response format laid
-        out once for all of them) on the preparation thread, never on the event loop."""
+        out once for all of them) on the preparation thread, never on the event loop. `dry`
+        (`/tokenize`): refuse what building would refuse, with the same 400, and build
+        nothing (`Engine.check_request`): no sequence made only to be dropped."""
+        engine = served.engine.engine
         try:
-            return served.engine.engine.make_sequences(job.prompt_ids, params)
+            if dry:
+                engine.check_request(job.prompt_ids, params)
+                return []
+            return engine.make_sequences(job.prompt_ids, params)
         except UsageError as exc:
             raise _refused(exc, job) from None
 

@@ -455,6 +455,9 @@ class DistributedEngine(Engine):
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         return self.engine.validate(params, prompt_length)
 
+    def check_request(self, prompt_ids: list[int], params: GenerationParams) -> ResolvedParams:
+        return self.engine.check_request(prompt_ids, params)  # nothing built, so nothing for the ranks
+
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         return self._register(prompt_ids, [self.engine.make_sequence(prompt_ids, _seeded(params))])[0]
 

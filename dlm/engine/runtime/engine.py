@@ -212,15 +212,26 @@ class LLMEngine(Engine):
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
         """Validate a request and build its sequence without running it: the serving
         scheduler (dlm/engine/runtime/scheduler.py) decides when it joins `running`."""
-        resolved = self.validate(params, len(prompt_ids))
-        return self._build(prompt_ids, resolved, self._laid(prompt_ids, resolved))
+        resolved, laid = self._checked(prompt_ids, params)
+        return self._build(prompt_ids, resolved, laid)
 
     def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
         """The request's `n` samples, validated and laid out once (a response format's
         skeleton is tokenized once, however many samples share it)."""
-        resolved = self.validate(params, len(prompt_ids))
-        laid = self._laid(prompt_ids, resolved)
+        resolved, laid = self._checked(prompt_ids, params)
         return [self._build(prompt_ids, sample, laid) for sample in resolved.samples()]
+
+    def check_request(self, prompt_ids: list[int], params: GenerationParams) -> ResolvedParams:
+        return self._checked(prompt_ids, params)[0]
+
+    def _checked(
+        self, prompt_ids: list[int], params: GenerationParams
+    ) -> tuple[ResolvedParams, tuple[list[int], Constraint] | None]:
+        """Everything that may refuse a request, before any sequence exists: its parameters
+        resolved, its ids and its response format's layout (`_laid`). Building then refuses
+        nothing a family's rules let through."""
+        resolved = self.validate(params, len(prompt_ids))
+        return resolved, self._laid(prompt_ids, resolved)
 
     def _laid(self, prompt_ids: list[int], resolved: ResolvedParams) -> tuple[list[int], Constraint] | None:
         """Check the ids; the answer's skeleton and its constraint, when the request has a

@@ -83,6 +83,13 @@ class Engine(Protocol):
         """Validate a request and build its sequence without running it."""
         ...
 
+    def check_request(self, prompt_ids: list[int], params: GenerationParams) -> ResolvedParams:
+        """Refuse what `make_sequences` would refuse (`UsageError`, `Unsupported`: the
+        parameters, the prompt's and suffix's ids, a response format's layout), building
+        nothing: what a caller that only asks whether a request would run calls (a server's
+        `/tokenize`), so no sequence is made, mirrored to other ranks or dropped."""
+        ...
+
     def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
         """The request's `n` samples (`GenerationParams.samples`: sample i seeded `seed + i`),
         built without running them; what they share (a response format's layout) is made once."""
