@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from dlm.engine.params import GenerationParams
 from dlm.engine.runtime.async_engine import AsyncEngine
 from dlm.engine.runtime.engine import LLMEngine, load_model
 from dlm.engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
+from tests.serving import app_client, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def request(engine: LLMEngine, n: int, gen: int = 16, deadline: float | None = N
 def test_admission_respects_sequence_and_token_bounds(engine: LLMEngine) -> None:
     engine.running.clear()
     scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_num_batched_tokens=40, max_queue=3))
-    reqs = [request(engine, i) for i in range(3)]
-    for r in reqs:
+    reqs = [request(engine, i) for i in range(5)]
+    for r in reqs:  # the first two join at the next admission; the queue holds the other three
         scheduler.add(r)
     with pytest.raises(QueueFull):
         scheduler.add(request(engine, 9))
@@ -46,7 +48,7 @@ def test_admission_respects_sequence_and_token_bounds(engine: LLMEngine) -> None
     # Each canvas is prompt (1..3) + 16 tokens: two fit in 40 tokens and two sequences.
     assert [r.request_id for r in admitted] == ["r0", "r1"]
     assert [s.seq_id for s in engine.running] == [r.seq.seq_id for r in admitted]
-    assert scheduler.batch_tokens <= 40 and len(scheduler.waiting) == 1
+    assert scheduler.batch_tokens <= 40 and len(scheduler.waiting) == 3
     engine.step()
     scheduler.remove(admitted[0], "abort")  # leaves before the next forward
     assert admitted[0].seq.finish_reason == "abort"
@@ -262,6 +264,9 @@ def test_one_tenant_cannot_fill_the_queue_and_tenants_take_turns(engine: LLMEngi
     waiting requests join round-robin over tenants, each tenant's in arrival order."""
     engine.running.clear()
     scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=1, max_queue=8, max_queue_per_tenant=3))
+    running = tenant_request(engine, "z", 0)  # the one slot taken: every request below waits for it
+    scheduler.add(running)
+    assert scheduler.admit(time.monotonic()) == [running]
     for i in range(3):
         scheduler.add(tenant_request(engine, "a", i))
     with pytest.raises(QueueFull, match="share"):
@@ -271,12 +276,41 @@ def test_one_tenant_cannot_fill_the_queue_and_tenants_take_turns(engine: LLMEngi
     with pytest.raises(QueueFull, match="share"):  # a request's samples: all of them or none
         scheduler.add(tenant_request(engine, "c", 1), tenant_request(engine, "c", 2), tenant_request(engine, "c", 3))
     assert len(scheduler.waiting) == 5
+    scheduler.remove(running, "abort")
     order = []
     while scheduler.waiting:
         (admitted,) = scheduler.admit(time.monotonic())
         order.append(admitted.request_id)
         scheduler.remove(admitted, "abort")
     assert order == ["a0", "b0", "c0", "a1", "a2"]
+    engine.running.clear()
+
+
+def test_the_queue_counts_what_the_next_admission_leaves_waiting(engine: LLMEngine) -> None:
+    """A request that free room in the batch takes at the next step is not waiting for a slot:
+    the queue bound counts only those the next admission (its own rule: slots, tokens,
+    round-robin) leaves waiting, with each tenant's share counted the same way."""
+    engine.running.clear()
+    none_wait = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=0))
+    none_wait.check_room()  # room in the batch: it runs, though no request may wait
+    none_wait.add(tenant_request(engine, "a", 0), tenant_request(engine, "a", 1))  # n = 2: both taken
+    with pytest.raises(QueueFull, match="queue is full"):  # the batch is spoken for: this one would wait
+        none_wait.add(tenant_request(engine, "a", 2))
+    assert [r.request_id for r in none_wait.admit(time.monotonic())] == ["a0", "a1"]
+    with pytest.raises(QueueFull, match="queue is full"):  # running now: no slot, no waiting
+        none_wait.check_room()
+    engine.running.clear()
+    # Canvases of 9 tokens (1 + 8); 20 forward tokens hold two, whatever the sequence slots.
+    tokens = Scheduler(engine, SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=20, max_queue=1))
+    tokens.add(tenant_request(engine, "a", 0), tenant_request(engine, "a", 1), tenant_request(engine, "a", 2))
+    with pytest.raises(QueueFull, match="queue is full"):
+        tokens.add(tenant_request(engine, "b", 0))
+    shares = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=8, max_queue_per_tenant=1))
+    shares.add(*(tenant_request(engine, "a", i) for i in range(3)))  # two taken, one waits
+    with pytest.raises(QueueFull, match="share"):
+        shares.add(tenant_request(engine, "a", 3))
+    shares.add(tenant_request(engine, "b", 0))  # another key's share is its own
+    assert [r.request_id for r in shares.admit(time.monotonic())] == ["a0", "b0"]  # round-robin
     engine.running.clear()
 
 
@@ -301,3 +335,51 @@ def test_a_stream_its_reader_does_not_read_keeps_a_bounded_number_of_outputs(eng
             assert steps == sorted(steps) and steps[-1] == 256  # the newest, in order
 
     run(main())
+
+
+def test_a_burst_that_free_slots_take_is_not_counted_against_the_queue() -> None:
+    """Requests that arrive together while a step runs wait for its end, not for a slot: the
+    free slots take them at the next step. They used to count against `--max-queue` meanwhile,
+    so a burst was refused `queue_full` though the batch had room for it (and `--max-queue 0`
+    refused every request). Now only what the next admission leaves waiting counts: with 4
+    sequence slots, 1 running and a queue of 1, a burst of 5 has 3 taken by the free slots,
+    1 queued and 1 refused."""
+    settings = {"model": "tiny:llada", "warmup": False, "max_num_seqs": 4, "max_queue": 1, "max_tokens": 64}
+    body = {"prompt": [5, 6, 7], "max_tokens": 8}
+    with app_client(settings) as client:
+        aengine = client.app.state.service.engine
+        engine, real = aengine.engine, aengine.engine.step
+        inside, gate = threading.Event(), threading.Event()
+
+        def held_step() -> list:
+            inside.set()
+            assert gate.wait(120), "the test never opened the gate"
+            return real()
+
+        engine.step = held_step  # the loop's first step holds until the burst has arrived
+        statuses: list[int] = []
+        codes: list[str | None] = []
+        first, burst = threading.Thread(target=lambda: None), []
+
+        def send() -> None:
+            response = client.post("/v1/completions", json=body)
+            statuses.append(response.status_code)
+            if response.status_code != 200:
+                codes.append(response.json()["error"]["code"])
+
+        try:
+            first = threading.Thread(target=send)
+            first.start()
+            assert inside.wait(60) and aengine.num_running == 1
+            burst = [threading.Thread(target=send) for _ in range(5)]
+            for thread in burst:
+                thread.start()
+            assert wait_until(lambda: aengine.num_waiting + len(statuses) == 5, timeout=60)
+            assert (aengine.num_waiting, codes) == (4, ["queue_full"]), (aengine.num_waiting, codes, statuses)
+        finally:
+            gate.set()
+            for thread in [first, *burst]:
+                if thread.is_alive():
+                    thread.join(120)
+            del engine.step
+        assert sorted(statuses) == [200] * 5 + [429], statuses

@@ -140,7 +140,7 @@ class ServeConfig(BaseModel):
         8, ge=1, description="Sequences sharing one forward (decoded concurrently)."
     )
     max_num_batched_tokens: int = Field(16384, ge=1, description="Canvas tokens in one forward.")
-    max_queue: int = Field(64, ge=0, description="Waiting requests before 429.")
+    max_queue: int = Field(64, ge=0, description="Requests waiting for a slot (not for the next step) before 429.")
     max_queue_per_key: Annotated[int | None, Cli(shown="half the queue with 2+ keys, else all of it")] = Field(
         None, ge=0, description="Waiting requests one API key may hold, so one key cannot fill the queue."
     )

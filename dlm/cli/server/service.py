@@ -299,7 +299,7 @@ class Service:
         if wait:
             raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
         try:  # refuse overload before reading the body or tokenizing
-            self.engine.scheduler.check_room(job.key)
+            self.engine.check_room(job.key)
         except QueueFull as exc:
             raise _queue_full(self.engine, exc) from None
 

@@ -255,9 +255,15 @@ class AsyncEngine:
         `canvas`, every step posts one carrying the canvas (`RequestOutput.canvas`).
         """
         self._check_open()
-        self.scheduler.check_room(tenant)  # refuse before building the canvas: overload answers fast
+        self.check_room(tenant)  # refuse before building the canvas: overload answers fast
         seq = self.engine.make_sequence(prompt_ids, params)
         return self.enqueue([request_id], [seq], timeout=timeout, updates=updates, canvas=canvas, tenant=tenant)[0]
+
+    def check_room(self, tenant: str = "") -> None:
+        """QueueFull unless one more request of `tenant` fits the queue (`Scheduler.check_room`),
+        read under the loop's lock: the loop admits and removes requests meanwhile."""
+        with self._cv:
+            self.scheduler.check_room(tenant)
 
     def enqueue(
         self,

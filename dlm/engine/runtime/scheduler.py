@@ -6,7 +6,10 @@ scheduler removes what must leave (timed out, cancelled) and admits waiting requ
 the running set stays within its bounds (sequences, and tokens fed to one forward), so
 requests at different steps, blocks and lengths share each forward and a newcomer joins at
 the next step. The waiting queue is bounded too: beyond it a request is refused at once
-(`QueueFull`), because an unbounded queue only turns overload into timeouts.
+(`QueueFull`), because an unbounded queue only turns overload into timeouts. It counts the
+requests waiting for a slot, those the next admission leaves waiting (the same rule decides
+both): requests that arrive while a step runs and that the batch's free room takes at the
+next step are not refused for the queue.
 
 Requests carry a tenant (a server's API key). The queue is shared fairly: one tenant may hold
 at most `max_queue_per_tenant` waiting requests, so it cannot fill the queue and turn every
@@ -36,7 +39,7 @@ class QueueFull(DlmError):
 class SchedulerLimits:
     max_num_seqs: int = 8  # sequences in one forward
     max_num_batched_tokens: int = 16384  # canvas tokens in one forward (CFG and draft rows count too)
-    max_queue: int = 64  # requests waiting for a slot
+    max_queue: int = 64  # requests waiting for a slot (not those free room takes at the next step)
     max_queue_per_tenant: int | None = None  # of which one tenant's (None: max_queue)
 
     def validate(self) -> SchedulerLimits:
@@ -89,14 +92,10 @@ class Scheduler:
         return bool(self.waiting or self._admitted)
 
     def check_room(self, tenant: str = "", count: int = 1) -> None:
-        """Raise QueueFull unless `count` more requests of `tenant` fit: in the waiting queue,
-        and in the tenant's share of it."""
-        limits = self.limits
-        if len(self.waiting) + count > limits.max_queue:
-            raise QueueFull(f"the request queue is full ({limits.max_queue} waiting)")
-        share = limits.max_queue_per_tenant
-        if share is not None and sum(r.tenant == tenant for r in self.waiting) + count > share:
-            raise QueueFull(f"this API key already has {share} requests waiting (its share of the queue)")
+        """Raise QueueFull unless `count` more requests of `tenant` fit, before they exist (a
+        server's check before it reads the body): their forward tokens are not known yet, so
+        counted as none; `add` checks again with them."""
+        self._check_room([(tenant, 0)] * count)
 
     def add(self, *requests: ScheduledRequest) -> None:
         """Queue requests (one request's samples: all of them or none); refuse at once when
@@ -108,35 +107,66 @@ class Scheduler:
                     f"the request needs {cost} tokens per forward, more than "
                     f"max_num_batched_tokens ({self.limits.max_num_batched_tokens})"
                 )
-        for tenant in {r.tenant for r in requests}:
-            self.check_room(tenant, sum(r.tenant == tenant for r in requests))
+        self._check_room([(r.tenant, forward_tokens(r.seq)) for r in requests])
         self.waiting.extend(requests)
 
-    def _next(self) -> ScheduledRequest:
-        """The request to admit next: the oldest of the tenant served least recently."""
-        heads: dict[str, ScheduledRequest] = {}
-        for request in self.waiting:
-            heads.setdefault(request.tenant, request)
-        return min(heads.values(), key=lambda r: self._last_turn.get(r.tenant, -1))
+    def _check_room(self, arrivals: list[tuple[str, int]]) -> None:
+        """Raise QueueFull unless `arrivals` ((tenant, forward tokens), in order) fit. The queue
+        holds the requests waiting for a slot: those the next admission leaves waiting
+        (`_admissions`), arrivals included. A request that free room in the batch takes at the
+        next step waits for the step, not for a slot, so it is not counted: a burst arriving
+        while a step runs is not refused for the room the batch still has (`max_queue` 0: no
+        request waits, those the batch takes still run)."""
+        entries = [(r.tenant, forward_tokens(r.seq)) for r in self.waiting] + arrivals
+        taken = set(self._admissions(entries))
+        left = [tenant for i, (tenant, _) in enumerate(entries) if i not in taken]
+        limits = self.limits
+        if len(left) > limits.max_queue:
+            raise QueueFull(f"the request queue is full ({limits.max_queue} waiting)")
+        share = limits.max_queue_per_tenant
+        if share is not None and any(left.count(tenant) > share for tenant, _ in arrivals):
+            raise QueueFull(f"this API key already has {share} requests waiting (its share of the queue)")
+
+    def _admissions(self, entries: list[tuple[str, int]]) -> list[int]:
+        """Which of `entries` ((tenant, forward tokens) of waiting requests, in arrival order)
+        the next admission takes, in its order: round-robin over tenants (the tenant admitted
+        least recently first, each tenant's own in arrival order) while the running set stays
+        within `max_num_seqs` and `max_num_batched_tokens`. The one rule of admission: `admit`
+        applies it, `_check_room` counts what it leaves waiting."""
+        queues: dict[str, deque[int]] = {}  # each tenant's entries, tenants by first arrival
+        for i, (tenant, _) in enumerate(entries):
+            queues.setdefault(tenant, deque()).append(i)
+        last_turn = dict(self._last_turn)
+        turns = self._turns
+        slots = self.limits.max_num_seqs - len(self.running)
+        tokens = self.batch_tokens
+        taken: list[int] = []
+        while queues and len(taken) < slots:
+            tenant = min(queues, key=lambda t: last_turn.get(t, -1))  # ties: never served, first to arrive
+            i = queues[tenant][0]
+            if tokens + entries[i][1] > self.limits.max_num_batched_tokens:
+                break
+            queues[tenant].popleft()
+            if not queues[tenant]:
+                del queues[tenant]
+            turns += 1
+            last_turn[tenant] = turns
+            tokens += entries[i][1]
+            taken.append(i)
+        return taken
 
     def admit(self, now: float) -> list[ScheduledRequest]:
-        """Move waiting requests (round-robin over tenants, each tenant's first come first
-        served) into the running set while the bounds hold; they take part in the next forward."""
-        admitted = []
-        tokens = self.batch_tokens
-        while self.waiting and len(self.running) < self.limits.max_num_seqs:
-            request = self._next()
-            cost = forward_tokens(request.seq)
-            if tokens + cost > self.limits.max_num_batched_tokens:
-                break
+        """Move the waiting requests `_admissions` picks into the running set, in its order;
+        they take part in the next forward."""
+        waiting = list(self.waiting)
+        admitted = [waiting[i] for i in self._admissions([(r.tenant, forward_tokens(r.seq)) for r in waiting])]
+        for request in admitted:
             self.waiting.remove(request)
             self._turns += 1
             self._last_turn[request.tenant] = self._turns
             request.admitted = now
-            tokens += cost
             self._admitted[request.seq.seq_id] = request
             self.engine.add(request.seq)
-            admitted.append(request)
         return admitted
 
     def expired(self, now: float) -> list[ScheduledRequest]:
