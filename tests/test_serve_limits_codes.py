@@ -43,7 +43,7 @@ ROUTES = {
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    """--tokens-per-minute 100, --max-queue 8 (so one key may queue 8 requests)."""
+    """--tokens-per-minute 100, --max-queue 8 (so a request may have 16 samples: 8 decoded, 8 waiting)."""
     settings = {"model": "tiny:sdar", "warmup": False, "tokens_per_minute": TPM, "max_queue": 8}
     with app_client(settings) as test_client:
         yield test_client
@@ -178,8 +178,8 @@ def test_refused_requests_still_count_against_the_request_rate(
 
 ERROR_PATHS: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported"),
-    ("completions", {"prompt": "hi", "n": 9, "max_tokens": 2}, "n", "invalid_value"),
-    ("chat", {"n": 9, "max_tokens": 2}, "n", "invalid_value"),
+    ("completions", {"prompt": "hi", "n": 17, "max_tokens": 2}, "n", "invalid_value"),
+    ("chat", {"n": 17, "max_tokens": 2}, "n", "invalid_value"),
     ("completions", {"max_tokens": TPM + 1}, "max_tokens", "max_tokens_exceeded"),
     ("chat", {"max_completion_tokens": TPM + 1}, "max_completion_tokens", "max_tokens_exceeded"),
     ("chat", {"max_output_tokens": TPM + 1}, "max_output_tokens", "max_tokens_exceeded"),

@@ -314,6 +314,35 @@ def test_the_queue_counts_what_the_next_admission_leaves_waiting(engine: LLMEngi
     engine.running.clear()
 
 
+def test_samples_no_wait_lets_in_are_a_usage_error_not_queue_full(engine: LLMEngine) -> None:
+    """A request's samples are queued together or not at all. Those an idle batch takes plus
+    those the queue (and the tenant's share) holds can pass once the batch empties, so beyond
+    that is a usage error (a 400 on `n`), never `QueueFull`, which tells a client to retry;
+    up to it, the request passes when the batch is idle (`--max-queue 0` with 2 slots takes
+    n = 2). Forward tokens count as admission counts them."""
+    engine.running.clear()
+    none_wait = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=0))
+    none_wait.check_possible("a", 2)
+    with pytest.raises(UsageError, match=r"n \(3\) exceeds the 2 samples") as refused:
+        none_wait.check_possible("a", 3)
+    assert refused.value.field == "n"
+    none_wait.add(tenant_request(engine, "a", 0), tenant_request(engine, "a", 1))
+    with pytest.raises(UsageError):
+        none_wait.add(*(tenant_request(engine, "b", i) for i in range(3)))
+    # Canvases of 9 tokens: 20 forward tokens take two at once, so with a queue of 1 three
+    # pass and four never do, whatever the sequence slots.
+    tokens = Scheduler(engine, SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=20, max_queue=1))
+    tokens.check_possible("a", 4)  # before the canvases exist: slots alone
+    with pytest.raises(UsageError, match=r"\(2 decoded together, 1 waiting\)"):
+        tokens.add(*(tenant_request(engine, "a", i) for i in range(4)))
+    tokens.add(*(tenant_request(engine, "a", i) for i in range(3)))
+    shares = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=8, max_queue_per_tenant=1))
+    shares.check_possible("a", 3)
+    with pytest.raises(UsageError):
+        shares.check_possible("a", 4)
+    engine.running.clear()
+
+
 def test_a_stream_its_reader_does_not_read_keeps_a_bounded_number_of_outputs(engine: LLMEngine) -> None:
     """A canvas stream posts an output at every step; unread, the stream keeps MAX_UNREAD of
     them (the newest) and the final one, so memory does not grow with the steps."""
@@ -383,3 +412,21 @@ def test_a_burst_that_free_slots_take_is_not_counted_against_the_queue() -> None
                     thread.join(120)
             del engine.step
         assert sorted(statuses) == [200] * 5 + [429], statuses
+
+
+def test_n_that_an_idle_batch_takes_is_served_with_no_queue() -> None:
+    """`--max-queue 0` with 2 sequence slots serves a request of n = 2 (the batch takes both
+    choices, none waits); n = 3 can never be queued together, a 400 on `n`. The server used to
+    refuse every n over the queue's share (0 here) though the batch would take them."""
+    settings = {"model": "tiny:llada", "warmup": False, "max_num_seqs": 2, "max_queue": 0, "max_tokens": 64}
+    body = {"prompt": [5, 6, 7], "max_tokens": 8}
+    with app_client(settings) as client:
+        for path in ("/v1/completions", "/tokenize"):
+            answered = client.post(path, json={**body, "n": 2})
+            assert answered.status_code == 200, answered.text
+            refused = client.post(path, json={**body, "n": 3})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert (error["param"], error["code"]) == ("n", "invalid_value"), error
+            assert "(2 decoded together, 0 waiting)" in error["message"], error
+        assert len(client.post("/v1/completions", json={**body, "n": 2}).json()["choices"]) == 2

@@ -356,12 +356,10 @@ class Service:
             resolved = served.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
-        if resolved.n > 1 and resolved.n > self.queue_share:  # its choices are queued together or not at all
-            raise bad_request(
-                f"n ({resolved.n}) exceeds the {self.queue_share} requests one API key may queue on this server",
-                param="n",
-                code="invalid_value",
-            )
+        try:  # its choices are queued together or not at all: a 400 when no wait lets them in
+            served.engine.check_possible(job.key, resolved.n)
+        except UsageError as exc:
+            raise _refused(exc, job) from None
         self._check_charge(resolved.gen_length, resolved.n, length)
         if resolved.max_forwards > cfg.max_steps:  # e.g. decode_mode ar, or more blocks than the limit
             # Named after the field that set the step count: the request's own, else its length.

@@ -265,6 +265,11 @@ class AsyncEngine:
         with self._cv:
             self.scheduler.check_room(tenant)
 
+    def check_possible(self, tenant: str, count: int) -> None:
+        """UsageError (field `n`) unless `count` samples of one request could ever be queued
+        together (`Scheduler.check_possible`: the limits alone, no lock needed)."""
+        self.scheduler.check_possible(tenant, count)
+
     def enqueue(
         self,
         request_ids: list[str],

@@ -107,8 +107,37 @@ class Scheduler:
                     f"the request needs {cost} tokens per forward, more than "
                     f"max_num_batched_tokens ({self.limits.max_num_batched_tokens})"
                 )
-        self._check_room([(r.tenant, forward_tokens(r.seq)) for r in requests])
+        arrivals = [(r.tenant, forward_tokens(r.seq)) for r in requests]
+        self._check_possible(arrivals)
+        self._check_room(arrivals)
         self.waiting.extend(requests)
+
+    def check_possible(self, tenant: str = "", count: int = 1) -> None:
+        """Raise UsageError (field `n`) unless `count` samples of one request of `tenant` could
+        ever be queued together (`_check_possible`), before they exist (a server's check of
+        `n` with the request's other parameters): their forward tokens are not known yet, so
+        counted as none; `add` checks again with them."""
+        self._check_possible([(tenant, 0)] * count)
+
+    def _check_possible(self, arrivals: list[tuple[str, int]]) -> None:
+        """Raise UsageError unless `arrivals` (one request's samples: (tenant, forward tokens))
+        fit an idle scheduler: what the admission of an empty batch takes (`_admissions`, the
+        one rule) plus what the queue and the tenant's share of it hold. Beyond that no wait
+        lets them in, so refusing them `QueueFull` (retry later) would be a lie."""
+        left = [arrivals[i][0] for i in self._waiting_after(arrivals, idle=True)]
+        limits = self.limits
+        room = (
+            limits.max_queue
+            if limits.max_queue_per_tenant is None
+            else min(limits.max_queue, limits.max_queue_per_tenant)
+        )
+        if len(left) > room:
+            taken = len(arrivals) - len(left)
+            raise UsageError(
+                f"n ({len(arrivals)}) exceeds the {taken + room} samples one request may have on this server "
+                f"({taken} decoded together, {room} waiting)",
+                field="n",
+            )
 
     def _check_room(self, arrivals: list[tuple[str, int]]) -> None:
         """Raise QueueFull unless `arrivals` ((tenant, forward tokens), in order) fit. The queue
@@ -118,8 +147,7 @@ class Scheduler:
         while a step runs is not refused for the room the batch still has (`max_queue` 0: no
         request waits, those the batch takes still run)."""
         entries = [(r.tenant, forward_tokens(r.seq)) for r in self.waiting] + arrivals
-        taken = set(self._admissions(entries))
-        left = [tenant for i, (tenant, _) in enumerate(entries) if i not in taken]
+        left = [entries[i][0] for i in self._waiting_after(entries)]
         limits = self.limits
         if len(left) > limits.max_queue:
             raise QueueFull(f"the request queue is full ({limits.max_queue} waiting)")
@@ -127,19 +155,25 @@ class Scheduler:
         if share is not None and any(left.count(tenant) > share for tenant, _ in arrivals):
             raise QueueFull(f"this API key already has {share} requests waiting (its share of the queue)")
 
-    def _admissions(self, entries: list[tuple[str, int]]) -> list[int]:
+    def _waiting_after(self, entries: list[tuple[str, int]], idle: bool = False) -> list[int]:
+        """The indices of `entries` the next admission (`_admissions`) leaves waiting."""
+        taken = set(self._admissions(entries, idle))
+        return [i for i in range(len(entries)) if i not in taken]
+
+    def _admissions(self, entries: list[tuple[str, int]], idle: bool = False) -> list[int]:
         """Which of `entries` ((tenant, forward tokens) of waiting requests, in arrival order)
         the next admission takes, in its order: round-robin over tenants (the tenant admitted
         least recently first, each tenant's own in arrival order) while the running set stays
         within `max_num_seqs` and `max_num_batched_tokens`. The one rule of admission: `admit`
-        applies it, `_check_room` counts what it leaves waiting."""
+        applies it, `_check_room` counts what it leaves waiting, and `_check_possible` (`idle`:
+        as if nothing ran) what it could never take."""
         queues: dict[str, deque[int]] = {}  # each tenant's entries, tenants by first arrival
         for i, (tenant, _) in enumerate(entries):
             queues.setdefault(tenant, deque()).append(i)
-        last_turn = dict(self._last_turn)
+        last_turn = {} if idle else dict(self._last_turn)
         turns = self._turns
-        slots = self.limits.max_num_seqs - len(self.running)
-        tokens = self.batch_tokens
+        slots = self.limits.max_num_seqs - (0 if idle else len(self.running))
+        tokens = 0 if idle else self.batch_tokens
         taken: list[int] = []
         while queues and len(taken) < slots:
             tenant = min(queues, key=lambda t: last_turn.get(t, -1))  # ties: never served, first to arrive
