@@ -187,28 +187,37 @@ def test_missing_things_say_what_is_missing(tmp_path: Path) -> None:
     code, stdout, stderr = cli("fetch", str(blocker), "--store", store)
     _assert_one_error(code, stdout, stderr, 2)
     code, stdout, stderr = cli("release", "m@v1", "--store", str(blocker / "store"))  # a store under a file
-    _assert_one_error(code, stdout, stderr, 1)
+    _assert_one_error(code, stdout, stderr, 2)
+    assert f"is under {blocker}, which is a file" in " ".join(stderr.split()), stderr
 
 
 STORE_COMMANDS = [("models",), ("verify", "m"), ("fetch", "SOURCE"), ("release", "m"), ("rollback",), ("rm", "m")]
 
 
 @pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
-@pytest.mark.parametrize("where", ["empty", "a file"])
+@pytest.mark.parametrize("where", ["empty", "a file", "under a file"])
 def test_a_store_option_that_names_no_directory_is_refused(
     args: tuple[str, ...], where: str, good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--store ''` was the current directory (a fetch filled ./models without a word), and
-    `--store FILE` said "File exists"; both are bad usage now, named, and nothing is created."""
+    """`--store ''` was the current directory (a fetch filled ./models without a word),
+    `--store FILE` said "File exists", and `--store FILE/DIR` listed an empty store or failed
+    with "Not a directory" (exit 1); all are bad usage now, named, and nothing is created."""
     monkeypatch.chdir(tmp_path)
-    target = "" if where == "empty" else str(tmp_path / "a-file")
-    if where == "a file":
-        (tmp_path / "a-file").write_text("")
+    blocker = tmp_path / "a-file"
+    target = {"empty": "", "a file": str(blocker), "under a file": str(blocker / "store")}[where]
+    if where != "empty":
+        blocker.write_text("")
     args = tuple(str(good) if a == "SOURCE" else a for a in args)
     code, stdout, stderr = cli(*args, "--store", target)
     _assert_one_error(code, stdout, stderr, 2)
-    assert ("must name a directory" if where == "empty" else "is a file, not a store directory") in stderr
+    said = {
+        "empty": "must name a directory",
+        "a file": "is a file, not a store directory",
+        "under a file": f"--store {blocker / 'store'} is under {blocker}, which is a file, not a directory",
+    }[where]
+    assert said in " ".join(stderr.split()), stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where == "empty" else ["a-file"])
+    assert where == "empty" or blocker.read_text() == ""
 
 
 def test_listing_a_store_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:

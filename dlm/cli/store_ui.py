@@ -37,15 +37,20 @@ def check_workers(workers: int | None) -> int | None:
 def open_store(path: str | None) -> Any:
     """The store at --store / DLM_STORE (else $DLM_HOME/store). An empty --store is refused:
     it read as the current directory, and a fetch filled ./models with no word; a path that
-    is a file is refused by name before any command tries to lock or create under it."""
+    is a file, or lies under one (`FILE/store`: listed as an empty store, or "Not a
+    directory" from whichever command first tried to create it), is refused by name before
+    any command tries to lock or create under it."""
     from dlm.cli.store.store import Store
     from dlm.engine.errors import UsageError
 
     if path is not None and not path.strip():
         raise UsageError("--store must name a directory, got an empty string")
     store = Store(Path(path) if path is not None else None)
-    if store.root.exists() and not store.root.is_dir():
-        raise UsageError(f"--store {store.root} is a file, not a store directory")
+    nearest = next((p for p in (store.root, *store.root.parents) if p.exists()), None)  # what exists of it
+    if nearest is not None and not nearest.is_dir():
+        if nearest == store.root:
+            raise UsageError(f"--store {store.root} is a file, not a store directory")
+        raise UsageError(f"--store {store.root} is under {nearest}, which is a file, not a directory")
     return store
 
 
