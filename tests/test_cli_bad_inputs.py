@@ -227,6 +227,50 @@ def test_listing_a_store_that_does_not_exist_creates_nothing(tmp_path: Path) -> 
     assert not (tmp_path / "no").exists()
 
 
+# Every store command over a store that does not exist: (arguments, exit code, what stderr says).
+MISSING_STORE_CASES: list[tuple[tuple[str, ...], int, str]] = [
+    (("verify", "m"), 2, "there is no store at"),
+    (("verify", "m@v1"), 2, "there is no store at"),
+    (("rm", "m@v1"), 2, "there is no store at"),
+    (("rm", "m", "--keep", "1"), 2, "there is no store at"),
+    (("release", "m"), 2, "there is no store at"),
+    (("release", "m@v1"), 2, "there is no store at"),
+    (("release", "m@v1", "--deployment", "prod"), 2, "there is no store at"),
+    (("rollback",), 2, "there is no store at"),
+    (("rollback", "--to", "v1"), 2, "there is no store at"),
+    (("rollback", "--to", "m@v1", "--deployment", "prod"), 2, "there is no store at"),
+    (("serve", "--deployment", "prod"), 2, "there is no store at"),
+    (("fetch", "EMPTY"), 2, "no files to fetch"),  # a fetch creates the store, but not to fail
+    (("fetch", "MISSING"), 2, "no directory at"),
+]
+
+
+@pytest.mark.parametrize("how", ["--store", "DLM_STORE"])
+@pytest.mark.parametrize("case", MISSING_STORE_CASES, ids=lambda c: " ".join(c[0]))
+def test_a_store_that_does_not_exist_is_named_and_never_created(
+    case: tuple[tuple[str, ...], int, str], how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dlm rm`, `release` and `rollback` took the store lock first, which made the store's
+    directory (and its parents) before they found nothing to act on; like `dlm models`, a
+    command that reads or changes the versions a store holds creates no store, and says
+    that there is none rather than that it lacks the model or release."""
+    args, expected_code, said = case
+    (tmp_path / "empty").mkdir()
+    sources = {"EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "no-such-source")}
+    args = tuple(sources.get(a, a) for a in args)
+    root = tmp_path / "no" / "store"
+    if how == "DLM_STORE":
+        monkeypatch.setenv("DLM_STORE", str(root))
+        code, stdout, stderr = cli(*args)
+    else:
+        code, stdout, stderr = cli(*args, "--store", str(root))
+    _assert_one_error(code, stdout, stderr, expected_code)
+    assert said in stderr, stderr
+    if said == "there is no store at":
+        assert f"there is no store at {root}" in " ".join(stderr.split()), stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_the_listing_says_why_a_version_failed(good: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     version = fetch(str(good), store, name="m").manifest.version

@@ -310,4 +310,7 @@ def test_admin_key_sources_and_start_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not both"):
         load_config(None, {"model": "x", "deployment": "prod"}, environ={})
     code, _, stderr = cli("serve", "--deployment", "nothing", "--store", str(tmp_path / "store"))
+    assert code == 2 and "there is no store at" in stderr and not (tmp_path / "store").exists()
+    (tmp_path / "store").mkdir()
+    code, _, stderr = cli("serve", "--deployment", "nothing", "--store", str(tmp_path / "store"))
     assert code == 2 and "has no release" in stderr

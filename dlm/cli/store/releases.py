@@ -193,6 +193,7 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
 
 def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tuple[Manifest, Path]:
     """What `dlm serve --deployment NAME` should load."""
+    store.require()
     current = load_state(store, deployment).current
     if current is None:
         raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")

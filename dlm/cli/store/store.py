@@ -119,11 +119,25 @@ class Store:
     def files_dir(self, name: str, version: str) -> Path:
         return self.version_dir(name, version) / FILES
 
+    def require(self) -> None:
+        """UsageError unless the store exists. What reads or changes the versions a store
+        holds (verify, rm, release, rollback, serve --deployment) needs one and creates none:
+        only a fetch makes the store's directory (`dlm models` lists a missing store as
+        empty)."""
+        if not self.root.is_dir():
+            raise UsageError(
+                f"there is no store at {self.root}: nothing was ever fetched into it "
+                "(check --store / DLM_STORE; `dlm fetch` creates it)"
+            )
+
     def lock(self, blocking: bool = True) -> Any:
         """The store-wide lock: every change to what the store lists or serves (publishing,
         verification records, removal, releases, server registration) happens under it,
         and reads what it protects only once it is held. Callers normally take it through
-        `dlm.cli.store.releases.transaction`, which also settles interrupted hot swaps."""
+        `dlm.cli.store.releases.transaction`, which also settles interrupted hot swaps.
+        Taking it creates no store (`require`): a fetch has made its staging copy, and so
+        the store, before it publishes under the lock."""
+        self.require()
         return locked(self.root / ".lock", blocking)
 
     def staging_lock(self, name: str, blocking: bool = True) -> Any:
@@ -185,6 +199,7 @@ class Store:
         name, version = split_ref(spec)
         manifests, corrupt = self.versions(name)
         if not manifests and not corrupt:
+            self.require()
             raise UsageError(f"no model named {name!r} in the store at {self.root}")
         if version is None:
             verified = [m for m in manifests if m.verified]
