@@ -123,6 +123,48 @@ def test_a_corrupt_released_version_stays_protected(stocked: tuple[Store, list[s
     assert store.version_dir("m", v2).is_dir()
 
 
+def _fail_verification(store: Store, version: str) -> None:
+    shard = store.files_dir("m", version) / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    assert cli("verify", f"m@{version}", "--store", str(store.root))[0] == 1
+
+
+@pytest.mark.parametrize("states", [("failed", "corrupt"), ("failed", "failed"), ("corrupt", "corrupt")], ids="+".join)
+@pytest.mark.parametrize("command", [("release", "m"), ("verify", "m"), ("estimate", "m")], ids=" ".join)
+def test_a_name_with_no_usable_version_says_what_is_wrong_with_each(
+    states: tuple[str, str],
+    command: tuple[str, ...],
+    sources: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bare NAME whose versions each failed verification or are corrupt is the store's
+    failure (exit 1), named version by version: it said "every version of 'm' failed
+    verification (v1)" when v2 was corrupt (not named at all), and of two corrupt versions
+    named only the newest."""
+    store = Store(tmp_path / "store")
+    versions = [fetch(str(s), store, name="m").manifest.version for s in sources[:2]]
+    for version, state in zip(versions, states):
+        if state == "failed":
+            _fail_verification(store, version)
+        else:
+            (store.version_dir("m", version) / "manifest.json").write_text('{"name": "m", "vers')
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, stdout, stderr = cli(*command)
+    err = " ".join(stderr.split())
+    assert code == 1 and err.startswith("error: ") and stderr.count("error:") == 1, stderr
+    assert "every version" not in err, err
+    for version, state in zip(versions, states):
+        said = (
+            f"m@{version} failed verification (model.safetensors: "
+            if state == "failed"
+            else f"m@{version} is corrupt ("
+        )
+        assert said in err and f"dlm rm m@{version}" in err, (version, err)
+    assert ("failed" in states) == ("dlm verify m@" in err), err
+    assert len(store.manifests("m")) == states.count("failed")  # nothing was changed
+
+
 @pytest.mark.parametrize(
     "content",
     [

@@ -97,6 +97,20 @@ class CorruptVersion:
         return f"{self.name}@{self.version}"
 
 
+def no_usable_version(name: str, failed: list[Manifest], corrupt: list[CorruptVersion]) -> str:
+    """Why model `name` has no version to use, version by version: each failed its last
+    verification (with its first findings) or has a corrupt manifest (with the reason)."""
+    why = [f"{m.ref} failed verification ({m.problems() or 'see `dlm verify`'})" for m in failed]
+    why += [f"{c.ref} is corrupt ({c.reason})" for c in corrupt]
+    them = "it" if len(why) == 1 else "them"
+    removal = ", ".join(f"`dlm rm {ref}`" for ref in [*(m.ref for m in failed), *(c.ref for c in corrupt)])
+    findings = f"; `dlm verify {name}@VERSION` lists a failed version's findings" if failed else ""
+    return (
+        f"no version of {name!r} can be used: {'; '.join(why)}. Fetching {them} again repairs {them} "
+        f"in place, or remove {them} ({removal}){findings}"
+    )
+
+
 class Store:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root).expanduser() if root else default_store_root()
@@ -194,8 +208,8 @@ class Store:
 
     def lookup(self, spec: str) -> Manifest | CorruptVersion:
         """Resolve 'name@version' (a unique prefix of the version is enough), corrupt versions
-        included, or 'name' (its newest verified version; a corrupt one when no version reads,
-        which `find` then refuses as the store's failure)."""
+        included, or 'name' (its newest verified version; when every version failed
+        verification or is corrupt, DlmError saying which is which)."""
         name, version = split_ref(spec)
         manifests, corrupt = self.versions(name)
         if not manifests and not corrupt:
@@ -203,17 +217,13 @@ class Store:
             raise UsageError(f"no model named {name!r} in the store at {self.root}")
         if version is None:
             verified = [m for m in manifests if m.verified]
-            if not verified and corrupt and not manifests:  # the store's failure, not the user's
-                return corrupt[-1]
-            if not verified and manifests and all(m.state == "failed" for m in manifests):
-                # The store's damage (exit 1), and verifying again would not help.
-                raise DlmError(
-                    f"every version of {name!r} failed verification ({', '.join(m.version for m in manifests)}): "
-                    f"fetch it again or remove them (`dlm rm {name}@VERSION`); `dlm verify {name}@VERSION` lists why"
-                )
-            if not verified:
+            if verified:
+                return verified[-1]
+            if any(m.state == "unverified" for m in manifests):
                 raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
-            return verified[-1]
+            # Each version failed verification or is corrupt: the store's damage (exit 1), which
+            # verifying again would not repair.
+            raise DlmError(no_usable_version(name, manifests, corrupt))
         listed: list[Manifest | CorruptVersion] = [*manifests, *corrupt]
         exact = [v for v in listed if v.version == version]
         matches = exact or [v for v in listed if v.version.startswith(version)]
