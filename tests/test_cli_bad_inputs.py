@@ -512,9 +512,10 @@ def test_ctrl_c_while_the_commands_load_is_the_contracts_interrupt(
 ) -> None:
     """A Ctrl-C in the first moments of any command (its modules importing) printed a
     KeyboardInterrupt traceback and died by the signal; the script's entry catches it."""
+    import signal
     import types
 
-    from dlm.cli import entry
+    from dlm.cli import entry, interrupts
 
     loading = types.ModuleType("dlm.cli.main")
 
@@ -523,8 +524,16 @@ def test_ctrl_c_while_the_commands_load_is_the_contracts_interrupt(
 
     loading.main = interrupted  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "dlm.cli.main", loading)
-    with pytest.raises(SystemExit) as stopped:
-        entry.main()
+    for state in ("_installed", "_received", "_reported"):  # entry.main takes over this process's SIGINT
+        monkeypatch.setattr(interrupts, state, getattr(interrupts, state))
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            entry.main()
+        assert signal.getsignal(signal.SIGINT) == (signal.SIG_IGN if interrupts._installed else previous)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stopped.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
     from tests.weights_helpers import ROOT
 

@@ -10,6 +10,7 @@ import typer
 import typer.main
 from rich.markup import escape
 
+from dlm.cli import interrupts
 from dlm.cli.commands import (
     batch,
     deploy,
@@ -137,27 +138,9 @@ def main() -> None:
                 sys.stderr.write(f"error: {message}\n")
             sys.exit(2)
         if type(exc).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
-            sys.stderr.write("error: interrupted\n")
-            sys.exit(130)
+            interrupts.interrupted()
         raise
-    _exit(result if isinstance(result, int) else 0)
-
-
-def _exit(code: int) -> None:
-    """End the process with `code`. Where triton was imported (torch imports it when it
-    builds a model on the meta device), skip the interpreter's teardown: triton's native
-    module prints dozens of "nanobind: leaked ..." lines there, which read like a crash at
-    the end of every `dlm serve` or `dlm batch`. Everything dlm writes is closed by then;
-    the streams and log handlers are flushed first."""
-    if "triton" not in sys.modules:
-        sys.exit(code)
-    import logging
-    import os
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    interrupts.end(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

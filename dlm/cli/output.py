@@ -56,8 +56,10 @@ def cli_errors() -> Iterator[None]:
         err_console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]error:[/] interrupted", highlight=False)  # as `main` says it
-        raise typer.Exit(130) from None
+        from dlm.cli import interrupts
+
+        interrupts.report()
+        raise typer.Exit(interrupts.EXIT_CODE) from None
 
 
 def _one_line(exc: OSError) -> str:

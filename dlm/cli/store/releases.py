@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.cli import interrupts
 from dlm.cli.store import admin
 from dlm.cli.store.atomic import write_json_atomic
 from dlm.cli.store.records import (
@@ -101,6 +102,7 @@ def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
     killed writers cleared (no other writer can be running). `blocking=False` raises
     `atomic.Busy` at once when another command holds the lock."""
     with store.lock(blocking):
+        interrupts.check()  # a Ctrl-C that a library swallowed: the store takes no change after it
         if store.deployments_dir.is_dir():
             for torn in store.deployments_dir.glob(".*.tmp"):
                 torn.unlink(missing_ok=True)
