@@ -220,6 +220,20 @@ def test_a_store_option_that_names_no_directory_is_refused(
     assert where == "empty" or blocker.read_text() == ""
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(where: str, tmp_path: Path) -> None:
+    """`dlm serve --deployment D --store FILE` (or FILE/DIR) said "FILE/deployments/D.json is
+    corrupt: Not a directory" (exit 1); its --store is refused as the store commands' is."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker if where == "a file" else blocker / "store"
+    code, stdout, stderr = cli("serve", "--deployment", "prod", "--store", str(target))
+    _assert_one_error(code, stdout, stderr, 2)
+    said = "is a file, not a store directory" if where == "a file" else f"is under {blocker}, which is a file"
+    assert f"--store {target} {said}" in " ".join(stderr.split()), stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == ""
+
+
 def test_listing_a_store_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:
     root = tmp_path / "no" / "store"
     code, stdout, stderr = cli("models", "--store", str(root), "--json")

@@ -50,11 +50,12 @@ def serve(
         if config.deployment is not None:
             from dlm.cli.store.admin import running_server
             from dlm.cli.store.releases import current_checkpoint
-            from dlm.cli.store.store import Store
+            from dlm.cli.store_ui import open_store
             from dlm.engine.errors import DlmError
 
-            current_checkpoint(Store(config.store), config.deployment)  # no release: usage error now
-            other = running_server(Store(config.store), config.deployment)
+            store = open_store(str(config.store) if config.store is not None else None)  # a file: usage error
+            current_checkpoint(store, config.deployment)  # no store, no release: usage error now
+            other = running_server(store, config.deployment)
             if other is not None:  # releases would hot-swap only one of the two
                 raise DlmError(
                     f"deployment {config.deployment} is already served by process {other.pid} "
