@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from dlm.engine.errors import UsageError
-from dlm.engine.params import GenerationParams
+from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.runtime.async_engine import AsyncEngine
 from dlm.engine.runtime.engine import LLMEngine, load_model
 from dlm.engine.runtime.scheduler import QueueFull, ScheduledRequest, Scheduler, SchedulerLimits
 from tests.serving import app_client, wait_until
+from tests.tiny_families import MAX_TOKENS, tiny_names
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,15 @@ def test_admission_respects_sequence_and_token_bounds(engine: LLMEngine) -> None
 
 
 def test_a_request_larger_than_the_token_budget_is_refused(engine: LLMEngine) -> None:
+    """Refused naming `gen_length` (a server's `max_tokens`), before the sequence exists
+    (`check_possible`, from the parameters) as when it is queued."""
     scheduler = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_num_batched_tokens=10, max_queue=3))
-    with pytest.raises(UsageError, match="max_num_batched_tokens"):
+    with pytest.raises(UsageError, match="max_num_batched_tokens") as queued:
         scheduler.add(request(engine, 0))
+    seq = request(engine, 0).seq
+    with pytest.raises(UsageError) as checked:
+        scheduler.check_possible("", seq.params, seq.prompt_length)
+    assert str(checked.value) == str(queued.value) and checked.value.field == queued.value.field == "gen_length"
 
 
 def test_committed_prefix_stops_at_the_first_mask(engine: LLMEngine) -> None:
@@ -259,6 +266,11 @@ def tenant_request(engine: LLMEngine, tenant: str, n: int) -> ScheduledRequest:
     return ScheduledRequest(f"{tenant}{n}", seq, time.monotonic(), None, tenant=tenant)
 
 
+def samples(engine: LLMEngine, n: int) -> tuple[ResolvedParams, int]:
+    """The resolved parameters of `n` samples like `tenant_request`'s, and its prompt length."""
+    return engine.validate(GenerationParams(gen_length=8, block_length=8, n=n), 1), 1
+
+
 def test_one_tenant_cannot_fill_the_queue_and_tenants_take_turns(engine: LLMEngine) -> None:
     """A tenant holds at most its share of the waiting queue (the others still get in), and
     waiting requests join round-robin over tenants, each tenant's in arrival order."""
@@ -322,9 +334,9 @@ def test_samples_no_wait_lets_in_are_a_usage_error_not_queue_full(engine: LLMEng
     n = 2). Forward tokens count as admission counts them."""
     engine.running.clear()
     none_wait = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=0))
-    none_wait.check_possible("a", 2)
+    none_wait.check_possible("a", *samples(engine, 2))
     with pytest.raises(UsageError, match=r"n \(3\) exceeds the 2 samples") as refused:
-        none_wait.check_possible("a", 3)
+        none_wait.check_possible("a", *samples(engine, 3))
     assert refused.value.field == "n"
     none_wait.add(tenant_request(engine, "a", 0), tenant_request(engine, "a", 1))
     with pytest.raises(UsageError):
@@ -332,14 +344,17 @@ def test_samples_no_wait_lets_in_are_a_usage_error_not_queue_full(engine: LLMEng
     # Canvases of 9 tokens: 20 forward tokens take two at once, so with a queue of 1 three
     # pass and four never do, whatever the sequence slots.
     tokens = Scheduler(engine, SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=20, max_queue=1))
-    tokens.check_possible("a", 4)  # before the canvases exist: slots alone
-    with pytest.raises(UsageError, match=r"\(2 decoded together, 1 waiting\)"):
+    tokens.check_possible("a", *samples(engine, 3))
+    with pytest.raises(UsageError, match=r"\(2 decoded together, 1 waiting\)") as checked:
+        tokens.check_possible("a", *samples(engine, 4))  # before the canvases exist: counted from the parameters
+    with pytest.raises(UsageError, match=r"\(2 decoded together, 1 waiting\)") as queued:
         tokens.add(*(tenant_request(engine, "a", i) for i in range(4)))
+    assert str(checked.value) == str(queued.value)
     tokens.add(*(tenant_request(engine, "a", i) for i in range(3)))
     shares = Scheduler(engine, SchedulerLimits(max_num_seqs=2, max_queue=8, max_queue_per_tenant=1))
-    shares.check_possible("a", 3)
+    shares.check_possible("a", *samples(engine, 3))
     with pytest.raises(UsageError):
-        shares.check_possible("a", 4)
+        shares.check_possible("a", *samples(engine, 4))
     engine.running.clear()
 
 
@@ -430,3 +445,60 @@ def test_n_that_an_idle_batch_takes_is_served_with_no_queue() -> None:
             assert (error["param"], error["code"]) == ("n", "invalid_value"), error
             assert "(2 decoded together, 0 waiting)" in error["message"], error
         assert len(client.post("/v1/completions", json={**body, "n": 2}).json()["choices"]) == 2
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_forward_tokens_derive_from_the_parameters_on_every_family(name: str) -> None:
+    """What the token bound counts for a sequence (`forward_tokens`) is derived from its
+    resolved parameters and prompt length (so a check before it exists counts the same), and
+    is the canvas the family's sequence holds: a block grid's whole blocks, DiffusionGemma's
+    canvases once all are drawn."""
+    from dlm.engine.llm import LLM
+    from dlm.engine.runtime.scheduler import forward_tokens
+
+    with LLM(f"tiny:{name}", dtype="float32", device="cpu") as llm:
+        problems = []
+        for gen in MAX_TOKENS:
+            for prompt in ([5, 6], list(range(5, 40))):
+                params = GenerationParams(gen_length=gen, ignore_eos=True)  # no early stop: the whole canvas
+                (seq,) = llm.engine.generate([prompt], params)
+                expected = llm.engine.validate(params, len(prompt)).forward_tokens(len(prompt))
+                if not forward_tokens(seq) == expected == len(seq.canvas):
+                    problems.append(
+                        f"{gen=} prompt {len(prompt)}: {forward_tokens(seq)}, {expected}, {len(seq.canvas)}"
+                    )
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_tokenize_refuses_what_generation_refuses_for_forward_tokens(name: str) -> None:
+    """`/tokenize` answers as generation does where the refusal depends on the canvases'
+    tokens per forward (--max-num-batched-tokens 64): CFG doubling a 42-token canvas past the
+    bound (a 400 naming the field, `max_tokens` where the family takes CFG), and n = 3 of
+    canvases of at least 22 tokens, which fit the sequence slots but never the token bound
+    together. /tokenize used to answer 200 to both (its check counted no tokens)."""
+    settings = {
+        "model": f"tiny:{name}",
+        "warmup": False,
+        "max_num_batched_tokens": 64,
+        "max_queue": 0,
+        "max_tokens": 64,
+    }
+    bodies = (
+        {"prompt": [5, 6], "max_tokens": 40, "cfg_scale": 1.0},
+        {"prompt": [5, 6], "max_tokens": 20, "n": 3},
+        {"prompt": [5, 6], "max_tokens": 1},  # what generation takes, /tokenize takes
+    )
+    with app_client(settings) as client:
+        answers = [[client.post(path, json=body) for path in ("/v1/completions", "/tokenize")] for body in bodies]
+        takes_cfg = "cfg_scale" not in answers[0][0].text
+    for body, (generation, tokenize) in zip(bodies, answers):
+        refused = generation.status_code == 400
+        assert refused == (body is not bodies[-1]), (body, generation.text)
+        assert tokenize.status_code == generation.status_code, (body, generation.text, tokenize.text)
+        if refused:
+            error = generation.json()["error"]
+            assert tokenize.json()["error"] == error, (body, error)
+            assert error["param"] in body, (body, error)  # every 400 names the field to change
+    if takes_cfg:  # the bound, not guidance itself, refused it
+        assert answers[0][0].json()["error"]["param"] == "max_tokens", answers[0][0].text

@@ -156,6 +156,11 @@ class Forwards:
             return -(-gen_length // block)
         return -(-(prompt_length + gen_length) // block) - prompt_length // block
 
+    def grid_end(self, prompt_length: int, gen_length: int, block: int) -> int:
+        """On an aligned grid, the end of the block holding the answer's last position: where
+        the canvas of a prompt and answer of these lengths ends."""
+        return -(-(prompt_length + gen_length) // block) * block
+
     def share(self, budget: int, prefill: int, decoded: int) -> int:
         """Denoising steps per block that keep a request within `budget` forwards in all,
         besides the forwards the model spends anyway (cache prefill, one per block beyond its
@@ -568,11 +573,15 @@ class GenerationParams:
             )
             per_block = block + post + 1 + forwards.per_block
         values.update(block_length=block, steps=steps, refinement_steps=None, cache=cache, alg=alg, threshold=threshold)
+        canvas_length = blocks * block if forwards.whole_blocks else gen
         return ResolvedParams(
             **values,
             decoded_blocks=decoded,
             max_forwards=per_block * decoded + prefill,
-            canvas_length=blocks * block if forwards.whole_blocks else gen,
+            canvas_length=canvas_length,
+            grid_length=forwards.grid_end(prompt_length, gen, block) - prompt_length
+            if forwards.aligned_grid
+            else canvas_length,
             threshold_quota=quota,
             skeleton=skeleton,
         )
@@ -595,6 +604,11 @@ class ResolvedParams(GenerationParams):
     # Answer positions the model decodes: gen_length, or on a block grid (`Forwards.whole_blocks`)
     # gen_length rounded up to whole blocks, the answer being cut at gen_length.
     canvas_length: int = 0
+    # Canvas positions after the prompt, before any suffix: `canvas_length`, or on an aligned
+    # block grid (`Forwards.aligned_grid`) to the end of the block holding the answer's last
+    # position (the grid's first block holds the prompt's end). What a sequence's canvas holds
+    # (dlm/engine/runtime/block_sequence.py) and so what `forward_tokens` counts.
+    grid_length: int = 0
     # Dream's `confidence_threshold` as Fast-dLLM's whole-sequence generation_utils.py runs it
     # (asked for by name, no cache): each step commits only within the block's linear
     # schedule, and steps are added after it (dlm/engine/decoding/dream.py).
@@ -606,6 +620,15 @@ class ResolvedParams(GenerationParams):
         not divide it)."""
         assert self.block_length is not None
         return -(-self.canvas_length // self.block_length)
+
+    def forward_tokens(self, prompt_length: int) -> int:
+        """Tokens a sequence of these parameters on a prompt of `prompt_length` tokens feeds to
+        each forward, at most: its whole canvas (prompt, grid, suffix), twice with CFG, once
+        more per draft candidate (`drafts`, dlm/engine/decoding/drafts.py). Derived from the
+        parameters alone, so a check made before any sequence exists (a server's `/tokenize`,
+        its `n` check) counts what the scheduler's token bound counts once they do."""
+        canvas = prompt_length + self.grid_length + len(self.suffix)
+        return canvas * (2 if self.cfg_scale > 0 else 1 + self.drafts)
 
     @property
     def steps_per_block(self) -> int:

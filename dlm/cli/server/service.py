@@ -357,7 +357,7 @@ class Service:
         except UsageError as exc:
             raise _refused(exc, job) from None
         try:  # its choices are queued together or not at all: a 400 when no wait lets them in
-            served.engine.check_possible(job.key, resolved.n)
+            served.engine.check_possible(job.key, resolved, len(job.prompt_ids))
         except UsageError as exc:
             raise _refused(exc, job) from None
         self._check_charge(resolved.gen_length, resolved.n, length)

@@ -50,7 +50,7 @@ from typing import Protocol, TypeVar
 from dlm.engine.cpu_plan import apply_threads
 from dlm.engine.decoding.logprobs import TokenLogprob
 from dlm.engine.errors import DlmError, EngineFailed
-from dlm.engine.params import GenerationParams
+from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.request import RequestState
@@ -265,10 +265,10 @@ class AsyncEngine:
         with self._cv:
             self.scheduler.check_room(tenant)
 
-    def check_possible(self, tenant: str, count: int) -> None:
-        """UsageError (field `n`) unless `count` samples of one request could ever be queued
-        together (`Scheduler.check_possible`: the limits alone, no lock needed)."""
-        self.scheduler.check_possible(tenant, count)
+    def check_possible(self, tenant: str, params: ResolvedParams, prompt_length: int) -> None:
+        """UsageError unless a request's `n` samples could ever be queued together
+        (`Scheduler.check_possible`: the limits alone, no lock needed)."""
+        self.scheduler.check_possible(tenant, params, prompt_length)
 
     def enqueue(
         self,

@@ -61,11 +61,11 @@ class BlockSequence(RequestState):
     publish_under: int | None = None  # prefix-cache node the next page goes under (None: stop)
 
     def __post_init__(self) -> None:
-        p, b, gen = len(self.prompt_ids), self.block_length, self.params.gen_length
+        p, b = len(self.prompt_ids), self.block_length
         first = (p // b) * b if self.rules.aligned_grid else p
         # Whole blocks: the grid runs past the answer to the end of the block holding its last
-        # position (the answer is cut at gen_length).
-        self.grid_end = -(-(p + gen) // b) * b if self.rules.aligned_grid else p + self.params.canvas_length
+        # position (the answer is cut at gen_length), as the parameters resolved it.
+        self.grid_end = p + self.params.grid_length
         self.canvas = torch.full((self.grid_end,), self.mask_id, dtype=torch.long)
         self.canvas[:p] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.decoded_end = p  # generated tokens are canvas[p:decoded_end] once blocks finish

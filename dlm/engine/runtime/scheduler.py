@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.params import ResolvedParams
 from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
 
@@ -54,9 +55,9 @@ class SchedulerLimits:
 
 
 def forward_tokens(seq: RequestState) -> int:
-    """Tokens this sequence feeds to each forward, at most: the whole canvas, twice with CFG,
-    once more per draft candidate (`drafts`, dlm/engine/decoding/drafts.py)."""
-    return len(seq.canvas) * (2 if seq.params.cfg_scale > 0 else 1 + seq.params.drafts)
+    """Tokens this sequence feeds to each forward, at most (`ResolvedParams.forward_tokens`:
+    from its parameters and prompt length, as a check before the sequence exists counts them)."""
+    return seq.params.forward_tokens(seq.prompt_length)
 
 
 @dataclass(eq=False)
@@ -99,31 +100,35 @@ class Scheduler:
 
     def add(self, *requests: ScheduledRequest) -> None:
         """Queue requests (one request's samples: all of them or none); refuse at once when
-        the waiting queue, or their tenant's share of it, cannot take them all."""
-        for request in requests:
-            cost = forward_tokens(request.seq)
-            if cost > self.limits.max_num_batched_tokens:
-                raise UsageError(
-                    f"the request needs {cost} tokens per forward, more than "
-                    f"max_num_batched_tokens ({self.limits.max_num_batched_tokens})"
-                )
+        the waiting queue, or their tenant's share of it, cannot take them all; a usage error
+        when no wait lets them in (`_check_possible`)."""
         arrivals = [(r.tenant, forward_tokens(r.seq)) for r in requests]
         self._check_possible(arrivals)
         self._check_room(arrivals)
         self.waiting.extend(requests)
 
-    def check_possible(self, tenant: str = "", count: int = 1) -> None:
-        """Raise UsageError (field `n`) unless `count` samples of one request of `tenant` could
-        ever be queued together (`_check_possible`), before they exist (a server's check of
-        `n` with the request's other parameters): their forward tokens are not known yet, so
-        counted as none; `add` checks again with them."""
-        self._check_possible([(tenant, 0)] * count)
+    def check_possible(self, tenant: str, params: ResolvedParams, prompt_length: int) -> None:
+        """Raise UsageError unless the `n` samples of a request of `tenant` with `params` on a
+        prompt of `prompt_length` tokens could ever be queued together (`_check_possible`),
+        before they exist (a server's check with the request's other parameters, `/tokenize`'s
+        too): their forward tokens derive from the parameters (`ResolvedParams.forward_tokens`),
+        so this refuses exactly what `add` refuses once they are built."""
+        self._check_possible([(tenant, params.forward_tokens(prompt_length))] * params.n)
 
     def _check_possible(self, arrivals: list[tuple[str, int]]) -> None:
         """Raise UsageError unless `arrivals` (one request's samples: (tenant, forward tokens))
-        fit an idle scheduler: what the admission of an empty batch takes (`_admissions`, the
-        one rule) plus what the queue and the tenant's share of it hold. Beyond that no wait
-        lets them in, so refusing them `QueueFull` (retry later) would be a lie."""
+        fit an idle scheduler: each within `max_num_batched_tokens` (field `gen_length`: the
+        answer's length is what the request can lower), and all of them within what the
+        admission of an empty batch takes (`_admissions`, the one rule) plus what the queue and
+        the tenant's share of it hold (field `n`). Beyond that no wait lets them in, so refusing
+        them `QueueFull` (retry later) would be a lie."""
+        cost = max((tokens for _, tokens in arrivals), default=0)
+        if cost > self.limits.max_num_batched_tokens:
+            raise UsageError(
+                f"the request needs {cost} tokens per forward, more than "
+                f"max_num_batched_tokens ({self.limits.max_num_batched_tokens})",
+                field="gen_length",
+            )
         left = [arrivals[i][0] for i in self._waiting_after(arrivals, idle=True)]
         limits = self.limits
         room = (
