@@ -64,9 +64,10 @@ def test_every_request_field_is_declared_or_listed() -> None:
 
 def _http_type(name: str) -> Any:
     """GenerationParams field `name`'s type as the body carries it: optional (absent: the
-    default), a tuple as a JSON array, response_format as the object."""
+    default), a tuple as a JSON array, response_format as any JSON value (the engine's rule
+    decides what a non-object is told, in the words of every entry point)."""
     if name == "response_format":
-        return dict[str, Any] | None
+        return Any
     hint = get_type_hints(GenerationParams)[name]
     (base,) = [a for a in get_args(hint) if a is not type(None)] or [hint]
     if get_args(base)[1:] == (Ellipsis,):  # tuple[int, ...]

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from dlm.cli.main import app
 from dlm.cli.server.ratelimit import OverCapacity, RateLimiter, TokenBucket
-from dlm.engine.errors import UnknownKey
+from dlm.engine.errors import UnknownKey, UsageError
 from dlm.engine.params import GenerationParams
 from dlm.engine.runtime.scheduler import QueueFull
 from tests.serving import app_client
@@ -281,6 +281,48 @@ def test_every_entry_point_refuses_an_unknown_response_format_key_alike(
     result = CliRunner().invoke(app, [*args, json.dumps(fmt), "--dtype", "float32", "--device", "cpu"])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == f"error: {http['message']}"
+
+
+# Values that are not a response format object, as a client sends them, and their JSON type.
+NON_OBJECTS = [([], "array"), ([{"type": "json_object"}], "array"), ("json_object", "string"), (3, "number")]
+NON_OBJECTS += [(True, "boolean"), ('{"type": "json_object"}', "string")]  # a body's string is not JSON text
+
+
+def test_every_entry_point_refuses_a_response_format_that_is_not_an_object_alike(
+    client: TestClient, tiny_llada: Path, tmp_path: Path
+) -> None:
+    """The server (both routes), `dlm batch`, the Python API (the value itself, or its JSON
+    text) and `dlm generate` (its JSON text) refuse a non-object in the engine's words
+    (`format_object`), naming the field. They used to say it three ways: pydantic's "Input
+    should be a valid dictionary" (server, batch), "must be an object with a type" (dlm
+    generate) and "must be a JSON object or its text, got list" (the Python API)."""
+    lines = []
+    for i, (fmt, kind) in enumerate(NON_OBJECTS):
+        said = f"response_format must be a JSON object, got {kind}"
+        for route in ROUTES:
+            http = error_of(post(client, route, max_tokens=8, response_format=fmt))
+            assert (http["message"], http["param"], http["code"]) == (said, "response_format", "invalid_value"), http
+        given = [json.dumps(fmt)] + ([] if isinstance(fmt, str) else [fmt])  # a str is JSON text to the Python API
+        for value in given:
+            with pytest.raises(UsageError) as caught:
+                GenerationParams(response_format=value).validate(4, 1024)
+            assert (str(caught.value), caught.value.field) == (said, "response_format"), value
+        args = ["generate", str(tiny_llada), "--prompt-ids", "1,2", "--gen-length", "8", "--response-format"]
+        result = CliRunner().invoke(app, [*args, json.dumps(fmt), "--dtype", "float32", "--device", "cpu"])
+        assert (result.exit_code, result.stderr.strip()) == (2, f"error: {said}"), result.output
+        body = {"prompt": "hi", "max_tokens": 8, "response_format": fmt}
+        lines.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": body})
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(app, ["batch", str(source), str(out), "--model", "tiny:llada"])
+    assert result.exit_code == 0, result.output
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i, (_, kind) in enumerate(NON_OBJECTS):
+        error = records[f"q{i}"]["error"]
+        assert (error["message"], error["param"]) == (
+            f"response_format must be a JSON object, got {kind}",
+            "response_format",
+        )
 
 
 @pytest.mark.parametrize("route", ROUTES)

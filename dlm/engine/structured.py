@@ -25,7 +25,7 @@ an enumeration of its integers (at most `ENUM_SPAN` + 1, evenly spread). `json_o
 `OBJECT_KEYS` string keys with string values. A keyword dlm cannot enforce is refused with a
 `UsageError` naming it (field `response_format`), never ignored; so is a key the
 response format's object (or its `json_schema` object) does not have (`UnknownKey`, checked by
-`format_spec`, the one rule every entry point applies: a server calls it at its boundary).
+`format_object`, the one rule every entry point applies: a server calls it at its boundary).
 
 The input is untrusted (an HTTP body), so the work is bounded before it is done: the schema
 is first checked against JSON Schema's own metaschema (draft 2020-12), so the compiler only
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 FIELD = "response_format"
 # The keys of each response format type (OpenAI's), and those of its `json_schema` object:
-# any other key is refused (`UnknownKey`), on every entry point (`format_spec`).
+# any other key is refused (`UnknownKey`), on every entry point (`format_object`).
 FORMAT_KEYS: dict[str, tuple[str, ...]] = {
     "text": ("type",),
     "json_object": ("type",),
@@ -185,7 +185,7 @@ def supported(family: Family) -> bool:
     return family.attention == "bidirectional"
 
 
-def compile_response_format(text: str | dict[str, Any] | None, max_tokens: int | None = None) -> Skeleton | None:
+def compile_response_format(text: Any, max_tokens: int | None = None) -> Skeleton | None:
     """The skeleton of a `response_format` given as JSON text, or as the object itself from
     the Python API (None: plain text). `max_tokens`: refuse (field `gen_length`) as soon as
     the skeleton cannot fit that many positions."""
@@ -197,7 +197,7 @@ def compile_response_format(text: str | dict[str, Any] | None, max_tokens: int |
         raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
 
-def asks_structure(text: str | dict[str, Any] | None) -> bool:
+def asks_structure(text: Any) -> bool:
     """Whether a `response_format` asks for JSON (not plain text), known before its schema is
     compiled: what refuses the request whatever the schema (a family without bidirectional
     attention, `ignore_eos`) is then said before what depends on it (a skeleton too long)."""
@@ -209,24 +209,28 @@ def asks_structure(text: str | dict[str, Any] | None) -> bool:
         raise UsageError("response_format is nested too deeply", field=FIELD) from None
 
 
-def format_spec(text: str | dict[str, Any]) -> dict[str, Any]:
-    """The response format as an object (the Python API may pass the object itself), its
-    shape checked: the one rule for it on every entry point (`dlm generate`, `dlm batch`, the
-    Python API and a server's body, which calls this at its boundary). A missing or unknown
-    `type`, a key the type does not have (`UnknownKey`), a `json_schema` object without its
-    `schema` or `name`, a key it does not have, or a `name`, `description` or `strict` of the
-    wrong type is refused, naming the place; the schema itself is `_compile`'s to check."""
-    if isinstance(text, dict):
-        spec = text
-    elif not isinstance(text, str):
-        raise UsageError(f"response_format must be a JSON object or its text, got {type(text).__name__}", field=FIELD)
-    else:
+def format_spec(text: Any) -> dict[str, Any]:
+    """The response format given as JSON text (`dlm generate`'s flag, GenerationParams' field)
+    or as the value itself (the Python API may pass the object), its shape checked by
+    `format_object`."""
+    if isinstance(text, str):
         try:
-            spec = json.loads(text)
+            text = json.loads(text)
         except ValueError as exc:
             raise UsageError(f"response_format is not valid JSON: {exc}", field=FIELD) from None
-        if not isinstance(spec, dict):
-            raise UsageError("response_format must be an object with a type", field=FIELD)
+    return format_object(text)
+
+
+def format_object(spec: Any) -> dict[str, Any]:
+    """The response format's value checked: the one rule for it on every entry point (`dlm
+    generate`, `dlm batch`, the Python API and a server's body, whose parsed value is checked
+    here at its boundary: a string there is a string, not JSON text). A value that is not an
+    object, a missing or unknown `type`, a key the type does not have (`UnknownKey`), a
+    `json_schema` object without its `schema` or `name`, a key it does not have, or a `name`,
+    `description` or `strict` of the wrong type is refused, naming the place, in the same
+    words whichever entry point it came through; the schema itself is `_compile`'s to check."""
+    if not isinstance(spec, dict):
+        raise UsageError(f"response_format must be a JSON object, got {json_type(spec)}", field=FIELD)
     if "type" not in spec:
         raise UsageError("response_format.type is required: text, json_object or json_schema", field=FIELD)
     kind = spec["type"]
@@ -239,6 +243,17 @@ def format_spec(text: str | dict[str, Any]) -> dict[str, Any]:
     if kind == "json_schema":
         _check_wrapper(spec.get("json_schema"))
     return spec
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type (a client sent JSON; the Python API's list or tuple is
+    an array too), the Python name of anything JSON has no name for."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), ((list, tuple), "array")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _check_wrapper(wrapper: Any) -> None:

@@ -30,7 +30,7 @@ from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.engine.errors import UsageError
 from dlm.engine.params import ends_the_answer
-from dlm.engine.structured import asks_structure, format_spec
+from dlm.engine.structured import asks_structure, format_object
 
 if TYPE_CHECKING:
     from dlm.cli.server.service import Job, Service
@@ -149,9 +149,9 @@ def _prepare(
         body = model.model_validate(data)
     except ValidationError as exc:
         raise errors.validation_error(list(exc.errors())) from None
-    if body.response_format is not None:  # an object the body types loosely: the engine's rule for its keys
+    if body.response_format is not None:  # any JSON value the body takes: the engine's rule decides
         try:
-            format_spec(body.response_format)
+            format_object(body.response_format)
         except UsageError as exc:
             raise bad_request(str(exc), param=exc.field, code=refusal_code(exc)) from None
     refused = body.unsupported()

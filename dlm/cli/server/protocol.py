@@ -15,9 +15,9 @@ OpenAI API answers. Fields fall in four groups:
   else refused by `unsupported()` (code `unsupported`) rather than silently ignored.
 Nested objects (messages, tools) stay lenient about extra fields: clients echo assistant
 messages back with fields of their own (refusal, annotations, ...). `response_format` is typed
-as an open object here: its keys are the engine's rule (`format_spec`, dlm/engine/structured.py),
+as any JSON value here: its shape is the engine's rule (`format_object`, dlm/engine/structured.py),
 which the request preparation applies at the boundary (dlm/cli/server/prepare.py), so the
-command line, the Python API and the server refuse the same keys with the same words.
+command line, the Python API and the server refuse the same values and keys with the same words.
 
 Types are strict everywhere (pydantic's strict mode), as OpenAI's API types them: `"8"` is
 not a `max_tokens`, `true` is not a count (`logprobs` is a count on /v1/completions and a
@@ -30,7 +30,7 @@ tests/test_params_declaration.py checks field by field.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -40,11 +40,19 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from dlm.engine.params import DEFAULTS, PARAMS, http_name
+
+# `response_format`: any JSON value is taken here and the engine's rule decides
+# (`format_object`, dlm/engine/structured.py), so a value that is not an object is refused in
+# the words `dlm generate` and the Python API use, not pydantic's; the schema still says object.
+ResponseFormat = Annotated[
+    Any, WithJsonSchema({"anyOf": [{"additionalProperties": True, "type": "object"}, {"type": "null"}]})
+]
 
 # Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
 PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
@@ -152,7 +160,7 @@ class DiffusionFields(_Body):
     max_tokens: int | None = _param("max_tokens")
     n: int | None = _param("n")
     # Structured output: an OpenAI response_format object (GenerationParams takes its JSON text).
-    response_format: dict[str, Any] | None = _param("response_format")
+    response_format: ResponseFormat = _param("response_format")
 
 
 class GenerationRequest(DiffusionFields):
