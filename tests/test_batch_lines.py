@@ -105,6 +105,29 @@ def test_line_separators_inside_strings_are_read_answered_and_resumed(tmp_path: 
     assert set(results(out)) == set(full)
 
 
+def test_a_line_names_the_model_as_dlm_serve_of_the_same_model_answers_to(tmp_path: Path) -> None:
+    """`dlm batch --model tiny:llada` answers a line whose body names `tiny:llada`, as `dlm
+    serve tiny:llada` does (the server's one rule names the model from MODEL as given), and
+    refuses another name with the server's 404. It used to be named after the resolved
+    directory (`tiny-llada-v1`), refusing the name it was given."""
+    from tests.serving import app_client
+
+    with app_client({"model": "tiny:llada", "warmup": False}) as client:  # MODEL as `dlm serve` takes it
+        served = client.get("/v1/models").json()["data"][0]["id"]
+        wrong = client.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 1}).json()
+    assert served == "tiny:llada"
+    source = write(
+        tmp_path / "in.jsonl", [request("named", "hello", model=served), request("wrong", "hi", model="nope")]
+    )
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    got = results(out)
+    named = got["named"]["response"]
+    assert named["status_code"] == 200 and named["body"]["model"] == served, named
+    assert got["wrong"]["response"]["status_code"] == 404 and got["wrong"]["error"] == wrong["error"]
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -147,6 +170,22 @@ def test_a_bad_input_line_is_refused_by_number_before_anything_runs(tmp_path: Pa
     assert code == 2 and summary is None
     assert "in.jsonl:2: " in stderr and says in stderr.replace("\n", " "), stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def test_a_deployment_is_refused_and_the_config_files_model_is_served(tmp_path: Path) -> None:
+    """MODEL comes as `dlm serve` takes it: `--config`'s `model` when --model is not given
+    (it used to be the embedded default model whatever the file said); a `deployment` is a
+    usage error (its one server is `dlm serve`'s)."""
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello", model="tiny:llada")])
+    settings = tmp_path / "serve.toml"
+    settings.write_text('deployment = "prod"\n')
+    code, _, stderr = cli("batch", str(source), str(tmp_path / "a.jsonl"), "--config", str(settings))
+    assert code == 2 and "error: dlm batch answers with --model, not a deployment" in stderr, stderr
+    settings.write_text('model = "tiny:llada"\n')
+    out = tmp_path / "b.jsonl"
+    code, _, stderr = cli("batch", str(source), str(out), "--config", str(settings))
+    assert code == 0, stderr
+    assert results(out)["q0"]["response"]["status_code"] == 200, results(out)
 
 
 def test_an_output_directory_is_refused(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ def batch(
         None,
         "--model",
         help="Checkpoint directory, store name or tiny:FAMILY.",
-        show_default="the embedded default model",
+        show_default="--config's model, else the embedded default model",
     ),
     config_file: Path | None = typer.Option(
         None, "--config", help="`dlm serve` settings file (limits, defaults).", show_default="none"
@@ -45,9 +45,11 @@ def batch(
         if max_concurrency < 1:
             raise UsageError("--max-concurrency must be at least 1")
         requests = read_requests(input_file)
-        model_dir = resolve_model(model)
         flags = {
-            "model": str(model_dir),
+            # MODEL as given, as `dlm serve` takes it: the server's one rule names the served
+            # model from it (`Service.model_name`) and matches a body's `model` against that, so
+            # a line asking for `tiny:llada` is answered by `dlm batch --model tiny:llada`.
+            "model": model,
             "max_num_seqs": max_concurrency,
             "dtype": dtype,
             "device": device,
@@ -56,6 +58,9 @@ def batch(
             "ready_wait": 0,
         }
         config = load_config(config_file, flags)
+        if config.deployment is not None:  # a deployment has one server, the one releases swap
+            raise UsageError("dlm batch answers with --model, not a deployment")
+        model_dir = resolve_model(config.model)  # a wrong path is a usage error before anything starts
         if config.backend == "native":  # settings the checkpoint refuses fail before it loads
             from dlm.engine.config import load_config as model_config
 
