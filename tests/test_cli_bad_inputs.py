@@ -220,18 +220,43 @@ def test_a_store_option_that_names_no_directory_is_refused(
     assert where == "empty" or blocker.read_text() == ""
 
 
-@pytest.mark.parametrize("where", ["a file", "under a file"])
-def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(where: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["empty", "blank", "a file", "under a file"])
+def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`dlm serve --deployment D --store FILE` (or FILE/DIR) said "FILE/deployments/D.json is
-    corrupt: Not a directory" (exit 1); its --store is refused as the store commands' is."""
+    corrupt: Not a directory" (exit 1), and `--store ''` served the current directory as the
+    store ("deployment 'D' has no release"); its --store is refused as the store commands' is."""
+    monkeypatch.chdir(tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    target = blocker if where == "a file" else blocker / "store"
-    code, stdout, stderr = cli("serve", "--deployment", "prod", "--store", str(target))
+    target = {"empty": "", "blank": "  ", "a file": str(blocker), "under a file": str(blocker / "store")}[where]
+    code, stdout, stderr = cli("serve", "--deployment", "prod", "--store", target)
     _assert_one_error(code, stdout, stderr, 2)
-    said = "is a file, not a store directory" if where == "a file" else f"is under {blocker}, which is a file"
-    assert f"--store {target} {said}" in " ".join(stderr.split()), stderr
+    said = {
+        "empty": "invalid setting store: must name a directory, got an empty string",
+        "blank": "invalid setting store: must name a directory, got an empty string",
+        "a file": f"--store {target} is a file, not a store directory",
+        "under a file": f"--store {target} is under {blocker}, which is a file",
+    }[where]
+    assert said in " ".join(stderr.split()), stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == ""
+
+
+def test_an_empty_dlm_store_is_the_default_store_for_serve_as_for_the_store_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DLM_STORE=''` made `dlm serve --deployment` read the current directory as the store;
+    every store command reads an empty DLM_STORE as unset ($DLM_HOME/store), and so does serve."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DLM_STORE", "")
+    default = tmp_path / "home" / "store"
+    for args in (("serve", "--deployment", "prod"), ("rollback", "--deployment", "prod")):
+        code, stdout, stderr = cli(*args)
+        _assert_one_error(code, stdout, stderr, 2)
+        assert f"there is no store at {default}" in " ".join(stderr.split()), stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_listing_a_store_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:

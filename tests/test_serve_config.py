@@ -70,6 +70,26 @@ def test_bad_settings_are_usage_errors(tmp_path: Path, content: str, flags: dict
         load_config(file, flags, environ={})
 
 
+@pytest.mark.parametrize("source", ["flag", "file", "blank flag"])
+def test_an_empty_store_setting_is_refused_not_read_as_the_current_directory(source: str, tmp_path: Path) -> None:
+    """`store` was a Path, and '' became '.': `dlm serve --deployment D --store ''` served
+    the current directory as its store. The store commands refuse `--store ''` (the same check,
+    dlm.cli.store.store.check_store_path)."""
+    file = tmp_path / "serve.toml"
+    file.write_text('store = ""\n' if source == "file" else "")
+    flags = {"store": {"flag": "", "file": None, "blank flag": "  "}[source]}
+    with pytest.raises(UsageError, match="invalid setting store: must name a directory, got an empty string"):
+        load_config(file, flags, environ={})
+
+
+def test_an_empty_dlm_store_variable_is_unset_as_for_every_command() -> None:
+    """An empty DLM_STORE was the current directory for `dlm serve`; the store commands (and the
+    default store, dlm.cli.store.store.default_store_root) read it as unset."""
+    assert load_config(None, {}, environ={"DLM_STORE": ""}).store is None
+    assert load_config(None, {}, environ={"DLM_STORE": "/srv/store"}).store == Path("/srv/store")
+    assert load_config(None, {"store": "."}, environ={"DLM_STORE": ""}).store == Path(".")  # said so: kept
+
+
 def test_keyring_identifies_callers_by_key_id() -> None:
     ring = KeyRing(["sk-a", "sk-b"])
     assert ring.identify("Bearer sk-b") == key_id("sk-b")

@@ -17,6 +17,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -34,14 +35,15 @@ def cli_record(field: FieldInfo) -> Cli:
 
 
 def option_type(annotation: Any) -> Any:
-    """The type click parses a setting as: its own without None, secrets and choices as text
-    (the model checks them), a list of secrets as repeated text."""
+    """The type click parses a setting as: its own without None, secrets, choices and paths as
+    text (the model checks and converts them: click made `--store ''` the path '.'), a list of
+    secrets as repeated text."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return option_type(args[0])
     if typing.get_origin(annotation) is list:
         return list[option_type(args[0])]  # type: ignore[misc]
-    if typing.get_origin(annotation) is typing.Literal or annotation is SecretStr:
+    if typing.get_origin(annotation) is typing.Literal or annotation in (SecretStr, Path):
         return str
     return annotation
 
@@ -65,10 +67,14 @@ def setting_option(name: str, model: type[BaseModel] = ServeConfig, *, from_file
     value, else the model's default, which `--help` then names."""
     field = model.model_fields[name]
     words = cli_record(field).shown
+    # a path is passed on as text (`option_type`), still labelled as a path in --help
+    metavar = "<path>" if Path in (field.annotation, *typing.get_args(field.annotation)) else None
     if from_file:
         shown = f"the settings file's, else {words or default(name, model)}"
-        return typer.Option(None, *names(name, model), help=field.description, show_default=shown)
-    return typer.Option(default(name, model), *names(name, model), help=field.description, show_default=words or True)
+        return typer.Option(None, *names(name, model), help=field.description, show_default=shown, metavar=metavar)
+    return typer.Option(
+        default(name, model), *names(name, model), help=field.description, show_default=words or True, metavar=metavar
+    )
 
 
 def settings(model: type[BaseModel] = ServeConfig, skip: Iterable[str] = NOT_OPTIONS) -> list[str]:

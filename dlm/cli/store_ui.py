@@ -40,12 +40,10 @@ def open_store(path: str | None) -> Any:
     is a file, or lies under one (`FILE/store`: listed as an empty store, or "Not a
     directory" from whichever command first tried to create it), is refused by name before
     any command tries to lock or create under it."""
-    from dlm.cli.store.store import Store
+    from dlm.cli.store.store import Store, check_store_path
     from dlm.engine.errors import UsageError
 
-    if path is not None and not path.strip():
-        raise UsageError("--store must name a directory, got an empty string")
-    store = Store(Path(path) if path is not None else None)
+    store = Store(Path(check_store_path(path)) if path is not None else None)
     nearest = next((p for p in (store.root, *store.root.parents) if p.exists()), None)  # what exists of it
     if nearest is not None and not nearest.is_dir():
         if nearest == store.root:

@@ -237,6 +237,18 @@ class ServeConfig(BaseModel):
             raise ValueError(str(exc).removeprefix("--quantization ")) from None
         return None if method is None else method.name
 
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store(cls, value: Any) -> Any:
+        from dlm.cli.store.store import check_store_path
+
+        if isinstance(value, str):  # as the store commands' --store: '' is not the current directory
+            try:
+                check_store_path(value)
+            except UsageError as exc:
+                raise ValueError(str(exc).removeprefix("--store ")) from None
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -392,10 +404,13 @@ def read_file(path: Path) -> dict[str, Any]:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """`DLM_<FIELD>` for every field (lists comma-separated); `DLM_API_KEY` adds one key."""
+    """`DLM_<FIELD>` for every field (lists comma-separated); `DLM_API_KEY` adds one key. An
+    empty `DLM_STORE` is unset, as for every command (`store_env`)."""
+    from dlm.cli.store.store import store_env
+
     out: dict[str, Any] = {}
     for name, field in ServeConfig.model_fields.items():
-        value = environ.get(f"DLM_{name.upper()}")
+        value = store_env(environ) if name == "store" else environ.get(f"DLM_{name.upper()}")
         if value is None:
             continue
         out[name] = [v.strip() for v in value.split(",") if v.strip()] if field.annotation == list[SecretStr] else value

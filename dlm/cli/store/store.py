@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,10 +33,26 @@ FILES = "files"
 STAGING = ".staging"
 
 
+def store_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """`DLM_STORE` (from `environ`, else the process's), or None where it is unset or empty:
+    an empty DLM_STORE means the default store for every command (click reads the store
+    commands' variable so), never the current directory."""
+    return (os.environ if environ is None else environ).get("DLM_STORE") or None
+
+
 def default_store_root() -> Path:
-    """`DLM_STORE`, else `$DLM_HOME/store`."""
-    env = os.environ.get("DLM_STORE")
+    """`DLM_STORE` (`store_env`), else `$DLM_HOME/store`."""
+    env = store_env()
     return Path(env).expanduser() if env else dlm_home() / "store"
+
+
+def check_store_path(path: str) -> str:
+    """A store directory as the user gave it (--store, `store` in serve's settings): an empty
+    one is refused, since it would read as the current directory (a fetch filled ./models
+    with no word)."""
+    if not path.strip():
+        raise UsageError("--store must name a directory, got an empty string")
+    return path
 
 
 def now() -> str:
