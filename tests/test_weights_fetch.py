@@ -266,3 +266,124 @@ def test_a_swap_after_the_scan_is_one_error_line_from_the_cli(
     assert code == 1 and stdout == ""
     assert "error:" in stderr and "tokenizer.json was replaced" in " ".join(stderr.split())
     assert Store(tmp_path / "store").manifests("src") == []
+
+
+def _tree(root: Path) -> dict[str, bytes | None] | None:
+    """Everything under a store: each path with its bytes (None for a directory); None when
+    there is no store."""
+    if not root.exists():
+        return None
+    return {p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def _copy_fails(monkeypatch: pytest.MonkeyPatch, src: Path) -> None:
+    real = fetch_module.copy_hashing
+
+    def failing(source: BinaryIO, dst: Path, advance: object) -> str:
+        if dst.suffix == ".safetensors":
+            raise OSError(28, "No space left on device")
+        return real(source, dst, advance)
+
+    monkeypatch.setattr(fetch_module, "copy_hashing", failing)
+
+
+def _shard_vanishes(monkeypatch: pytest.MonkeyPatch, src: Path) -> None:
+    scan = fetch_module._source_files
+
+    def scan_then_remove(root: Path, follow_symlinks: bool) -> object:
+        found = scan(root, follow_symlinks)
+        sorted(src.glob("*.safetensors"))[-1].unlink()
+        return found
+
+    monkeypatch.setattr(fetch_module, "_source_files", scan_then_remove)
+
+
+def _raising(exc: BaseException) -> object:
+    def raise_it(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    return raise_it
+
+
+# Where a local fetch can fail once its staging has begun: (how, what it raises).
+FETCH_FAILURES = {
+    "copy fails midway": (_copy_fails, DlmError),
+    "a shard vanishes after the scan": (_shard_vanishes, DlmError),
+    "verification raises": (
+        lambda mp, src: mp.setattr(fetch_module, "check_structure", _raising(MemoryError())),
+        MemoryError,
+    ),
+    "publishing fails": (lambda mp, src: mp.setattr(Store, "commit", _raising(OSError(5, "I/O error"))), OSError),
+    "Ctrl-C during the copy": (
+        lambda mp, src: mp.setattr(fetch_module, "copy_hashing", _raising(KeyboardInterrupt())),
+        KeyboardInterrupt,
+    ),
+}
+
+
+@pytest.mark.parametrize("before", ["no store", "another model", "a version of the name"])
+@pytest.mark.parametrize("failure", list(FETCH_FAILURES))
+def test_a_failed_fetch_leaves_the_store_as_it_was(
+    failure: str, before: str, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch that failed once it had begun staging left `models/NAME/` (its lock and empty
+    staging area) behind, and `dlm models` listed NAME with no version. Now what it made goes
+    again, the store's own directories included; another model and the name's other versions
+    are untouched."""
+    store = Store(tmp_path / "store")
+    if before != "no store":
+        other = make_checkpoint(tmp_path / "other", shards=1, seed=1, tokenizer=False)
+        fetch(str(other), store, name="m" if before == "a version of the name" else "other")
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    was = _tree(store.root)
+    arrange, raised = FETCH_FAILURES[failure]
+    arrange(monkeypatch, src)
+    with pytest.raises(raised):
+        fetch(str(src), store, name="m", workers=1)
+    assert _tree(store.root) == was
+    monkeypatch.undo()
+    code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
+    listed = {m["name"]: len(m["versions"]) for m in json.loads(stdout)["models"]}
+    assert (
+        code == 0
+        and listed == {"no store": {}, "another model": {"other": 1}, "a version of the name": {"m": 1}}[before]
+    ), stderr
+
+
+def test_a_failed_fetch_from_the_cli_leaves_no_model_behind(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _copy_fails(monkeypatch, source)
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(tmp_path / "store"))
+    assert code == 1 and "error: could not copy" in stderr and "No space left on device" in stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_waiter_for_a_removed_staging_lock_locks_the_new_one(tmp_path: Path) -> None:
+    """A failed fetch removes the model directory it made, lock file included, while it holds
+    that lock (Store.discard_empty): a fetch waiting on the removed file must not think it
+    holds the lock while a third one locks the file made after it."""
+    import threading
+
+    from dlm.cli.store.atomic import Busy, locked
+
+    path = tmp_path / "models" / "m" / ".lock"
+    got = threading.Event()
+    with locked(path):
+
+        def waiter() -> None:
+            with locked(path):
+                got.set()
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.2)  # the waiter has opened the file and blocks on it
+        path.unlink()
+        path.parent.rmdir()
+    assert got.wait(5)
+    with pytest.raises(Busy):  # the waiter holds the file now at `path`
+        with locked(path, blocking=False):
+            pass
+    thread.join()

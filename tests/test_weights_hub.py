@@ -159,3 +159,26 @@ def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.Mo
     finally:
         proc.kill()
         hub.close()
+
+
+@pytest.mark.parametrize("before", ["no store", "a version of the name"])
+def test_a_download_that_fails_before_any_file_arrives_leaves_the_store_as_it_was(
+    before: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It left `models/NAME/` (a lock, an empty staging folder) behind, listed as a model with
+    no version. What a download fetched stays for the next run to resume
+    (test_corrupt_download_is_refused_then_retried); an empty one goes with what it made."""
+    import huggingface_hub
+
+    store = Store(tmp_path / "store")
+    if before != "no store":
+        fetch(str(make_checkpoint(tmp_path / "local", shards=1, tokenizer=False)), store, name="tiny")
+    was = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if "store" in p.parts)
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(DlmError, match="network is unreachable"):
+        fetch("org/tiny", store)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if "store" in p.parts) == was

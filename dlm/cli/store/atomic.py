@@ -56,16 +56,39 @@ def locked(path: Path, blocking: bool = True) -> Iterator[None]:
     `blocking=False`, raise Busy at once when another process holds it.
 
     The kernel drops the lock when the holder dies, so a SIGKILLed fetch or release never
-    leaves a stale lock behind.
+    leaves a stale lock behind. Its holder may remove the lock file (a failed fetch removes
+    the model directory it made, `Store.discard_empty`): a waiter that then gets the lock of
+    the removed file locks the file now at `path` instead, so no two hold `path` at once.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # its directory was removed just now: make it again
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
+            os.close(fd)
             raise Busy(str(path)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # removed by its holder while we waited
+    try:
         yield
     finally:
         os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

@@ -26,7 +26,8 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,21 @@ def _publish(
     path = store.files_dir(manifest.name, manifest.version)
     report.path = str(path)
     return FetchResult(manifest, path, not published, transferred, report if published else None)
+
+
+@contextmanager
+def _staging(store: Store, name: str, key: str | None = None) -> Iterator[None]:
+    """Hold model `name`'s staging lock for a transfer (staged under `key`, see
+    `Store.staging`); if the fetch fails (an error, Ctrl-C), the directories it made and left
+    empty go again (`Store.discard_empty`): the store is as it was, with no model listed
+    without a version. A version it published stays."""
+    created = store.new_directories(name, key)
+    with store.staging_lock(name):
+        try:
+            yield
+        except BaseException:
+            store.discard_empty(name, created)
+            raise
 
 
 # -- local directories and mounted mirrors --------------------------------------------------
@@ -281,7 +297,7 @@ def fetch_local(
     rels = sorted(sources)
     stats = {rel: sources[rel].source_stat for rel in rels}
     source = LocalSource(path=str(src), include=list(include), exclude=list(exclude), link=link)
-    with store.staging_lock(name):
+    with _staging(store, name):
         existing = None if unusable else _unchanged_copy(store, name, source, stats)
         if existing is not None:
             return FetchResult(existing, store.files_dir(name, existing.version), True, 0, None)
@@ -385,7 +401,7 @@ def fetch_hub(
         include=list(include),
         exclude=list(exclude),
     )
-    with store.staging_lock(name):
+    with _staging(store, name, key=f"hub-{version}"):
         staging = store.staging(name, key=f"hub-{version}")
         target = staging / FILES
         before = sum(p.stat().st_size for p in iter_files(target)) if target.exists() else 0

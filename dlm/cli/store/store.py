@@ -278,6 +278,38 @@ class Store:
                 if entry.name.startswith("local-") and entry != keep:
                     shutil.rmtree(entry, ignore_errors=True)
 
+    def new_directories(self, name: str, key: str | None = None) -> list[Path]:
+        """The directories a fetch of model `name` (staging under `key`, as `staging`) is
+        about to make, innermost first: what `discard_empty` may remove again."""
+        base = self.model_dir(name) / STAGING
+        paths = [*([base / key] if key is not None else []), base, self.model_dir(name), self.models_dir, self.root]
+        return [p for p in paths if not p.exists()]
+
+    def discard_empty(self, name: str, created: list[Path]) -> None:
+        """After a failed fetch of model `name` (the caller holds its staging lock and has
+        removed its fresh staging copy): remove the directories of `created`
+        (`new_directories`) that hold nothing now, so that the store is as it was before, not
+        listing a model with no version. Only empty directories go (and the lock files in
+        them: the model's, which the caller holds, and the store's, taken to remove it;
+        `atomic.locked` sends a waiter to the file made after it): a resumable hub download,
+        and whatever another command put there meanwhile, stay."""
+        directory = self.model_dir(name)
+        for path in created:  # innermost first; one that is not empty stays, and so its parents
+            try:
+                if path.parent.name == STAGING:  # a download's folders, emptied
+                    for inner, _, _ in os.walk(path, topdown=False):
+                        if inner != str(path):
+                            os.rmdir(inner)
+                if path.is_dir() and [entry.name for entry in path.iterdir()] == [".lock"]:
+                    if path == directory:  # the model's staging lock: the caller holds it
+                        (path / ".lock").unlink()
+                    else:  # the store's lock (a publication failed): removed by whoever holds it
+                        with locked(path / ".lock", blocking=False):
+                            (path / ".lock").unlink()
+                path.rmdir()
+            except (OSError, Busy):
+                break
+
     def commit(self, staging: Path, manifest: Manifest) -> bool:
         """Publish a staged version: write its manifest, then rename it into place (the
         caller holds the store lock).
