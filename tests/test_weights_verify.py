@@ -434,3 +434,99 @@ def test_a_verify_of_a_copy_fetched_again_meanwhile_records_nothing(stored: tupl
     with pytest.raises(DlmError, match="fetched again while it was being verified"):
         store.record_verification(old, failed)
     assert store.manifest(name, version).state == "verified"
+
+
+def _no_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` fails from now on
+
+
+def _config_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json may not be read (EACCES): read_config_json turns that into its own error,
+    whose context says why."""
+    real = Path.read_text
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+
+
+def _raising(target: str, exc: BaseException) -> Any:
+    def arrange(monkeypatch: pytest.MonkeyPatch) -> None:
+        def raise_it(*args: object, **kwargs: object) -> None:
+            raise exc
+
+        monkeypatch.setattr(target, raise_it)
+
+    return arrange
+
+
+# What breaks in the environment (or the code) while a sound version is verified: (arrange, what
+# the error names).
+NOT_THE_CHECKPOINTS = {
+    "safetensors fails to import": (_no_safetensors, "ModuleNotFoundError"),
+    "config.json may not be read": (_config_forbidden, "PermissionError: [Errno 13] Permission denied"),
+    "a shard may not be read": (
+        _raising("dlm.cli.store.verify.check_safetensors", PermissionError(13, "Permission denied")),
+        "PermissionError",
+    ),
+    "hashing meets an I/O error": (
+        _raising("dlm.cli.store.verify.sha256_file", OSError(5, "Input/output error")),
+        "OSError: [Errno 5] Input/output error",
+    ),
+    "memory runs out": (_raising("dlm.cli.store.verify.check_safetensors", MemoryError()), "MemoryError"),
+    "the model cannot be built": (
+        _raising("dlm.engine.runtime.engine.build_on_meta", RuntimeError("an error in the code")),
+        "RuntimeError: an error in the code",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_THE_CHECKPOINTS))
+def test_a_check_that_cannot_run_records_nothing_and_fails_the_command(
+    kind: str, stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every exception of a structure check was recorded as a finding, so a library that
+    failed to import, memory running out or a permission marked a sound version `failed`.
+    Only the checkpoint's faults are findings (dlm.cli.store.verify.checkpoint_fault): the
+    rest is one `error:` line, exit 1, and the manifest as it was."""
+    store, ref, _ = stored
+    before = store.find(ref).to_json()
+    arrange, named = NOT_THE_CHECKPOINTS[kind]
+    arrange(monkeypatch)
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root))
+    monkeypatch.undo()
+    assert code == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    said = " ".join(stderr.split())
+    assert "could not verify" in said and named in said and "nothing was recorded" in said, stderr
+    assert "FAIL" not in stderr  # no finding shown
+    assert store.find(ref).to_json() == before
+
+
+def test_a_damaged_header_is_still_a_finding_recorded(stored: tuple[Store, str, Path]) -> None:
+    """The other side of the boundary: what is wrong with the files is recorded as before."""
+    store, ref, files = stored
+    shard = files / SHARD1
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:8] + b"!" + raw[9:])  # same length, the header's JSON broken
+    code, _, stderr = cli("verify", ref, "--store", str(store.root))
+    assert code == 1 and "verification failed" in stderr, stderr
+    manifest = store.manifest(*ref.split("@"))
+    assert manifest.state == "failed" and manifest.verification is not None
+    assert any(f.file == SHARD1 and "not valid UTF-8 JSON" in f.problem for f in manifest.verification.failures)
+
+
+def test_a_fetch_whose_checks_cannot_run_stores_nothing(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch published a sound checkpoint as `failed` when, say, safetensors failed to import."""
+    _no_safetensors(monkeypatch)
+    code, _, stderr = cli("fetch", str(source), "--store", str(tmp_path / "store"))
+    assert code == 1 and "could not verify" in stderr and "ModuleNotFoundError" in stderr, stderr
+    assert not (tmp_path / "store").exists()

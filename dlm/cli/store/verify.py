@@ -3,12 +3,18 @@ config.json's family, and the tokenizer.
 
 Every check runs and every problem is reported with the file it concerns, because a
 verification that stops at the first problem makes the operator fix them one rerun at a time.
+Only what is wrong with the checkpoint is a finding (`checkpoint_fault`); a check that cannot
+run here (a library that fails to import, memory, a file the process may not read) ends the
+verification with an error and records nothing, so a sound version is never marked failed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,86 @@ from dlm.cli.store.store import Store, iter_files, local_path, now, split_ref
 from dlm.engine.errors import DlmError, UsageError
 
 INDEX = "model.safetensors.index.json"
+
+
+# The boundary between a finding (the checkpoint is at fault: recorded, the version `failed`)
+# and an error (it is not: the command fails, nothing is recorded). An OSError is the file's
+# own when it says the file is missing or is not one (a dangling link or a loop, a directory
+# or a FIFO where a file belongs); what parsers raise on bytes they cannot read (bad UTF-8,
+# JSON too deep or of the wrong types, a malformed header) is the checkpoint's too. A library
+# that cannot be imported, memory running out, and every other OSError (EACCES, EPERM: the
+# process may not read the store; EIO, EMFILE, ENOMEM, ...: the machine) are not, wherever in
+# the exception's chain they lie (a parser's error raised while handling one); nor is anything
+# else a check raises (RuntimeError, AssertionError, NameError: a fault of dlm's or of a
+# library's), which ends the command as an error rather than condemning sound weights.
+FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENAMETOOLONG})
+PARSE_ERRORS = (
+    ValueError,  # UnicodeDecodeError, json.JSONDecodeError
+    TypeError,
+    LookupError,
+    AttributeError,  # JSON of the wrong shape: a list where an object belongs
+    RecursionError,  # nesting deeper than the parser's recursion limit
+    ArithmeticError,
+    EOFError,
+    struct.error,
+    DlmError,  # dlm's own readers' findings (read_config_json, load_tokenizer, ...)
+)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def environment_failure(exc: BaseException) -> BaseException | None:
+    """The exception in `exc`'s chain that is no fault of the checkpoint's (see above), if any."""
+    for link in _chain(exc):
+        if isinstance(link, (ImportError, MemoryError)):
+            return link
+        if isinstance(link, OSError) and link.errno is not None and link.errno not in FILE_ERRNOS:
+            return link
+    return None
+
+
+def checkpoint_fault(exc: BaseException) -> bool:
+    """Whether `exc`, raised while a check read a checkpoint's files, is a finding against the
+    checkpoint (recorded, the version fails) rather than an error of this environment or of
+    the code (see FILE_ERRNOS above): an OSError of the file itself (an OSError without an
+    errno is a library's word about the files), a parser's error or safetensors' own."""
+    if isinstance(exc, CheckCouldNotRun) or environment_failure(exc) is not None:
+        return False
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # then no safetensors code raised it
+        return isinstance(exc, (OSError, *PARSE_ERRORS))
+    return isinstance(exc, (OSError, SafetensorError, *PARSE_ERRORS))
+
+
+class CheckCouldNotRun(DlmError):
+    """A check met an exception that is no fault of the checkpoint's (`checkpoint_fault`): the
+    verification ends with this error (exit 1) and records nothing."""
+
+
+def not_the_checkpoints(where: str, check: str, exc: BaseException) -> CheckCouldNotRun:
+    """The error (exit 1) for an exception of check `check` on `where` that is not a finding."""
+    cause = environment_failure(exc) or exc
+    return CheckCouldNotRun(
+        f"could not verify {where}: its {check} check failed with {type(cause).__name__}: "
+        f"{str(cause)[:200] or '(no message)'}; that says nothing about the checkpoint, so nothing was "
+        "recorded (fix the cause and run it again)"
+    )
+
+
+def finding(where: Path, check: str, exc: BaseException) -> str:
+    """What to record of `exc`, met by check `check` on `where`, when it is the checkpoint's
+    fault; else raises the error (`not_the_checkpoints`) instead."""
+    if not checkpoint_fault(exc):
+        raise not_the_checkpoints(str(where), check, exc) from exc
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 @dataclass
@@ -82,7 +168,7 @@ def check_hashes(
         try:
             size = path.stat().st_size
         except OSError as exc:  # a dangling link, a file gone mid-check: a finding, never a crash
-            report.fail(rel, "manifest", f"unreadable: {exc.strerror}")
+            report.fail(rel, "manifest", f"unreadable: {finding(directory, 'sha256', exc)}")
             continue
         if size != entry.size:
             report.fail(rel, "size", f"{size} bytes, the manifest says {entry.size} (truncated or replaced)")
@@ -95,6 +181,7 @@ def check_hashes(
         rel = path.relative_to(directory).as_posix()
         report.bytes_hashed += listed[rel].size
         if isinstance(digest, OSError):
+            finding(directory, "sha256", digest)
             report.fail(rel, "sha256", f"unreadable: {digest}")
         elif digest != listed[rel].sha256:
             report.fail(
@@ -146,8 +233,8 @@ def check_weights(directory: Path, report: VerifyReport) -> None:
     for rel, path in sorted(shards.items()):
         try:
             result = check_safetensors(path)
-        except OSError as exc:  # a dangling link or a looping one, an unreadable file
-            report.fail(rel, "safetensors", f"unreadable: {exc.strerror or exc}")
+        except OSError as exc:  # a dangling link or a looping one
+            report.fail(rel, "safetensors", f"unreadable: {finding(directory, 'safetensors', exc)}")
             continue
         for problem in result.problems:
             report.fail(rel, "safetensors", problem)
@@ -181,7 +268,7 @@ def check_config(directory: Path, report: VerifyReport) -> None:
     try:
         report.family = config_from_dict(read_config_json(directory)).family
     except DlmError as exc:
-        report.fail("config.json", "config", str(exc))
+        report.fail("config.json", "config", finding(directory, "config", exc))
 
 
 def check_quantization(directory: Path, report: VerifyReport) -> None:
@@ -196,7 +283,7 @@ def check_quantization(directory: Path, report: VerifyReport) -> None:
     try:
         scheme = ct.read_scheme(read_config_json(directory))
     except DlmError as exc:
-        report.fail("config.json", "quantization", str(exc))
+        report.fail("config.json", "quantization", finding(directory, "quantization", exc))
         return
     if scheme is None:
         return
@@ -225,7 +312,11 @@ def check_tokenizer(directory: Path, report: VerifyReport) -> None:
     try:
         load_tokenizer(directory)
     except DlmError as exc:
-        report.fail("tokenizer", "tokenizer", str(exc))
+        report.fail("tokenizer", "tokenizer", finding(directory, "tokenizer", exc))
+    except Exception as exc:
+        if type(exc) is not Exception:  # not the checkpoint's: the tokenizers library raises
+            raise  # a bare Exception for a tokenizer.json it cannot deserialize
+        report.fail("tokenizer", "tokenizer", f"tokenizer.json could not be read: {str(exc)[:200]}")
 
 
 def check_tensors(directory: Path, report: VerifyReport) -> None:
@@ -241,7 +332,8 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
     for shard in shards:
         try:
             names.update(check_safetensors(shard).tensors)
-        except OSError:
+        except OSError as exc:
+            finding(directory, "tensors", exc)
             continue  # check_weights has said so
     if not names:
         report.fail(".", "tensors", "the safetensors files hold no tensors")
@@ -272,14 +364,19 @@ STRUCTURE_CHECKS = (
 
 
 def check_structure(directory: Path, report: VerifyReport) -> None:
-    """The checks that need no manifest. Each parses files of unknown origin, so whatever a
-    parser raises (bad encodings, nesting deeper than the parser's recursion limit, a
+    """The checks that need no manifest. Each parses files of unknown origin, so what a parser
+    raises on them (bad encodings, nesting deeper than the parser's recursion limit, a
     directory where a file belongs, wrong JSON types) is a finding against that check, not a
-    crash: verification always produces a report."""
+    crash. What says nothing about the files (`checkpoint_fault`: an import that fails, memory,
+    a permission, an error in the code) is no finding: DlmError (exit 1), and the caller
+    records nothing, so a sound checkpoint is never marked failed for the machine's trouble."""
     for check, file, run in STRUCTURE_CHECKS:
         try:
             run(directory, report)
+        except CheckCouldNotRun:
+            raise
         except Exception as exc:  # noqa: BLE001 - the boundary with untrusted files, see above
+            finding(directory, check, exc)
             report.fail(file, check, f"could not be read: {type(exc).__name__}: {str(exc)[:200]}")
 
 
