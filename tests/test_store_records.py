@@ -166,6 +166,51 @@ def test_a_name_with_no_usable_version_says_what_is_wrong_with_each(
 
 
 @pytest.mark.parametrize(
+    "states",
+    [("unverified", "corrupt", "failed"), ("corrupt", "unverified", "corrupt"), ("unverified", "unverified", "failed")],
+    ids="+".join,
+)
+@pytest.mark.parametrize("command", [("release", "m"), ("verify", "m"), ("estimate", "m")], ids=" ".join)
+def test_a_name_with_an_unverified_version_but_none_verified_says_what_each_is(
+    states: tuple[str, ...],
+    command: tuple[str, ...],
+    sources: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bare NAME with an unverified version said only "'m' has no verified version; run
+    `dlm verify m@VERSION`", naming neither which version to verify nor the corrupt and
+    failed ones beside it. It lists every version's state now, as the message for a name
+    whose versions are all damaged does (dlm.cli.store.store.no_usable_version); bad usage
+    (exit 2), since verifying is the user's step."""
+    store = Store(tmp_path / "store")
+    versions = [fetch(str(s), store, name="m").manifest.version for s in sources[:3]]
+    for version, state in zip(versions, states):
+        manifest = store.version_dir("m", version) / "manifest.json"
+        if state == "failed":
+            _fail_verification(store, version)
+        elif state == "corrupt":
+            manifest.write_text('{"name": "m", "vers')
+        else:
+            manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "verification": None}))
+    before = {v: (store.version_dir("m", v) / "manifest.json").read_bytes() for v in versions}
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    code, stdout, stderr = cli(*command)
+    err = " ".join(stderr.split())
+    assert code == 2 and err.startswith("error: ") and stderr.count("error:") == 1, stderr
+    assert "'m' has no verified version: " in err, err
+    for version, state in zip(versions, states):
+        said = {
+            "unverified": f"m@{version} is unverified",
+            "failed": f"m@{version} failed verification (model.safetensors: ",
+            "corrupt": f"m@{version} is corrupt (",
+        }[state]
+        fix = f"dlm verify m@{version}" if state == "unverified" else f"dlm rm m@{version}"
+        assert said in err and fix in err, (version, err)
+    assert before == {v: (store.version_dir("m", v) / "manifest.json").read_bytes() for v in versions}
+
+
+@pytest.mark.parametrize(
     "content",
     [
         DEEP,

@@ -113,17 +113,34 @@ class CorruptVersion:
         return f"{self.name}@{self.version}"
 
 
-def no_usable_version(name: str, failed: list[Manifest], corrupt: list[CorruptVersion]) -> str:
-    """Why model `name` has no version to use, version by version: each failed its last
-    verification (with its first findings) or has a corrupt manifest (with the reason)."""
-    why = [f"{m.ref} failed verification ({m.problems() or 'see `dlm verify`'})" for m in failed]
+def no_usable_version(name: str, manifests: list[Manifest], corrupt: list[CorruptVersion]) -> str:
+    """Why model `name` has no verified version, version by version: each is unverified,
+    failed its last verification (with its first findings) or has a corrupt manifest (with
+    the reason); and what to do about each kind."""
+    failed = [m for m in manifests if m.state == "failed"]
+    unverified = [m for m in manifests if m.state == "unverified"]
+    why = [
+        f"{m.ref} is unverified"
+        if m.state == "unverified"
+        else f"{m.ref} failed verification ({m.problems() or 'see `dlm verify`'})"
+        for m in manifests
+    ]
     why += [f"{c.ref} is corrupt ({c.reason})" for c in corrupt]
-    them = "it" if len(why) == 1 else "them"
-    removal = ", ".join(f"`dlm rm {ref}`" for ref in [*(m.ref for m in failed), *(c.ref for c in corrupt)])
+    damaged = [*(m.ref for m in failed), *(c.ref for c in corrupt)]
+    them = "it" if len(damaged) == 1 else "them"
+    removal = ", ".join(f"`dlm rm {ref}`" for ref in damaged)
     findings = f"; `dlm verify {name}@VERSION` lists a failed version's findings" if failed else ""
+    if not unverified:
+        return (
+            f"no version of {name!r} can be used: {'; '.join(why)}. Fetching {them} again repairs {them} "
+            f"in place, or remove {them} ({removal}){findings}"
+        )
+    checks = ", ".join(f"`dlm verify {m.ref}`" for m in unverified)
+    one = len(unverified) == 1
+    repairs = f"; fetching the others again repairs them in place, or remove them ({removal})" if damaged else ""
     return (
-        f"no version of {name!r} can be used: {'; '.join(why)}. Fetching {them} again repairs {them} "
-        f"in place, or remove {them} ({removal}){findings}"
+        f"{name!r} has no verified version: {'; '.join(why)}. {checks} "
+        f"{'checks the unverified version' if one else 'check the unverified versions'}{repairs}"
     )
 
 
@@ -224,8 +241,9 @@ class Store:
 
     def lookup(self, spec: str) -> Manifest | CorruptVersion:
         """Resolve 'name@version' (a unique prefix of the version is enough), corrupt versions
-        included, or 'name' (its newest verified version; when every version failed
-        verification or is corrupt, DlmError saying which is which)."""
+        included, or 'name' (its newest verified version; when there is none, an error listing
+        every version's state: UsageError while one is unverified (`dlm verify` it), else
+        DlmError, the store's damage)."""
         name, version = split_ref(spec)
         manifests, corrupt = self.versions(name)
         if not manifests and not corrupt:
@@ -235,8 +253,8 @@ class Store:
             verified = [m for m in manifests if m.verified]
             if verified:
                 return verified[-1]
-            if any(m.state == "unverified" for m in manifests):
-                raise UsageError(f"{name!r} has no verified version; run `dlm verify {name}@VERSION`")
+            if any(m.state == "unverified" for m in manifests):  # verifying it is the user's step
+                raise UsageError(no_usable_version(name, manifests, corrupt))
             # Each version failed verification or is corrupt: the store's damage (exit 1), which
             # verifying again would not repair.
             raise DlmError(no_usable_version(name, manifests, corrupt))
