@@ -7,6 +7,7 @@ refuses what generation refuses; `stop` / `stop_token_ids` with a response forma
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -28,6 +30,7 @@ from dlm.cli.server.connections import protocol
 from dlm.cli.server.generation import Responder, undecided
 from dlm.cli.server.logprobs import chat_logprobs, token_bytes
 from dlm.engine.decoding.logprobs import LogprobRecord, TokenLogprob
+from tests.serving import wait_until
 
 SORT = [{"role": "user", "content": "Sort: 4 3 9 8 5"}]  # the default model answers "3 4 5 8 9"
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
@@ -78,6 +81,24 @@ class Served:
         return 0.0
 
 
+@contextmanager
+def running(s: Served) -> Iterator[Served]:
+    """`s` serving, once it listens (uvicorn listens on its socket only after the lifespan has
+    started: a request before that was refused, and under load the fixture erred every test of
+    the module) and its model is ready; stopped after the block."""
+    s.thread.start()
+    try:
+        assert wait_until(lambda: s.server.started or not s.thread.is_alive(), timeout=300), "uvicorn never started"
+        assert s.server.started, "uvicorn ended before it listened"
+        ready = wait_until(lambda: httpx.get(s.url + "/ready").status_code == 200, timeout=300)
+        assert ready, httpx.get(s.url + "/health").text
+        yield s
+    finally:
+        s.server.should_exit = True
+        s.thread.join(timeout=60)
+        s.sock.close()
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     s = Served()
@@ -87,19 +108,27 @@ def served() -> Iterator[Served]:
     level = requests_log.level
     requests_log.addHandler(handler)
     requests_log.setLevel(logging.INFO)
-    s.thread.start()
     try:
-        end = time.monotonic() + 300
-        while httpx.get(s.url + "/ready").status_code != 200:
-            assert time.monotonic() < end and s.thread.is_alive(), httpx.get(s.url + "/health").text
-            time.sleep(0.05)
-        yield s
+        with running(s):
+            yield s
     finally:
-        s.server.should_exit = True
-        s.thread.join(timeout=60)
-        s.sock.close()
         requests_log.removeHandler(handler)
         requests_log.setLevel(level)
+
+
+def test_no_request_goes_out_before_uvicorn_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixture's first request went out as soon as the thread started; uvicorn listens
+    only after its startup (the lifespan), so on a loaded machine it was refused
+    (httpx.ConnectError) and every test of the module erred. A slow startup is waited for."""
+    real = uvicorn.Server.startup
+
+    async def slow_startup(self: uvicorn.Server, sockets: Any = None) -> None:
+        await asyncio.sleep(1.0)  # as a loaded machine would take
+        await real(self, sockets=sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "startup", slow_startup)
+    with running(Served()) as s:
+        assert httpx.get(s.url + "/ready").status_code == 200
 
 
 @pytest.fixture
