@@ -387,3 +387,29 @@ def test_a_waiter_for_a_removed_staging_lock_locks_the_new_one(tmp_path: Path) -
         with locked(path, blocking=False):
             pass
     thread.join()
+
+
+def test_a_lock_directory_removed_while_it_is_made_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch starting while a failed one removes the directories it made (discard_empty)
+    failed with `error: File exists: .../models/m`: Path.mkdir(exist_ok=True) found the
+    directory there, then not a directory once the other process had removed it. (Seen
+    with processes locking and removing models/m/.lock; here the interleaving is replayed.)"""
+    from dlm.cli.store import atomic
+
+    path = tmp_path / "models" / "m" / ".lock"
+    real_mkdir = os.mkdir
+    raced: list[str] = []
+
+    def mkdir_meets_a_removal(target: object, mode: int = 0o777) -> None:
+        if Path(str(target)) == path.parent and not raced:  # made by another, removed again by now
+            raced.append(str(target))
+            raise FileExistsError(17, "File exists", str(target))
+        real_mkdir(target, mode)
+
+    monkeypatch.setattr(atomic.os, "mkdir", mkdir_meets_a_removal)
+    (tmp_path / "models").mkdir()
+    with atomic.locked(path):
+        assert path.is_file()
+    assert raced

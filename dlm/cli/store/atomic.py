@@ -7,6 +7,7 @@ new, never a torn file. Temporary names start with a dot so listings skip them.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import tempfile
@@ -61,11 +62,11 @@ def locked(path: Path, blocking: bool = True) -> Iterator[None]:
     the removed file locks the file now at `path` instead, so no two hold `path` at once.
     """
     path = Path(path)
-    while True:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in itertools.count():
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:  # its directory was removed just now: make it again
+        except FileNotFoundError:  # no directory yet, or it was removed just now: make it (again)
+            _make_parents(path, attempt)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -82,6 +83,19 @@ def locked(path: Path, blocking: bool = True) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _make_parents(path: Path, attempt: int) -> None:
+    """Make the directories above `path` for `locked`. Another process may be removing them
+    at the same time (a failed fetch removes what it made, `Store.discard_empty`), which
+    makes `Path.mkdir` raise FileExistsError (the directory went between its mkdir and its
+    check) or FileNotFoundError (a parent went): `locked` then tries again. Only a failure
+    that persists (a dangling link on the way, say) is raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, FileNotFoundError):
+        if attempt >= 100:
+            raise
 
 
 def _same_file(fd: int, path: Path) -> bool:
