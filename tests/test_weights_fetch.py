@@ -161,7 +161,8 @@ def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: P
     assert partial is not None, "the fetch finished before it could be killed mid-copy"
     assert store.manifests("big") == []  # the half-written version is not listed
     code, stdout, _ = cli("models", "--store", str(store.root), "--json")
-    assert code == 0 and json.loads(stdout)["models"] == [{"name": "big", "versions": []}]
+    assert code == 0 and json.loads(stdout)["models"] == []  # the next command cleared what it left
+    assert not store.model_dir("big").exists()
     with pytest.raises(UsageError):
         store.find("big")
 
@@ -413,3 +414,42 @@ def test_a_lock_directory_removed_while_it_is_made_is_made_again(
     with atomic.locked(path):
         assert path.is_file()
     assert raced
+
+
+def test_the_next_command_removes_a_model_left_without_a_version(source: Path, tmp_path: Path) -> None:
+    """A fetch of a new name SIGKILLed (its lock and staging copy), or the last version of a
+    model removed, left models/NAME/ behind for good, and `dlm models --json` listed NAME with
+    no version; the next store transaction removes it now (unless a fetch of it is running)."""
+    store = Store(tmp_path / "store")
+    fetch(str(source), store, name="kept")
+    killed = store.model_dir("killed")
+    (killed / ".staging" / "local-abc" / "files").mkdir(parents=True)
+    (killed / ".staging" / "local-abc" / "files" / "config.json").write_text("{}")
+    (killed / ".lock").touch()
+    removed = fetch(str(source), store, name="removed").manifest
+    assert cli("rm", removed.ref, "--store", str(store.root))[0] == 0
+    running = store.model_dir("running")
+    (running / ".staging").mkdir(parents=True)
+    with store.staging_lock("running"):  # a fetch of it transferring: left alone
+        code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
+        assert code == 0, stderr
+        assert [m["name"] for m in json.loads(stdout)["models"]] == ["kept", "running"]
+    assert not killed.exists() and not store.model_dir("removed").exists()
+    assert cli("models", "--store", str(store.root), "--json")[0] == 0
+    assert store.models() == ["kept"]
+
+
+def test_a_transaction_does_not_make_again_a_model_directory_a_failed_fetch_removed(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store transaction (any store command) lists the models, then takes each one's staging
+    lock to tidy it: when a failing fetch removed the model's directory in between, taking
+    that lock made models/NAME/.lock again, and NAME stayed listed with no version."""
+    from dlm.cli.store.releases import transaction
+
+    store = Store(tmp_path / "store")
+    fetch(str(source), store, name="kept")
+    monkeypatch.setattr(Store, "models", lambda self: ["kept", "gone"])  # listed, then removed
+    with transaction(store):
+        pass
+    assert not store.model_dir("gone").exists()

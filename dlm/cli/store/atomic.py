@@ -52,9 +52,11 @@ class Busy(Exception):
 
 
 @contextmanager
-def locked(path: Path, blocking: bool = True) -> Iterator[None]:
+def locked(path: Path, blocking: bool = True, make_parents: bool = True) -> Iterator[None]:
     """Hold an exclusive advisory lock on `path` (created if needed) for the block; with
-    `blocking=False`, raise Busy at once when another process holds it.
+    `blocking=False`, raise Busy at once when another process holds it. With
+    `make_parents=False`, a directory of `path` that does not exist (or no longer does) is
+    FileNotFoundError, not made: for a lock taken only to tidy what is in that directory.
 
     The kernel drops the lock when the holder dies, so a SIGKILLed fetch or release never
     leaves a stale lock behind. Its holder may remove the lock file (a failed fetch removes
@@ -66,6 +68,8 @@ def locked(path: Path, blocking: bool = True) -> Iterator[None]:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:  # no directory yet, or it was removed just now: make it (again)
+            if not make_parents:
+                raise
             _make_parents(path, attempt)
             continue
         try:

@@ -304,8 +304,9 @@ class Store:
         return [p for p in paths if not p.exists()]
 
     def discard_empty(self, name: str, created: list[Path]) -> None:
-        """After a failed fetch of model `name` (the caller holds its staging lock and has
-        removed its fresh staging copy): remove the directories of `created`
+        """After a failed fetch of model `name`, or when a transaction tidies it
+        (`clear_leftovers`) (the caller holds its staging lock and has removed its fresh
+        staging copies): remove the directories of `created`
         (`new_directories`) that hold nothing now, so that the store is as it was before, not
         listing a model with no version. Only empty directories go (and the lock files in
         them: the model's, which the caller holds, and the store's, taken to remove it;
@@ -380,13 +381,20 @@ class Store:
         """What killed writers left under model `name`: removals' trash (removals run under
         the store lock, which the caller holds) and abandoned fresh staging copies, unless a
         fetch of the model is transferring now (it holds the staging lock; its successor
-        clears what it abandons)."""
-        for leftover in self.model_dir(name).glob(".trash-*"):
+        clears what it abandons); and then the model's directory itself when that leaves it
+        with no version (a fetch of a new name killed, or its last version removed), so that
+        no model is listed without a version (`discard_empty`; a hub download's staging stays,
+        for its rerun to resume). A directory that a failing fetch removes meanwhile is not
+        made again for its lock."""
+        directory = self.model_dir(name)
+        for leftover in directory.glob(".trash-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         try:
-            with self.staging_lock(name, blocking=False):
+            with locked(directory / ".lock", blocking=False, make_parents=False):
                 self.clear_stale_staging(name)
-        except Busy:
+                if {entry.name for entry in directory.iterdir()} <= {".lock", STAGING}:  # no version
+                    self.discard_empty(name, [p for p in (directory / STAGING, directory) if p.exists()])
+        except (Busy, FileNotFoundError):
             pass
 
     def _unlist(self, target: Path) -> None:
