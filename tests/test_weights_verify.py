@@ -263,6 +263,34 @@ def test_a_checkpoint_lacking_a_tensor_its_family_reads_fails(family: str, tmp_p
     assert "lacks tensor" in report.failures[0].problem and family in report.failures[0].problem
 
 
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_a_tensor_of_another_shape_than_its_config_says_fails(family: str, tmp_path: Path) -> None:
+    """Every registered family: a tensor its model reads, stored with another shape than its
+    config.json gives that model (its bytes intact, so the safetensors file is sound), fails
+    the `tensors` check naming its file. It verified, and `dlm serve` then refused to load
+    it ('has shape ..., the model expects ...'), although a verified checkpoint is one serve
+    can load."""
+    from dlm.engine.config import load_config
+    from dlm.engine.loader import parameter_sources, tensor_locations
+    from dlm.engine.runtime.engine import build_on_meta
+
+    directory = _family_checkpoint(family, tmp_path / family)
+    held = tensor_locations(directory)
+    model = build_on_meta(load_config(directory))
+    params = dict(model.named_parameters())
+    name = next(
+        srcs[0]
+        for param, srcs in parameter_sources(model, held).items()
+        if len(srcs) == 1 and params[param].numel() > 1 and getattr(params[param], "weight_loader", None) is None
+    )
+    tensors = load_file(str(held[name]))
+    tensors[name] = tensors[name].reshape(-1, 1) if tensors[name].dim() == 1 else tensors[name].reshape(-1)
+    save_file(tensors, str(held[name]), metadata={"format": "pt"})
+    report = verify_directory(directory)
+    assert [(f.check, f.file) for f in report.failures] == [("tensors", held[name].name)], report.failures
+    assert name in report.failures[0].problem and "the model expects" in report.failures[0].problem
+
+
 def test_a_checkpoint_without_tensors_is_not_verified(source: Path, tmp_path: Path) -> None:
     """Its safetensors file is sound but empty: fetched as `failed`, refused by verify."""
     empty = tmp_path / "empty"

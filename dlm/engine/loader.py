@@ -20,6 +20,7 @@ through `shard_index` (so this module imports torch only where weights are read)
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -177,6 +178,35 @@ def missing_tensors(model: torch.nn.Module, available: Collection[str]) -> list[
     """The tensors `model` needs that a checkpoint holding `available` lacks (what loading
     it would refuse; `dlm verify` asks this of a model built on meta, reading no weight)."""
     return [src for srcs in parameter_sources(model, available).values() for src in srcs if src not in available]
+
+
+def shape_mismatches(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+    """The tensors whose shapes (from the safetensors headers, no weight read) loading them
+    into `model` would refuse, as (checkpoint tensor, problem): what `load_weights` checks
+    once it has read them, asked of a model built on meta (`dlm verify`). A parameter's
+    sources are joined on dim 0 as `_read` joins them; one with a `weight_loader` (a reshape)
+    is held to its element count; one split across ranks (`shard`), or with a source the
+    checkpoint holds in another form or lacks (`missing_tensors`), is not compared."""
+    params = dict(model.named_parameters())
+    found = []
+    for name, srcs in parameter_sources(model, shapes).items():
+        param = params[name]
+        if getattr(param, "shard", None) is not None or any(src not in shapes for src in srcs):
+            continue
+        parts = [tuple(shapes[src]) for src in srcs]
+        shown = srcs[0] if len(srcs) == 1 else f"{name} (from {', '.join(srcs)})"
+        if len(parts) > 1 and (not parts[0] or any(part[1:] != parts[0][1:] or not part for part in parts)):
+            found.append((srcs[0], f"tensor {shown}: shapes {parts} cannot be joined on dim 0"))
+            continue
+        shape = parts[0] if len(parts) == 1 else (sum(part[0] for part in parts), *parts[0][1:])
+        expected = tuple(param.shape)
+        if getattr(param, "weight_loader", None) is not None:
+            fits = math.prod(shape) == math.prod(expected)
+        else:
+            fits = shape == expected
+        if not fits:
+            found.append((srcs[0], f"tensor {shown} has shape {shape}, the model expects {expected}"))
+    return found
 
 
 def load_weights(

@@ -342,16 +342,27 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
         return  # no family to hold them against; check_config has said why
     from dlm.engine.compressed_tensors import quantized_layers, read_headers
     from dlm.engine.config import load_config
-    from dlm.engine.loader import missing_tensors
+    from dlm.engine.loader import missing_tensors, shape_mismatches
 
+    shapes, holder = {}, {}
+    for shard in shards:
+        for tensor, header in read_headers([shard]).items():
+            shapes[tensor], holder[tensor] = header.shape, shard.relative_to(directory).as_posix()
     # A pre-quantized layer's `weight` is decoded from its integers and scales (check_quantization).
     names |= {f"{layer}.weight" for layer in quantized_layers(read_headers(shards))}
     from dlm.engine.runtime.engine import build_on_meta
 
-    missing = missing_tensors(build_on_meta(load_config(directory)), names)
+    model = build_on_meta(load_config(directory))
+    missing = missing_tensors(model, names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         report.fail(".", "tensors", f"lacks tensor {missing[0]}{more}, which the {report.family} model reads")
+    by_file: dict[str, list[str]] = {}
+    for tensor, problem in shape_mismatches(model, {name: shapes[name] for name in names if name in shapes}):
+        by_file.setdefault(holder[tensor], []).append(problem)
+    for file, problems in sorted(by_file.items()):
+        more = f" (and {len(problems) - 1} more in this file)" if len(problems) > 1 else ""
+        report.fail(file, "tensors", f"{problems[0]} of config.json's {report.family} model{more}")
 
 
 STRUCTURE_CHECKS = (
