@@ -11,12 +11,13 @@ engine's models and `dlm estimate` read only this normalised form, never the raw
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import InvalidConfig, UsageError
 
 if TYPE_CHECKING:
     from dlm.engine.registry import BlockRules, Family
@@ -140,10 +141,40 @@ class ModelConfig:
         return self.layer_types[index] if self.layer_types else FULL_ATTENTION
 
 
-def _first_int(value: Any) -> int | None:
+def _shown(value: Any) -> str:
+    """`value` as config.json spells it (`Infinity`, `NaN`, `2.5`, `"64"`)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def as_int(value: Any, key: str, minimum: int | None = 1) -> int:
+    """`value` of field `key` as an integer of at least `minimum` (None: any): JSON's numbers
+    only, a float only when whole (`64.0`), never NaN/Infinity (Python's json accepts them)
+    nor a fraction silently truncated (`2.5` heads)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidConfig(f"config.json field {key!r} must be an integer, got {_shown(value)}", key)
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise InvalidConfig(f"config.json field {key!r} must be an integer, got {_shown(value)}", key)
+    if minimum is not None and value < minimum:
+        raise InvalidConfig(f"config.json field {key!r} must be at least {minimum}, got {_shown(value)}", key)
+    return int(value)
+
+
+def as_float(value: Any, key: str, positive: bool = True) -> float:
+    """`value` of field `key` as a finite float, greater than 0 when `positive`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidConfig(f"config.json field {key!r} must be a finite number, got {_shown(value)}", key)
+    if positive and value <= 0:
+        raise InvalidConfig(f"config.json field {key!r} must be greater than 0, got {_shown(value)}", key)
+    return float(value)
+
+
+def _first_int(value: Any, key: str) -> int | None:
     if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+        return as_int(value[0], key, None) if value else None
+    return None if value is None else as_int(value, key, None)
 
 
 def require(raw: dict[str, Any], key: str) -> Any:
@@ -152,11 +183,26 @@ def require(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
+def size(raw: dict[str, Any], key: str, default: Any = None, minimum: int = 1) -> int:
+    """Field `key`, a size (`as_int`), or `default` when it is absent or null (required
+    when `default` is None)."""
+    value = raw.get(key)
+    if value is None:
+        return as_int(require(raw, key) if default is None else default, key, minimum)
+    return as_int(value, key, minimum)
+
+
+def real(raw: dict[str, Any], key: str, default: float, positive: bool = True) -> float:
+    """Field `key`, a finite float (`as_float`), or `default` when it is absent or null."""
+    value = raw.get(key)
+    return as_float(default if value is None else value, key, positive)
+
+
 def _mask(raw: dict[str, Any], family: Family) -> int:
     mask = raw.get("mask_token_id", family.mask_token_id)
     if mask is None:
         raise UsageError(f"config.json has no mask_token_id, which {family.name} needs: add it there")
-    return int(mask)
+    return as_int(mask, "mask_token_id", None)
 
 
 def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
@@ -165,41 +211,40 @@ def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     return dict(
         family=family.name,
         mask_token_id=_mask(raw, family),
-        eos_token_id=_first_int(raw.get("eos_token_id")),
-        pad_token_id=_first_int(raw.get("pad_token_id")),
+        eos_token_id=_first_int(raw.get("eos_token_id"), "eos_token_id"),
+        pad_token_id=_first_int(raw.get("pad_token_id"), "pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        block_length=int(block_length or 0) or family.block_length,
+        block_length=as_int(block_length, str(family.block_length_field)) if block_length else family.block_length,
         logits_shift=family.logits_shift,
         block_rules=None
         if family.block_rules is None
         else replace(family.block_rules, logit_shift=family.logits_shift),
-        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        mtp_layers=size(raw, "num_nextn_predict_layers", 0, minimum=0),
     )
 
 
 def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
     """LLaDA's OLMo-style names; `include_bias` puts biases on every linear,
     `include_qkv_bias` on q/k/v only."""
-    d_model = int(require(raw, "d_model"))
-    n_heads = int(require(raw, "n_heads"))
-    n_kv = raw.get("n_kv_heads")
-    if n_kv is None:  # OLMo convention: multi_query_attention means one KV head
-        n_kv = 1 if raw.get("multi_query_attention") else n_heads
-    vocab = int(require(raw, "vocab_size"))
+    d_model = size(raw, "d_model")
+    n_heads = size(raw, "n_heads")
+    # OLMo convention: multi_query_attention means one KV head
+    n_kv = size(raw, "n_kv_heads", 1 if raw.get("multi_query_attention") else n_heads)
+    vocab = size(raw, "vocab_size")
     bias = bool(raw.get("include_bias", False))
     return ModelConfig(
         model_type=str(raw.get("model_type", family.name)),
         hidden_size=d_model,
-        num_layers=int(require(raw, "n_layers")),
+        num_layers=size(raw, "n_layers"),
         num_heads=n_heads,
-        num_kv_heads=int(n_kv),
+        num_kv_heads=n_kv,
         head_dim=d_model // n_heads,
-        intermediate_size=int(raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model),
+        intermediate_size=size(raw, "mlp_hidden_size", size(raw, "mlp_ratio", 4) * d_model),
         vocab_size=vocab,
-        logits_size=int(raw.get("embedding_size") or vocab),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(raw.get("max_sequence_length", 4096)),
+        logits_size=size(raw, "embedding_size", vocab),
+        rope_theta=real(raw, "rope_theta", 10000.0),
+        rms_norm_eps=real(raw, "rms_norm_eps", 1e-5),
+        max_position_embeddings=size(raw, "max_sequence_length", 4096),
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
         qkv_bias=bias or bool(raw.get("include_qkv_bias", False)),
         o_bias=bias,
@@ -211,17 +256,17 @@ def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
 def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
     """Qwen3-MoE placement: every `decoder_sparse_step`-th layer not in `mlp_only_layers`;
     a softmax router; Qwen3.5's gated shared expert when `shared_expert_intermediate_size`."""
-    experts = int(raw.get("num_experts") or 0)
+    experts = size(raw, "num_experts", 0, minimum=0)
     if not experts:
         return None
-    step = int(raw.get("decoder_sparse_step") or 1)
+    step = size(raw, "decoder_sparse_step", 1)
     dense_only = set(raw.get("mlp_only_layers") or ())
-    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    shared = size(raw, "shared_expert_intermediate_size", 0, minimum=0)
     return MoESpec(
         layers=tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
         num_experts=experts,
-        top_k=int(require(raw, "num_experts_per_tok")),
-        expert_ffn=int(require(raw, "moe_intermediate_size")),
+        top_k=size(raw, "num_experts_per_tok"),
+        expert_ffn=size(raw, "moe_intermediate_size"),
         shared_ffn=shared,
         shared_gate=shared > 0,
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
@@ -231,24 +276,24 @@ def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
 def _bailing_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
     """LLaDA2 (Bailing-MoE): the first `first_k_dense_replace` layers dense, the rest a
     sigmoid, group-limited router over the routed experts plus `num_shared_experts`."""
-    experts = int(raw.get("num_experts") or 0)
+    experts = size(raw, "num_experts", 0, minimum=0)
     if not experts:
         return None
     if raw.get("score_function", "sigmoid") != "sigmoid":
         raise UsageError(f"LLaDA2 score_function {raw.get('score_function')!r} is not supported (only sigmoid)")
-    ffn = int(require(raw, "moe_intermediate_size"))
+    ffn = size(raw, "moe_intermediate_size")
     return MoESpec(
-        layers=tuple(range(min(int(raw.get("first_k_dense_replace", 0)), layers), layers)),
+        layers=tuple(range(min(size(raw, "first_k_dense_replace", 0, minimum=0), layers), layers)),
         num_experts=experts,
-        top_k=int(require(raw, "num_experts_per_tok")),
+        top_k=size(raw, "num_experts_per_tok"),
         expert_ffn=ffn,
-        shared_ffn=ffn * int(raw.get("num_shared_experts") or 0),
+        shared_ffn=ffn * size(raw, "num_shared_experts", 0, minimum=0),
         router="sigmoid_group",
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         router_bias=bool(raw.get("moe_router_enable_expert_bias", False)),
-        n_group=int(raw.get("n_group") or 1),
-        topk_group=int(raw.get("topk_group") or 1),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        n_group=size(raw, "n_group", 1),
+        topk_group=size(raw, "topk_group", 1),
+        routed_scaling_factor=real(raw, "routed_scaling_factor", 1.0),
     )
 
 
@@ -258,25 +303,25 @@ MOE_READERS: dict[str, Callable[[dict[str, Any], int], MoESpec | None]] = {"qwen
 def _qwen(raw: dict[str, Any], family: Family, **overrides: Any) -> ModelConfig:
     """transformers' standard field names (Qwen/Llama/Bailing style): Dream, LLaDA2, SDAR,
     openPangu, and (flattened) the Qwen3.5 hybrids."""
-    hidden = int(require(raw, "hidden_size"))
-    heads = int(require(raw, "num_attention_heads"))
-    layers = int(require(raw, "num_hidden_layers"))
-    vocab = int(require(raw, "vocab_size"))
+    hidden = size(raw, "hidden_size")
+    heads = size(raw, "num_attention_heads")
+    layers = size(raw, "num_hidden_layers")
+    vocab = size(raw, "vocab_size")
     fields: dict[str, Any] = dict(
         model_type=str(raw.get("model_type", family.name)),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(raw.get("intermediate_size") or 0),
+        num_kv_heads=size(raw, "num_key_value_heads", heads),
+        head_dim=size(raw, "head_dim", 0, minimum=0) or hidden // heads,
+        intermediate_size=size(raw, "intermediate_size", 0, minimum=0),
         vocab_size=vocab,
         logits_size=vocab,
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rope_theta=real(raw, "rope_theta", 10000.0),
+        rms_norm_eps=real(raw, "rms_norm_eps", 1e-6),
+        max_position_embeddings=size(raw, "max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        partial_rotary_factor=real(raw, "partial_rotary_factor", 1.0),
         qkv_bias=family.qkv_bias.read(raw),
         o_bias=family.o_bias.read(raw),
         qk_norm=family.qk_norm.read(raw),
@@ -285,7 +330,7 @@ def _qwen(raw: dict[str, Any], family: Family, **overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     if fields["moe"] is None or fields["moe"].layers != tuple(range(layers)):
-        fields["intermediate_size"] = int(require(raw, "intermediate_size"))  # some layer is dense
+        fields["intermediate_size"] = size(raw, "intermediate_size")  # some layer is dense
     return ModelConfig(**fields)
 
 
@@ -309,8 +354,8 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
     """Qwen3.5-MoE / Qwen3-Next hybrids: Gated DeltaNet layers interleaved with gated full
     attention (`layer_types`, else every `full_attention_interval`-th layer full)."""
     flat = hybrid_text_config(raw)
-    layers = int(require(flat, "num_hidden_layers"))
-    interval = int(flat.get("full_attention_interval", 4))
+    layers = size(flat, "num_hidden_layers")
+    interval = size(flat, "full_attention_interval", 4)
     types = tuple(flat.get("layer_types") or ())[:layers] or tuple(
         FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
     )
@@ -318,16 +363,16 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
         raise UsageError(f"config.json layer_types holds an unknown type: {sorted(set(types))}")
     linear = LinearAttentionSpec(
         layers=types.count(LINEAR_ATTENTION),
-        key_heads=int(require(flat, "linear_num_key_heads")),
-        value_heads=int(require(flat, "linear_num_value_heads")),
-        key_dim=int(require(flat, "linear_key_head_dim")),
-        value_dim=int(require(flat, "linear_value_head_dim")),
-        conv_kernel=int(flat.get("linear_conv_kernel_dim", 4)),
+        key_heads=size(flat, "linear_num_key_heads"),
+        value_heads=size(flat, "linear_num_value_heads"),
+        key_dim=size(flat, "linear_key_head_dim"),
+        value_dim=size(flat, "linear_value_head_dim"),
+        conv_kernel=size(flat, "linear_conv_kernel_dim", 4),
     )
     return _qwen(
         flat,
         family,
-        max_position_embeddings=int(flat.get("max_position_embeddings", 32768)),
+        max_position_embeddings=size(flat, "max_position_embeddings", 32768),
         q_gate=bool(flat.get("attn_output_gate", True)),
         layer_types=types,
         linear=linear,
@@ -361,7 +406,7 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
     `global_head_dim`/`num_global_key_value_heads` (written per layer in `per_layer_config`)
     and proportional RoPE; every layer has a dense MLP beside its mixture of experts."""
     text = dict(require(raw, "text_config"))
-    layers = int(require(text, "num_hidden_layers"))
+    layers = size(text, "num_hidden_layers")
     types = tuple(text.get("layer_types") or ())[:layers]
     if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
         raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
@@ -379,29 +424,28 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
     global_layer: dict[str, Any] = next(
         (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
     )
-    head_dim = int(require(text, "head_dim"))
-    kv_heads = int(require(text, "num_key_value_heads"))
+    head_dim = size(text, "head_dim")
+    kv_heads = size(text, "num_key_value_heads")
+    full = "text_config.rope_parameters.full_attention."
     canvas = CanvasSpec(
-        canvas_length=int(raw.get("canvas_length") or 256),
+        canvas_length=size(raw, "canvas_length", 256),
         sampler_defaults=_sampler_defaults(raw.get(GENERATION_CONFIG) or {}),
-        sliding_window=int(require(text, "sliding_window")),
-        global_head_dim=int(global_layer.get("head_dim") or text.get("global_head_dim") or head_dim),
-        global_kv_heads=int(
-            global_layer.get("num_key_value_heads") or text.get("num_global_key_value_heads") or kv_heads
-        ),
-        global_rope_theta=float(full_rope.get("rope_theta", 1_000_000.0)),
-        global_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
-        global_rope_factor=float(full_rope.get("factor", 1.0)),
-        logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
-        expert_ffn=int(require(text, "moe_intermediate_size")),
-        num_experts=int(require(text, "num_experts")),
-        top_k=int(require(text, "top_k_experts")),
+        sliding_window=size(text, "sliding_window"),
+        global_head_dim=size(global_layer, "head_dim", size(text, "global_head_dim", head_dim)),
+        global_kv_heads=size(global_layer, "num_key_value_heads", size(text, "num_global_key_value_heads", kv_heads)),
+        global_rope_theta=as_float(full_rope.get("rope_theta", 1_000_000.0), full + "rope_theta"),
+        global_rope_fraction=as_float(full_rope.get("partial_rotary_factor", 1.0), full + "partial_rotary_factor"),
+        global_rope_factor=as_float(full_rope.get("factor", 1.0), full + "factor"),
+        logit_softcap=real(text, "final_logit_softcapping", 30.0),
+        expert_ffn=size(text, "moe_intermediate_size"),
+        num_experts=size(text, "num_experts"),
+        top_k=size(text, "top_k_experts"),
     )
     flat = {**text, "model_type": raw.get("model_type"), "rope_theta": sliding_rope.get("rope_theta", 10_000.0)}
     return _qwen(
         flat,
         family,
-        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        max_position_embeddings=size(text, "max_position_embeddings", 131_072),
         tie_word_embeddings=True,
         layer_types=types,
         block_length=canvas.canvas_length,
@@ -417,12 +461,59 @@ LAYOUTS: dict[str, Callable[[dict[str, Any], Family], ModelConfig]] = {
 }
 
 
+# torch counts a storage's bytes in int64, and an element is at most 8 bytes wide: no tensor,
+# so no model, holds more elements than this.
+MAX_ELEMENTS = (2**63 - 1) // 8
+
+
+def parameter_bound(config: ModelConfig) -> int:
+    """At least the parameters of the model `config` describes (every layer counted with
+    each kind of attention and MLP it may have): what `check_sizes` holds to MAX_ELEMENTS."""
+    c, attention = config, (2 * config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    width = attention + 3 * c.intermediate_size
+    if c.moe is not None:
+        width += c.moe.num_experts * (3 * c.moe.expert_ffn + 1) + 3 * c.moe.shared_ffn
+    if c.linear is not None:
+        width += c.linear.conv_dim * (c.linear.conv_kernel + 2) + 2 * c.linear.value_heads * c.linear.value_dim
+    if c.canvas is not None:
+        width += 2 * (c.num_heads + c.canvas.global_kv_heads) * c.canvas.global_head_dim
+        width += c.canvas.num_experts * (3 * c.canvas.expert_ffn + 1)
+    return (c.num_layers + c.mtp_layers) * c.hidden_size * (width + 4) + 2 * c.logits_size * c.hidden_size
+
+
+def check_sizes(config: ModelConfig) -> ModelConfig:
+    """What no single field shows: a head width of 0 (more heads than the hidden size has
+    columns), and sizes whose model no storage can hold. The bound is torch's own (int64
+    bytes; building such a model, even on the meta device, raises "Storage size calculation
+    overflowed", which says nothing of the file): checked here, where every command parses
+    config.json, rather than classified from that RuntimeError after the fact, so `dlm
+    verify` records it against config.json and `serve`, `generate` and `estimate` refuse
+    it with the same words, before anything is built."""
+    if config.head_dim < 1:
+        raise InvalidConfig(
+            f"config.json's sizes give head_dim {config.head_dim} "
+            f"(hidden size {config.hidden_size} over {config.num_heads} heads): it must be at least 1",
+            "head_dim",
+        )
+    bound = parameter_bound(config)
+    if bound > MAX_ELEMENTS:
+        raise InvalidConfig(
+            f"config.json's sizes describe a model of about {bound:.3g} parameters (hidden size "
+            f"{config.hidden_size}, {config.num_layers} layers, vocabulary {config.logits_size}), "
+            f"more than any tensor can hold ({MAX_ELEMENTS:.3g} elements)"
+        )
+    return config
+
+
 def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
-    """`raw` read as `family` declares: its spelling, its refusals, its facts."""
+    """`raw` read as `family` declares: its spelling, its refusals, its facts. Every number
+    is checked as it is read (`size`, `real`: integers of their range, finite floats; the
+    typed InvalidConfig naming the field) and the sizes together (`check_sizes`), so every
+    command that reads a checkpoint refuses the same config.json with the same words."""
     try:
         if family.check is not None:
             family.check(raw)
-        return LAYOUTS[family.layout](raw, family)
+        return check_sizes(LAYOUTS[family.layout](raw, family))
     except (TypeError, ValueError) as exc:
         raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
 

@@ -44,3 +44,13 @@ class UnknownKey(UsageError):
 class EngineFailed(DlmError):
     """The engine itself broke, not one request: nothing more can run on it (a
     tensor-parallel rank died or hung). A server fails every request it holds and exits."""
+
+
+class InvalidConfig(UsageError):
+    """A checkpoint's config.json holds a value no model has: a size that is not a positive
+    integer, a float that is not finite or out of its range, sizes whose model no storage
+    can hold. `key` names the field at fault when one is (None when the sizes together are)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key

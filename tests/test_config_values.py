@@ -1,0 +1,176 @@
+"""config.json's numbers are checked where the file is parsed (`dlm.engine.config.parse_config`):
+sizes are positive integers (never a fraction truncated, never 0), floats finite and in range
+(Python's json reads `Infinity` and `NaN`), and the sizes together describe a model a tensor
+can hold. Before, `"rope_theta": Infinity`, a negative `rms_norm_eps` or `"n_heads": 2.5`
+passed `dlm verify`; every size 10**12 made verify's meta build raise torch's "Storage size
+calculation overflowed" and end "could not verify ... says nothing about the checkpoint",
+recording nothing, while `dlm estimate` printed negative memory. Now each is the typed
+InvalidConfig naming the field and config.json: a failed verification recorded against
+config.json, and the same one `error:` line (exit 2, as every config.json refusal) from
+`estimate`, `generate` and `serve`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.store import Store
+from dlm.engine.config import MAX_ELEMENTS, config_from_dict
+from dlm.engine.errors import InvalidConfig
+from dlm.engine.tiny_models import BUILDERS, special_ids
+from tests.tiny_families import tiny_names
+from tests.weights_helpers import cli, make_checkpoint
+
+ERROR_LINE = re.compile(r"\W*error\b", re.IGNORECASE)
+
+
+def _config(name: str) -> dict[str, Any]:
+    config, _ = BUILDERS[name.removeprefix("tiny:")](*special_ids())
+    return config
+
+
+def _fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Where the family keeps its text model's fields (DiffusionGemma: under text_config)."""
+    return config["text_config"] if "text_config" in config else config
+
+
+def _hidden_key(fields: dict[str, Any]) -> str:
+    return "d_model" if "d_model" in fields else "hidden_size"
+
+
+def _heads_key(fields: dict[str, Any]) -> str:
+    return "n_heads" if "n_heads" in fields else "num_attention_heads"
+
+
+# damage: edits the text model's fields, returns (the key the error must name, its words)
+DAMAGES: dict[str, Callable[[dict[str, Any]], tuple[str, str]]] = {
+    "eps Infinity": lambda f: (f.update(rms_norm_eps=float("inf")), ("rms_norm_eps", "got Infinity"))[1],
+    "eps NaN": lambda f: (f.update(rms_norm_eps=float("nan")), ("rms_norm_eps", "got NaN"))[1],
+    "eps negative": lambda f: (f.update(rms_norm_eps=-1e-6), ("rms_norm_eps", "greater than 0"))[1],
+    "eps zero": lambda f: (f.update(rms_norm_eps=0), ("rms_norm_eps", "greater than 0"))[1],
+    "hidden zero": lambda f: (f.update({_hidden_key(f): 0}), (_hidden_key(f), "at least 1, got 0"))[1],
+    "hidden negative": lambda f: (f.update({_hidden_key(f): -64}), (_hidden_key(f), "at least 1, got -64"))[1],
+    "heads fraction": lambda f: (f.update({_heads_key(f): 2.5}), (_heads_key(f), "an integer, got 2.5"))[1],
+    "heads string": lambda f: (f.update({_heads_key(f): "4"}), (_heads_key(f), 'an integer, got "4"'))[1],
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_refuses_a_value_no_model_has(name: str, damage: str) -> None:
+    config = copy.deepcopy(_config(name))
+    config_from_dict(copy.deepcopy(config))  # sound as built
+    key, words = DAMAGES[damage](_fields(config))
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key and caught.value.exit_code == 2
+    assert str(caught.value).startswith(f"config.json field {key!r} must be"), caught.value
+    assert words in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_refuses_sizes_no_tensor_can_hold(name: str) -> None:
+    """A hidden size and vocabulary of 10**12: an embedding of 10**24 elements, which torch
+    cannot even build on the meta device."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    fields.update({_hidden_key(fields): 10**12, "vocab_size": 10**12})
+    with pytest.raises(InvalidConfig, match="more than any tensor can hold") as caught:
+        config_from_dict(config)
+    assert str(caught.value).startswith("config.json's sizes describe a model of about")
+    assert f"{MAX_ELEMENTS:.3g} elements" in str(caught.value)
+
+
+def _every_size(config: dict[str, Any]) -> None:
+    for key, value in list(config.items()):
+        if type(value) is int and not key.endswith("token_id"):
+            config[key] = 10**12
+
+
+CHECKPOINT_DAMAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "rope_theta Infinity": (
+        lambda c: c.update(rope_theta=float("inf")),
+        "config.json field 'rope_theta' must be a finite number, got Infinity",
+    ),
+    "rms_norm_eps NaN": (
+        lambda c: c.update(rms_norm_eps=float("nan")),
+        "config.json field 'rms_norm_eps' must be a finite number, got NaN",
+    ),
+    "d_model 0": (lambda c: c.update(d_model=0), "config.json field 'd_model' must be at least 1, got 0"),
+    "every size 10**12": (_every_size, "config.json's sizes describe a model of about"),
+}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("good") / "tiny", shards=1)
+
+
+def _damaged(good: Path, kind: str, directory: Path) -> tuple[Path, str]:
+    edit, words = CHECKPOINT_DAMAGES[kind]
+    shutil.copytree(good, directory)
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))  # json writes Infinity, NaN
+    return directory, words
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINT_DAMAGES))
+def test_verify_records_the_config_as_failed(kind: str, good: Path, tmp_path: Path) -> None:
+    """A store version whose config.json holds it: the verification is recorded, failed,
+    with one finding against config.json (the meta build's overflow recorded nothing)."""
+    source, words = _damaged(good, kind, tmp_path / "src")
+    store = Store(tmp_path / "store")
+    result = fetch(str(source), store)
+    ref = f"{result.manifest.name}@{result.manifest.version}"
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    failures = json.loads(stdout)["failures"]
+    assert [(f["file"], f["check"]) for f in failures] == [("config.json", "config")], failures
+    assert failures[0]["problem"].startswith(words), failures
+    manifest = store.manifest(*ref.split("@"))
+    assert manifest.state == "failed"
+    assert manifest.verification is not None and manifest.verification.failures[0].file == "config.json"
+
+
+@pytest.fixture
+def server_logging() -> Iterator[None]:
+    """`dlm serve` in process points its loggers at this run's stderr: put them back."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("dlm", "uvicorn", "uvicorn.error")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate) in zip(loggers, saved):
+        lg.handlers, lg.propagate = handlers, propagate
+        lg.setLevel(level)
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINT_DAMAGES))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["estimate", "{dir}"],
+        ["generate", "{dir}", "--prompt-ids", "1,2,3", "--gen-length", "8"],
+        ["serve", "{dir}", "--port", "0", "--no-warmup"],
+    ],
+    ids=["estimate", "generate", "serve"],
+)
+def test_commands_refuse_it_with_verifys_words(
+    kind: str, command: list[str], good: Path, tmp_path: Path, server_logging: None
+) -> None:
+    directory, words = _damaged(good, kind, tmp_path / "bad")
+    code, stdout, stderr = cli(*[part.format(dir=directory) for part in command])  # re-raises a crash
+    assert "Traceback" not in stdout + stderr, stderr[-2000:]
+    assert code == 2, (code, stderr[-2000:])  # as every config.json refusal
+    errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {words}"), stderr[-2000:]
