@@ -220,6 +220,41 @@ def test_a_store_option_that_names_no_directory_is_refused(
     assert where == "empty" or blocker.read_text() == ""
 
 
+@pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("source", ["--store", "DLM_STORE"])
+def test_a_blank_store_is_refused_naming_where_it_came_from(
+    args: tuple[str, ...], source: str, good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DLM_STORE=' '` was refused as "--store must name a directory, got an empty string":
+    an option not given, a value not empty. The error names the variable or the option the
+    value came from and calls it blank; nothing is created (a directory named ' ')."""
+    monkeypatch.chdir(tmp_path)
+    args = tuple(str(good) if a == "SOURCE" else a for a in args)
+    if source == "DLM_STORE":
+        monkeypatch.setenv("DLM_STORE", " ")
+        code, stdout, stderr = cli(*args)
+    else:
+        monkeypatch.delenv("DLM_STORE", raising=False)
+        code, stdout, stderr = cli(*args, "--store", " ")
+    _assert_one_error(code, stdout, stderr, 2)
+    assert f"error: {source} must name a directory, got a blank value ' '" in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [("serve", "--deployment", "prod"), ("estimate", "m")], ids=" ".join)
+def test_a_blank_dlm_store_is_refused_by_name_where_a_command_reads_the_variable(
+    command: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Commands that read DLM_STORE themselves (serve's settings, a store name's resolution)
+    took ' ' as a directory named by a space; they refuse it naming the variable."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DLM_STORE", " ")
+    code, stdout, stderr = cli(*command)
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "DLM_STORE must name a directory, got a blank value ' '" in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["empty", "blank", "a file", "under a file"])
 def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(
     where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -235,7 +270,7 @@ def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(
     _assert_one_error(code, stdout, stderr, 2)
     said = {
         "empty": "invalid setting store: must name a directory, got an empty string",
-        "blank": "invalid setting store: must name a directory, got an empty string",
+        "blank": "invalid setting store: must name a directory, got a blank value ' '",  # spaces joined
         "a file": f"--store {target} is a file, not a store directory",
         "under a file": f"--store {target} is under {blocker}, which is a file",
     }[where]

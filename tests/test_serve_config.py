@@ -78,8 +78,15 @@ def test_an_empty_store_setting_is_refused_not_read_as_the_current_directory(sou
     file = tmp_path / "serve.toml"
     file.write_text('store = ""\n' if source == "file" else "")
     flags = {"store": {"flag": "", "file": None, "blank flag": "  "}[source]}
-    with pytest.raises(UsageError, match="invalid setting store: must name a directory, got an empty string"):
+    got = "a blank value '  '" if source == "blank flag" else "an empty string"
+    with pytest.raises(UsageError, match=f"invalid setting store: must name a directory, got {got}"):
         load_config(file, flags, environ={})
+
+
+def test_a_blank_dlm_store_variable_is_refused_naming_it() -> None:
+    """DLM_STORE=' ' is neither unset (empty) nor a directory: refused naming the variable."""
+    with pytest.raises(UsageError, match="^DLM_STORE must name a directory, got a blank value ' '$"):
+        load_config(None, {}, environ={"DLM_STORE": " "})
 
 
 def test_an_empty_dlm_store_variable_is_unset_as_for_every_command() -> None:

@@ -11,10 +11,29 @@ import typer
 
 from dlm.cli.output import err_console, progress
 
+
+class StoreArgument(str):
+    """--store's value, with where it came from: `DLM_STORE` when click read it from the
+    variable, else `--store`; `open_store` names it when it refuses the value."""
+
+    source = "--store"
+
+
+def _store_argument(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    if value is None:
+        return None
+    argument = StoreArgument(value)
+    source = ctx.get_parameter_source(param.name or "store")
+    if source is not None and source.name == "ENVIRONMENT":
+        argument.source = "DLM_STORE"
+    return argument
+
+
 STORE_OPTION: Any = typer.Option(
     None,
     "--store",
     envvar="DLM_STORE",
+    callback=_store_argument,
     help="Store directory.",
     show_default="$DLM_HOME/store",
 )
@@ -43,12 +62,13 @@ def open_store(path: str | None) -> Any:
     from dlm.cli.store.store import Store, check_store_path
     from dlm.engine.errors import UsageError
 
-    store = Store(Path(check_store_path(path)) if path is not None else None)
+    source = path.source if isinstance(path, StoreArgument) else "--store"
+    store = Store(Path(check_store_path(path, source)) if path is not None else None)
     nearest = next((p for p in (store.root, *store.root.parents) if p.exists()), None)  # what exists of it
     if nearest is not None and not nearest.is_dir():
         if nearest == store.root:
-            raise UsageError(f"--store {store.root} is a file, not a store directory")
-        raise UsageError(f"--store {store.root} is under {nearest}, which is a file, not a directory")
+            raise UsageError(f"{source} {store.root} is a file, not a store directory")
+        raise UsageError(f"{source} {store.root} is under {nearest}, which is a file, not a directory")
     return store
 
 

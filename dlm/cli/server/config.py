@@ -240,13 +240,12 @@ class ServeConfig(BaseModel):
     @field_validator("store", mode="before")
     @classmethod
     def _store(cls, value: Any) -> Any:
-        from dlm.cli.store.store import check_store_path
+        from dlm.cli.store.store import store_path_problem
 
         if isinstance(value, str):  # as the store commands' --store: '' is not the current directory
-            try:
-                check_store_path(value)
-            except UsageError as exc:
-                raise ValueError(str(exc).removeprefix("--store ")) from None
+            problem = store_path_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
         return value
 
     @field_validator("log_level")

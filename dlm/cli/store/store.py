@@ -36,8 +36,9 @@ STAGING = ".staging"
 def store_env(environ: Mapping[str, str] | None = None) -> str | None:
     """`DLM_STORE` (from `environ`, else the process's), or None where it is unset or empty:
     an empty DLM_STORE means the default store for every command (click reads the store
-    commands' variable so), never the current directory."""
-    return (os.environ if environ is None else environ).get("DLM_STORE") or None
+    commands' variable so), never the current directory; a blank one is refused naming it."""
+    value = (os.environ if environ is None else environ).get("DLM_STORE") or None
+    return None if value is None else check_store_path(value, "DLM_STORE")
 
 
 def default_store_root() -> Path:
@@ -46,12 +47,23 @@ def default_store_root() -> Path:
     return Path(env).expanduser() if env else dlm_home() / "store"
 
 
-def check_store_path(path: str) -> str:
-    """A store directory as the user gave it (--store, `store` in serve's settings): an empty
-    one is refused, since it would read as the current directory (a fetch filled ./models
-    with no word)."""
+def store_path_problem(path: str) -> str | None:
+    """What is wrong with `path` as a store directory, if anything: an empty or blank one
+    would read as the current directory (or a directory named by spaces: a fetch filled
+    ./models with no word)."""
+    if not path:
+        return "must name a directory, got an empty string"
     if not path.strip():
-        raise UsageError("--store must name a directory, got an empty string")
+        return f"must name a directory, got a blank value {path!r}"
+    return None
+
+
+def check_store_path(path: str, source: str = "--store") -> str:
+    """A store directory as the user gave it, from `source` (`--store`, `DLM_STORE`): refused
+    when `store_path_problem` finds one, naming where it came from."""
+    problem = store_path_problem(path)
+    if problem is not None:
+        raise UsageError(f"{source} {problem}")
     return path
 
 
