@@ -27,6 +27,21 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture
+def server_logging() -> Iterator[None]:
+    """`dlm serve` in process points its loggers at this run's stderr (which the runner then
+    closes) and stops their propagation: put them back, or later tests of this worker log
+    into a closed stream ("--- Logging error ---" in their stderr)."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("dlm", "uvicorn", "uvicorn.error")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate) in zip(loggers, saved):
+        lg.handlers, lg.propagate = handlers, propagate
+        lg.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models are overhead-bound; one thread avoids spin contention on shared CPUs

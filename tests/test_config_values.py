@@ -16,7 +16,7 @@ import copy
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +140,6 @@ def test_verify_records_the_config_as_failed(kind: str, good: Path, tmp_path: Pa
     manifest = store.manifest(*ref.split("@"))
     assert manifest.state == "failed"
     assert manifest.verification is not None and manifest.verification.failures[0].file == "config.json"
-
-
-@pytest.fixture
-def server_logging() -> Iterator[None]:
-    """`dlm serve` in process points its loggers at this run's stderr: put them back."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("dlm", "uvicorn", "uvicorn.error")]
-    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
-    yield
-    for lg, (handlers, level, propagate) in zip(loggers, saved):
-        lg.handlers, lg.propagate = handlers, propagate
-        lg.setLevel(level)
 
 
 @pytest.mark.parametrize("kind", list(CHECKPOINT_DAMAGES))

@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -148,21 +148,6 @@ def test_estimate_reads_the_index_without_torch(checkpoints: dict[int, Path]) ->
     assert out.returncode == 0, out.stderr
     count, torch_loaded = out.stdout.split()
     assert int(count) > 0 and torch_loaded == "False"
-
-
-@pytest.fixture
-def server_logging() -> Iterator[None]:
-    """`dlm serve` in process points its loggers at this run's stderr (which the runner then
-    closes) and stops their propagation: put them back, or later tests of this worker log
-    into a closed stream ("--- Logging error ---" in their stderr)."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("dlm", "uvicorn", "uvicorn.error")]
-    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
-    yield
-    for lg, (handlers, level, propagate) in zip(loggers, saved):
-        lg.handlers, lg.propagate = handlers, propagate
-        lg.setLevel(level)
 
 
 def test_serve_ends_a_failed_load_with_the_contracts_error_line(
