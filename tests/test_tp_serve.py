@@ -107,17 +107,52 @@ def test_two_ranks_answer_as_one_process(servers: tuple[ServerProcess, list[dict
 
 
 LONG = {"prompt": "x", "max_tokens": 512, "steps": 512, "block_length": 32}
+STOPPED = r"a tensor-parallel collective timed out after 5s: tensor-parallel rank 1 \(pid {pid}\) is stopped"
+
+
+def _failed(server: ServerProcess, cause: str) -> None:
+    """Between the failure and the exit: /health and /ready answer 503 naming `cause`, and a
+    new request is refused."""
+    health: list[httpx.Response] = []
+
+    def unhealthy() -> bool:
+        try:
+            health.append(httpx.get(server.url + "/health"))
+        except httpx.ConnectError:  # it should answer 503 for FAILED_EXIT_DELAY_S first
+            server.proc.wait(timeout=10)
+            raise AssertionError("the server exited before /health said 503:\n" + "\n".join(server.lines)) from None
+        return health[-1].status_code != 200
+
+    assert wait_until(unhealthy, timeout=60, interval=0.1)  # a hang guard only: the cause proves which timeout fired
+    assert health[-1].status_code == 503 and re.search(cause, health[-1].json()["error"]["message"])
+    assert httpx.get(server.url + "/ready").status_code == 503
+    refused = server.http.post(server.url + "/v1/completions", json=LONG)  # before it exits
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+
+
+def _exits(server: ServerProcess, pid: int, cause: str) -> None:
+    """The server exits 1 with `cause` as its error line, and rank 1 does not outlive it."""
+    assert server.proc.wait(timeout=60) == 1
+    assert any(re.search("error: " + cause, line) for line in server.lines), "\n".join(server.lines)
+    assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=5), "rank 1 outlived the server"
+
+
+def _engine_error(answer: httpx.Response, cause: str) -> None:
+    error = answer.json()["error"]
+    assert answer.status_code == 500 and error["code"] == "engine_error" and re.search(cause, error["message"]), error
+
+
+def _failing_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """Two ranks, one sequence at a time, collectives that time out after 5s."""
+    home = session_home(tmp_path_factory)
+    return _serve(home, "--tensor-parallel-size", "2", "--max-num-seqs", "1", env={"DLM_DIST_TIMEOUT": "5"})
 
 
 @pytest.mark.parametrize(
     ("sig", "cause"),
     [
         (signal.SIGKILL, r"tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9 \(SIGKILL\)"),
-        (
-            signal.SIGSTOP,
-            r"a tensor-parallel collective timed out after 5s: tensor-parallel rank 1 \(pid {pid}\) "
-            r"is stopped",
-        ),
+        (signal.SIGSTOP, STOPPED),
     ],
 )
 @pytest.mark.slow
@@ -126,14 +161,7 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
     sig: signal.Signals,
     cause: str,
 ) -> None:
-    server = _serve(
-        session_home(tmp_path_factory),
-        "--tensor-parallel-size",
-        "2",
-        "--max-num-seqs",
-        "1",
-        env={"DLM_DIST_TIMEOUT": "5"},
-    )
+    server = _failing_server(tmp_path_factory)
     try:
         server.wait_ready()
         answers: dict[str, httpx.Response] = {}
@@ -153,36 +181,33 @@ def test_a_failed_worker_fails_requests_and_health_then_the_server_exits_1(
         pid = _worker_pid(server.proc.pid)
         os.kill(pid, sig)
         cause = cause.format(pid=pid)
-
-        health: list[httpx.Response] = []
-
-        def unhealthy() -> bool:
-            try:
-                health.append(httpx.get(server.url + "/health"))
-            except httpx.ConnectError:  # it should answer 503 for FAILED_EXIT_DELAY_S first
-                server.proc.wait(timeout=10)
-                raise AssertionError("the server exited before /health said 503:\n" + "\n".join(server.lines)) from None
-            return health[-1].status_code != 200
-
-        assert wait_until(
-            unhealthy, timeout=60, interval=0.1
-        )  # a hang guard only: the cause below proves which timeout fired
-        assert health[-1].status_code == 503 and re.search(cause, health[-1].json()["error"]["message"])
-        assert httpx.get(server.url + "/ready").status_code == 503
-        refused = server.http.post(server.url + "/v1/completions", json=LONG)  # before it exits
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
-
+        _failed(server, cause)
         for thread in threads:
             thread.join(timeout=60)
         for name in ("running", "queued"):
-            error = answers[name].json()["error"]
-            assert answers[name].status_code == 500 and error["code"] == "engine_error", name
-            assert re.search(cause, error["message"]), error
+            _engine_error(answers[name], cause)
+        _exits(server, pid, cause)
+    finally:
+        server.proc.kill()
+        server.proc.wait()
 
-        code = server.proc.wait(timeout=60)
-        assert code == 1
-        assert any(re.search("error: " + cause, line) for line in server.lines), "\n".join(server.lines)
-        assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=5), "rank 1 outlived the server"
+
+@pytest.mark.slow
+def test_a_worker_stopped_while_idle_fails_the_next_request_on_the_collective_timeout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A rank stopped between steps has not taken the next step message: the driver's send
+    of it must time out like a collective (it waited forever, until the backstop ended the
+    process without an answer)."""
+    server = _failing_server(tmp_path_factory)
+    try:
+        server.wait_ready()
+        pid = _worker_pid(server.proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        cause = STOPPED.format(pid=pid)
+        _engine_error(server.http.post(server.url + "/v1/completions", json=LONG, timeout=60), cause)
+        _failed(server, cause)
+        _exits(server, pid, cause)
     finally:
         server.proc.kill()
         server.proc.wait()

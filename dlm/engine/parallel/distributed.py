@@ -50,7 +50,7 @@ from dlm.engine.runtime.request import RequestState
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 TIMEOUT_VAR = "DLM_DIST_TIMEOUT"  # seconds: overrides `timeout_s` (init and each collective)
-CONTROL_TIMEOUT = timedelta(days=365)  # workers wait for the driver's next step however idle it is
+CONTROL_TIMEOUT = timedelta(days=365)  # a worker's wait for the driver's next step
 WATCHDOG_GRACE_S = 5.0  # after a spawned rank dies, how long the driver may take to fail by itself
 
 
@@ -205,7 +205,11 @@ def join(place: Place, config: ParallelConfig, device: torch.device) -> Group:
         world_size=place.world,
         timeout=timedelta(seconds=config.timeout_s),
     )
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # Each process sets its own side's timeout. A worker waits for the driver's next step however
+    # idle it is; the driver's send waits until each rank takes the message (gloo hands it over
+    # only then), so a rank stopped outside a collective must fail it like any other.
+    control_timeout = timedelta(seconds=config.timeout_s) if place.rank == 0 else CONTROL_TIMEOUT
+    control = dist.new_group(backend="gloo", timeout=control_timeout)
     parallel_state.set_state(parallel_state.TPState(place.rank, place.world, dist.group.WORLD, config.moe))
     return Group(place, backend, control, threads)
 
