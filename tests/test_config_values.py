@@ -24,7 +24,7 @@ import pytest
 
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.store import Store
-from dlm.engine.config import MAX_ELEMENTS, config_from_dict
+from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict
 from dlm.engine.errors import InvalidConfig
 from dlm.engine.tiny_models import BUILDERS, special_ids
 from tests.tiny_families import tiny_names
@@ -90,6 +90,53 @@ def test_every_family_refuses_sizes_no_tensor_can_hold(name: str) -> None:
     assert f"{MAX_ELEMENTS:.3g} elements" in str(caught.value)
 
 
+def _kv_heads_key(fields: dict[str, Any]) -> str:
+    return "n_kv_heads" if "n_kv_heads" in fields else "num_key_value_heads"
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_refuses_heads_its_key_value_heads_do_not_divide(name: str) -> None:
+    """Attention repeats each key/value head over a whole group of heads: 4 heads over 3."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    fields.update({_heads_key(fields): 4, _kv_heads_key(fields): 3})
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "num_kv_heads" and caught.value.exit_code == 2
+    assert "4 attention heads over 3 key/value heads" in str(caught.value), caught.value
+
+
+def _masked(name: str) -> bool:
+    return config_from_dict(_config(name)).mask_token_id != NO_MASK
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if _masked(name)])
+@pytest.mark.parametrize("past", [0, 1000])
+def test_every_family_with_a_mask_refuses_one_outside_its_embedding(name: str, past: int) -> None:
+    """Every canvas starts as MASK ids: one past the embedding's rows made the first forward
+    raise IndexError (a traceback from `dlm generate`); a negative one too."""
+    config = copy.deepcopy(_config(name))
+    rows = config_from_dict(copy.deepcopy(config)).logits_size
+    config["mask_token_id"] = rows + past
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "mask_token_id" and caught.value.exit_code == 2
+    assert str(caught.value) == (
+        f"config.json field 'mask_token_id' must be a row of the embedding (0..{rows - 1}), got {rows + past}"
+    )
+    config["mask_token_id"] = -1
+    with pytest.raises(InvalidConfig, match=r"^config.json field 'mask_token_id' must be at least 0, got -1$"):
+        config_from_dict(config)
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if not _masked(name)])
+def test_a_family_without_a_mask_never_reads_the_field(name: str) -> None:
+    """DiffusionGemma's canvas starts as random tokens: a mask_token_id there is not its MASK."""
+    config = copy.deepcopy(_config(name))
+    config["mask_token_id"] = 10**6
+    assert config_from_dict(config).mask_token_id == NO_MASK
+
+
 def _every_size(config: dict[str, Any]) -> None:
     for key, value in list(config.items()):
         if type(value) is int and not key.endswith("token_id"):
@@ -107,6 +154,10 @@ CHECKPOINT_DAMAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "d_model 0": (lambda c: c.update(d_model=0), "config.json field 'd_model' must be at least 1, got 0"),
     "every size 10**12": (_every_size, "config.json's sizes describe a model of about"),
+    "mask_token_id past the embedding": (
+        lambda c: c.update(mask_token_id=10**6),
+        "config.json field 'mask_token_id' must be a row of the embedding",
+    ),
 }
 
 

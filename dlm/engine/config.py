@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dlm.engine.registry import BlockRules, Family
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+NO_MASK = -1  # the mask_token_id of a model without a MASK token (a family declares it)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
-    mask_token_id: int
+    mask_token_id: int  # NO_MASK where the model has none
     eos_token_id: int | None
     pad_token_id: int | None
     tie_word_embeddings: bool
@@ -199,10 +200,14 @@ def real(raw: dict[str, Any], key: str, default: float, positive: bool = True) -
 
 
 def _mask(raw: dict[str, Any], family: Family) -> int:
+    """The MASK id: config.json's, else the family's documented one. A family without a MASK
+    token (NO_MASK) never reads the field."""
+    if family.mask_token_id == NO_MASK:
+        return NO_MASK
     mask = raw.get("mask_token_id", family.mask_token_id)
     if mask is None:
         raise UsageError(f"config.json has no mask_token_id, which {family.name} needs: add it there")
-    return as_int(mask, "mask_token_id", None)
+    return as_int(mask, "mask_token_id", 0)
 
 
 def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
@@ -483,8 +488,9 @@ def parameter_bound(config: ModelConfig) -> int:
 
 def check_sizes(config: ModelConfig) -> ModelConfig:
     """What no single field shows: a head width of 0 (more heads than the hidden size has
-    columns), and sizes whose model no storage can hold. The bound is torch's own (int64
-    bytes; building such a model, even on the meta device, raises "Storage size calculation
+    columns), heads the key/value heads do not divide, a MASK id outside the embedding,
+    and sizes whose model no storage can hold. The bound is torch's own (int64 bytes;
+    building such a model, even on the meta device, raises "Storage size calculation
     overflowed", which says nothing of the file): checked here, where every command parses
     config.json, rather than classified from that RuntimeError after the fact, so `dlm
     verify` records it against config.json and `serve`, `generate` and `estimate` refuse
@@ -494,6 +500,20 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             f"config.json's sizes give head_dim {config.head_dim} "
             f"(hidden size {config.hidden_size} over {config.num_heads} heads): it must be at least 1",
             "head_dim",
+        )
+    if config.num_heads % config.num_kv_heads:
+        raise InvalidConfig(
+            f"config.json's sizes give {config.num_heads} attention heads over {config.num_kv_heads} "
+            "key/value heads: each key/value head must serve a whole number of heads",
+            "num_kv_heads",
+        )
+    # Every canvas starts as MASK ids, so the MASK must be a row of the embedding: out of
+    # range, the first forward raised IndexError.
+    if config.mask_token_id != NO_MASK and config.mask_token_id >= config.logits_size:
+        raise InvalidConfig(
+            f"config.json field 'mask_token_id' must be a row of the embedding (0..{config.logits_size - 1}), "
+            f"got {config.mask_token_id}",
+            "mask_token_id",
         )
     bound = parameter_bound(config)
     if bound > MAX_ELEMENTS:

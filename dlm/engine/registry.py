@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from dlm.engine.config import NO_MASK
 from dlm.engine.errors import UsageError
 
 
@@ -75,7 +76,7 @@ class Family:
     # How config.json is read (dlm.engine.config.LAYOUTS): "llada" (OLMo-style d_model/n_layers),
     # "qwen" (transformers' standard names) or "hybrid" (Qwen3.5 text config, maybe nested).
     layout: str = "qwen"
-    mask_token_id: int | None = None  # the documented MASK where config.json omits it; None: required
+    mask_token_id: int | None = None  # the documented MASK where config.json omits it; None: required; NO_MASK: none
     check: Callable[[dict[str, Any]], None] | None = None  # refuses what the model does not implement
     # Architecture facts of the "qwen"/"hybrid" layouts (LLaDA's own names are read by its layout).
     qkv_bias: Flag = ATTENTION_BIAS
@@ -235,7 +236,7 @@ FAMILIES: tuple[Family, ...] = (
         sampler="entropy_bound",
         engine="dlm.engine.runtime.canvas.CanvasEngine",
         layout="diffusion_gemma",
-        mask_token_id=-1,  # no MASK token: a canvas starts as uniform random tokens
+        mask_token_id=NO_MASK,  # a canvas starts as uniform random tokens
         check=_refuse_diffusion_gemma,
         qk_norm=ALWAYS,
         attention="encoder-decoder",
@@ -264,7 +265,7 @@ FAMILIES: tuple[Family, ...] = (
         module="dlm.engine.models.qwen3_5_moe",
         description="Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention), autoregressive base",
         engine="",
-        mask_token_id=-1,  # the autoregressive base model has no MASK token
+        mask_token_id=NO_MASK,  # the autoregressive base model has none
         label="qwen3.5-hybrid",
         planned_model_types=("qwen3_next",),
         planned_architectures=("Qwen3NextForCausalLM",),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlm.engine.config import ModelConfig, read_config_json
+from dlm.engine.config import NO_MASK, ModelConfig, read_config_json
 from dlm.engine.errors import DlmError, Unsupported, UsageError
 from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.registry import UNREGISTERED
@@ -189,7 +189,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
         rope_theta=float(get("rope_theta", 10000.0) or 10000.0),
         rms_norm_eps=float(get("rms_norm_eps", 1e-6) or 1e-6),
         max_position_embeddings=int(get("max_position_embeddings", 4096) or 4096),
-        mask_token_id=-1 if mask is None else mask,  # -1: no MASK token known
+        mask_token_id=NO_MASK if mask is None else mask,
         eos_token_id=_first(get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)),
         pad_token_id=_first(get("pad_token_id"), getattr(tokenizer, "pad_token_id", None)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
@@ -280,7 +280,7 @@ class GenerateMethodRunner:
             wanted["do_sample"] = False
         if self.method_name == "diffusion_generate":
             wanted.update({f: getattr(params, f) for f in self.takes})
-            if self.config.mask_token_id >= 0:
+            if self.config.mask_token_id != NO_MASK:
                 wanted["mask_token_id"] = self.config.mask_token_id
             wanted = {k: v for k, v in wanted.items() if self._accepts(k)}
         return {k: v for k, v in wanted.items() if v is not None}
@@ -353,7 +353,7 @@ def load_transformers_engine(
     config = backend_config(hf_model, tokenizer)
     try:
         adapter = ForwardAdapter(hf_model)
-        usable = config.mask_token_id >= 0 and is_bidirectional(adapter, config.vocab_size, device)
+        usable = config.mask_token_id != NO_MASK and is_bidirectional(adapter, config.vocab_size, device)
     except (DlmError, TypeError, ValueError, RuntimeError):  # its forward does not take our inputs
         usable = False
     if usable:
