@@ -154,6 +154,10 @@ CHECKPOINT_DAMAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "d_model 0": (lambda c: c.update(d_model=0), "config.json field 'd_model' must be at least 1, got 0"),
     "every size 10**12": (_every_size, "config.json's sizes describe a model of about"),
+    "n_layers 10**6 over 1": (
+        lambda c: c.update(n_layers=10**6),
+        "config.json describes a model of about",
+    ),
     "mask_token_id past the embedding": (
         lambda c: c.update(mask_token_id=10**6),
         "config.json field 'mask_token_id' must be a row of the embedding",

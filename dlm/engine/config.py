@@ -525,6 +525,24 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
     return config
 
 
+# A stored value may stand for several parameters (4-bit weights packed in int32: 8 each).
+PARAMETERS_PER_VALUE = 64
+
+
+def check_fits_weights(config: ModelConfig, values: int) -> None:
+    """Refuse a config.json describing a model far larger than the `values` its weights hold
+    (an edited or foreign config: 10**6 layers over the tensors of 4). The model is built,
+    even on the meta device, module by module before any tensor is held against it: such a
+    config cost minutes and gigabytes before `dlm verify` or a load could say a word."""
+    bound = parameter_bound(config)
+    if values and bound > PARAMETERS_PER_VALUE * values:
+        raise InvalidConfig(
+            f"config.json describes a model of about {bound:.3g} parameters ({config.num_layers} layers, "
+            f"hidden size {config.hidden_size}), more than {PARAMETERS_PER_VALUE} for each of the {values:,} "
+            "values its weights hold: it is not these weights' config"
+        )
+
+
 def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
     """`raw` read as `family` declares: its spelling, its refusals, its facts. Every number
     is checked as it is read (`size`, `real`: integers of their range, finite floats; the

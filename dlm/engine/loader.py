@@ -111,18 +111,25 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"no safetensors weights in {model_dir}")
-    locations = {}
-    for file in files:
-        require_file(file)
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    locations[name] = file
-        except SafetensorError as exc:
-            raise damaged_weights(file, exc) from None
-        except OSError as exc:  # unreadable: permissions, an I/O error
-            raise damaged_weights(file, exc.strerror or exc) from None
-    return locations
+    return {name: file for file in files for name in _headers(file)}
+
+
+def _headers(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor of `file` and its shape, from the safetensors header (no data read)."""
+    require_file(file)
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except SafetensorError as exc:
+        raise damaged_weights(file, exc) from None
+    except OSError as exc:  # unreadable: permissions, an I/O error
+        raise damaged_weights(file, exc.strerror or exc) from None
+
+
+def stored_values(model_dir: Path) -> int:
+    """How many values the checkpoint's tensors hold (what `check_fits_weights` compares)."""
+    files = sorted(set(tensor_locations(model_dir).values()))
+    return sum(math.prod(shape) for file in files for shape in _headers(file).values())
 
 
 Index = tuple[slice, ...]

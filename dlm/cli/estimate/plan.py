@@ -24,7 +24,7 @@ from dlm.cli.estimate import canvas as canvas_terms
 from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
 from dlm.engine.compressed_tensors import read_scheme
-from dlm.engine.config import LinearAttentionSpec, ModelConfig, parse_config
+from dlm.engine.config import LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
@@ -829,6 +829,8 @@ def plan_report(
     gpu_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     arch = architecture_from_config(source.raw)
+    if source.headers is not None:  # a plan of other weights than these says nothing of them
+        check_fits_weights(arch.config, source.headers.parameter_count)
     comps = parameter_components(arch)
     counts = count_parameters(comps)
     serving, scheme_note = _checkpoint_quantization(source.raw, serving)

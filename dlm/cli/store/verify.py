@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import struct
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from dlm.cli.store.hashing import ByteProgress, NoProgress, parallel_map, sha256
 from dlm.cli.store.records import Finding, Manifest, Verification
 from dlm.cli.store.safetensors_format import check_safetensors
 from dlm.cli.store.store import Store, iter_files, local_path, now, split_ref
-from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.errors import DlmError, InvalidConfig, UsageError
 
 INDEX = "model.safetensors.index.json"
 
@@ -350,9 +351,16 @@ def check_tensors(directory: Path, report: VerifyReport) -> None:
             shapes[tensor], holder[tensor] = header.shape, shard.relative_to(directory).as_posix()
     # A pre-quantized layer's `weight` is decoded from its integers and scales (check_quantization).
     names |= {f"{layer}.weight" for layer in quantized_layers(read_headers(shards))}
+    from dlm.engine.config import check_fits_weights
     from dlm.engine.runtime.engine import build_on_meta
 
-    model = build_on_meta(load_config(directory))
+    config = load_config(directory)
+    try:
+        check_fits_weights(config, sum(math.prod(shape) for shape in shapes.values()))
+    except InvalidConfig as exc:
+        report.fail("config.json", "config", finding(directory, "config", exc))
+        return
+    model = build_on_meta(config)
     missing = missing_tensors(model, names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -584,10 +584,9 @@ def check_split(spec: EngineSpec, config: ParallelConfig) -> None:
     """Refuse, before any process starts, a group size the model's layers cannot split
     (heads, intermediate size, vocabulary, experts): rank 0's shard is built on `meta`
     under the target group, so the layers' own rules answer."""
-    from dlm.engine.config import load_config
-    from dlm.engine.runtime.engine import build_on_meta
+    from dlm.engine.runtime.engine import build_on_meta, weights_config
 
-    model_config = load_config(Path(spec.model_dir))
+    model_config = weights_config(Path(spec.model_dir))
     target = parallel_state.TPState(rank=0, size=config.tensor_parallel_size, moe=config.moe)
     with parallel_state.using(target):
         build_on_meta(model_config)

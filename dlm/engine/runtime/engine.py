@@ -16,12 +16,12 @@ import torch
 
 from dlm.engine.capabilities import supported
 from dlm.engine.compressed_tensors import placement, read_scheme
-from dlm.engine.config import ModelConfig, load_config, read_config_json
+from dlm.engine.config import ModelConfig, check_fits_weights, load_config, read_config_json
 from dlm.engine.decoding.constrain import Constraint, Vocabulary, layout
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
-from dlm.engine.loader import load_weights
+from dlm.engine.loader import load_weights, stored_values
 from dlm.engine.parallel import state as parallel_state
 from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.quantization import method_named
@@ -95,6 +95,14 @@ def build_on_meta(config: ModelConfig) -> torch.nn.Module:
         raise UsageError(str(exc)) from exc
 
 
+def weights_config(model_dir: Path) -> ModelConfig:
+    """The config.json of the checkpoint in `model_dir`, held against its weights' size
+    before anything builds its model (`check_fits_weights`)."""
+    config = load_config(model_dir)
+    check_fits_weights(config, stored_values(model_dir))
+    return config
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -107,7 +115,7 @@ def load_model(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UsageError(f"model directory {model_dir} does not exist")
-    config = load_config(model_dir)
+    config = weights_config(model_dir)
     method = method_named(quantization)
     scheme = read_scheme(read_config_json(model_dir))
     model = build_on_meta(config)
