@@ -30,6 +30,7 @@ from dlm.engine import checkpoint_writer as cw
 from dlm.engine.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from dlm.engine.errors import DlmError, UsageError
 from tests.cli_process import dlm
+from tests.weights_helpers import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,6 +100,9 @@ def test_tiny_count_detects_a_missing_tensor(tmp_path: Path) -> None:
     report = estimate(str(tmp_path), Serving(context=256, gen_length=64))
     assert report["checkpoint"]["matches_config"] is False
     assert report["checkpoint"]["difference"] == -32  # 2 KV heads x 16 head_dim
+    code, _, stderr = cli("estimate", str(tmp_path), "--gpu-memory", "24")
+    assert code == 0, stderr
+    assert "differs from config.json by -32 (the weights lack tensors config.json describes" in " ".join(stderr.split())
 
 
 REFERENCE_FAMILIES = {"llada_tiny_v2": "llada", "dream_tiny_v2": "dream", "sdar_tiny": "sdar", "llada2_tiny": "llada2"}

@@ -25,6 +25,13 @@ def _quantized(serving: dict[str, Any]) -> str:
     return f" ({serving['quantization']} linear layers)" if serving["quantization"] else ""
 
 
+def _difference(difference: int) -> str:
+    """What a count of the headers unlike config.json's means."""
+    if difference > 0:
+        return "tensors the plan does not model"
+    return "the weights lack tensors config.json describes, or hold them packed (pre-quantized)"
+
+
 def _render(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -52,7 +59,7 @@ def _render(report: dict[str, Any]) -> None:
         verdict = (
             "[green]matches config.json[/]"
             if ck["matches_config"]
-            else (f"[yellow]differs from config.json by {ck['difference']:+,}[/] (tensors the plan does not model)")
+            else f"[yellow]differs from config.json by {ck['difference']:+,}[/] ({_difference(ck['difference'])})"
         )
         dtypes = ", ".join(f"{k} {_params(v)}" for k, v in ck["params_by_dtype"].items())
         err_console.print(f"checkpoint headers: {ck['params_in_headers']:,} params ({dtypes}), {verdict}")
