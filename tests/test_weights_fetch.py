@@ -430,13 +430,14 @@ def test_the_next_command_removes_a_model_left_without_a_version(source: Path, t
     assert cli("rm", removed.ref, "--store", str(store.root))[0] == 0
     running = store.model_dir("running")
     (running / ".staging").mkdir(parents=True)
-    with store.staging_lock("running"):  # a fetch of it transferring: left alone
+    with store.staging_lock("running"):  # a fetch of it transferring: left alone (and no model yet)
         code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
         assert code == 0, stderr
-        assert [m["name"] for m in json.loads(stdout)["models"]] == ["kept", "running"]
+        assert [m["name"] for m in json.loads(stdout)["models"]] == ["kept"]
+        assert (running / ".staging").is_dir()
     assert not killed.exists() and not store.model_dir("removed").exists()
     assert cli("models", "--store", str(store.root), "--json")[0] == 0
-    assert store.models() == ["kept"]
+    assert store.model_directories() == ["kept"] and store.models() == ["kept"]
 
 
 def test_a_transaction_does_not_make_again_a_model_directory_a_failed_fetch_removed(
@@ -449,7 +450,7 @@ def test_a_transaction_does_not_make_again_a_model_directory_a_failed_fetch_remo
 
     store = Store(tmp_path / "store")
     fetch(str(source), store, name="kept")
-    monkeypatch.setattr(Store, "models", lambda self: ["kept", "gone"])  # listed, then removed
+    monkeypatch.setattr(Store, "model_directories", lambda self: ["kept", "gone"])  # listed, then removed
     with transaction(store):
         pass
     assert not store.model_dir("gone").exists()

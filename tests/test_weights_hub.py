@@ -147,6 +147,12 @@ def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.Mo
         proc.wait()
         hub.release_stall.set()
         assert store.manifests("big") == []  # never usable
+        code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
+        listing = json.loads(stdout)
+        assert code == 0 and listing["models"] == [], stderr  # no model without a version
+        [incomplete] = listing["incomplete"]
+        assert incomplete["ref"] == f"big@{COMMIT[:12]}" and incomplete["files"] == 1 and not incomplete["running"]
+        assert incomplete["resume"] == f"dlm fetch org/big --revision {COMMIT} --name big"
         hub.stall = None
         hub.requests.clear()
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
@@ -182,3 +188,83 @@ def test_a_download_that_fails_before_any_file_arrives_leaves_the_store_as_it_wa
     with pytest.raises(DlmError, match="network is unreachable"):
         fetch("org/tiny", store)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if "store" in p.parts) == was
+
+
+def _interrupted_download(hub: FakeHub, monkeypatch: pytest.MonkeyPatch, how: str) -> type[BaseException]:
+    """Make the next fetch stop once config.json and the second shard arrived: the network
+    fails, the user hits Ctrl-C, or the first shard does not match the hub's hash (removed,
+    the rest kept)."""
+    import huggingface_hub
+
+    if how == "hash mismatch":
+        shard = "model-00001-of-00002.safetensors"
+        hub.served[shard] = hub.files[shard][:-5] + bytes(b ^ 0xFF for b in hub.files[shard][-5:])
+        return DlmError
+    real = huggingface_hub.snapshot_download
+    raised = {"network error": OSError("connection reset by peer"), "Ctrl-C": KeyboardInterrupt()}[how]
+
+    def some_files_then(*args: object, **kwargs: object) -> None:
+        real(*args, **{**kwargs, "allow_patterns": ["config.json", "model-00002-of-00002.safetensors"]})
+        raise raised
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", some_files_then)
+    return type(raised) if how == "Ctrl-C" else DlmError
+
+
+@pytest.mark.parametrize("before", ["no store", "a version of the name"])
+@pytest.mark.parametrize("how", ["network error", "Ctrl-C", "hash mismatch"])
+def test_an_interrupted_download_is_listed_as_incomplete_not_as_a_model_without_a_version(
+    how: str, before: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download interrupted after some files arrived keeps them for its rerun to resume, and
+    `dlm models --json` listed NAME with `"versions": []` (the table showed nothing) until the
+    rerun, a name that `dlm verify`, `dlm rm` and `dlm serve` then did not know. Now NAME is a
+    model only once a version is published: the download is listed apart as `incomplete`, with
+    the command that resumes it, which a bare NAME's error names too. A published version of
+    the name stays listed and is what NAME resolves to."""
+    store = Store(tmp_path / "store")
+    published = []
+    if before != "no store":
+        published = [fetch(str(make_checkpoint(tmp_path / "local", shards=1, tokenizer=False)), store, name="tiny")]
+    raised = _interrupted_download(hub, monkeypatch, how)
+    with pytest.raises(raised):
+        fetch("org/tiny", store)
+    resume = f"dlm fetch org/tiny --revision {COMMIT} --name tiny"
+
+    code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
+    listing = json.loads(stdout)
+    assert code == 0, stderr
+    assert [(m["name"], [v["version"] for v in m["versions"]]) for m in listing["models"]] == [
+        ("tiny", [r.manifest.version for r in published])
+    ] * len(published)
+    [incomplete] = listing["incomplete"]
+    assert incomplete["ref"] == f"tiny@{COMMIT[:12]}" and incomplete["resume"] == resume
+    assert incomplete["files"] >= 1 and incomplete["size"] > 0 and not incomplete["running"]
+    assert incomplete["source"]["repo_id"] == "org/tiny" and Path(incomplete["path"]).is_dir()
+    code, stdout, _ = cli("models", "--store", str(store.root))
+    assert code == 0 and f"incomplete fetch tiny@{COMMIT[:12]}" in stdout and resume in " ".join(stdout.split())
+
+    if published:  # what was published stays what NAME means
+        assert store.find("tiny").version == published[0].manifest.version
+    else:
+        code, _, stderr = cli("verify", "tiny", "--store", str(store.root))
+        assert code == 2 and "no model named 'tiny'" in stderr and resume in stderr
+
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    hub.served = dict(hub.files)
+    hub.requests.clear()
+    result = fetch("org/tiny", store, revision=COMMIT)  # the command it named
+    assert result.manifest.verified and result.manifest.version == COMMIT[:12]
+    fetched = [p.rsplit("/", 1)[1] for p in _downloads(hub)]
+    assert "model-00001-of-00002.safetensors" in fetched
+    assert "model-00002-of-00002.safetensors" not in fetched  # resumed: what arrived is kept
+    assert not (result.path.parent / "source.json").exists()  # the staging record is not published
+    code, stdout, _ = cli("models", "--store", str(store.root), "--json")
+    listing = json.loads(stdout)
+    assert listing["incomplete"] == [] and not Path(incomplete["path"]).exists()
+    assert [v["version"] for v in listing["models"][0]["versions"]] == [
+        *(r.manifest.version for r in published),
+        COMMIT[:12],
+    ]

@@ -82,6 +82,8 @@ def _listing(store: Any) -> dict[str, Any]:
         "store": str(store.root),
         "models": models,
         "deployments": sorted(deployments, key=lambda d: d["deployment"]),
+        # Hub downloads not (yet) published: never a version, listed apart with how to resume them.
+        "incomplete": [f.to_json() for name in store.model_directories() for f in store.incomplete_fetches(name)],
     }
 
 
@@ -114,6 +116,14 @@ def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> No
                     escape(v.get("reason", "")),
                 )
         out.print(table)
+        for fetch in listing["incomplete"]:
+            what = f"{fetch['files']} files, {human_size(fetch['size'])} in {fetch['path']}"
+            if fetch["running"]:
+                todo = "a fetch of it is running"
+            else:
+                again = f"`{fetch['resume']}`" if fetch["resume"] else "its `dlm fetch` again"
+                todo = f"not usable until {again} completes it, or delete that directory"
+            out.print(f"incomplete fetch {fetch['ref']}: [yellow]{escape(what)}[/]; {escape(todo)}", highlight=False)
         for state in listing["deployments"]:
             if state.get("state") == "corrupt":
                 out.print(f"deployment {state['deployment']}: [red]corrupt[/] ({escape(state['reason'])})")

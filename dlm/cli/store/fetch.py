@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.cli.store.atomic import write_json_atomic
 from dlm.cli.store.hashing import (
     ByteProgress,
     NoProgress,
@@ -45,6 +46,7 @@ from dlm.cli.store.records import CorruptRecord, FileEntry, HubSource, LocalSour
 from dlm.cli.store.releases import transaction
 from dlm.cli.store.store import (
     FILES,
+    SOURCE,
     Store,
     check_name,
     content_hash,
@@ -403,6 +405,7 @@ def fetch_hub(
     )
     with _staging(store, name, key=f"hub-{version}"):
         staging = store.staging(name, key=f"hub-{version}")
+        write_json_atomic(staging / SOURCE, source.to_json())  # what `dlm models` offers to resume
         target = staging / FILES
         before = sum(p.stat().st_size for p in iter_files(target)) if target.exists() else 0
         try:
@@ -454,6 +457,7 @@ def fetch_hub(
             content_sha256=content_hash(files),
         )
         after = sum(f.size for f in files)
+        (staging / SOURCE).unlink(missing_ok=True)  # the manifest records the source now
         return _publish(store, staging, manifest, max(0, after - before))
 
 

@@ -148,14 +148,9 @@ class Manifest(Record):
         None for a verified or unverified version."""
         if self.verification is None or self.verification.ok:
             return None
-        source = self.source
-        again = f"{source.repo_id} --revision {source.commit}" if isinstance(source, HubSource) else source.path
-        again += "".join(f" --include '{g}'" for g in source.include) + "".join(
-            f" --exclude '{g}'" for g in source.exclude
-        )
         return (
             f"{self.ref} failed verification ({self.problems() or 'see `dlm verify`'}): fetching it again "
-            f"repairs it in place (`dlm fetch {again} --name {self.name}`), or remove it (`dlm rm {self.ref}`); "
+            f"repairs it in place (`{fetch_command(self.name, self.source)}`), or remove it (`dlm rm {self.ref}`); "
             f"`dlm verify {self.ref}` lists every finding"
         )
 
@@ -164,6 +159,14 @@ class Manifest(Record):
         found = self.verification.failures if self.verification is not None else []
         more = f"; {len(found) - shown} more" if len(found) > shown else ""
         return "; ".join(f"{f.file}: {f.problem}" for f in found[:shown]) + more
+
+
+def fetch_command(name: str, source: HubSource | LocalSource) -> str:
+    """The `dlm fetch` that brings this very content under `name` again (a hub source pinned
+    to its commit): what repairs a failed version or resumes an interrupted download."""
+    again = f"{source.repo_id} --revision {source.commit}" if isinstance(source, HubSource) else source.path
+    again += "".join(f" --include '{g}'" for g in source.include) + "".join(f" --exclude '{g}'" for g in source.exclude)
+    return f"dlm fetch {again} --name {name}"
 
 
 # -- a deployment's state ----------------------------------------------------------------------

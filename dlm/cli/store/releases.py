@@ -106,7 +106,7 @@ def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
         if store.deployments_dir.is_dir():
             for torn in store.deployments_dir.glob(".*.tmp"):
                 torn.unlink(missing_ok=True)
-        for name in store.models():
+        for name in store.model_directories():  # a fetch's leftovers too, with no version yet
             store.clear_leftovers(name)
         for state in readable_states(store)[0]:
             if state.pending is not None:

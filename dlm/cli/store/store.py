@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from dlm.cli.store.atomic import Busy, fsync_dir, locked, write_json_atomic
-from dlm.cli.store.records import CorruptRecord, FileEntry, Manifest, Verification, read_record
+from dlm.cli.store.records import (
+    CorruptRecord,
+    FileEntry,
+    HubSource,
+    Manifest,
+    Verification,
+    fetch_command,
+    read_record,
+)
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.home import dlm_home
 
@@ -31,6 +39,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no trailing n
 MANIFEST = "manifest.json"
 FILES = "files"
 STAGING = ".staging"
+SOURCE = "source.json"  # a hub download's source, in its staging directory until it is published
 
 
 def store_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -108,6 +117,44 @@ def content_hash(files: list[FileEntry]) -> str:
     for entry in sorted(files, key=lambda f: f.path):
         digest.update(f"{entry.path}\t{entry.sha256}\n".encode())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class IncompleteFetch:
+    """A hub download staged under `models/NAME/.staging/hub-VERSION/` and not published: a
+    fetch interrupted (Ctrl-C, SIGKILL, a network error) or refused (a file that did not match
+    the hub's hash) after some files arrived, or one running now. Listed apart from the
+    versions (`dlm models`), never resolved, served or released."""
+
+    name: str
+    version: str  # the version it would publish
+    path: Path
+    files: int  # complete files so far
+    size: int  # bytes on disk, partial files included
+    source: HubSource | None  # None: staged by an older dlm, which kept no record of it
+    running: bool  # a fetch of NAME holds its staging lock now
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def resume(self) -> str | None:
+        """The command that resumes it (the same fetch, pinned to its commit)."""
+        return None if self.source is None else fetch_command(self.name, self.source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "ref": self.ref,
+            "path": str(self.path),
+            "files": self.files,
+            "size": self.size,
+            "source": self.source.to_json() if self.source is not None else None,
+            "running": self.running,
+            "resume": self.resume,
+        }
 
 
 @dataclass(frozen=True)
@@ -205,25 +252,79 @@ class Store:
         return locked(self.model_dir(name) / ".lock", blocking)
 
     # -- reading ------------------------------------------------------------------------
-    def models(self) -> list[str]:
+    def model_directories(self) -> list[str]:
+        """Every model directory, with a version or not: what a transaction tidies
+        (`clear_leftovers`). Listing is `models`."""
         if not self.models_dir.is_dir():
             return []
         return sorted(p.name for p in self.models_dir.iterdir() if p.is_dir() and NAME_RE.match(p.name))
 
+    def models(self) -> list[str]:
+        """The models the store holds: names with at least one listed version (readable or
+        corrupt). A directory holding only a fetch in progress or interrupted (a hub download
+        kept to be resumed, a SIGKILLed fetch's lock) is no model: `dlm models` listed it with
+        no version, which nothing could resolve, verify or remove (`incomplete_fetches`
+        reports such downloads)."""
+        return [name for name in self.model_directories() if self._listed(name)]
+
+    def _listed(self, name: str) -> list[str]:
+        """The version directories of `name` that are listed: a valid name, not a dot name
+        (staging, trash), with a manifest (a version is renamed into place with it)."""
+        directory = self.model_dir(name)
+        if not directory.is_dir():
+            return []
+        try:
+            entries = list(directory.iterdir())
+        except FileNotFoundError:  # removed since the listing
+            return []
+        return [
+            e.name for e in entries if not e.name.startswith(".") and NAME_RE.match(e.name) and (e / MANIFEST).exists()
+        ]
+
+    def incomplete_fetches(self, name: str) -> list[IncompleteFetch]:
+        """The hub downloads of `name` that a fetch left unpublished (killed, interrupted, a
+        file that failed its hash), kept under `.staging/hub-<version>/` for the same fetch to
+        resume: never a version, but disk space an operator should know of, with the command
+        that resumes each (`running` while a fetch of `name` holds its staging lock)."""
+        base = self.model_dir(name) / STAGING
+        try:
+            staged = sorted(e for e in base.iterdir() if e.is_dir() and e.name.startswith("hub-"))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        try:
+            with locked(self.model_dir(name) / ".lock", blocking=False, make_parents=False):
+                running = False
+        except Busy:
+            running = True
+        except FileNotFoundError:  # a fetch removed the model's directory just now
+            return []
+        found = []
+        for entry in staged:
+            files, size = 0, 0
+            for directory, _, names in os.walk(entry / FILES):  # partial files (.cache) count as space
+                for file in names:
+                    try:
+                        size += os.lstat(os.path.join(directory, file)).st_size
+                    except FileNotFoundError:
+                        continue
+            if (entry / FILES).is_dir():
+                files = sum(1 for _ in iter_files(entry / FILES))
+            try:
+                source: HubSource | None = read_record(entry / SOURCE, HubSource)
+            except (FileNotFoundError, CorruptRecord):
+                source = None  # staged by an older dlm, or damaged: the user knows what they fetched
+            found.append(IncompleteFetch(name, entry.name[len("hub-") :], entry, files, size, source, running))
+        return found
+
     def versions(self, name: str) -> tuple[list[Manifest], list[CorruptVersion]]:
         """Listed versions of `name`: those that read (oldest fetch first) and those whose
         manifest is corrupt. Staging and torn entries (no manifest yet) are not listed."""
-        directory = self.model_dir(name)
-        if not directory.is_dir():
-            return [], []
         found, corrupt = [], []
-        for entry in directory.iterdir():
-            if entry.name.startswith(".") or not NAME_RE.match(entry.name) or not (entry / MANIFEST).exists():
-                continue
+        for version in self._listed(name):
             try:
-                found.append(self._read_manifest(name, entry.name))
+                found.append(self._read_manifest(name, version))
             except CorruptRecord as exc:
-                corrupt.append(CorruptVersion(name, entry.name, exc.reason))
+                corrupt.append(CorruptVersion(name, version, exc.reason))
             except FileNotFoundError:  # removed since the listing
                 continue
         found.sort(key=lambda m: (m.fetched_at, m.version))
@@ -260,7 +361,11 @@ class Store:
         manifests, corrupt = self.versions(name)
         if not manifests and not corrupt:
             self.require()
-            raise UsageError(f"no model named {name!r} in the store at {self.root}")
+            pending = "".join(
+                f" (its fetch of {f.ref} is incomplete: " + (f"`{f.resume}` resumes it)" if f.resume else "rerun it)")
+                for f in self.incomplete_fetches(name)[-1:]
+            )
+            raise UsageError(f"no model named {name!r} in the store at {self.root}{pending}")
         if version is None:
             verified = [m for m in manifests if m.verified]
             if verified:
@@ -331,6 +436,8 @@ class Store:
                     for inner, _, _ in os.walk(path, topdown=False):
                         if inner != str(path):
                             os.rmdir(inner)
+                    if [entry.name for entry in path.iterdir()] == [SOURCE]:  # the record of nothing
+                        (path / SOURCE).unlink()
                 if path.is_dir() and [entry.name for entry in path.iterdir()] == [".lock"]:
                     if path == directory:  # the model's staging lock: the caller holds it
                         (path / ".lock").unlink()
