@@ -216,3 +216,73 @@ def test_commands_refuse_it_with_verifys_words(
     assert code == 2, (code, stderr[-2000:])  # as every config.json refusal
     errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
     assert len(errors) == 1 and errors[0].startswith(f"error: {words}"), stderr[-2000:]
+
+
+def _nests(name: str) -> bool:
+    return "text_config" in _config(name) or config_from_dict(_config(name)).layer_types != ()
+
+
+# where: the nested field; edit: puts a value of the wrong JSON type there
+NESTED: dict[str, Callable[[dict[str, Any]], str]] = {
+    "text_config a string": lambda c: (c.update(text_config="x"), "text_config")[1],
+    "text_config a list": lambda c: (c.update(text_config=[1]), "text_config")[1],
+    "rope_parameters a list": lambda c: (
+        _fields(c).update(rope_parameters=[1]),
+        "text_config.rope_parameters" if "text_config" in c else "rope_parameters",
+    )[1],
+}
+
+
+@pytest.mark.parametrize("nested", list(NESTED))
+@pytest.mark.parametrize("name", [name for name in tiny_names() if _nests(name)])
+def test_a_nested_field_of_the_wrong_json_type_is_refused_naming_it(name: str, nested: str) -> None:
+    """A family reading nested objects (DiffusionGemma's text_config, the hybrids'
+    rope_parameters): a string or list there raised AttributeError ('str' object has no
+    attribute 'get'), a traceback from every command; the hybrids said "'str' object is
+    not a mapping" naming no field."""
+    config = copy.deepcopy(_config(name))
+    where = NESTED[nested](config)  # a flat config (Clover's) also reads a nested text_config
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == where and caught.value.exit_code == 2
+    assert str(caught.value).startswith(f"config.json field {where!r} must be an object, got "), caught.value
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["rope_parameters.full_attention", "rope_parameters.sliding_attention", "per_layer_config", "per_layer_config.1"],
+)
+def test_diffusion_gemma_refuses_a_nested_rope_or_layer_entry_that_is_not_an_object(where: str) -> None:
+    config = copy.deepcopy(_config("diffusion_gemma"))
+    text = config["text_config"]
+    *path, last = where.split(".")
+    parent = text
+    for part in path:
+        parent = parent.setdefault(part, {})
+    parent[last] = "x" if last == "1" else [1]
+    if where == "per_layer_config.1":
+        text["layer_types"][1] = "full_attention"
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == f"text_config.{where}", caught.value
+    assert str(caught.value).startswith(f"config.json field 'text_config.{where}' must be an object"), caught.value
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if config_from_dict(_config(name)).layer_types])
+@pytest.mark.parametrize("value", ["short", "a string", "unknown types"])
+def test_layer_types_must_give_each_layer_a_known_type(name: str, value: str) -> None:
+    """A layer_types list shorter than the layers was taken as it was by the hybrids: the
+    layers past its end had no type (IndexError building the model)."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    layers = config_from_dict(copy.deepcopy(config)).num_layers
+    fields["layer_types"] = {
+        "short": fields["layer_types"][:1] if fields.get("layer_types") else ["full_attention"],
+        "a string": "full_attention",
+        "unknown types": [1] * layers,
+    }[value]
+    where = "text_config.layer_types" if "text_config" in config else "layer_types"
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == where and caught.value.exit_code == 2
+    assert str(caught.value).startswith(f"config.json field {where!r} must be a list of {layers} layer types")

@@ -178,6 +178,18 @@ def _first_int(value: Any, key: str) -> int | None:
     return None if value is None else as_int(value, key, None)
 
 
+def section(raw: dict[str, Any], key: str, where: str | None = None) -> dict[str, Any]:
+    """Field `key`, a JSON object (`{}` when absent or null); `where` is its path in
+    config.json (`text_config.rope_parameters`) when it is nested."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        where = where or key
+        raise InvalidConfig(f"config.json field {where!r} must be an object, got {_shown(value)}", where)
+    return value
+
+
 def require(raw: dict[str, Any], key: str) -> Any:
     if key not in raw or raw[key] is None:
         raise UsageError(f"config.json has no field {key!r}, which its model family needs")
@@ -347,12 +359,30 @@ def hybrid_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     under `rope_parameters`, older files at the top level; both are lifted to the top.
     """
     # The outer model_type names the family (a nested text_config says `..._text`).
-    flat = {**raw, **(raw.get("text_config") or {}), "model_type": raw.get("model_type")}
-    rope = flat.get("rope_parameters") or {}
+    flat = {**raw, **section(raw, "text_config"), "model_type": raw.get("model_type")}
+    rope = section(flat, "rope_parameters")
     for key in ("rope_theta", "partial_rotary_factor"):
         if key in rope:
             flat[key] = rope[key]
     return flat
+
+
+def _layer_types(
+    raw: dict[str, Any], key: str, layers: int, kinds: tuple[str, ...], where: str | None = None
+) -> tuple[str, ...]:
+    """Field `key`: the type of each of the `layers` layers, one of `kinds` (`()` when absent
+    or null). A list shorter than the layers left the last layers without a type (an
+    IndexError when the model was built); entries past them are not read."""
+    value, where = raw.get(key), where or key
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) < layers or any(t not in kinds for t in value[:layers]):
+        raise InvalidConfig(
+            f"config.json field {where!r} must be a list of {layers} layer types "
+            f"({' or '.join(map(repr, kinds))}), got {_shown(value)}",
+            where,
+        )
+    return tuple(value[:layers])
 
 
 def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
@@ -361,11 +391,9 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
     flat = hybrid_text_config(raw)
     layers = size(flat, "num_hidden_layers")
     interval = size(flat, "full_attention_interval", 4)
-    types = tuple(flat.get("layer_types") or ())[:layers] or tuple(
+    types = _layer_types(flat, "layer_types", layers, (FULL_ATTENTION, LINEAR_ATTENTION)) or tuple(
         FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
     )
-    if set(types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
-        raise UsageError(f"config.json layer_types holds an unknown type: {sorted(set(types))}")
     linear = LinearAttentionSpec(
         layers=types.count(LINEAR_ATTENTION),
         key_heads=size(flat, "linear_num_key_heads"),
@@ -410,13 +438,18 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
     `head_dim`/`num_key_value_heads` and default RoPE, full-attention layers their own
     `global_head_dim`/`num_global_key_value_heads` (written per layer in `per_layer_config`)
     and proportional RoPE; every layer has a dense MLP beside its mixture of experts."""
-    text = dict(require(raw, "text_config"))
+    require(raw, "text_config")
+    text = dict(section(raw, "text_config"))
     layers = size(text, "num_hidden_layers")
-    types = tuple(text.get("layer_types") or ())[:layers]
-    if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise UsageError(f"config.json text_config.layer_types must name {layers} sliding/full layers, got {types}")
-    rope = text.get("rope_parameters") or {}
-    full_rope, sliding_rope = rope.get(FULL_ATTENTION) or {}, rope.get(SLIDING_ATTENTION) or {}
+    types = _layer_types(text, "layer_types", layers, (SLIDING_ATTENTION, FULL_ATTENTION), "text_config.layer_types")
+    if not types:
+        raise InvalidConfig(
+            f"config.json field 'text_config.layer_types' must list the type of each of the {layers} layers",
+            "text_config.layer_types",
+        )
+    rope = section(text, "rope_parameters", "text_config.rope_parameters")
+    full_rope = section(rope, FULL_ATTENTION, f"text_config.rope_parameters.{FULL_ATTENTION}")
+    sliding_rope = section(rope, SLIDING_ATTENTION, f"text_config.rope_parameters.{SLIDING_ATTENTION}")
     for kind, params, expected in (
         (FULL_ATTENTION, full_rope, "proportional"),
         (SLIDING_ATTENTION, sliding_rope, "default"),
@@ -425,9 +458,14 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
             raise UsageError(
                 f"DiffusionGemma {kind} rope_type {params['rope_type']!r} is not supported (only {expected!r})"
             )
-    per_layer = text.get("per_layer_config") or {}
+    per_layer = section(text, "per_layer_config", "text_config.per_layer_config")
     global_layer: dict[str, Any] = next(
-        (per_layer[str(i)] for i, t in enumerate(types) if t == FULL_ATTENTION and str(i) in per_layer), {}
+        (
+            section(per_layer, str(i), f"text_config.per_layer_config.{i}")
+            for i, t in enumerate(types)
+            if t == FULL_ATTENTION and str(i) in per_layer
+        ),
+        {},
     )
     head_dim = size(text, "head_dim")
     kv_heads = size(text, "num_key_value_heads")

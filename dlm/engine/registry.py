@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from dlm.engine.config import NO_MASK
+from dlm.engine.config import NO_MASK, section
 from dlm.engine.errors import UsageError
 
 
@@ -144,7 +144,7 @@ def _refuse_dream(raw: dict[str, Any]) -> None:
 
 
 def _refuse_diffusion_gemma(raw: dict[str, Any]) -> None:
-    text = raw.get("text_config") or {}
+    text = section(raw, "text_config")
     if text.get("use_bidirectional_attention") == "all":
         raise UsageError("DiffusionGemma checkpoints with a bidirectional encoder are not supported (only causal)")
     if text.get("attention_bias"):
