@@ -286,3 +286,48 @@ def test_layer_types_must_give_each_layer_a_known_type(name: str, value: str) ->
         config_from_dict(config)
     assert caught.value.key == where and caught.value.exit_code == 2
     assert str(caught.value).startswith(f"config.json field {where!r} must be a list of {layers} layer types")
+
+
+def _experts(name: str) -> bool:
+    config = config_from_dict(_config(name))
+    return config.moe is not None or config.canvas is not None
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if _experts(name)])
+def test_every_mixture_of_experts_refuses_to_route_to_more_experts_than_it_has(name: str) -> None:
+    """top_k past the experts: the first forward's topk raised "selected index k out of
+    range", a traceback from generate and serve, after verify had said OK."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    key = "top_k_experts" if "top_k_experts" in fields else "num_experts_per_tok"
+    fields[key] = fields["num_experts"] + 1
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key and caught.value.exit_code == 2
+    assert str(caught.value) == (
+        f"config.json field {key!r} must be at most num_experts ({fields['num_experts']}), got {fields[key]}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("groups", "key", "words"),
+    [
+        ({"n_group": 3}, "n_group", "must divide num_experts (8) into equal groups, got 3"),
+        ({"n_group": 2, "topk_group": 3}, "topk_group", "must be at most n_group (2), got 3"),
+        (
+            {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+            "num_experts_per_tok",
+            "must be at most the experts of topk_group groups (2), got 3",
+        ),
+    ],
+)
+def test_llada2_refuses_expert_groups_its_router_cannot_form(groups: dict[str, int], key: str, words: str) -> None:
+    """LLaDA2's router views the experts as n_group equal groups and keeps the best
+    topk_group: 8 experts in 3 groups raised "shape ... is invalid", 3 of 2 groups
+    "selected index k out of range"."""
+    config = copy.deepcopy(_config("llada2_moe"))
+    assert config["num_experts"] == 8
+    config.update(groups)
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key and str(caught.value) == f"config.json field {key!r} {words}"

@@ -524,6 +524,33 @@ def parameter_bound(config: ModelConfig) -> int:
     return (c.num_layers + c.mtp_layers) * c.hidden_size * (width + 4) + 2 * c.logits_size * c.hidden_size
 
 
+def _at_most(value: int, key: str, limit: int, what: str) -> None:
+    if value > limit:
+        raise InvalidConfig(f"config.json field {key!r} must be at most {what} ({limit}), got {value}", key)
+
+
+def check_experts(config: ModelConfig) -> None:
+    """A router picks `top_k` of its experts (LLaDA2's: of the experts of its best
+    `topk_group` of `n_group` equal groups): more than there are made the first forward's
+    topk raise "selected index k out of range", groups that do not split the experts its
+    view raise "shape ... is invalid", a traceback from generate and serve."""
+    moe, canvas = config.moe, config.canvas
+    if moe is not None:
+        _at_most(moe.top_k, "num_experts_per_tok", moe.num_experts, "num_experts")
+        if moe.router == "sigmoid_group":
+            if moe.num_experts % moe.n_group:
+                raise InvalidConfig(
+                    f"config.json field 'n_group' must divide num_experts ({moe.num_experts}) into "
+                    f"equal groups, got {moe.n_group}",
+                    "n_group",
+                )
+            _at_most(moe.topk_group, "topk_group", moe.n_group, "n_group")
+            eligible = moe.topk_group * (moe.num_experts // moe.n_group)
+            _at_most(moe.top_k, "num_experts_per_tok", eligible, "the experts of topk_group groups")
+    if canvas is not None:
+        _at_most(canvas.top_k, "top_k_experts", canvas.num_experts, "num_experts")
+
+
 def check_sizes(config: ModelConfig) -> ModelConfig:
     """What no single field shows: a head width of 0 (more heads than the hidden size has
     columns), heads the key/value heads do not divide, a MASK id outside the embedding,
@@ -553,6 +580,7 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             f"got {config.mask_token_id}",
             "mask_token_id",
         )
+    check_experts(config)
     bound = parameter_bound(config)
     if bound > MAX_ELEMENTS:
         raise InvalidConfig(
