@@ -331,3 +331,24 @@ def test_llada2_refuses_expert_groups_its_router_cannot_form(groups: dict[str, i
     with pytest.raises(InvalidConfig) as caught:
         config_from_dict(config)
     assert caught.value.key == key and str(caught.value) == f"config.json field {key!r} {words}"
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if "d_model" not in _fields(_config(name))])
+def test_every_family_refuses_a_rotary_part_wider_than_the_head(name: str) -> None:
+    """partial_rotary_factor 2: RoPE's halves no longer matched the head's columns, and the
+    first forward raised "The size of tensor a (16) must match the size of tensor b (32)"."""
+    config = copy.deepcopy(_config(name))
+    _fields(config)["partial_rotary_factor"] = 2.0
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "partial_rotary_factor" and caught.value.exit_code == 2
+    assert str(caught.value) == "config.json field 'partial_rotary_factor' must be at most 1, got 2.0"
+
+
+def test_diffusion_gemma_refuses_a_global_rotary_part_wider_than_the_head() -> None:
+    config = copy.deepcopy(_config("diffusion_gemma"))
+    config["text_config"].setdefault("rope_parameters", {}).setdefault("full_attention", {})
+    config["text_config"]["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 1.5
+    key = "text_config.rope_parameters.full_attention.partial_rotary_factor"
+    with pytest.raises(InvalidConfig, match=rf"^config.json field '{re.escape(key)}' must be at most 1, got 1.5$"):
+        config_from_dict(config)

@@ -581,6 +581,16 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             "mask_token_id",
         )
     check_experts(config)
+    # The rotary part of a head is at most the head: past it, RoPE's halves no longer match
+    # the head's columns (a traceback from the first forward).
+    fractions = [("partial_rotary_factor", config.partial_rotary_factor)]
+    if config.canvas is not None:
+        fractions.append(
+            ("text_config.rope_parameters.full_attention.partial_rotary_factor", config.canvas.global_rope_fraction)
+        )
+    for key, fraction in fractions:
+        if fraction > 1:
+            raise InvalidConfig(f"config.json field {key!r} must be at most 1, got {_shown(fraction)}", key)
     bound = parameter_bound(config)
     if bound > MAX_ELEMENTS:
         raise InvalidConfig(
