@@ -352,3 +352,22 @@ def test_diffusion_gemma_refuses_a_global_rotary_part_wider_than_the_head() -> N
     key = "text_config.rope_parameters.full_attention.partial_rotary_factor"
     with pytest.raises(InvalidConfig, match=rf"^config.json field '{re.escape(key)}' must be at most 1, got 1.5$"):
         config_from_dict(config)
+
+
+@pytest.mark.parametrize("name", tiny_names())
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+@pytest.mark.parametrize("value", ["float128", "nn", 5, ["bfloat16"]])
+def test_every_family_refuses_a_dtype_torch_does_not_have(name: str, key: str, value: Any) -> None:
+    """transformers reads the dtype as `getattr(torch, name)` whenever it parses config.json
+    (loading the tokenizer, too): "float128" made `dlm generate` compute its tokens and then
+    end in that AttributeError's traceback, and `dlm verify` blame the tokenizer."""
+    config = copy.deepcopy(_config(name))
+    config[key] = value
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key and caught.value.exit_code == 2
+    assert str(caught.value) == (
+        f"config.json field {key!r} must name a torch dtype (float32, bfloat16, ...), got {json.dumps(value)}"
+    )
+    config[key] = "float8_e4m3fn"  # any dtype torch has
+    config_from_dict(config)

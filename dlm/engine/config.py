@@ -619,6 +619,32 @@ def check_fits_weights(config: ModelConfig, values: int) -> None:
         )
 
 
+COMMON_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+def check_dtypes(raw: dict[str, Any]) -> None:
+    """`torch_dtype`/`dtype` (at the top, or in a nested text_config) must name a torch
+    dtype, as transformers reads them (`getattr(torch, name)`) whenever it parses the file,
+    loading the tokenizer too: "float128" raised AttributeError there, a traceback from
+    generate after its tokens were computed and a tokenizer failure from dlm verify."""
+    nested = raw.get("text_config")
+    for prefix, fields in (("", raw), ("text_config.", nested if isinstance(nested, dict) else {})):
+        for key in ("torch_dtype", "dtype"):
+            value = fields.get(key)
+            if value is None or (isinstance(value, str) and value in COMMON_DTYPES):
+                continue
+            if isinstance(value, str):
+                import torch  # only for a name beyond the common ones
+
+                if isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
+                    continue
+            raise InvalidConfig(
+                f"config.json field {prefix + key!r} must name a torch dtype (float32, bfloat16, ...), "
+                f"got {_shown(value)}",
+                prefix + key,
+            )
+
+
 def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
     """`raw` read as `family` declares: its spelling, its refusals, its facts. Every number
     is checked as it is read (`size`, `real`: integers of their range, finite floats; the
@@ -627,6 +653,7 @@ def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
     try:
         if family.check is not None:
             family.check(raw)
+        check_dtypes(raw)
         return check_sizes(LAYOUTS[family.layout](raw, family))
     except (TypeError, ValueError) as exc:
         raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
