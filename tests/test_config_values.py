@@ -26,6 +26,7 @@ from dlm.cli.store.fetch import fetch
 from dlm.cli.store.store import Store
 from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict
 from dlm.engine.errors import InvalidConfig
+from dlm.engine.registry import family_named
 from dlm.engine.tiny_models import BUILDERS, special_ids
 from tests.tiny_families import tiny_names
 from tests.weights_helpers import cli, make_checkpoint
@@ -371,3 +372,18 @@ def test_every_family_refuses_a_dtype_torch_does_not_have(name: str, key: str, v
     )
     config[key] = "float8_e4m3fn"  # any dtype torch has
     config_from_dict(config)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in tiny_names() if family_named(config_from_dict(_config(n)).family).block_length_field]
+)
+@pytest.mark.parametrize("value", [0, False])
+def test_a_block_size_of_zero_is_refused_not_replaced_by_the_familys(name: str, value: Any) -> None:
+    """A block_size (bd_size) of 0 was read as absent: the family's default block size was
+    used silently."""
+    config = copy.deepcopy(_config(name))
+    key = str(family_named(config_from_dict(copy.deepcopy(config)).family).block_length_field)
+    config[key] = value
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key and str(caught.value).startswith(f"config.json field {key!r} must be")

@@ -231,7 +231,9 @@ def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
         eos_token_id=_first_int(raw.get("eos_token_id"), "eos_token_id"),
         pad_token_id=_first_int(raw.get("pad_token_id"), "pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        block_length=as_int(block_length, str(family.block_length_field)) if block_length else family.block_length,
+        block_length=family.block_length
+        if block_length is None
+        else as_int(block_length, str(family.block_length_field)),
         logits_shift=family.logits_shift,
         block_rules=None
         if family.block_rules is None
