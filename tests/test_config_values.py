@@ -24,7 +24,7 @@ import pytest
 
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.store import Store
-from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict
+from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict, load_config
 from dlm.engine.errors import InvalidConfig
 from dlm.engine.registry import family_named
 from dlm.engine.tiny_models import BUILDERS, special_ids
@@ -387,3 +387,33 @@ def test_a_block_size_of_zero_is_refused_not_replaced_by_the_familys(name: str, 
     with pytest.raises(InvalidConfig) as caught:
         config_from_dict(config)
     assert caught.value.key == key and str(caught.value).startswith(f"config.json field {key!r} must be")
+
+
+@pytest.mark.parametrize(
+    ("generation", "key", "words"),
+    [
+        ({"max_denoising_steps": "x"}, "max_denoising_steps", 'must be an integer, got "x"'),
+        ({"max_denoising_steps": 0}, "max_denoising_steps", "must be at least 1, got 0"),
+        ({"stability_threshold": 1.5}, "stability_threshold", "must be an integer, got 1.5"),
+        ({"t_min": -1}, "t_min", "must be greater than 0, got -1"),
+        ({"t_max": float("inf")}, "t_max", "must be a finite number, got Infinity"),
+        (
+            {"sampler_config": {"entropy_bound": float("nan")}},
+            "sampler_config.entropy_bound",
+            "must be a finite number, got NaN",
+        ),
+    ],
+)
+def test_diffusion_gemma_refuses_sampler_defaults_its_requests_could_not_have(
+    generation: dict[str, Any], key: str, words: str, tmp_path: Path
+) -> None:
+    """generation_config.json gives DiffusionGemma's sampler defaults: a string of steps made
+    the first request raise ValueError (a traceback from generate), NaN was refused naming
+    the request field (entropy_bound), not the file that held it."""
+    config = copy.deepcopy(_config("diffusion_gemma"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(InvalidConfig) as caught:
+        load_config(tmp_path)
+    assert caught.value.key == key and caught.value.exit_code == 2
+    assert str(caught.value) == f"generation_config.json field {key!r} {words}"

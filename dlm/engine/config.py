@@ -150,25 +150,25 @@ def _shown(value: Any) -> str:
         return repr(value)
 
 
-def as_int(value: Any, key: str, minimum: int | None = 1) -> int:
+def as_int(value: Any, key: str, minimum: int | None = 1, file: str = "config.json") -> int:
     """`value` of field `key` as an integer of at least `minimum` (None: any): JSON's numbers
     only, a float only when whole (`64.0`), never NaN/Infinity (Python's json accepts them)
     nor a fraction silently truncated (`2.5` heads)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidConfig(f"config.json field {key!r} must be an integer, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key)
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise InvalidConfig(f"config.json field {key!r} must be an integer, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key)
     if minimum is not None and value < minimum:
-        raise InvalidConfig(f"config.json field {key!r} must be at least {minimum}, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be at least {minimum}, got {_shown(value)}", key)
     return int(value)
 
 
-def as_float(value: Any, key: str, positive: bool = True) -> float:
+def as_float(value: Any, key: str, positive: bool = True, file: str = "config.json") -> float:
     """`value` of field `key` as a finite float, greater than 0 when `positive`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidConfig(f"config.json field {key!r} must be a finite number, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be a finite number, got {_shown(value)}", key)
     if positive and value <= 0:
-        raise InvalidConfig(f"config.json field {key!r} must be greater than 0, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be greater than 0, got {_shown(value)}", key)
     return float(value)
 
 
@@ -415,6 +415,7 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
 
 
 SLIDING_ATTENTION = "sliding_attention"
+GENERATION_FILE = "generation_config.json"
 # generation_config.json field -> the request field it gives DiffusionGemma's default for.
 SAMPLER_FIELDS = {
     "max_denoising_steps": "refinement_steps",
@@ -428,11 +429,28 @@ SAMPLER_FIELDS = {
 def _sampler_defaults(generation: dict[str, Any]) -> dict[str, float]:
     """The checkpoint's own sampler settings (what transformers' `generate` uses when a call
     gives none), as request fields."""
-    found = {name: generation[key] for key, name in SAMPLER_FIELDS.items() if generation.get(key) is not None}
+    found: dict[str, float] = {}
+    for key, name in SAMPLER_FIELDS.items():
+        if (value := generation.get(key)) is not None:
+            found[name] = _sampler_value(value, key, name)
     sampler = generation.get("sampler_config")
     if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
-        found["entropy_bound"] = sampler["entropy_bound"]
+        found["entropy_bound"] = _sampler_value(
+            sampler["entropy_bound"], "sampler_config.entropy_bound", "entropy_bound"
+        )
     return found
+
+
+def _sampler_value(value: Any, key: str, name: str) -> float:
+    """A sampler default of generation_config.json, held to the range its request field has
+    (a string of steps raised ValueError from the first request, a traceback; NaN was refused
+    naming the request field, not the file)."""
+    file = GENERATION_FILE
+    if name == "refinement_steps":
+        return as_int(value, key, 1, file=file)
+    if name == "stability_threshold":
+        return as_int(value, key, 0, file=file)
+    return as_float(value, key, positive=name != "max_temperature", file=file)
 
 
 def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
