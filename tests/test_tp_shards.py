@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dlm.engine import loader
+from dlm.engine.config import NO_MASK
 from dlm.engine.parallel import distributed
 from dlm.engine.parallel import state as parallel_state
 from dlm.engine.runtime.engine import load_model
@@ -31,8 +32,10 @@ REPLICATED = re.compile(
 
 
 def _logits(model: torch.nn.Module, family: str, mask_id: int) -> torch.Tensor:
-    """This rank's logits (its vocabulary columns) at every position of a prompt + MASK canvas."""
-    x = torch.tensor(PROMPT + [mask_id] * 16)
+    """This rank's logits (its vocabulary columns) at every position of a prompt + MASK canvas
+    (a family without a MASK, the autoregressive base, repeats token 0: logits are compared,
+    nothing is decoded)."""
+    x = torch.tensor(PROMPT + [0 if mask_id == NO_MASK else mask_id] * 16)
     if family in ("clover", "qwen3_5_moe_stacked"):
         hidden, _ = model.forward_tokens(x[None], torch.arange(len(x))[None], None)
         return model.logits(hidden[0])
@@ -112,12 +115,25 @@ def test_each_rank_holds_its_share_of_the_weights(
 
 
 class Reads:
-    """The tensors the loader reads, whole (`get_tensor`) or through `get_slice`."""
+    """The tensors the loader reads, whole (`get_tensor`) or in part (an indexed `get_slice`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.whole: list[str] = []
         self.sliced: list[str] = []
         reads, real_open = self, loader.safe_open
+
+        class RecordingSlice:
+            """A slice is read when indexed; its shape comes from the header (no data read)."""
+
+            def __init__(self, name: str, view: Any) -> None:
+                self.name, self.view = name, view
+
+            def get_shape(self) -> list[int]:
+                return self.view.get_shape()
+
+            def __getitem__(self, index: Any) -> torch.Tensor:
+                reads.sliced.append(self.name)
+                return self.view[index]
 
         class Recording:
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -135,8 +151,7 @@ class Reads:
                 return self.handle.get_tensor(name)
 
             def get_slice(self, name: str) -> Any:
-                reads.sliced.append(name)
-                return self.handle.get_slice(name)
+                return RecordingSlice(name, self.handle.get_slice(name))
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.handle, name)

@@ -24,7 +24,7 @@ from dlm.cli.estimate import canvas as canvas_terms
 from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
 from dlm.engine.compressed_tensors import read_scheme
-from dlm.engine.config import LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
+from dlm.engine.config import NO_MASK, LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
@@ -88,9 +88,10 @@ class Architecture:
 def architecture_from_config(raw: dict[str, Any]) -> Architecture:
     """The family's record and the engine's own normalisation (dlm/engine/config.py), so the
     plan sizes what the engine builds. The MASK id matters only for decoding: a config
-    without one (SDAR's published files) is still planned, with the engine's "no MASK" -1."""
+    without one (SDAR's published files) is still planned, as a family without a MASK."""
     family = family_for(raw, planning=True)
-    return Architecture(parse_config({"mask_token_id": -1, **raw}, family), family)
+    reading = family if "mask_token_id" in raw else replace(family, mask_token_id=NO_MASK)
+    return Architecture(parse_config(raw, reading), family)
 
 
 # --------------------------------------------------------------------------- parameters
