@@ -91,6 +91,40 @@ def test_every_family_refuses_sizes_no_tensor_can_hold(name: str) -> None:
     assert f"{MAX_ELEMENTS:.3g} elements" in str(caught.value)
 
 
+@pytest.mark.parametrize("name", tiny_names())
+@pytest.mark.parametrize("value", ["false", "true", 2])
+def test_every_family_refuses_a_yes_no_field_that_is_not_true_or_false(name: str, value: Any) -> None:
+    """`bool("false")` is True: `"tie_word_embeddings": "false"` tied the embeddings."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    key = "weight_tying" if "d_model" in fields else "tie_word_embeddings"
+    fields[key] = value
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == key
+    assert str(caught.value).startswith(f"config.json field {key!r} must be true or false, got"), caught.value
+    fields[key] = False
+    assert config_from_dict(config).tie_word_embeddings is (name == "diffusion_gemma")  # its layout ties always
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_refuses_a_scaled_rope_it_would_not_run(name: str) -> None:
+    """No family runs scaled RoPE: a YaRN `rope_scaling` was read by no one (Dream alone
+    refused it) and the model decoded with plain RoPE. Plain RoPE's spellings pass."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    for plain in (None, {"rope_type": "default"}, {"type": "default", "factor": 1.0}):
+        fields["rope_scaling"] = plain
+        config_from_dict(copy.deepcopy(config))
+    fields["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "rope_scaling"
+    assert str(caught.value) == (
+        'config.json field \'rope_scaling\' must be null (dlm runs plain RoPE), got {"type": "yarn", "factor": 4.0}'
+    ), caught.value
+
+
 def _kv_heads_key(fields: dict[str, Any]) -> str:
     return "n_kv_heads" if "n_kv_heads" in fields else "num_key_value_heads"
 

@@ -178,6 +178,32 @@ def _first_int(value: Any, key: str) -> int | None:
     return None if value is None else as_int(value, key, None)
 
 
+def as_bool(value: Any, key: str) -> bool:
+    """`value` of field `key` as a yes/no: JSON's true and false (null, 0 and 1 as Python reads
+    them). A string is refused: `bool("false")` is True, so `"tie_word_embeddings": "false"`
+    tied the embeddings."""
+    if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise InvalidConfig(f"config.json field {key!r} must be true or false, got {_shown(value)}", key)
+
+
+def flag(raw: dict[str, Any], key: str, default: bool = False) -> bool:
+    """Field `key`, a yes/no (`as_bool`), or `default` when it is absent."""
+    return as_bool(raw.get(key, default), key)
+
+
+def _plain_rope(raw: dict[str, Any]) -> None:
+    """No family runs scaled RoPE (linear, dynamic, YaRN, ...): a `rope_scaling` asking for
+    one was read by no one and the model decoded with plain RoPE, silently unlike its authors'
+    (Dream alone refused it). transformers' own spelling of plain RoPE passes."""
+    value = raw.get("rope_scaling")
+    if value is None or (isinstance(value, dict) and value.get("rope_type", value.get("type", "default")) == "default"):
+        return
+    raise InvalidConfig(
+        f"config.json field 'rope_scaling' must be null (dlm runs plain RoPE), got {_shown(value)}", "rope_scaling"
+    )
+
+
 def section(raw: dict[str, Any], key: str, where: str | None = None) -> dict[str, Any]:
     """Field `key`, a JSON object (`{}` when absent or null); `where` is its path in
     config.json (`text_config.rope_parameters`) when it is nested."""
@@ -224,6 +250,7 @@ def _mask(raw: dict[str, Any], family: Family) -> int:
 
 def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     """The fields every spelling shares, and the family's declared facts."""
+    _plain_rope(raw)
     block_length = raw.get(family.block_length_field) if family.block_length_field else None
     return dict(
         family=family.name,
@@ -248,9 +275,9 @@ def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
     d_model = size(raw, "d_model")
     n_heads = size(raw, "n_heads")
     # OLMo convention: multi_query_attention means one KV head
-    n_kv = size(raw, "n_kv_heads", 1 if raw.get("multi_query_attention") else n_heads)
+    n_kv = size(raw, "n_kv_heads", 1 if flag(raw, "multi_query_attention") else n_heads)
     vocab = size(raw, "vocab_size")
-    bias = bool(raw.get("include_bias", False))
+    bias = flag(raw, "include_bias", False)
     return ModelConfig(
         model_type=str(raw.get("model_type", family.name)),
         hidden_size=d_model,
@@ -264,8 +291,8 @@ def _llada(raw: dict[str, Any], family: Family) -> ModelConfig:
         rope_theta=real(raw, "rope_theta", 10000.0),
         rms_norm_eps=real(raw, "rms_norm_eps", 1e-5),
         max_position_embeddings=size(raw, "max_sequence_length", 4096),
-        tie_word_embeddings=bool(raw.get("weight_tying", False)),
-        qkv_bias=bias or bool(raw.get("include_qkv_bias", False)),
+        tie_word_embeddings=flag(raw, "weight_tying", False),
+        qkv_bias=bias or flag(raw, "include_qkv_bias", False),
         o_bias=bias,
         mlp_bias=bias,
         **_common(raw, family),
@@ -288,7 +315,7 @@ def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
         expert_ffn=size(raw, "moe_intermediate_size"),
         shared_ffn=shared,
         shared_gate=shared > 0,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        norm_topk_prob=flag(raw, "norm_topk_prob", True),
     )
 
 
@@ -308,8 +335,8 @@ def _bailing_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
         expert_ffn=ffn,
         shared_ffn=ffn * size(raw, "num_shared_experts", 0, minimum=0),
         router="sigmoid_group",
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        router_bias=bool(raw.get("moe_router_enable_expert_bias", False)),
+        norm_topk_prob=flag(raw, "norm_topk_prob", True),
+        router_bias=flag(raw, "moe_router_enable_expert_bias", False),
         n_group=size(raw, "n_group", 1),
         topk_group=size(raw, "topk_group", 1),
         routed_scaling_factor=real(raw, "routed_scaling_factor", 1.0),
@@ -339,7 +366,7 @@ def _qwen(raw: dict[str, Any], family: Family, **overrides: Any) -> ModelConfig:
         rope_theta=real(raw, "rope_theta", 10000.0),
         rms_norm_eps=real(raw, "rms_norm_eps", 1e-6),
         max_position_embeddings=size(raw, "max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=flag(raw, "tie_word_embeddings", False),
         partial_rotary_factor=real(raw, "partial_rotary_factor", 1.0),
         qkv_bias=family.qkv_bias.read(raw),
         o_bias=family.o_bias.read(raw),
@@ -408,7 +435,7 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
         flat,
         family,
         max_position_embeddings=size(flat, "max_position_embeddings", 32768),
-        q_gate=bool(flat.get("attn_output_gate", True)),
+        q_gate=flag(flat, "attn_output_gate", True),
         layer_types=types,
         linear=linear,
     )

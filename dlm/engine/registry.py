@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from dlm.engine.config import NO_MASK, section
+from dlm.engine.config import NO_MASK, as_bool, flag, section
 from dlm.engine.errors import UsageError
 
 
@@ -50,7 +50,8 @@ class Flag:
     default: bool = False
 
     def read(self, raw: dict[str, Any]) -> bool:
-        return bool(next((raw[f] for f in self.fields if f in raw), self.default))
+        field = next((f for f in self.fields if f in raw), None)
+        return self.default if field is None else as_bool(raw[field], field)
 
 
 ATTENTION_BIAS = Flag(("attention_bias",))  # Qwen's one switch for q/k/v/o biases
@@ -132,14 +133,12 @@ class Family:
 def _refuse_llada(raw: dict[str, Any]) -> None:
     if raw.get("block_type", "llama") != "llama":
         raise UsageError(f"LLaDA block_type {raw.get('block_type')!r} is not supported (only 'llama')")
-    if raw.get("alibi"):
+    if flag(raw, "alibi"):
         raise UsageError("LLaDA checkpoints with alibi are not supported")
 
 
 def _refuse_dream(raw: dict[str, Any]) -> None:
-    if raw.get("rope_scaling"):
-        raise UsageError(f"Dream rope_scaling {raw['rope_scaling']!r} is not supported (only plain RoPE)")
-    if raw.get("use_sliding_window"):
+    if flag(raw, "use_sliding_window"):
         raise UsageError("Dream checkpoints with sliding-window attention are not supported")
 
 
@@ -147,7 +146,7 @@ def _refuse_diffusion_gemma(raw: dict[str, Any]) -> None:
     text = section(raw, "text_config")
     if text.get("use_bidirectional_attention") == "all":
         raise UsageError("DiffusionGemma checkpoints with a bidirectional encoder are not supported (only causal)")
-    if text.get("attention_bias"):
+    if flag(text, "attention_bias"):
         raise UsageError("DiffusionGemma checkpoints with attention biases are not supported")
 
 
