@@ -451,3 +451,29 @@ def test_diffusion_gemma_refuses_sampler_defaults_its_requests_could_not_have(
         load_config(tmp_path)
     assert caught.value.key == key and caught.value.exit_code == 2
     assert str(caught.value) == f"generation_config.json field {key!r} {words}"
+
+
+# Fields dlm never reads, which transformers validates when it parses config.json to pick
+# the tokenizer class: each raised from inside transformers (a traceback from generate).
+TOKENIZER_CONFIG_DAMAGES: dict[str, dict[str, Any]] = {
+    "id2label 5": {"id2label": 5},
+    "num_labels 'x'": {"num_labels": "x"},
+    "rope_parameters 5": {"rope_parameters": 5},
+}
+
+
+@pytest.mark.parametrize("kind", list(TOKENIZER_CONFIG_DAMAGES))
+def test_a_field_only_transformers_reads_fails_the_tokenizer_in_one_line(kind: str, good: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "bad"
+    shutil.copytree(good, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(TOKENIZER_CONFIG_DAMAGES[kind])
+    (directory / "config.json").write_text(json.dumps(config))
+    code, stdout, stderr = cli("generate", str(directory), "--prompt", "hi", "--gen-length", "8")
+    assert "Traceback" not in stdout + stderr and code == 2, (code, stderr[-2000:])
+    errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
+    assert len(errors) == 1, stderr[-2000:]
+    assert errors[0].startswith(f"error: could not load the tokenizer in {directory} (transformers reads config.json")
+    code, stdout, _ = cli("verify", str(directory), "--json")
+    failures = json.loads(stdout)["failures"]
+    assert code == 1 and [(f["file"], f["check"]) for f in failures] == [("tokenizer", "tokenizer")], failures

@@ -34,6 +34,17 @@ def load_tokenizer(model_dir: Path) -> Any:
             return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UsageError(f"could not load the tokenizer in {model_dir}: {exc}") from exc
+    except (ImportError, MemoryError):
+        raise  # this environment's, not the checkpoint's
+    except Exception as exc:  # noqa: BLE001 - transformers parsing files of unknown origin
+        # It reads config.json to pick the tokenizer class and validates fields dlm never
+        # reads (`id2label: 5` raised AttributeError, a traceback from generate); the
+        # tokenizers library raises a bare Exception for a tokenizer.json it cannot read.
+        what = "tokenizer.json could not be read" if type(exc) is Exception else type(exc).__name__
+        raise UsageError(
+            f"could not load the tokenizer in {model_dir} (transformers reads config.json too): "
+            + " ".join(f"{what}: {exc}".split())  # one line: validators' messages span several
+        ) from exc
 
 
 def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
