@@ -164,6 +164,23 @@ def test_every_family_with_a_mask_refuses_one_outside_its_embedding(name: str, p
         config_from_dict(config)
 
 
+@pytest.mark.parametrize("name", tiny_names())
+@pytest.mark.parametrize("eos", [-5, 0, 10**9])
+def test_every_family_refuses_an_eos_its_model_cannot_emit(name: str, eos: int) -> None:
+    """An EOS outside the model's rows never stops an answer: every request ran to its length."""
+    config = copy.deepcopy(_config(name))
+    rows = config_from_dict(copy.deepcopy(config)).logits_size
+    eos = rows if eos == 0 else eos  # one past the last row
+    _fields(config)["eos_token_id"] = eos
+    config["eos_token_id"] = eos
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "eos_token_id"
+    assert (
+        str(caught.value) == f"config.json field 'eos_token_id' must be a token of the model (0..{rows - 1}), got {eos}"
+    )
+
+
 @pytest.mark.parametrize("name", [name for name in tiny_names() if not _masked(name)])
 def test_a_family_without_a_mask_never_reads_the_field(name: str) -> None:
     """DiffusionGemma's canvas starts as random tokens: a mask_token_id there is not its MASK."""

@@ -600,7 +600,7 @@ def check_experts(config: ModelConfig) -> None:
 
 def check_sizes(config: ModelConfig) -> ModelConfig:
     """What no single field shows: a head width of 0 (more heads than the hidden size has
-    columns), heads the key/value heads do not divide, a MASK id outside the embedding,
+    columns), heads the key/value heads do not divide, a MASK or EOS id outside the embedding,
     and sizes whose model no storage can hold. The bound is torch's own (int64 bytes;
     building such a model, even on the meta device, raises "Storage size calculation
     overflowed", which says nothing of the file): checked here, where every command parses
@@ -626,6 +626,13 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             f"config.json field 'mask_token_id' must be a row of the embedding (0..{config.logits_size - 1}), "
             f"got {config.mask_token_id}",
             "mask_token_id",
+        )
+    # An EOS the model cannot emit never stops an answer: every request ran to its length.
+    if config.eos_token_id is not None and not 0 <= config.eos_token_id < config.logits_size:
+        raise InvalidConfig(
+            f"config.json field 'eos_token_id' must be a token of the model (0..{config.logits_size - 1}), "
+            f"got {config.eos_token_id}",
+            "eos_token_id",
         )
     check_experts(config)
     # The rotary part of a head is at most the head: past it, RoPE's halves no longer match
