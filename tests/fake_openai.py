@@ -16,9 +16,10 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import uvicorn
@@ -365,3 +366,47 @@ def serve(behaviour: Behaviour | None = None) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@contextmanager
+def raw_server(answer: Callable[[str, str], Iterator[bytes]]) -> Iterator[str]:
+    """A hostile server in a thread: `answer(method, path)` yields the raw bytes sent back
+    (status line, headers and body, however broken), with the connection closed after it.
+    Yields the base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def reply(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                for piece in answer(self.command, self.path):
+                    self.wfile.write(piece)
+                    self.wfile.flush()
+            except OSError:  # the client gave up
+                pass
+            self.close_connection = True
+
+        do_GET = do_POST = reply
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def http_answer(status: int, body: bytes, content_type: str = "application/json") -> bytes:
+    """A complete HTTP/1.0 answer of `body`."""
+    return f"HTTP/1.0 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def sse_answer(*events: bytes) -> Iterator[bytes]:
+    """An SSE answer whose body is `events` (raw, framing included)."""
+    yield b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    yield from events

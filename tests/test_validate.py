@@ -7,7 +7,9 @@ import json
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,10 +20,12 @@ from dlm.cli.checks.capabilities import PROBES
 from dlm.cli.checks.contract import models
 from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
 from dlm.cli.checks.validate import run_validation
+from dlm.cli.client.api import ApiClient
 from dlm.cli.client.metrics import missing_metrics, parse_samples
 from dlm.cli.client.sse import SSEError, iter_events, sse_lines
 from dlm.cli.main import app
-from tests.fake_openai import Behaviour, serve
+from dlm.engine.errors import UsageError
+from tests.fake_openai import Behaviour, http_answer, raw_server, serve, sse_answer
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ValidateOptions(ready_timeout=2.0, burst=8)
@@ -221,3 +225,89 @@ def test_checks_import_neither_the_engine_core_nor_locust() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def trickle(method: str, path: str, stream: bool) -> Iterator[bytes]:
+    """An answer that keeps sending bytes (keep-alive comments, or a JSON body's blanks) for
+    6 s: httpx's timeout bounds each read, so only a whole-answer deadline ends it sooner."""
+    if stream:
+        yield b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    else:
+        yield b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    for _ in range(60):
+        yield b": ping\n\n" if stream else b" "
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse keep-alives", "json body a byte at a time"])
+def test_the_timeout_bounds_the_whole_answer(stream: bool) -> None:
+    with raw_server(lambda method, path: trickle(method, path, stream)) as url, ApiClient(url, timeout=1.0) as client:
+        start = time.perf_counter()
+        with pytest.raises(httpx.TimeoutException, match="did not end within the 1s timeout"):
+            if stream:
+                client.stream("/v1/completions", {"prompt": "x"})
+            else:
+                client.post("/v1/completions", {"prompt": "x"})
+        assert time.perf_counter() - start < 3
+
+
+GARBLED_CHUNKS = {
+    "choices a string": (b'{"choices": "abc"}', "choices is not a list of objects"),
+    "choices of strings": (b'{"choices": ["abc"]}', "choices is not a list of objects"),
+    "choices an object": (b'{"choices": {"0": {"text": "a"}}}', "choices is not a list of objects"),
+    "delta a string": (b'{"choices": [{"delta": "abc"}]}', "choices[0].delta is not an object"),
+    "text a number": (b'{"choices": [{"text": 5}]}', "choices[0].text is not a string"),
+    "content a list": (b'{"choices": [{"delta": {"content": ["a"]}}]}', "choices[0].delta.content is not a string"),
+    "usage a string": (b'{"choices": [], "usage": "many"}', "usage is not an object"),
+    "error a string": (b'{"error": "boom"}', "boom"),
+}
+
+
+@pytest.mark.parametrize(("event", "expected"), GARBLED_CHUNKS.values(), ids=GARBLED_CHUNKS.keys())
+def test_a_garbled_chunk_is_a_stream_error_not_a_crash(event: bytes, expected: str) -> None:
+    """JSON events that are not OpenAI chunks: the stream's error names the field (validate's
+    check fails saying so, loadtest records it), instead of an AttributeError."""
+    with raw_server(lambda method, path: sse_answer(b"data: " + event + b"\n\n", b"data: [DONE]\n\n")) as url:
+        with ApiClient(url, timeout=5) as client:
+            result = client.stream("/v1/completions", {"prompt": "x"})
+    assert not result.ok
+    assert expected in (result.error or "")
+
+
+BAD_URLS = {
+    "port past 65535": ("http://127.0.0.1:99999", "outside 1-65535"),
+    "port 0": ("http://127.0.0.1:0", "outside 1-65535"),
+    "no host": ("http://", "names no host"),
+    "broken IPv6": ("http://[::1", "not a valid URL"),
+    "an OpenAI base URL": ("http://127.0.0.1:8000/v1", "ends in /v1"),
+    "an OpenAI base URL with a slash": ("http://127.0.0.1:8000/v1/", "ends in /v1"),
+    "a query": ("http://127.0.0.1:8000/?x=1", "without a query"),
+}
+
+
+@pytest.mark.parametrize(("url", "expected"), BAD_URLS.values(), ids=BAD_URLS.keys())
+def test_a_bad_url_is_bad_usage(url: str, expected: str) -> None:
+    """Before: a port past 65535 waited out --ready-timeout on connections httpx sent to
+    another port, `http://[::1` was a traceback, `/v1` failed readiness with a 404."""
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        run_validation(url, FAST)
+    result = CliRunner().invoke(app, ["validate", url, "--ready-timeout", "0"])
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+
+
+@pytest.mark.parametrize("flag", ["--ready-timeout", "--timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_timeout_that_is_not_a_number_is_bad_usage(flag: str, value: str) -> None:
+    """`--ready-timeout nan` polled /ready forever (no time is >= NaN)."""
+    result = CliRunner().invoke(app, ["validate", "http://127.0.0.1:1", flag, value])
+    assert result.exit_code == 2, result.output
+    assert f"{flag} must be a finite number" in result.output
+
+
+def test_a_model_list_that_is_not_an_object_fails_models_saying_so() -> None:
+    answer = http_answer(200, b"[1, 2]")
+    with raw_server(lambda method, path: iter([answer])) as url:
+        ctx = Context(ApiClient(url, timeout=5), FAST)
+        with pytest.raises(CheckFailed, match="not a non-empty OpenAI list"):
+            models(ctx)

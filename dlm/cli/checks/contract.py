@@ -81,7 +81,7 @@ def auth(ctx: Context) -> str:
 def models(ctx: Context) -> str:
     body = json_body(ctx.client.get("/v1/models"), "/v1/models")
     data = body.get("data") if isinstance(body, dict) else None
-    if body.get("object") != "list" or not isinstance(data, list) or not data:
+    if not isinstance(data, list) or not data or body.get("object") != "list":
         raise CheckFailed(f"/v1/models is not a non-empty OpenAI list: {str(body)[:120]}")
     if not all(
         isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"] and m.get("object") == "model" for m in data

@@ -10,7 +10,7 @@ from dlm.cli.checks.contract import CONTRACT_CHECKS
 from dlm.cli.checks.quality import QUALITY_CHECKS
 from dlm.cli.checks.runner import Check, CheckResult, Context, ValidateOptions, run_checks
 from dlm.cli.checks.suite import Suite, suite_checks
-from dlm.cli.client.api import ApiClient, Verify
+from dlm.cli.client.api import ApiClient, Verify, checked_url
 from dlm.engine.errors import UsageError
 
 
@@ -38,8 +38,7 @@ def run_validation(
     on_result: Callable[[CheckResult], None] | None = None,
     verify: Verify = True,
 ) -> list[CheckResult]:
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"URL must start with http:// or https://, got {url!r}")
+    url = checked_url(url)
     checks = validation_checks(suite, skip)
     with ApiClient(url, api_key, timeout, max_connections=max(100, options.burst), verify=verify) as client:
         return run_checks(Context(client, options), checks, on_result=on_result, on_start=on_start)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,17 +43,31 @@ class StreamResult:
         return self.status == 200 and self.error is None
 
 
+class ChunkShapeError(ValueError):
+    """A stream event that is JSON but not an OpenAI chunk (choices not a list of objects,
+    text not a string, ...): the message says which field is wrong."""
+
+
 def delta_text(event: dict[str, Any]) -> tuple[str, str | None]:
-    """The text and finish reason of the first choice of a completion or chat chunk."""
+    """The text and finish reason of the first choice of a completion or chat chunk;
+    `ChunkShapeError` when the chunk is not shaped like one."""
     choices = event.get("choices") or []
     if not choices:
         return "", None
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise ChunkShapeError(f"chunk's choices is not a list of objects: {json.dumps(choices)[:80]}")
     choice = choices[0]
     if "delta" in choice:
-        text = (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ChunkShapeError(f"chunk's choices[0].delta is not an object: {json.dumps(delta)[:80]}")
+        text, where = delta.get("content") or "", "choices[0].delta.content"
     else:
-        text = choice.get("text") or ""
-    return text, choice.get("finish_reason")
+        text, where = choice.get("text") or "", "choices[0].text"
+    if not isinstance(text, str):
+        raise ChunkShapeError(f"chunk's {where} is not a string: {json.dumps(text)[:80]}")
+    finish = choice.get("finish_reason")
+    return text, finish if finish is None else str(finish)
 
 
 def error_message(response: httpx.Response) -> str:
@@ -77,6 +92,51 @@ def openai_error_problem(response: httpx.Response) -> str | None:
     if missing:
         return f"error object lacks string field(s) {', '.join(missing)}"
     return None
+
+
+def checked_url(url: str) -> str:
+    """The base URL of a server, refused (bad usage) unless it is http(s)://HOST[:PORT][/PREFIX]
+    with a valid port, and not an OpenAI client's base URL ending in /v1 (the commands add the
+    /v1/... paths themselves). Trailing slashes are dropped."""
+    from dlm.engine.errors import UsageError
+
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"URL must start with http:// or https://, got {url!r}")
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port  # httpx accepts ports past 65535 and wraps them
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise UsageError(f"URL {url!r} is not a valid URL ({exc})") from None
+    if not parsed.host:
+        raise UsageError(f"URL {url!r} names no host, e.g. http://127.0.0.1:8000")
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(f"URL {url!r}: port {port} is outside 1-65535")
+    if parsed.query or parsed.fragment:
+        raise UsageError(f"URL {url!r}: give the server's base URL, without a query or fragment")
+    base = url.rstrip("/")
+    if base.endswith("/v1"):
+        raise UsageError(
+            f"URL {url!r} ends in /v1: give the server's base URL ({base.removesuffix('/v1') or base}); "
+            "the checks and requests add /v1/... themselves"
+        )
+    return base
+
+
+def finite_seconds(value: float | None, flag: str, *, allow_zero: bool = False) -> None:
+    """Refuse (bad usage) a NaN, infinite or non-positive number of seconds for `flag`."""
+    import math
+
+    from dlm.engine.errors import UsageError
+
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise UsageError(f"{flag} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+class RequestTooLong(httpx.ReadTimeout):
+    """The answer did not end within the request's timeout although bytes kept arriving
+    (a trickling body or an SSE stream of keep-alive comments)."""
 
 
 Verify = ssl.SSLContext | bool  # how https:// servers are checked: True (default CAs), a context, or False
@@ -143,8 +203,26 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         chosen = self.api_key if key is True else key or None
         return {"Authorization": f"Bearer {chosen}"} if chosen else {}
 
+    def send(self, request: httpx.Request, timeout: float) -> httpx.Response:
+        """Send and read the whole answer within `timeout` seconds in all: httpx's timeout
+        bounds each read, so a server trickling its body a byte at a time never timed out."""
+        deadline = time.perf_counter() + timeout
+        response = self.http.send(request, stream=True)
+        try:
+            body = b"".join(within(response.iter_raw(), deadline, timeout, request))
+        finally:
+            response.close()
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            content=body,
+            request=request,
+            extensions=response.extensions,
+        )
+
     def get(self, path: str, *, key: str | None | bool = True, timeout: float | None = None) -> httpx.Response:
-        return self.http.get(path, headers=self.headers(key), timeout=timeout or self.timeout)
+        limit = timeout or self.timeout
+        return self.send(self.http.build_request("GET", path, headers=self.headers(key), timeout=limit), limit)
 
     def post(
         self,
@@ -156,15 +234,20 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         timeout: float | None = None,
     ) -> httpx.Response:
         headers = self.headers(key)
+        limit = timeout or self.timeout
         if content is not None:
             headers["Content-Type"] = "application/json"
-            return self.http.post(path, content=content, headers=headers, timeout=timeout or self.timeout)
-        return self.http.post(path, json=body, headers=headers, timeout=timeout or self.timeout)
+            request = self.http.build_request("POST", path, content=content, headers=headers, timeout=limit)
+        else:
+            request = self.http.build_request("POST", path, json=body, headers=headers, timeout=limit)
+        return self.send(request, limit)
 
     def stream(self, path: str, body: dict[str, Any], *, keep_events: bool = False) -> StreamResult:
-        """POST with `stream: true` and read the SSE stream to its end, timing it."""
+        """POST with `stream: true` and read the SSE stream to its end, timing it; the whole
+        stream must end within the client's timeout (httpx's bounds each read only)."""
         body = {**body, "stream": True}
         start = time.perf_counter()
+        deadline = start + self.timeout
         with self.http.stream("POST", path, json=body, headers=self.headers()) as response:
             result = StreamResult(
                 status=response.status_code,
@@ -172,21 +255,29 @@ class ApiClient(AbstractContextManager["ApiClient"]):
                 retry_after=response.headers.get("retry-after"),
             )
             if response.status_code != 200:
-                response.read()
-                result.error = error_message(response)
+                raw = b"".join(within(response.iter_raw(), deadline, self.timeout, response.request))
+                result.error = error_message(
+                    httpx.Response(
+                        response.status_code, headers=response.headers, content=raw, request=response.request
+                    )
+                )
                 result.e2e = time.perf_counter() - start
                 return result
             if not result.content_type.startswith("text/event-stream"):
                 result.error = f"content-type is {result.content_type!r}, not text/event-stream"
             pieces: list[str] = []
             try:
-                for event in iter_events(sse_lines(response.iter_text())):
+                decoded = within(response.iter_text(), deadline, self.timeout, response.request)
+                for event in iter_events(sse_lines(decoded)):
                     if keep_events:
                         result.events.append(event)
                     if event.get("usage"):
+                        if not isinstance(event["usage"], dict):
+                            raise ChunkShapeError(f"chunk's usage is not an object: {json.dumps(event['usage'])[:80]}")
                         result.usage = event["usage"]
                     if "error" in event:
-                        result.error = str((event.get("error") or {}).get("message", event["error"]))
+                        error = event["error"]
+                        result.error = str(error.get("message", error) if isinstance(error, dict) else error)
                     if not event.get("choices"):
                         continue
                     result.chunks += 1
@@ -198,8 +289,16 @@ class ApiClient(AbstractContextManager["ApiClient"]):
                             result.ttft = result.text_times[0]
                     if finish:
                         result.finish_reason = finish
-            except SSEError as exc:
+            except (SSEError, ChunkShapeError) as exc:
                 result.error = result.error or str(exc)
             result.text = "".join(pieces)
             result.e2e = time.perf_counter() - start
             return result
+
+
+def within(chunks: Iterator[Any], deadline: float, timeout: float, request: httpx.Request) -> Iterator[Any]:
+    """`chunks` of an answer, raising `RequestTooLong` once `deadline` has passed."""
+    for chunk in chunks:
+        if time.perf_counter() > deadline:
+            raise RequestTooLong(f"the answer did not end within the {timeout:g}s timeout", request=request)
+        yield chunk

@@ -50,11 +50,14 @@ def validate(
         from dlm.cli.checks.runner import FAILED, ValidateOptions
         from dlm.cli.checks.suite import load_suite
         from dlm.cli.checks.validate import run_validation
-        from dlm.cli.client.api import tls_verify
+        from dlm.cli.client.api import checked_url, finite_seconds, tls_verify
         from dlm.engine.errors import DlmError, UsageError
 
-        if max_tokens < 1 or burst < 1 or timeout <= 0 or ready_timeout < 0:
-            raise UsageError("--max-tokens and --burst must be >= 1, --timeout > 0, --ready-timeout >= 0")
+        if max_tokens < 1 or burst < 1:
+            raise UsageError("--max-tokens and --burst must be >= 1")
+        finite_seconds(timeout, "--timeout")
+        finite_seconds(ready_timeout, "--ready-timeout", allow_zero=True)
+        checked_url(url)
         verify = tls_verify(cacert, insecure)
         if junit_xml is not None:  # before any check runs, so their results are never lost
             _writable(junit_xml)

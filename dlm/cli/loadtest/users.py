@@ -72,6 +72,11 @@ def user_class(
             except httpx.HTTPError as exc:
                 record = RequestRecord(level, start, time.perf_counter() - start, 0, f"{type(exc).__name__}: {exc}")
                 length = 0
+            except Exception as exc:  # noqa: BLE001 - a garbled answer is a failed request, not a crashed user
+                record = RequestRecord(
+                    level, start, time.perf_counter() - start, 0, f"unexpected answer ({type(exc).__name__}: {exc})"
+                )
+                length = 0
             recorder.records.append(record)
             failure = (
                 None
