@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,11 @@ from dlm.cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
 from dlm.cli.loadtest.sweep import find_knee, parse_levels
 from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
 from dlm.cli.loadtest.vllm_format import VLLM_KEYS
-from dlm.cli.loadtest.workload import from_prompts, load_jsonl, named
+from dlm.cli.loadtest.workload import from_prompts, load_jsonl, model_card, named
 from dlm.engine.default_model import NAME
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import DlmError, UsageError
 from tests.cli_process import dlm
-from tests.fake_openai import Behaviour, serve
+from tests.fake_openai import Behaviour, http_answer, raw_server, serve, sse_answer
 
 
 def test_summary_of_known_records() -> None:
@@ -282,3 +284,63 @@ def test_fixed_length_fixes_each_request_at_its_own_max_tokens(tmp_path: Path) -
     ]
     plain = from_prompts(str(path), {"max_tokens": 16}, None).request(0)[1]
     assert "min_tokens" not in plain and "ignore_eos" not in plain
+
+
+NOT_MODEL_LISTS = {
+    "a JSON list": ([1, 2], "no 'data' list"),
+    "no data": ({"object": "list"}, "no 'data' list"),
+    "data a string": ({"object": "list", "data": "x"}, "no 'data' list"),
+    "an entry without id": ({"data": [{"object": "model"}]}, "needs a string id"),
+    "a numeric id": ({"data": [{"id": 5}]}, "needs a string id"),
+    "an empty list": ({"data": []}, "lists no model"),
+}
+
+
+@pytest.mark.parametrize(("body", "expected"), NOT_MODEL_LISTS.values(), ids=NOT_MODEL_LISTS.keys())
+def test_a_models_answer_that_is_no_model_list_is_a_failed_operation(body: Any, expected: str) -> None:
+    """Before: a TypeError or KeyError traceback from the /v1/models answer."""
+    with pytest.raises(DlmError, match=re.escape(expected)) as caught:
+        model_card(body, None, "http://h/v1/models")
+    assert caught.value.exit_code == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("models", "stream", "expected"),
+    [
+        (b"<html>Welcome to nginx</html>", b"", "did not answer JSON (text/html)"),
+        (b'{"data": [{"id": "m"}]}', b'data: {"choices": "abc"}\n\n', "choices is not a list of objects"),
+        (b'{"data": [{"id": "m"}]}', b'data: {"choices": [{"text": "a"}]}\n\n', "stream ended without data: [DONE]"),
+    ],
+    ids=["an HTML page", "garbled chunks", "no [DONE]"],
+)
+def test_a_garbage_server_fails_saying_why_without_a_traceback(
+    tmp_path: Path, models: bytes, stream: bytes, expected: str
+) -> None:
+    """Before: tracebacks (of served_card, or of every locust user) and 'no request succeeded
+    (errors by status: {})' with no reason."""
+
+    def answer(method: str, path: str) -> Iterator[bytes]:
+        if path == "/v1/models":
+            return iter([http_answer(200, models, "text/html" if models.startswith(b"<") else "application/json")])
+        if path == "/metrics":
+            return iter([http_answer(404, b"")])
+        return sse_answer(stream)
+
+    with raw_server(answer) as url:
+        result = loadtest(url, "-t", "2s", "-u", "2", "--timeout", "2", "--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert expected in result.stderr.splitlines()[-1] or expected in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [["http://127.0.0.1:99999"], ["http://[::1"], ["http://127.0.0.1:8000/v1"], ["http://h", "--timeout", "nan"]],
+    ids=["port past 65535", "broken IPv6", "/v1", "NaN timeout"],
+)
+def test_bad_urls_and_numbers_are_bad_usage(tmp_path: Path, args: list[str]) -> None:
+    result = loadtest(*args, "-t", "1s", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

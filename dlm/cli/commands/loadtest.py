@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def loadtest(
     with cli_errors():
         # dlm.cli.loadtest.run imports locust, which monkey-patches sockets and ssl for gevent:
         # every TLS context is made after these imports.
-        from dlm.cli.client.api import tls_verify
+        from dlm.cli.client.api import checked_url, finite_seconds, tls_verify
         from dlm.cli.loadtest.plots import plot_levels
         from dlm.cli.loadtest.report import finalize, live_table, render_summary, write_summary
         from dlm.cli.loadtest.run import LoadPlan, run_loadtest
@@ -102,10 +103,12 @@ def loadtest(
             raise UsageError(f"--format must be dlm or vllm, got {result_format!r}")
         if min_samples < 1:
             raise UsageError("--min-samples must be >= 1")
-        if users < 1 or max_tokens < 1 or timeout <= 0 or (spawn_rate is not None and spawn_rate <= 0):
-            raise UsageError("--users and --max-tokens must be >= 1; --timeout and --spawn-rate > 0")
-        if not url.startswith(("http://", "https://")):
-            raise UsageError(f"URL must start with http:// or https://, got {url!r}")
+        if users < 1 or max_tokens < 1:
+            raise UsageError("--users and --max-tokens must be >= 1")
+        finite_seconds(timeout, "--timeout")
+        if spawn_rate is not None and (not math.isfinite(spawn_rate) or spawn_rate <= 0):
+            raise UsageError(f"--spawn-rate must be a finite number > 0, got {spawn_rate}")
+        url = checked_url(url)
         levels = parse_levels(sweep) if sweep else [users]
         seconds = parse_seconds(duration, "--duration")
         slo_bounds = parse_slo(slo)
@@ -142,9 +145,15 @@ def loadtest(
         summary["files"] = sorted({*(p.name for p in directory.iterdir()), *plots, "summary.json"})
         write_summary(summary, directory)
         if summary["totals"]["ok"] == 0:
+            if not summary["totals"]["requests"]:
+                raise DlmError(
+                    f"no request finished in {seconds:g}s (the server accepted them and never answered in "
+                    f"time; --timeout {timeout:g}s); results in {directory}/"
+                )
+            top = summary["top_errors"][0]
             raise DlmError(
-                f"no request succeeded (errors by status: "
-                f"{summary['totals']['errors_by_status']}); results in {directory}/"
+                f"no request succeeded (errors by status: {summary['totals']['errors_by_status']}; "
+                f"{top['requests']} of them: {top['error']}); results in {directory}/"
             )
         # Human text on stderr in both modes (docs/cli.md): a --json run's warnings and the
         # reason it failed are not only in summary.json.

@@ -154,6 +154,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     errors = summary["totals"]["errors_by_status"]
     if errors:
         console.print(f"errors by status: {', '.join(f'{k}: {v}' for k, v in errors.items())}")
+        for top in summary.get("top_errors", []):
+            console.print(f"  {top['requests']} x {escape(top['error'])}", highlight=False)
     for warning in summary["warnings"]:  # before the knee: they say what it is worth
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     if summary["knee"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from dlm.cli.loadtest.stats import RequestRecord, summarize
 from dlm.cli.loadtest.thresholds import Condition
 from dlm.cli.loadtest.users import Recorder, user_class
 from dlm.cli.loadtest.vllm_format import level_result
-from dlm.cli.loadtest.workload import Workload
+from dlm.cli.loadtest.workload import Workload, model_card
 from dlm.engine.errors import DlmError
 
 # Sample the HTML report's charts every second (locust's default is 5 s), so short runs chart.
@@ -102,6 +103,14 @@ def agreement(
     return result
 
 
+def top_errors(records: list[RequestRecord], count: int = 3) -> list[dict[str, Any]]:
+    """The most frequent reasons requests failed, so a run against a broken server says why."""
+    reasons = Counter(
+        (f"HTTP {r.status}: " if r.status and r.status != 200 else "") + (r.error or "") for r in records if not r.ok
+    )
+    return [{"error": error, "requests": n} for error, n in reasons.most_common(count)]
+
+
 def served_card(client: ApiClient, model: str | None) -> dict[str, Any]:
     """The server's /v1/models card of `model` (default: the first it lists)."""
     try:
@@ -113,12 +122,13 @@ def served_card(client: ApiClient, model: str | None) -> dict[str, Any]:
             f"{client.base_url}/v1/models answered HTTP {response.status_code}; "
             "is the URL right, and the key (--api-key)?"
         )
-    cards: list[dict[str, Any]] = response.json()["data"]
-    if model is not None:
-        return next((c for c in cards if c["id"] == model), {"id": model})
-    if not cards:
-        raise DlmError(f"{client.base_url}/v1/models lists no model; give --model")
-    return cards[0]
+    where = f"{client.base_url}/v1/models"
+    try:
+        body = response.json()
+    except ValueError:  # not JSON, or not UTF-8
+        kind = response.headers.get("content-type", "no content-type")
+        raise DlmError(f"{where} did not answer JSON ({kind}): {response.text[:80]!r}; is it an OpenAI API?") from None
+    return model_card(body, model, where)
 
 
 def write_locust_reports(env: Environment, writer: StatsCSVFileWriter, out: Path) -> None:
@@ -203,4 +213,5 @@ def run_loadtest(
         "levels": levels,
         "totals": summarize(records, windows[-1][1] - started, list(plan.slo)),
         "server_metrics": agreement(before, after, records),
+        "top_errors": top_errors(records),
     }, vllm
