@@ -61,7 +61,7 @@ def test_any_max_tokens_with_the_fields_validate_sends(name: str) -> None:
                     continue
                 if refusable:
                     problems.append(f"{case}: {sorted(refusable)} accepted, though {family.name} cannot honour it")
-                stops = stop_ids(engine.config.eos_token_id, resolved)
+                stops = stop_ids(engine.config.eos_token_ids, resolved)
                 completion = out.completion_ids
                 if len(out.output_ids) > gen or not 1 <= len(completion) <= gen:
                     problems.append(f"{case}: {len(out.output_ids)} ids, completion of {len(completion)}")

@@ -181,6 +181,17 @@ def test_every_family_refuses_an_eos_its_model_cannot_emit(name: str, eos: int) 
     )
 
 
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_keeps_every_eos_a_list_names(name: str) -> None:
+    config = copy.deepcopy(_config(name))
+    _fields(config)["eos_token_id"] = config["eos_token_id"] = [7, 3, 9]
+    parsed = config_from_dict(config)
+    assert (parsed.eos_token_ids, parsed.eos_token_id) == ((7, 3, 9), 7)
+    _fields(config)["eos_token_id"] = config["eos_token_id"] = [7, "3"]
+    with pytest.raises(InvalidConfig, match="field 'eos_token_id' must be an integer"):
+        config_from_dict(config)
+
+
 @pytest.mark.parametrize("name", [name for name in tiny_names() if not _masked(name)])
 def test_a_family_without_a_mask_never_reads_the_field(name: str) -> None:
     """DiffusionGemma's canvas starts as random tokens: a mask_token_id there is not its MASK."""

@@ -37,7 +37,7 @@ def test_ignore_eos_and_min_tokens_fix_the_length_on_every_family(name: str) -> 
         favourite = Counter(plain.output_ids).most_common(1)[0][0]
         first = plain.output_ids[0]
         saved = engine.config
-        engine.config = dataclasses.replace(saved, eos_token_id=favourite)  # the model's EOS, for this test
+        engine.config = dataclasses.replace(saved, eos_token_ids=(favourite,))  # the model's EOS, for this test
         try:
             ends = llm.generate(PROMPT, gen_length=GEN)[0]
             fixed = llm.generate(PROMPT, gen_length=GEN, ignore_eos=True)[0]
@@ -54,6 +54,28 @@ def test_ignore_eos_and_min_tokens_fix_the_length_on_every_family(name: str) -> 
         assert (stopped.finish_reason, stopped.completion_ids) == ("stop", [first])
         held = llm.generate(PROMPT, gen_length=GEN, stop_token_ids=[first], min_tokens=10)[0]
         assert len(held.completion_ids) >= 10 and first not in held.output_ids[:10]
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_eos_a_config_lists_ends_the_answer_on_every_family(name: str) -> None:
+    """config.json may list several EOS ids (Gemma: end of text, end of turn): each ends an
+    answer, not only the first (the others were dropped where the file was read), and
+    `ignore_eos` holds off all of them. Here the favourite token is the second EOS."""
+    with LLM(f"tiny:{name}", dtype="float32", device="cpu") as llm:
+        engine = llm.engine
+        plain = llm.generate(PROMPT, gen_length=GEN)[0]
+        favourite = Counter(plain.output_ids).most_common(1)[0][0]
+        unused = next(t for t in range(engine.config.logits_size - 1, -1, -1) if t not in plain.output_ids)
+        saved = engine.config
+        engine.config = dataclasses.replace(saved, eos_token_ids=(unused, favourite))
+        try:
+            ends = llm.generate(PROMPT, gen_length=GEN)[0]
+            fixed = llm.generate(PROMPT, gen_length=GEN, ignore_eos=True)[0]
+        finally:
+            engine.config = saved
+        assert ends.finish_reason == "stop" and len(ends.completion_ids) < GEN
+        assert ends.completion_ids[-1] == favourite
+        assert fixed.finish_reason == "length" and not {unused, favourite} & set(fixed.output_ids)
 
 
 @pytest.fixture(scope="module")

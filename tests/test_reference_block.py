@@ -54,7 +54,7 @@ def test_vector_tokens(models: dict[str, LLM], name: str) -> None:
     engine = models[meta["model_dir"]].engine
     eos = meta["decoding_parameters"].get("eos_id", engine.config.eos_token_id)
     saved = engine.config
-    engine.config = dataclasses.replace(saved, eos_token_id=eos)  # the _earlystop vectors stop on 268
+    engine.config = dataclasses.replace(saved, eos_token_ids=(eos,))  # the _earlystop vectors stop on 268
     try:
         seq = engine.generate([meta["prompt_ids"]], _params(meta))[0]
     finally:

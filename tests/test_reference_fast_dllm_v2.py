@@ -88,7 +88,7 @@ def test_engine_reproduces_ids_and_forwards(llm: LLM, case: dict[str, Any]) -> N
     params, ids, nfe, finish = expected(case)
     engine = llm.engine
     saved = engine.config
-    engine.config = dataclasses.replace(saved, eos_token_id=case["stop_token"])  # the stop vectors
+    engine.config = dataclasses.replace(saved, eos_token_ids=(case["stop_token"],))  # the stop vectors
     try:
         seq = engine.generate([case["prompt_ids"]], GenerationParams(cache="block", **params))[0]
     finally:

@@ -68,7 +68,7 @@ def test_engine_reproduces_joint_threshold(llm: LLM, name: str, cache: str) -> N
     meta = _vector(name)
     engine = llm.engine
     saved = engine.config
-    engine.config = dataclasses.replace(saved, eos_token_id=meta["eos_id"])  # `_stop` vectors stop on their id
+    engine.config = dataclasses.replace(saved, eos_token_ids=(meta["eos_id"],))  # `_stop` vectors stop on their id
     try:
         seq = engine.generate([meta["prompt_ids"]], GenerationParams(cache=cache, **_fields(meta)))[0]
     finally:

@@ -107,7 +107,9 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     mask_token_id: int  # NO_MASK where the model has none
-    eos_token_id: int | None
+    # Every EOS id: config.json may list several (Gemma: end of text, end of turn), and each
+    # ends an answer; the first also fills the canvas after an early stop.
+    eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     tie_word_embeddings: bool
     torch_dtype: str | None
@@ -125,6 +127,11 @@ class ModelConfig:
     block_rules: BlockRules | None = None  # block-causal families' decoding rules
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (never run)
     canvas: CanvasSpec | None = None  # DiffusionGemma's encoder/decoder facts
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's EOS: the first of `eos_token_ids` (None without one)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def rotary_dim(self) -> int:
@@ -204,6 +211,12 @@ def _plain_rope(raw: dict[str, Any]) -> None:
     )
 
 
+def _ints(value: Any, key: str) -> tuple[int, ...]:
+    """A field holding one id or a list of them (`eos_token_id`), as a tuple (`()`: none)."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(as_int(v, key, None) for v in values)
+
+
 def section(raw: dict[str, Any], key: str, where: str | None = None) -> dict[str, Any]:
     """Field `key`, a JSON object (`{}` when absent or null); `where` is its path in
     config.json (`text_config.rope_parameters`) when it is nested."""
@@ -255,7 +268,7 @@ def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     return dict(
         family=family.name,
         mask_token_id=_mask(raw, family),
-        eos_token_id=_first_int(raw.get("eos_token_id"), "eos_token_id"),
+        eos_token_ids=_ints(raw.get("eos_token_id"), "eos_token_id"),
         pad_token_id=_first_int(raw.get("pad_token_id"), "pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         block_length=family.block_length
@@ -628,12 +641,13 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             "mask_token_id",
         )
     # An EOS the model cannot emit never stops an answer: every request ran to its length.
-    if config.eos_token_id is not None and not 0 <= config.eos_token_id < config.logits_size:
-        raise InvalidConfig(
-            f"config.json field 'eos_token_id' must be a token of the model (0..{config.logits_size - 1}), "
-            f"got {config.eos_token_id}",
-            "eos_token_id",
-        )
+    for eos in config.eos_token_ids:
+        if not 0 <= eos < config.logits_size:
+            raise InvalidConfig(
+                f"config.json field 'eos_token_id' must be a token of the model (0..{config.logits_size - 1}), "
+                f"got {eos}",
+                "eos_token_id",
+            )
     check_experts(config)
     # The rotary part of a head is at most the head: past it, RoPE's halves no longer match
     # the head's columns (a traceback from the first forward).

@@ -144,6 +144,15 @@ def is_bidirectional(adapter: ForwardAdapter, vocab: int, device: torch.device) 
     return not torch.allclose(a, b, rtol=0.0, atol=0.0)
 
 
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    """Every EOS id of the first value that names any (config.json may list several)."""
+    for value in values:
+        ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        if ids:
+            return tuple(int(v) for v in ids)
+    return ()
+
+
 def _first(*values: Any) -> int | None:
     for value in values:
         if isinstance(value, (list, tuple)):
@@ -190,7 +199,7 @@ def backend_config(hf_model: Any, tokenizer: Any | None) -> ModelConfig:
         rms_norm_eps=float(get("rms_norm_eps", 1e-6) or 1e-6),
         max_position_embeddings=int(get("max_position_embeddings", 4096) or 4096),
         mask_token_id=NO_MASK if mask is None else mask,
-        eos_token_id=_first(get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)),
+        eos_token_ids=_eos_ids(get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)),
         pad_token_id=_first(get("pad_token_id"), getattr(tokenizer, "pad_token_id", None)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         torch_dtype=str(get("dtype", None) or get("torch_dtype", None) or ""),
@@ -301,8 +310,7 @@ class GenerateMethodRunner:
         seq.canvas = torch.tensor(seq.prompt_ids + tokens, dtype=torch.long)
         seq.nfe = len(self._forward_lengths)
         seq.query_lengths = list(self._forward_lengths)
-        eos = seq.eos_id
-        seq.finish("stop" if eos is not None and eos in tokens else "length")
+        seq.finish("stop" if any(eos in tokens for eos in seq.eos_ids) else "length")
 
 
 class GenerateMethodEngine(LLMEngine):

@@ -262,6 +262,7 @@ class LLMEngine(Engine):
         self, prompt_ids: list[int], resolved: ResolvedParams, laid: tuple[list[int], Constraint] | None
     ) -> RequestState:
         seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
+        seq.more_eos = self.config.eos_token_ids[1:]  # every runner's sequences end on each EOS
         if laid is not None:
             if not isinstance(seq, Sequence):
                 raise Unsupported("response_format is not available on this decoding path", field=FIELD)
@@ -288,7 +289,7 @@ class LLMEngine(Engine):
                     "response_format needs the checkpoint's tokenizer, which this model lacks", field=FIELD
                 )
             config = self.config
-            excluded = {config.mask_token_id} | ({config.eos_token_id} if config.eos_token_id is not None else set())
+            excluded = {config.mask_token_id, *config.eos_token_ids}
             try:
                 self._vocabulary = Vocabulary.from_tokenizer(load_tokenizer(model_dir), config.logits_size, excluded)
             except Unsupported as exc:

@@ -35,7 +35,8 @@ class Runner(Protocol):
     config, so it is checked before loading too."""
 
     def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> RequestState:
-        """A sequence for resolved, validated `params`, ending by its rule on the engine's `eos_id`."""
+        """A sequence for resolved, validated `params`, ending by its rule on the engine's
+        `eos_id` (the engine adds the model's other EOS ids, `RequestState.more_eos`)."""
         ...
 
     def step(self, seqs: Seq[RequestState]) -> None:

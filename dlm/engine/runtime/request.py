@@ -34,7 +34,9 @@ class RequestState:
     prompt_ids: list[int]
     params: ResolvedParams  # validated and resolved once, at the boundary
     mask_id: int
-    eos_id: int | None
+    eos_id: int | None  # the model's EOS: it fills the canvas after an early stop
+    # The model's other EOS ids (config.json may list several): they end an answer as EOS does.
+    more_eos: tuple[int, ...] = ()
     seq_id: int = field(default_factory=lambda: next(_ids))
     nfe: int = 0  # model forwards spent on this request
     query_lengths: list[int] = field(default_factory=list)  # tokens fed to each forward
@@ -61,9 +63,14 @@ class RequestState:
         return 0
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every EOS id of the model (none without one)."""
+        return (() if self.eos_id is None else (self.eos_id,)) + self.more_eos
+
+    @property
     def stop_ids(self) -> frozenset[int]:
-        """Token ids that end the answer: EOS and the request's `stop_token_ids`."""
-        return stop_ids(self.eos_id, self.params)
+        """Token ids that end the answer: every EOS and the request's `stop_token_ids`."""
+        return stop_ids(self.eos_ids, self.params)
 
     def banned(self, offsets: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
         """What a step may not commit at answer offsets [N] (positions past the prompt), as
@@ -72,7 +79,7 @@ class RequestState:
         out of the decision (vLLM does the same to the logits) is what makes a diffusion
         answer's length fixed: the model's EOS never fills the answer."""
         p = self.params
-        always = [self.eos_id] if p.ignore_eos and self.eos_id is not None else []
+        always = list(self.eos_ids) if p.ignore_eos else []
         early = sorted(self.stop_ids) if p.min_tokens else []
         if not always and not early:
             return None
@@ -193,10 +200,10 @@ class RequestState:
         return self.answer().tolist()
 
 
-def stop_ids(eos_id: int | None, params: ResolvedParams) -> frozenset[int]:
-    """EOS (when the model has one, and the request does not ignore it) and the request's
+def stop_ids(eos_ids: Collection[int], params: ResolvedParams) -> frozenset[int]:
+    """The model's EOS ids (unless the request ignores them) and the request's
     `stop_token_ids`."""
-    eos = [] if eos_id is None or params.ignore_eos else [eos_id]
+    eos = [] if params.ignore_eos else list(eos_ids)
     return frozenset(eos + list(params.stop_token_ids or ()))
 
 
