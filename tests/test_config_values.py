@@ -192,6 +192,32 @@ def test_every_family_keeps_every_eos_a_list_names(name: str) -> None:
         config_from_dict(config)
 
 
+def _qwen_experts(name: str) -> bool:
+    """Whether the family places Qwen-style experts (`mlp_only_layers`, a softmax router)."""
+    moe = config_from_dict(_config(name)).moe
+    return moe is not None and moe.router == "softmax"
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if _qwen_experts(name)])
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("abc", 'must be a list of layer indices, got "abc"'),
+        (3, "must be a list of layer indices, got 3"),
+        ([0, "1"], "must be an integer"),
+        ([-1], "must be at least 0"),
+        ([99], "names layer 99, past the model's"),
+    ],
+)
+def test_a_dense_layer_list_that_names_no_layer_is_refused(name: str, value: Any, words: str) -> None:
+    """mlp_only_layers "abc" was read as the set of its characters: no layer, silently."""
+    config = copy.deepcopy(_config(name))
+    _fields(config)["mlp_only_layers"] = value
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "mlp_only_layers" and words in str(caught.value), caught.value
+
+
 @pytest.mark.parametrize("name", [name for name in tiny_names() if not _masked(name)])
 def test_a_family_without_a_mask_never_reads_the_field(name: str) -> None:
     """DiffusionGemma's canvas starts as random tokens: a mask_token_id there is not its MASK."""

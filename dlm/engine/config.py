@@ -319,7 +319,7 @@ def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
     if not experts:
         return None
     step = size(raw, "decoder_sparse_step", 1)
-    dense_only = set(raw.get("mlp_only_layers") or ())
+    dense_only = _layer_indices(raw, "mlp_only_layers", layers)
     shared = size(raw, "shared_expert_intermediate_size", 0, minimum=0)
     return MoESpec(
         layers=tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
@@ -330,6 +330,20 @@ def _qwen_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
         shared_gate=shared > 0,
         norm_topk_prob=flag(raw, "norm_topk_prob", True),
     )
+
+
+def _layer_indices(raw: dict[str, Any], key: str, layers: int) -> set[int]:
+    """Field `key`, a list of layer indices (`set()` when absent or null): a string was read
+    as a set of its characters, which named no layer, silently."""
+    value = raw.get(key)
+    if value is None:
+        return set()
+    if not isinstance(value, list):
+        raise InvalidConfig(f"config.json field {key!r} must be a list of layer indices, got {_shown(value)}", key)
+    indices = {as_int(v, key, 0) for v in value}
+    if indices and max(indices) >= layers:
+        raise InvalidConfig(f"config.json field {key!r} names layer {max(indices)}, past the model's {layers}", key)
+    return indices
 
 
 def _bailing_moe(raw: dict[str, Any], layers: int) -> MoESpec | None:
