@@ -241,6 +241,13 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         ([""], "invalid setting source"),
         (["org/m", "--revision", COMMIT_A, "--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
         (["CKPT", "--revision", COMMIT_A], "--revision applies to hub sources, not to a local directory"),
+        # Names kubectl or the pods' `dlm fetch --name` refuse: they rendered with exit 0.
+        (["org/m", "--revision", COMMIT_A, "--namespace", "team a"], "invalid setting namespace"),
+        (["org/m", "--revision", COMMIT_A, "--namespace", "Prod"], "invalid setting namespace"),
+        (["org/m", "--revision", COMMIT_A, "--model-name", "a/b"], "invalid setting model_name"),
+        (["org/m", "--revision", COMMIT_A, "--api-key-secret", "Keys!"], "invalid setting api_key_secret"),
+        (["org/m", "--revision", COMMIT_A, "--storage-class", "fast ssd"], "invalid setting storage_class"),
+        (["/models/my model"], "give --model-name"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:

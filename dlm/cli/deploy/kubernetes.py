@@ -45,6 +45,8 @@ NOT_IN_CONFIG = {"model", "deployment", "store", "host", "port", "nnodes", "node
 REVISION = re.compile(r"^[0-9a-f]{40}$")
 QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label: a namespace
+DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret
 
 FETCH_SCRIPT = f"""set -eu
 dlm fetch "$DLM_FETCH_SOURCE" $DLM_FETCH_REVISION_FLAG --name "$DLM_FETCH_NAME" --json > {RUN_DIR}/fetch.json
@@ -116,6 +118,35 @@ class KubernetesSettings(BaseModel):
             raise ValueError("must be lowercase letters, digits and '-', start with a letter, at most 42 characters")
         return value
 
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str | None) -> str | None:
+        if value is not None and not DNS_LABEL.fullmatch(value):
+            raise ValueError(
+                "must be lowercase letters, digits and '-', start and end with a letter or digit, at most 63"
+            )
+        return value
+
+    @field_validator("api_key_secret", "hf_token_secret", "storage_class")
+    @classmethod
+    def _object_name(cls, value: str | None) -> str | None:
+        if value is not None and not DNS_SUBDOMAIN.fullmatch(value):
+            raise ValueError("must be a Kubernetes object name: lowercase letters, digits, '-' and '.', at most 253")
+        return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _store_name(cls, value: str | None) -> str | None:
+        from dlm.cli.store.store import NAME_RE
+
+        if value is not None and not NAME_RE.match(value):
+            raise ValueError("must be a store name: letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+    def store_name(self) -> str:
+        """The name the init step's `dlm fetch --name` stores the model under."""
+        return self.model_name or self.source.rstrip("/").rsplit("/", 1)[-1]
+
     @field_validator("store_size", "shm_size")
     @classmethod
     def _quantity(cls, value: str | None) -> str | None:
@@ -144,6 +175,14 @@ def kubernetes_settings(**values: Any) -> KubernetesSettings:
         from dlm.cli.store.fetch import LOCAL_REVISION
 
         raise UsageError(f"{LOCAL_REVISION} (SOURCE {settings.source!r} is a path)")
+    if settings.model_name is None:  # the name the pods' `dlm fetch --name` would refuse in every pod
+        from dlm.cli.store.store import NAME_RE
+
+        if not NAME_RE.match(settings.store_name()):
+            raise UsageError(
+                f"SOURCE {settings.source!r} gives no valid store name ({settings.store_name()!r}); "
+                "give --model-name (letters, digits, '.', '_' or '-', starting with a letter or digit)"
+            )
     if settings.max_replicas is not None and settings.max_replicas < settings.replicas:
         raise UsageError(f"--max-replicas ({settings.max_replicas}) is below --replicas ({settings.replicas})")
     return settings
@@ -279,7 +318,7 @@ STORE_ENV = [
 
 
 def _init_container(settings: KubernetesSettings) -> dict[str, Any]:
-    model_name = settings.model_name or settings.source.rstrip("/").rsplit("/", 1)[-1]
+    model_name = settings.store_name()
     return {
         "name": "fetch",
         "image": settings.image,
