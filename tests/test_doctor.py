@@ -179,3 +179,32 @@ def test_the_support_matrix_names_the_versions_ci_installs(package: str) -> None
         doctor.SUPPORT_MATRIX[package],
         pinned.group(1),
     )
+
+
+@pytest.mark.parametrize("variable", ["DLM_STORE", "DLM_HOME"])
+def test_a_store_path_that_is_a_file_is_reported(
+    variable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLM_STORE (or DLM_HOME) naming a file: every store command refuses it (exit 2), and
+    doctor said `store ok, 0 verified`."""
+    monkeypatch.delenv("DLM_STORE", raising=False)
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv(variable, str(tmp_path / "afile"))
+    code, report = run_doctor("--port", str(free_port()))
+    store = report["checks"]["store"]
+    assert code == 0 and store["status"] == "warn", store
+    assert "unusable store" in store["value"] and "a file" in store["value"]
+    assert variable in store["value"]
+
+
+def test_a_corrupt_deployment_record_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment file edited into invalid JSON makes its release and rollback exit 1;
+    doctor said `store ok`."""
+    monkeypatch.setenv("DLM_STORE", str(tmp_path))
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "deployments" / "prod.json").write_text("{")
+    code, report = run_doctor("--port", str(free_port()))
+    store = report["checks"]["store"]
+    assert code == 0 and store["status"] == "warn", store
+    assert store["corrupt_deployments"] == ["prod"]
+    assert "deployment prod's record is corrupt" in store["value"]

@@ -269,10 +269,14 @@ def check_port(port: int) -> Check:
 
 def check_store() -> Check:
     from dlm.cli.store.records import Manifest
-    from dlm.cli.store.store import CorruptVersion, Store, default_store_root
+    from dlm.cli.store.releases import readable_states
+    from dlm.cli.store.store import CorruptVersion, Store, default_store_root, store_env, store_root_problem
     from dlm.engine.errors import DlmError
 
     store = Store(default_store_root())
+    if (problem := store_root_problem(store.root)) is not None:  # every store command refuses it (exit 2)
+        source = "DLM_STORE" if store_env() else "DLM_HOME"
+        return Check("store", "warn", f"unusable store: {problem} (check {source})", {"root": str(store.root)})
     states: dict[str, list[str]] = {"verified": [], "unverified": [], "failed": [], "corrupt": []}
     try:
         for name in store.models():
@@ -280,14 +284,20 @@ def check_store() -> Check:
             versions: list[Manifest | CorruptVersion] = [*manifests, *corrupt]
             for version in versions:
                 states[version.state].append(version.ref)
+        deployments = readable_states(store)[1]  # {deployment: why} for the unreadable ones
     except (DlmError, OSError) as exc:
         return Check("store", "warn", f"unreadable store at {store.root}: {exc}", {"root": str(store.root)})
-    data = {"root": str(store.root), **states}
+    data = {"root": str(store.root), **states, "corrupt_deployments": sorted(deployments)}
     counts = f"{len(states['verified'])} verified"
+    problems = []
     if states["failed"] or states["unverified"] or states["corrupt"]:
         bad = ", ".join(states["failed"] + states["unverified"] + states["corrupt"])
         fix = "`dlm verify` them, or `dlm rm` then `dlm fetch` a failed or corrupt one"
-        return Check("store", "warn", f"{counts}; unverified, failed or corrupt: {bad} ({fix})", data)
+        problems.append(f"unverified, failed or corrupt: {bad} ({fix})")
+    for deployment, why in sorted(deployments.items()):  # its release and rollback refuse to run
+        problems.append(f"deployment {deployment}'s record is corrupt: {why}")
+    if problems:
+        return Check("store", "warn", f"{counts}; {'; '.join(problems)}", data)
     return Check("store", "ok", f"{counts} at {store.root}", data)
 
 

@@ -59,16 +59,13 @@ def open_store(path: str | None) -> Any:
     is a file, or lies under one (`FILE/store`: listed as an empty store, or "Not a
     directory" from whichever command first tried to create it), is refused by name before
     any command tries to lock or create under it."""
-    from dlm.cli.store.store import Store, check_store_path
+    from dlm.cli.store.store import Store, check_store_path, store_root_problem
     from dlm.engine.errors import UsageError
 
     source = path.source if isinstance(path, StoreArgument) else "--store"
     store = Store(Path(check_store_path(path, source)) if path is not None else None)
-    nearest = next((p for p in (store.root, *store.root.parents) if p.exists()), None)  # what exists of it
-    if nearest is not None and not nearest.is_dir():
-        if nearest == store.root:
-            raise UsageError(f"{source} {store.root} is a file, not a store directory")
-        raise UsageError(f"{source} {store.root} is under {nearest}, which is a file, not a directory")
+    if (problem := store_root_problem(store.root)) is not None:
+        raise UsageError(f"{source} {problem}")
     return store
 
 

@@ -76,6 +76,17 @@ def check_store_path(path: str, source: str = "--store") -> str:
     return path
 
 
+def store_root_problem(root: Path) -> str | None:
+    """What makes `root` unusable as a store directory, if anything: it is a file, or lies
+    under one (`FILE/store`), so no command could create or read a store there."""
+    nearest = next((p for p in (root, *root.parents) if p.exists()), None)  # what exists of it
+    if nearest is None or nearest.is_dir():
+        return None
+    if nearest == root:
+        return f"{root} is a file, not a store directory"
+    return f"{root} is under {nearest}, which is a file, not a directory"
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
