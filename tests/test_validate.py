@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from dlm.cli.checks.capabilities import PROBES
-from dlm.cli.checks.contract import models
+from dlm.cli.checks.contract import completion, models
 from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
 from dlm.cli.checks.validate import run_validation
 from dlm.cli.client.api import ApiClient
@@ -303,6 +303,21 @@ def test_a_timeout_that_is_not_a_number_is_bad_usage(flag: str, value: str) -> N
     result = CliRunner().invoke(app, ["validate", "http://127.0.0.1:1", flag, value])
     assert result.exit_code == 2, result.output
     assert f"{flag} must be a finite number" in result.output
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/html; charset=utf-8", ""])
+def test_json_sent_under_another_content_type_fails_the_check(content_type: str) -> None:
+    """A valid completion body sent as text/plain passed `completion`: clients and proxies go
+    by the content-type. The check names the type it got."""
+    body = {"object": "text_completion", "choices": [{"text": "hi", "finish_reason": "stop"}], "usage": {}}
+    answer = http_answer(200, json.dumps(body).encode(), content_type)
+    with raw_server(lambda method, path: iter([answer])) as url:
+        ctx = Context(ApiClient(url, timeout=5), FAST)
+        with pytest.raises(CheckFailed, match=r"/v1/completions: content-type is '[^']*', not application/json"):
+            completion(ctx)
+    good = http_answer(200, json.dumps(body).encode(), "application/json; charset=utf-8")
+    with raw_server(lambda method, path: iter([good])) as url:
+        assert "finish stop" in completion(Context(ApiClient(url, timeout=5), FAST))
 
 
 def test_a_model_list_that_is_not_an_object_fails_models_saying_so() -> None:

@@ -73,6 +73,11 @@ def expect_status(response: httpx.Response, expected: int, what: str) -> None:
 
 
 def json_body(response: httpx.Response, what: str) -> Any:
+    """The answer's JSON, declared as such: clients (and proxies) go by the content-type, so a
+    JSON body sent as text/plain is a failure too, not a pass."""
+    media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise CheckFailed(f"{what}: content-type is {media or 'missing'!r}, not application/json")
     try:
         return response.json()
     except ValueError:
