@@ -181,6 +181,18 @@ def run_cli(*args: str) -> Result:
     return CliRunner().invoke(app, ["validate", *args])
 
 
+@pytest.mark.parametrize("where", ["directory", "under a file", "unwritable"])
+def test_a_junit_path_no_report_can_take_is_refused_before_any_check(tmp_path: Path, where: str) -> None:
+    """--junit-xml /proc/x.xml failed only after every check had run (exit 1, the results
+    lost to the report): each path is refused first (exit 2), the server never asked."""
+    (tmp_path / "file").write_text("")
+    path = {"directory": tmp_path, "under a file": tmp_path / "file" / "r.xml", "unwritable": Path("/proc/r.xml")}
+    result = run_cli("http://127.0.0.1:9", "--ready-timeout", "30", "--junit-xml", str(path[where]))
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"error: --junit-xml {path[where]}"), result.stderr
+    assert not Path("/proc/r.xml").exists()
+
+
 def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
     junit = tmp_path / "validate.xml"
     with serve(Behaviour()) as url:

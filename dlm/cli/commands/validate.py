@@ -96,3 +96,10 @@ def _writable(path: Path) -> None:
         raise UsageError(f"--junit-xml {path}: cannot create its folder ({exc.strerror or exc})") from None
     if path.is_dir():
         raise UsageError(f"--junit-xml {path} is a directory; give a file name")
+    existed = path.exists()
+    try:  # opened now, as the report will be: a path no file can take is refused before any check
+        path.open("a").close()
+    except OSError as exc:
+        raise UsageError(f"--junit-xml {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
