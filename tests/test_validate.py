@@ -332,6 +332,17 @@ def test_json_sent_under_another_content_type_fails_the_check(content_type: str)
         assert "finish stop" in completion(Context(ApiClient(url, timeout=5), FAST))
 
 
+def test_a_redirect_says_where_it_points() -> None:
+    answer = b"HTTP/1.0 301 Moved\r\nLocation: https://elsewhere.example/v2/ready\r\nContent-Length: 0\r\n\r\n"
+    with raw_server(lambda method, path: iter([answer])) as url:
+        result = run_cli(url, "--ready-timeout", "5", "--json")
+    assert result.exit_code == 1
+    (readiness,) = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "readiness"]
+    assert readiness["detail"].startswith(
+        "/ready: HTTP 301 (expected 200): redirects to https://elsewhere.example/v2/ready"
+    ), readiness
+
+
 def test_a_model_list_that_is_not_an_object_fails_models_saying_so() -> None:
     answer = http_answer(200, b"[1, 2]")
     with raw_server(lambda method, path: iter([answer])) as url:

@@ -71,7 +71,11 @@ def delta_text(event: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def error_message(response: httpx.Response) -> str:
-    """The OpenAI error body's message, or the start of whatever the body was."""
+    """The OpenAI error body's message, or the start of whatever the body was; for a redirect
+    (never followed: a client of an API should be given its URL), where it points."""
+    location = response.headers.get("location")
+    if response.is_redirect and location:
+        return f"redirects to {location} (give the URL it names)"
     try:
         body = response.json()
         return str(body["error"]["message"])
