@@ -212,6 +212,34 @@ def _interrupted_download(hub: FakeHub, monkeypatch: pytest.MonkeyPatch, how: st
 
 
 @pytest.mark.parametrize("before", ["no store", "a version of the name"])
+def test_rm_of_an_incomplete_download_deletes_it_unless_its_fetch_runs(
+    before: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dlm models` names an interrupted download's NAME@VERSION; `dlm rm` of that ref said
+    "no model named" and the operator had to delete the directory by hand. It deletes it now
+    (refused while a fetch of the model holds its staging lock), and nothing published."""
+    store = Store(tmp_path / "store")
+    published = []
+    if before != "no store":
+        published = [fetch(str(make_checkpoint(tmp_path / "local", shards=1, tokenizer=False)), store, name="tiny")]
+    with pytest.raises(_interrupted_download(hub, monkeypatch, "network error")):
+        fetch("org/tiny", store)
+    [incomplete] = store.incomplete_fetches("tiny")
+    root = str(store.root)
+    with store.staging_lock("tiny"):  # as a running fetch holds it
+        code, _, stderr = cli("rm", incomplete.ref, "--store", root)
+    assert code == 1 and f"refusing to remove {incomplete.ref}: a fetch of tiny is running" in stderr
+    assert incomplete.path.is_dir()
+    code, stdout, stderr = cli("rm", incomplete.ref, "--store", root, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout) == {"removed": [incomplete.ref], "kept_released": []}
+    assert not incomplete.path.exists() and store.incomplete_fetches("tiny") == []
+    assert [m.version for m in store.manifests("tiny")] == [r.manifest.version for r in published]
+    assert store.models() == (["tiny"] if published else [])
+    assert (store.model_dir("tiny").exists()) == bool(published)  # nothing of the name is left
+
+
+@pytest.mark.parametrize("before", ["no store", "a version of the name"])
 @pytest.mark.parametrize("how", ["network error", "Ctrl-C", "hash mismatch"])
 def test_an_interrupted_download_is_listed_as_incomplete_not_as_a_model_without_a_version(
     how: str, before: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

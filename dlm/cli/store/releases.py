@@ -48,7 +48,7 @@ from dlm.cli.store.records import (
     read_record,
 )
 from dlm.cli.store.resolve import check_config
-from dlm.cli.store.store import NAME_RE, CorruptVersion, Store, check_name, now
+from dlm.cli.store.store import MANIFEST, NAME_RE, CorruptVersion, Store, check_name, now
 from dlm.engine.errors import DlmError, UsageError
 
 DEFAULT_DEPLOYMENT = "default"
@@ -378,6 +378,10 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
         protected = protected_versions(store)
         targets: list[Manifest | CorruptVersion]
         if version is not None:
+            pending = [f for f in store.incomplete_fetches(name) if f.version == version]
+            if pending and not (store.version_dir(name, version) / MANIFEST).exists():
+                store.discard_incomplete(pending[0])  # a download never published: no release holds it
+                return [pending[0].ref], []
             found = store.lookup(f"{name}@{version}")
             role = protected.get((found.name, found.version))
             if role:

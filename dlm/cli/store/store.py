@@ -507,6 +507,19 @@ class Store:
         """Unlist the version atomically, then delete its files (the caller holds the store lock)."""
         self._unlist(self.version_dir(name, version))
 
+    def discard_incomplete(self, fetch: IncompleteFetch) -> None:
+        """Delete an incomplete hub download (`incomplete_fetches`), as `dlm rm NAME@VERSION`
+        of it asks (the caller holds the store lock): unlisted first (renamed to a dot name),
+        then deleted, unless a fetch of the model is transferring now."""
+        try:
+            with locked(self.model_dir(fetch.name) / ".lock", blocking=False, make_parents=False):
+                trash = fetch.path.parent / f".trash-{fetch.path.name}-{os.getpid()}"
+                os.rename(fetch.path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+        except Busy:
+            raise DlmError(f"refusing to remove {fetch.ref}: a fetch of {fetch.name} is running") from None
+        self.clear_leftovers(fetch.name)  # a name left with nothing is no model directory either
+
     def clear_leftovers(self, name: str) -> None:
         """What killed writers left under model `name`: removals' trash (removals run under
         the store lock, which the caller holds) and abandoned fresh staging copies, unless a
