@@ -231,3 +231,33 @@ def test_a_run_that_fails_midway_shuts_its_engine_down(tmp_path: Path, monkeypat
     assert code == 1 and summary is None
     assert "error: [Errno 28] No space left on device" in stderr and "Traceback" not in stderr
     assert len(shut) == 1
+
+
+def test_unpaired_surrogates_are_answered_as_the_server_answers_them(tmp_path: Path) -> None:
+    """JSON reads `"\\ud800"` as a lone surrogate, which UTF-8 cannot encode. In a body it got a
+    500 (the batch could not encode the request) where `dlm serve` answers 400; in a custom_id
+    it was a traceback that ended the run with the other lines unanswered. Now the body gets
+    the server's 400, the custom_id is written back escaped, and a rerun finds it answered."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        json.dumps(request("q0", "hello"))
+        + "\n"
+        + json.dumps(request("lone\ud800id", "hi"))
+        + "\n"
+        + json.dumps(request("q2", "hi \ud800 there"))
+        + "\n",
+        encoding="ascii",  # json.dumps escapes them: the file is valid JSON Lines
+    )
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    assert "Traceback" not in stderr
+    got = results(out)
+    assert set(got) == {"q0", "lone\ud800id", "q2"}
+    assert got["q0"]["response"]["status_code"] == 200 and got["lone\ud800id"]["response"]["status_code"] == 200
+    assert got["q2"]["response"]["status_code"] == 400, got["q2"]
+    assert got["q2"]["error"]["param"] == "prompt" and "surrogate" in got["q2"]["error"]["message"]
+    out.read_bytes().decode("utf-8")  # OUTPUT stays UTF-8
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    assert (summary["skipped"], summary["completed"], summary["failed"]) == (3, 0, 0)

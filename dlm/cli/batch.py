@@ -43,6 +43,17 @@ ID_PREFIX = "batch_req_"
 # whose first key is "id"): a last line without its newline is one of ours cut by a kill
 # only if it starts so (or is shorter than this and a start of it).
 RESULT_START = f'{{"id": "{ID_PREFIX}'.encode()
+# JSON text (`json.dumps(..., ensure_ascii=False)`) as UTF-8 bytes. A JSON string may hold an
+# unpaired surrogate (`"\ud800"` reads as one), which UTF-8 cannot encode; it can only sit
+# inside a string, where "backslashreplace" writes it back as the same `\ud800` escape, so
+# the bytes read back as the value they were made from.
+UNPAIRED = "backslashreplace"
+
+
+def json_bytes(value: Any) -> bytes:
+    """`value` as compact JSON in UTF-8, as an HTTP client sends a body; an unpaired
+    surrogate escaped (`UNPAIRED`), so the server reads it and answers as it does for one."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", UNPAIRED)
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ class BatchOutput:
     def append(self, record: dict[str, Any]) -> None:
         """One result line, on disk (fsynced) before this returns: a result written is a
         result kept, whatever kills the run next."""
-        self._handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        self._handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", UNPAIRED))
         self._handle.flush()
         os.fsync(self._handle.fileno())
 
@@ -204,14 +215,16 @@ async def run_batch(
     todo = [r for r in requests if r.custom_id not in output.answered]
     app = create_app(config)
     keys = config.keys()
-    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    headers = {"Content-Type": "application/json"}
+    if keys:
+        headers["Authorization"] = f"Bearer {keys[0]}"
     completed = failed = 0
 
     async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, request: BatchRequest) -> None:
         nonlocal completed, failed
         try:
             async with gate:
-                response = await client.post(request.url, json=request.body, headers=headers)
+                response = await client.post(request.url, content=json_bytes(request.body), headers=headers)
             status, body = response.status_code, response.json()
         except Exception as exc:  # noqa: BLE001 - whatever the app raised is this line's answer, not the batch's end
             status, body = 500, internal_error(exc)
