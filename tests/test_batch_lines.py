@@ -261,3 +261,30 @@ def test_unpaired_surrogates_are_answered_as_the_server_answers_them(tmp_path: P
     code, summary, stderr = run(source, out)
     assert code == 0 and summary is not None, stderr
     assert (summary["skipped"], summary["completed"], summary["failed"]) == (3, 0, 0)
+
+
+def test_a_rate_limited_line_waits_and_is_answered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `--config` with a rate limit (`requests_per_minute`) answers 429 once its bucket is
+    empty; the batch wrote that 429 as the line's result, and a rerun skips it for good (295
+    of 300 lines failed at 5 a minute). Now a 429 is retried after its Retry-After."""
+    from dlm.cli.server.ratelimit import RateLimiter
+
+    real = RateLimiter.check
+    refused: list[str] = []
+
+    def check(self: RateLimiter, key: str, kind: str, amount: float = 1.0) -> int:
+        if kind == "requests" and not refused:  # the bucket empty for the first request
+            refused.append(key)
+            return 1
+        return real(self, key, kind, amount)
+
+    monkeypatch.setattr(RateLimiter, "check", check)
+    settings = tmp_path / "serve.toml"
+    settings.write_text('model = "tiny:llada"\nrequests_per_minute = 6000\n')
+    source = write(tmp_path / "in.jsonl", [request(f"q{i}", f"line {i}") for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    code, stdout, stderr = cli("batch", str(source), str(out), "--config", str(settings), "--json")
+    assert code == 0, stderr
+    assert refused, "the rate limit never answered 429"
+    assert json.loads(stdout)["failed"] == 0
+    assert all(r["response"]["status_code"] == 200 for r in results(out).values()), results(out)

@@ -7,6 +7,9 @@ socket), so a batch line gets exactly the answer the server gives the same reque
 validation, defaults, limits and continuous batching. Up to `concurrency` requests are in
 flight at once, so the engine decodes them together.
 
+A 429 (a rate limit of `--config`, a full queue) is a shortage that waiting cures, never a
+line's answer: the request is sent again after the Retry-After the server gave.
+
 Every line gets a result line: a request the app fails on (an exception where the server
 would answer 500) gets a 500 `server_error` record like any refused request, and the other
 lines go on; one bad line never stops a batch.
@@ -199,6 +202,15 @@ def internal_error(exc: Exception) -> dict[str, Any]:
     return APIError(500, f"internal server error: {cause}", type="server_error", code="internal_error").body()
 
 
+def _retry_after(header: str | None) -> float:
+    """Seconds to wait before sending a request the server answered 429 again: its
+    Retry-After (whole seconds), 1 when it gives none."""
+    try:
+        return max(float(header or 1), 0.1)
+    except ValueError:
+        return 1.0
+
+
 async def run_batch(
     config: ServeConfig,
     requests: list[BatchRequest],
@@ -225,6 +237,9 @@ async def run_batch(
         try:
             async with gate:
                 response = await client.post(request.url, content=json_bytes(request.body), headers=headers)
+                while response.status_code == 429:  # a shortage that waiting cures, not this line's answer
+                    await asyncio.sleep(_retry_after(response.headers.get("Retry-After")))
+                    response = await client.post(request.url, content=json_bytes(request.body), headers=headers)
             status, body = response.status_code, response.json()
         except Exception as exc:  # noqa: BLE001 - whatever the app raised is this line's answer, not the batch's end
             status, body = 500, internal_error(exc)
