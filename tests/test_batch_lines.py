@@ -288,3 +288,16 @@ def test_a_rate_limited_line_waits_and_is_answered(tmp_path: Path, monkeypatch: 
     assert refused, "the rate limit never answered 429"
     assert json.loads(stdout)["failed"] == 0
     assert all(r["response"]["status_code"] == 200 for r in results(out).values()), results(out)
+
+
+def test_an_output_fifo_is_refused_as_not_a_regular_file(tmp_path: Path) -> None:
+    """A FIFO as OUTPUT failed opening it (exit 1, `error: File or stream is not seekable.`);
+    docs/batch.md makes an OUTPUT that is not a regular file a usage error."""
+    import os
+
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    code, summary, stderr = run(source, fifo)
+    assert code == 2 and summary is None, stderr
+    assert f"OUTPUT {fifo} is not a regular file" in stderr.replace("\n", ""), stderr

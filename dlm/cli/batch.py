@@ -122,6 +122,8 @@ def claim_output(path: Path) -> Iterator[BatchOutput]:
     drops it when the holder dies, so a killed run never blocks the next."""
     if path.is_dir():
         raise UsageError(f"OUTPUT {path} is a directory")
+    if path.exists() and not path.is_file():  # a FIFO would fail the open ("not seekable"), or block
+        raise UsageError(f"OUTPUT {path} is not a regular file")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
