@@ -160,8 +160,9 @@ def test_an_output_that_is_not_a_batch_output_is_refused_untouched(tmp_path: Pat
         ({"url": "/v1/embeddings"}, "got 'POST' to '/v1/embeddings'"),
         ({"body": [1]}, "body must be a JSON object"),
         ({"body": {"prompt": "hi", "stream": True}}, "cannot stream"),
+        ({"max_tokens": 5}, "unknown field 'max_tokens'"),  # was silently ignored
     ],
-    ids=["empty-id", "number-id", "duplicate-id", "get", "other-url", "body-not-object", "stream"],
+    ids=["empty-id", "number-id", "duplicate-id", "get", "other-url", "body-not-object", "stream", "unknown-field"],
 )
 def test_a_bad_input_line_is_refused_by_number_before_anything_runs(tmp_path: Path, change: dict, says: str) -> None:
     source = write(tmp_path / "in.jsonl", [request("q0", "hello"), {**request("q1", "hi"), **change}])

@@ -41,6 +41,7 @@ from dlm.cli.server.config import ServeConfig
 from dlm.engine.errors import DlmError, UsageError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
+LINE_FIELDS = ("custom_id", "method", "url", "body")  # the Batch API's request line, nothing else
 ID_PREFIX = "batch_req_"
 # How every result line starts (`BatchOutput.append` writes `json.dumps` of `result_line`,
 # whose first key is "id"): a last line without its newline is one of ours cut by a kill
@@ -81,6 +82,12 @@ def read_requests(path: Path) -> list[BatchRequest]:
     seen: set[str] = set()
     for number, item in read_objects(path):
         custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
+        unknown = [key for key in item if key not in LINE_FIELDS]
+        if unknown:  # a parameter beside the body (`"max_tokens": 5`) would be silently ignored
+            raise UsageError(
+                f"{path}:{number}: unknown field {unknown[0]!r}: a line has {', '.join(LINE_FIELDS)} "
+                "(request parameters go in body)"
+            )
         if not isinstance(custom_id, str) or not custom_id:
             raise UsageError(f"{path}:{number}: custom_id must be a non-empty string")
         if custom_id in seen:
