@@ -302,3 +302,14 @@ def test_an_output_fifo_is_refused_as_not_a_regular_file(tmp_path: Path) -> None
     code, summary, stderr = run(source, fifo)
     assert code == 2 and summary is None, stderr
     assert f"OUTPUT {fifo} is not a regular file" in stderr.replace("\n", ""), stderr
+
+
+def test_an_input_opening_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """A UTF-8 BOM (what Notepad and PowerShell write) made line 1 `not JSON` (exit 2)."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + (json.dumps(request("q0", "hello")) + "\r\n").encode())
+    assert [r.custom_id for r in read_requests(source)] == ["q0"]
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None, stderr
+    assert results(out)["q0"]["response"]["status_code"] == 200

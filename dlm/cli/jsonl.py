@@ -87,9 +87,11 @@ def objects(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def read_objects(path: Path, what: str = "requests") -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-empty line; a file without any is an error."""
+    """(line number, object) for every non-empty line; a file without any is an error. A
+    UTF-8 byte order mark opening the file (Windows editors write one) is skipped: it was
+    line 1's "not JSON"."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}") from None
     found = False
