@@ -211,18 +211,7 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         """Send and read the whole answer within `timeout` seconds in all: httpx's timeout
         bounds each read, so a server trickling its body a byte at a time never timed out."""
         deadline = time.perf_counter() + timeout
-        response = self.http.send(request, stream=True)
-        try:
-            body = b"".join(within(response.iter_raw(), deadline, timeout, request))
-        finally:
-            response.close()
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            content=body,
-            request=request,
-            extensions=response.extensions,
-        )
+        return read_within(self.http.send(request, stream=True), deadline, timeout)
 
     def get(self, path: str, *, key: str | None | bool = True, timeout: float | None = None) -> httpx.Response:
         limit = timeout or self.timeout
@@ -259,12 +248,7 @@ class ApiClient(AbstractContextManager["ApiClient"]):
                 retry_after=response.headers.get("retry-after"),
             )
             if response.status_code != 200:
-                raw = b"".join(within(response.iter_raw(), deadline, self.timeout, response.request))
-                result.error = error_message(
-                    httpx.Response(
-                        response.status_code, headers=response.headers, content=raw, request=response.request
-                    )
-                )
+                result.error = error_message(read_within(response, deadline, self.timeout))
                 result.e2e = time.perf_counter() - start
                 return result
             if not result.content_type.startswith("text/event-stream"):
@@ -298,6 +282,25 @@ class ApiClient(AbstractContextManager["ApiClient"]):
             result.text = "".join(pieces)
             result.e2e = time.perf_counter() - start
             return result
+
+
+def read_within(response: httpx.Response, deadline: float, timeout: float) -> httpx.Response:
+    """`response` read whole by `deadline` (`RequestTooLong` past it), as a plain response;
+    one its transport has read already (in-process and mock transports answer whole) is
+    returned as it is: reading its stream again raised StreamConsumed."""
+    if response.is_stream_consumed:
+        return response
+    try:
+        raw = b"".join(within(response.iter_raw(), deadline, timeout, response.request))
+    finally:
+        response.close()
+    return httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        content=raw,
+        request=response.request,
+        extensions=response.extensions,
+    )
 
 
 def within(chunks: Iterator[Any], deadline: float, timeout: float, request: httpx.Request) -> Iterator[Any]:
