@@ -113,7 +113,13 @@ def test_every_family_refuses_a_scaled_rope_it_would_not_run(name: str) -> None:
     refused it) and the model decoded with plain RoPE. Plain RoPE's spellings pass."""
     config = copy.deepcopy(_config(name))
     fields = _fields(config)
-    for plain in (None, {"rope_type": "default"}, {"type": "default", "factor": 1.0}):
+    for plain in (
+        None,
+        {"rope_type": "default"},
+        {"type": "default", "factor": 1.0},
+        {"type": "mrope", "mrope_section": [16, 24, 24]},
+        {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    ):
         fields["rope_scaling"] = plain
         config_from_dict(copy.deepcopy(config))
     fields["rope_scaling"] = {"type": "yarn", "factor": 4.0}

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 NO_MASK = -1  # the mask_token_id of a model without a MASK token (a family declares it)
+PLAIN_ROPE = ("default", "mrope")  # rope_scaling types that rotate text positions as plain RoPE
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,11 @@ def flag(raw: dict[str, Any], key: str, default: bool = False) -> bool:
 def _plain_rope(raw: dict[str, Any]) -> None:
     """No family runs scaled RoPE (linear, dynamic, YaRN, ...): a `rope_scaling` asking for
     one was read by no one and the model decoded with plain RoPE, silently unlike its authors'
-    (Dream alone refused it). transformers' own spelling of plain RoPE passes."""
+    (Dream alone refused it). transformers' own spelling of plain RoPE passes, and Qwen-VL's
+    multimodal RoPE ("mrope", which the Qwen3.5 hybrids carry): on text positions it is plain."""
     value = raw.get("rope_scaling")
-    if value is None or (isinstance(value, dict) and value.get("rope_type", value.get("type", "default")) == "default"):
+    kind = (value.get("rope_type") or value.get("type") or "default") if isinstance(value, dict) else None
+    if value is None or kind in PLAIN_ROPE:
         return
     raise InvalidConfig(
         f"config.json field 'rope_scaling' must be null (dlm runs plain RoPE), got {_shown(value)}", "rope_scaling"
