@@ -25,7 +25,7 @@ import pytest
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.store import Store
 from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict, load_config
-from dlm.engine.errors import InvalidConfig
+from dlm.engine.errors import InvalidConfig, UsageError
 from dlm.engine.registry import family_named
 from dlm.engine.tiny_models import BUILDERS, special_ids
 from tests.tiny_families import tiny_names
@@ -168,6 +168,14 @@ def test_every_family_with_a_mask_refuses_one_outside_its_embedding(name: str, p
     config["mask_token_id"] = -1
     with pytest.raises(InvalidConfig, match=r"^config.json field 'mask_token_id' must be at least 0, got -1$"):
         config_from_dict(config)
+    family = family_named(config_from_dict(_config(name)).family)
+    config["mask_token_id"] = None  # null reads as absent: the family's documented MASK, or a refusal
+    if family.mask_token_id is None:
+        with pytest.raises(UsageError, match="config.json has no mask_token_id"):
+            config_from_dict(config)
+    else:  # the documented MASK of the real checkpoints: past a tiny vocabulary, so refused
+        with pytest.raises(InvalidConfig, match=rf"\(0\.\.{rows - 1}\), got {family.mask_token_id}$"):
+            config_from_dict(config)
 
 
 @pytest.mark.parametrize("name", tiny_names())

@@ -254,11 +254,12 @@ def real(raw: dict[str, Any], key: str, default: float, positive: bool = True) -
 
 
 def _mask(raw: dict[str, Any], family: Family) -> int:
-    """The MASK id: config.json's, else the family's documented one. A family without a MASK
-    token (NO_MASK) never reads the field."""
+    """The MASK id: config.json's, else (absent or null) the family's documented one. A family
+    without a MASK token (NO_MASK) never reads the field."""
     if family.mask_token_id == NO_MASK:
         return NO_MASK
-    mask = raw.get("mask_token_id", family.mask_token_id)
+    mask = raw.get("mask_token_id")
+    mask = family.mask_token_id if mask is None else mask
     if mask is None:
         raise UsageError(f"config.json has no mask_token_id, which {family.name} needs: add it there")
     return as_int(mask, "mask_token_id", 0)
