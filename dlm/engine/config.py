@@ -180,12 +180,6 @@ def as_float(value: Any, key: str, positive: bool = True, file: str = "config.js
     return float(value)
 
 
-def _first_int(value: Any, key: str) -> int | None:
-    if isinstance(value, list):
-        return as_int(value[0], key, None) if value else None
-    return None if value is None else as_int(value, key, None)
-
-
 def as_bool(value: Any, key: str) -> bool:
     """`value` of field `key` as a yes/no: JSON's true and false (null, 0 and 1 as Python reads
     them). A string is refused: `bool("false")` is True, so `"tie_word_embeddings": "false"`
@@ -215,7 +209,8 @@ def _plain_rope(raw: dict[str, Any]) -> None:
 
 
 def _ints(value: Any, key: str) -> tuple[int, ...]:
-    """A field holding one id or a list of them (`eos_token_id`), as a tuple (`()`: none)."""
+    """A field holding one id or a list of them (`eos_token_id`, `pad_token_id`), as a tuple
+    (`()`: none)."""
     values = value if isinstance(value, list) else [] if value is None else [value]
     return tuple(as_int(v, key, None) for v in values)
 
@@ -273,7 +268,7 @@ def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
         family=family.name,
         mask_token_id=_mask(raw, family),
         eos_token_ids=_ints(raw.get("eos_token_id"), "eos_token_id"),
-        pad_token_id=_first_int(raw.get("pad_token_id"), "pad_token_id"),
+        pad_token_id=next(iter(_ints(raw.get("pad_token_id"), "pad_token_id")), None),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         block_length=family.block_length
         if block_length is None
