@@ -108,10 +108,16 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     indexed = shard_index(model_dir)
     if indexed is not None:
         return indexed
-    files = sorted(model_dir.glob("*.safetensors"))
+    return {name: file for file in _shard_files(model_dir) for name in _headers(file)}
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    """The weight files: the ones the sharded index names, else every `*.safetensors`."""
+    indexed = shard_index(model_dir)
+    files = sorted(set(indexed.values())) if indexed is not None else sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UsageError(f"no safetensors weights in {model_dir}")
-    return {name: file for file in files for name in _headers(file)}
+    return files
 
 
 def _headers(file: Path) -> dict[str, tuple[int, ...]]:
@@ -128,8 +134,7 @@ def _headers(file: Path) -> dict[str, tuple[int, ...]]:
 
 def stored_values(model_dir: Path) -> int:
     """How many values the checkpoint's tensors hold (what `check_fits_weights` compares)."""
-    files = sorted(set(tensor_locations(model_dir).values()))
-    return sum(math.prod(shape) for file in files for shape in _headers(file).values())
+    return sum(math.prod(shape) for file in _shard_files(model_dir) for shape in _headers(file).values())
 
 
 Index = tuple[slice, ...]
