@@ -90,7 +90,8 @@ class RequestState:
 
     def holds_stop(self, start: int, end: int) -> bool:
         """Whether canvas[start:end] holds a stop id."""
-        return any(int(t) in self.stop_ids for t in self.canvas[start:end].unique())
+        stops = self.stop_ids  # built once, not per token: this runs every step
+        return any(int(t) in stops for t in self.canvas[start:end].unique())
 
     def release(self) -> None:
         """Drop what the request holds beyond its canvas (caches): it will run no more."""
