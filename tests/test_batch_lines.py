@@ -200,8 +200,8 @@ def test_a_second_run_on_the_same_output_is_refused(tmp_path: Path) -> None:
 
     source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
     out = tmp_path / "out.jsonl"
-    with claim_output(out) as held:  # another run, holding OUTPUT
-        assert held.answered == set()
+    with claim_output(out, read_requests(source)) as held:  # another run, holding OUTPUT
+        assert [r.custom_id for r in held.todo] == ["q0"]
         code, summary, stderr = run(source, out)
     assert code == 1 and summary is None
     assert f"another dlm batch (pid {os.getpid()}) is writing" in stderr.replace("\n", " ")
@@ -313,3 +313,32 @@ def test_an_input_opening_with_a_byte_order_mark_is_read(tmp_path: Path) -> None
     code, summary, stderr = run(source, out)
     assert code == 0 and summary is not None, stderr
     assert results(out)["q0"]["response"]["status_code"] == 200
+
+
+def test_a_rerun_whose_input_changed_an_answered_request_is_refused_untouched(tmp_path: Path) -> None:
+    """A result answers the request it was made for: a rerun whose INPUT now holds another
+    body (or url) under an answered custom_id, or no longer holds it, would keep an answer to
+    a question nobody asks; it is a usage error naming OUTPUT's line, and OUTPUT is kept as
+    it was. The same requests written with their keys in another order resume."""
+    items = [request("q0", "hello"), request("q1", "world")]
+    source = write(tmp_path / "in.jsonl", items)
+    out = tmp_path / "out.jsonl"
+    code, summary, stderr = run(source, out)
+    assert code == 0 and summary is not None and summary["completed"] == 2, stderr
+    answered = out.read_bytes()
+    line = next(n for n, r in enumerate(lines(answered.decode()), 1) if json.loads(r)["custom_id"] == "q1")
+
+    changed = [items[0], request("q1", "world", max_tokens=2)]
+    for now, says in (
+        (changed, f"out.jsonl:{line}: answers custom_id 'q1' for another request than INPUT's"),
+        ([{**items[1], "url": "/v1/chat/completions"}, items[0]], "for another request than INPUT's"),
+        ([items[0]], f"out.jsonl:{line}: answers custom_id 'q1', which INPUT does not hold"),
+    ):
+        code, summary, stderr = run(write(tmp_path / "in.jsonl", now), out)
+        assert code == 2 and summary is None and says in " ".join(stderr.split()), stderr
+        assert out.read_bytes() == answered
+
+    reordered = [{**item, "body": dict(reversed(item["body"].items()))} for item in reversed(items)]
+    code, summary, stderr = run(write(tmp_path / "in.jsonl", reordered), out)
+    assert code == 0 and summary == {**summary, "skipped": 2, "completed": 0}, stderr
+    assert out.read_bytes() == answered

@@ -17,19 +17,21 @@ lines go on; one bad line never stops a batch.
 Resumable: every result is appended to the output as one line and flushed as soon as it is
 known. A rerun reads the output first, drops a last line cut short by a kill, and sends only
 the requests whose `custom_id` has no result yet, so a run killed at any moment and started
-again ends with each request answered exactly once. A run holds an exclusive lock on the
-output (`claim_output`), so a second run on the same output is refused rather than answering
-everything again.
+again ends with each request answered exactly once. A result's id is a digest of the request
+line it answers (`request_id`), so a rerun whose INPUT changed a request already answered, or
+lost one, is refused instead of keeping an answer to another question. A run holds an
+exclusive lock on the output (`claim_output`), so a second run on the same output is refused
+rather than answering everything again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import stat
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -106,12 +108,20 @@ def read_requests(path: Path) -> list[BatchRequest]:
     return requests
 
 
-class BatchOutput:
-    """The output file of one run, held under an exclusive lock: the custom_ids it already
-    answers, and `append` for new results."""
+def request_id(request: BatchRequest) -> str:
+    """The id of the result line answering `request`: a digest of its custom_id, url and body
+    (32 hex digits, as long as a uuid), so a rerun can tell that a line of OUTPUT
+    still answers the request INPUT now holds under that custom_id."""
+    line = json.dumps([request.custom_id, request.url, request.body], ensure_ascii=False, sort_keys=True)
+    return ID_PREFIX + hashlib.sha256(line.encode("utf-8", UNPAIRED)).hexdigest()[:32]
 
-    def __init__(self, path: Path, handle: IO[bytes], answered: set[str]) -> None:
-        self.path, self._handle, self.answered = path, handle, answered
+
+class BatchOutput:
+    """The output file of one run, held under an exclusive lock: the requests of INPUT it
+    does not answer yet (`todo`), and `append` for new results."""
+
+    def __init__(self, path: Path, handle: IO[bytes], todo: list[BatchRequest]) -> None:
+        self.path, self._handle, self.todo = path, handle, todo
 
     def append(self, record: dict[str, Any]) -> None:
         """One result line, on disk (fsynced) before this returns: a result written is a
@@ -122,10 +132,11 @@ class BatchOutput:
 
 
 @contextmanager
-def claim_output(path: Path) -> Iterator[BatchOutput]:
-    """Open OUTPUT (created if missing) for this run: refuse it while another run holds it,
-    or when it is not a `dlm batch` output (nothing in it is changed then); drop a last line
-    cut short by a kill. The lock (flock on the file itself) lasts for the block; the kernel
+def claim_output(path: Path, requests: list[BatchRequest]) -> Iterator[BatchOutput]:
+    """Open OUTPUT (created if missing) for a run answering `requests`: refuse it while
+    another run holds it, when it is not a `dlm batch` output, or when it answers other
+    requests than these (nothing in it is changed then); drop a last line cut short by a
+    kill. The lock (flock on the file itself) lasts for the block; the kernel
     drops it when the holder dies, so a killed run never blocks the next."""
     if path.is_dir():
         raise UsageError(f"OUTPUT {path} is a directory")
@@ -146,7 +157,7 @@ def claim_output(path: Path) -> Iterator[BatchOutput]:
         handle.seek(0)
         raw = handle.read()
         whole, _, tail = raw.rpartition(b"\n")
-        answered = _answered(path, whole)
+        todo = _unanswered(path, _answered(path, whole), requests)
         if tail and not (tail.startswith(RESULT_START) or RESULT_START.startswith(tail)):
             raise UsageError(
                 f"OUTPUT {path} is not a dlm batch output (its last line is not a result cut short); "
@@ -154,26 +165,44 @@ def claim_output(path: Path) -> Iterator[BatchOutput]:
             )
         if tail:  # the line a kill cut short: its request is sent again
             handle.truncate(len(raw) - len(tail))
-        yield BatchOutput(path, handle, answered)
+        yield BatchOutput(path, handle, todo)
 
 
-def _answered(path: Path, whole: bytes) -> set[str]:
-    """custom_ids of the complete lines of an output; UsageError naming the first line that
-    is not a result."""
+def _answered(path: Path, whole: bytes) -> dict[str, tuple[int, Any]]:
+    """The complete lines of an output: custom_id -> (line number, the line's id);
+    UsageError naming the first line that is not a result."""
     try:
         text = whole.decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"OUTPUT {path} is not a dlm batch output (not UTF-8); refusing to append to it") from None
-    done = set()
+    done = {}
     refusal = "OUTPUT is not a dlm batch output, refusing to append to it"
     try:
         for number, item in objects(text):
             if not isinstance(item.get("custom_id"), str) or not {"response", "error"} <= item.keys():
                 raise UsageError(f"{path}:{number}: not a result (custom_id, response, error): {refusal}")
-            done.add(item["custom_id"])
+            done[item["custom_id"]] = (number, item.get("id"))
     except LineError as exc:
         raise UsageError(f"{path}:{exc.number}: {exc.problem}: {refusal}") from None
     return done
+
+
+def _unanswered(path: Path, answered: dict[str, tuple[int, Any]], requests: list[BatchRequest]) -> list[BatchRequest]:
+    """The requests no line of OUTPUT answers. A line answering a custom_id INPUT does not
+    hold, or holding the id of another request under its custom_id (its url or body changed
+    since), is a UsageError: resuming would keep an answer to a question nobody asks now."""
+    asked = {r.custom_id: r for r in requests}
+    fix = "delete that line from OUTPUT to answer the request again, or give another OUTPUT"
+    for custom_id, (number, line_id) in answered.items():
+        request = asked.get(custom_id)
+        if request is None:
+            raise UsageError(f"{path}:{number}: answers custom_id {custom_id!r}, which INPUT does not hold: {fix}")
+        if line_id != request_id(request):
+            raise UsageError(
+                f"{path}:{number}: answers custom_id {custom_id!r} for another request than INPUT's "
+                f"(its url or body changed since, or OUTPUT comes from another batch): {fix}"
+            )
+    return [r for r in requests if r.custom_id not in answered]
 
 
 def _flock_holder(fd: int) -> int | None:
@@ -193,12 +222,12 @@ def _flock_holder(fd: int) -> int | None:
 
 def result_line(request: BatchRequest, status: int, body: Any) -> dict[str, Any]:
     """One output line in the Batch API's shape (an error body is both the response and `error`)."""
-    request_id = f"{ID_PREFIX}{uuid.uuid4().hex}"
+    line_id = request_id(request)
     error = None if status == 200 else (body.get("error") if isinstance(body, dict) else {"message": str(body)})
     return {
-        "id": request_id,
+        "id": line_id,
         "custom_id": request.custom_id,
-        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "response": {"status_code": status, "request_id": line_id, "body": body},
         "error": error,
     }
 
@@ -233,7 +262,7 @@ async def run_batch(
 
     from dlm.cli.server.app import create_app
 
-    todo = [r for r in requests if r.custom_id not in output.answered]
+    todo = output.todo
     app = create_app(config)
     keys = config.keys()
     headers = {"Content-Type": "application/json"}

@@ -66,12 +66,11 @@ def batch(
 
             config.check_model(model_config(model_dir))
         with (
-            claim_output(output_file) as output,
+            claim_output(output_file, requests) as output,
             _server_log_lines(),
             progress() as bar,
         ):
-            done = len(output.answered & {r.custom_id for r in requests})
-            task = bar.add_task("batch", total=len(requests), completed=done)
+            task = bar.add_task("batch", total=len(requests), completed=len(requests) - len(output.todo))
             summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
         counts = {
             "total": summary.total,
