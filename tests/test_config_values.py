@@ -206,6 +206,20 @@ def test_every_family_keeps_every_eos_a_list_names(name: str) -> None:
         config_from_dict(config)
 
 
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_joins_the_eos_ids_generation_config_lists(name: str, tmp_path: Path) -> None:
+    """A chat model may list its end of turn only in generation_config.json (SDAR's
+    `<|im_end|>` beside config.json's `<|endoftext|>`): each ends an answer, after config.json's
+    own (whose first still fills the canvas after an early stop); one it repeats counts once.
+    Before, generation_config.json's were dropped and a chat answer ran to its length."""
+    config = copy.deepcopy(_config(name))
+    _fields(config)["eos_token_id"] = config["eos_token_id"] = 7
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 3]}))
+    parsed = load_config(tmp_path)
+    assert (parsed.eos_token_ids, parsed.eos_token_id) == ((7, 9, 3), 7)
+
+
 def _qwen_experts(name: str) -> bool:
     """Whether the family places Qwen-style experts (`mlp_only_layers`, a softmax router)."""
     moe = config_from_dict(_config(name)).moe
@@ -268,6 +282,28 @@ CHECKPOINT_DAMAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 }
 
 
+# generation_config.json as written (bytes, or a value json writes), and the words of its refusal
+GENERATION_DAMAGES: dict[str, tuple[Any, str]] = {
+    "eos past the model": (
+        {"eos_token_id": [298, 10**6]},
+        "generation_config.json field 'eos_token_id' must be a token of the model (0..299), got 1000000",
+    ),
+    "eos a string": ({"eos_token_id": "298"}, "generation_config.json field 'eos_token_id' must be an integer"),
+    "not JSON": (b'{"eos_token_id": ', "generation_config.json is not valid UTF-8 JSON"),
+    "not an object": ([298], "generation_config.json does not hold a JSON object"),
+}
+
+
+def _generation_damaged(good: Path, kind: str, directory: Path) -> tuple[Path, str]:
+    """`good` with a generation_config.json every command must refuse (it was read as absent,
+    or its EOS ids dropped), naming that file, not config.json."""
+    content, words = GENERATION_DAMAGES[kind]
+    shutil.copytree(good, directory)
+    data = content if isinstance(content, bytes) else json.dumps(content).encode()
+    (directory / "generation_config.json").write_bytes(data)
+    return directory, words
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("good") / "tiny", shards=1)
@@ -317,6 +353,36 @@ def test_commands_refuse_it_with_verifys_words(
     code, stdout, stderr = cli(*[part.format(dir=directory) for part in command])  # re-raises a crash
     assert "Traceback" not in stdout + stderr, stderr[-2000:]
     assert code == 2, (code, stderr[-2000:])  # as every config.json refusal
+    errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {words}"), stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", list(GENERATION_DAMAGES))
+def test_verify_records_a_bad_generation_config_against_that_file(kind: str, good: Path, tmp_path: Path) -> None:
+    directory, words = _generation_damaged(good, kind, tmp_path / "src")
+    code, stdout, stderr = cli("verify", str(directory), "--json")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    failures = json.loads(stdout)["failures"]
+    assert [(f["file"], f["check"]) for f in failures] == [("generation_config.json", "config")], failures
+    assert failures[0]["problem"].startswith(words), failures
+
+
+@pytest.mark.parametrize("kind", list(GENERATION_DAMAGES))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "{dir}", "--prompt-ids", "1,2,3", "--gen-length", "8"],
+        ["serve", "{dir}", "--port", "0", "--no-warmup"],
+    ],
+    ids=["generate", "serve"],
+)
+def test_commands_refuse_a_bad_generation_config_naming_it(
+    kind: str, command: list[str], good: Path, tmp_path: Path, server_logging: None
+) -> None:
+    """(`dlm estimate` plans memory, which generation_config.json has no part in.)"""
+    directory, words = _generation_damaged(good, kind, tmp_path / "bad")
+    code, stdout, stderr = cli(*[part.format(dir=directory) for part in command])
+    assert "Traceback" not in stdout + stderr and code == 2, (code, stderr[-2000:])
     errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
     assert len(errors) == 1 and errors[0].startswith(f"error: {words}"), stderr[-2000:]
 

@@ -163,20 +163,20 @@ def as_int(value: Any, key: str, minimum: int | None = 1, file: str = "config.js
     only, a float only when whole (`64.0`), never NaN/Infinity (Python's json accepts them)
     nor a fraction silently truncated (`2.5` heads)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key, file)
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be an integer, got {_shown(value)}", key, file)
     if minimum is not None and value < minimum:
-        raise InvalidConfig(f"{file} field {key!r} must be at least {minimum}, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be at least {minimum}, got {_shown(value)}", key, file)
     return int(value)
 
 
 def as_float(value: Any, key: str, positive: bool = True, file: str = "config.json") -> float:
     """`value` of field `key` as a finite float, greater than 0 when `positive`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidConfig(f"{file} field {key!r} must be a finite number, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be a finite number, got {_shown(value)}", key, file)
     if positive and value <= 0:
-        raise InvalidConfig(f"{file} field {key!r} must be greater than 0, got {_shown(value)}", key)
+        raise InvalidConfig(f"{file} field {key!r} must be greater than 0, got {_shown(value)}", key, file)
     return float(value)
 
 
@@ -208,11 +208,20 @@ def _plain_rope(raw: dict[str, Any]) -> None:
     )
 
 
-def _ints(value: Any, key: str) -> tuple[int, ...]:
+def _ints(value: Any, key: str, file: str = "config.json") -> tuple[int, ...]:
     """A field holding one id or a list of them (`eos_token_id`, `pad_token_id`), as a tuple
     (`()`: none)."""
     values = value if isinstance(value, list) else [] if value is None else [value]
-    return tuple(as_int(v, key, None) for v in values)
+    return tuple(as_int(v, key, None, file) for v in values)
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's EOS ids, then those only generation_config.json lists: a chat model may
+    name its end of turn there alone (SDAR's `<|im_end|>` beside config.json's
+    `<|endoftext|>`), and transformers' `generate` and vLLM stop on every one of them."""
+    own = _ints(raw.get("eos_token_id"), "eos_token_id")
+    more = _ints((raw.get(GENERATION_CONFIG) or {}).get("eos_token_id"), "eos_token_id", GENERATION_FILE)
+    return tuple(dict.fromkeys(own + more))
 
 
 def section(raw: dict[str, Any], key: str, where: str | None = None) -> dict[str, Any]:
@@ -267,7 +276,7 @@ def _common(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     return dict(
         family=family.name,
         mask_token_id=_mask(raw, family),
-        eos_token_ids=_ints(raw.get("eos_token_id"), "eos_token_id"),
+        eos_token_ids=_eos_ids(raw),
         pad_token_id=next(iter(_ints(raw.get("pad_token_id"), "pad_token_id")), None),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         block_length=family.block_length
@@ -469,6 +478,7 @@ def _hybrid(raw: dict[str, Any], family: Family) -> ModelConfig:
 
 SLIDING_ATTENTION = "sliding_attention"
 GENERATION_FILE = "generation_config.json"
+GENERATION_CONFIG = "dlm_generation_config"  # where load_config puts generation_config.json for the readers
 # generation_config.json field -> the request field it gives DiffusionGemma's default for.
 SAMPLER_FIELDS = {
     "max_denoising_steps": "refinement_steps",
@@ -557,7 +567,12 @@ def _diffusion_gemma(raw: dict[str, Any], family: Family) -> ModelConfig:
         num_experts=size(text, "num_experts"),
         top_k=size(text, "top_k_experts"),
     )
-    flat = {**text, "model_type": raw.get("model_type"), "rope_theta": sliding_rope.get("rope_theta", 10_000.0)}
+    flat = {
+        **text,
+        "model_type": raw.get("model_type"),
+        "rope_theta": sliding_rope.get("rope_theta", 10_000.0),
+        GENERATION_CONFIG: raw.get(GENERATION_CONFIG),
+    }
     return _qwen(
         flat,
         family,
@@ -626,7 +641,7 @@ def check_experts(config: ModelConfig) -> None:
 
 def check_sizes(config: ModelConfig) -> ModelConfig:
     """What no single field shows: a head width of 0 (more heads than the hidden size has
-    columns), heads the key/value heads do not divide, a MASK or EOS id outside the embedding,
+    columns), heads the key/value heads do not divide, a MASK id outside the embedding,
     and sizes whose model no storage can hold. The bound is torch's own (int64 bytes;
     building such a model, even on the meta device, raises "Storage size calculation
     overflowed", which says nothing of the file): checked here, where every command parses
@@ -653,14 +668,6 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             f"got {config.mask_token_id}",
             "mask_token_id",
         )
-    # An EOS the model cannot emit never stops an answer: every request ran to its length.
-    for eos in config.eos_token_ids:
-        if not 0 <= eos < config.logits_size:
-            raise InvalidConfig(
-                f"config.json field 'eos_token_id' must be a token of the model (0..{config.logits_size - 1}), "
-                f"got {eos}",
-                "eos_token_id",
-            )
     check_experts(config)
     # The rotary part of a head is at most the head: past it, RoPE's halves no longer match
     # the head's columns (a traceback from the first forward).
@@ -726,6 +733,23 @@ def check_dtypes(raw: dict[str, Any]) -> None:
             )
 
 
+def _check_eos(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
+    """Every EOS id a token of the model, refused naming the file that lists it: an EOS the
+    model cannot emit never stops an answer (every request ran to its length)."""
+    text = raw.get("text_config")  # where DiffusionGemma's config.json keeps it
+    own = {*_ints(raw.get("eos_token_id"), "eos_token_id")}
+    own |= {*_ints(text.get("eos_token_id"), "eos_token_id")} if isinstance(text, dict) else set()
+    for eos in config.eos_token_ids:
+        if not 0 <= eos < config.logits_size:
+            file = "config.json" if eos in own else GENERATION_FILE
+            raise InvalidConfig(
+                f"{file} field 'eos_token_id' must be a token of the model (0..{config.logits_size - 1}), got {eos}",
+                "eos_token_id",
+                file,
+            )
+    return config
+
+
 def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
     """`raw` read as `family` declares: its spelling, its refusals, its facts. Every number
     is checked as it is read (`size`, `real`: integers of their range, finite floats; the
@@ -735,7 +759,7 @@ def parse_config(raw: dict[str, Any], family: Family) -> ModelConfig:
         if family.check is not None:
             family.check(raw)
         check_dtypes(raw)
-        return check_sizes(LAYOUTS[family.layout](raw, family))
+        return _check_eos(check_sizes(LAYOUTS[family.layout](raw, family)), raw)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"config.json has an invalid field for {family.name}: {exc}") from exc
 
@@ -767,22 +791,32 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-GENERATION_CONFIG = "dlm_generation_config"  # where load_config puts generation_config.json for the readers
-
-
 def load_config(path: Path) -> ModelConfig:
+    """A checkpoint's model config: config.json with what its generation_config.json adds."""
     raw = read_config_json(path)
-    generation = Path(path) / "generation_config.json"
-    generation_config = None
+    generation = Path(path) / GENERATION_FILE
     if generation.is_file():
-        try:
-            generation_config = json.loads(generation.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
-            generation_config = None
-    if isinstance(generation_config, dict):
+        generation_config = _read_generation_config(generation)
         # Some checkpoints (LLaDA2 fixtures) keep the MASK id only in generation_config.json;
-        # DiffusionGemma keeps its sampler's defaults there.
+        # chat models may list more EOS ids there; DiffusionGemma keeps its sampler's defaults.
         raw = {**raw, GENERATION_CONFIG: generation_config}
         if "mask_token_id" not in raw and generation_config.get("mask_token_id") is not None:
             raw["mask_token_id"] = generation_config["mask_token_id"]
     return config_from_dict(raw)
+
+
+def _read_generation_config(file: Path) -> dict[str, Any]:
+    """generation_config.json, a JSON object, or InvalidConfig naming it: what it holds
+    changes the answers (EOS ids, sampler defaults), so one that cannot be read is refused,
+    as transformers refuses it, never skipped."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidConfig(f"{GENERATION_FILE} is not valid UTF-8 JSON: {exc}", None, GENERATION_FILE) from None
+    except RecursionError:
+        raise InvalidConfig(f"{GENERATION_FILE} nests deeper than any does", None, GENERATION_FILE) from None
+    except OSError as exc:
+        raise InvalidConfig(f"cannot read {GENERATION_FILE}: {exc.strerror or exc}", None, GENERATION_FILE) from None
+    if not isinstance(value, dict):
+        raise InvalidConfig(f"{GENERATION_FILE} does not hold a JSON object", None, GENERATION_FILE)
+    return value

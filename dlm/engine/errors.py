@@ -47,10 +47,12 @@ class EngineFailed(DlmError):
 
 
 class InvalidConfig(UsageError):
-    """A checkpoint's config.json holds a value no model has: a size that is not a positive
-    integer, a float that is not finite or out of its range, sizes whose model no storage
-    can hold. `key` names the field at fault when one is (None when the sizes together are)."""
+    """A checkpoint's config.json (or generation_config.json, `file`) holds a value no model
+    has: a size that is not a positive integer, a float that is not finite or out of its
+    range, sizes whose model no storage can hold. `key` names the field at fault when one is
+    (None when the sizes together are); `file` is the checkpoint's file that holds it, which
+    `dlm verify` records the problem against."""
 
-    def __init__(self, message: str, key: str | None = None) -> None:
+    def __init__(self, message: str, key: str | None = None, file: str = "config.json") -> None:
         super().__init__(message)
-        self.key = key
+        self.key, self.file = key, file

@@ -264,12 +264,15 @@ def check_weights(directory: Path, report: VerifyReport) -> None:
 
 
 def check_config(directory: Path, report: VerifyReport) -> None:
-    from dlm.engine.config import config_from_dict, read_config_json
+    """config.json and the generation_config.json beside it, read as every command reads
+    them; a problem is recorded against the file that holds it."""
+    from dlm.engine.config import load_config
 
     try:
-        report.family = config_from_dict(read_config_json(directory)).family
+        report.family = load_config(directory).family
     except DlmError as exc:
-        report.fail("config.json", "config", finding(directory, "config", exc))
+        file = exc.file if isinstance(exc, InvalidConfig) else "config.json"
+        report.fail(file, "config", finding(directory, "config", exc))
 
 
 def check_quantization(directory: Path, report: VerifyReport) -> None:
