@@ -47,13 +47,13 @@ def test_factor_rule() -> None:
 
 def test_steps_that_cannot_finish_a_block_fail_loudly() -> None:
     params = GenerationParams(gen_length=8, block_length=8, steps=4).validate(2, 512)
-    seq = Sequence([1, 2], params, mask_id=99, eos_id=None)
+    seq = Sequence([1, 2], params, mask_id=99, eos_ids=())
     with pytest.raises(RuntimeError, match="MASK token 99 was committed at \\[3\\]"):
         seq.commit(torch.tensor([2, 3]), torch.tensor([5, 99]))
     nothing, masked = torch.zeros(0, dtype=torch.long), seq.masked_positions()
     with pytest.raises(RuntimeError, match="committed none of its 8 masked positions"):
         require_progress(seq, masked, nothing)  # LLaDA's rules promise a commit every step
-    dream = Sequence([1, 2], params, mask_id=99, eos_id=None, sampler="dream")
+    dream = Sequence([1, 2], params, mask_id=99, eos_ids=(), sampler="dream")
     require_progress(dream, masked, nothing)  # Dream's timesteps may commit nothing early on
     dream.step_in_block = params.steps_per_block - 1
     with pytest.raises(RuntimeError, match="dream rules"):

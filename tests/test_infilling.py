@@ -73,7 +73,7 @@ def test_suffix_survives_an_early_stop(reference_llada: LLM) -> None:
     params = GenerationParams(gen_length=16, block_length=8, suffix=tuple(SUFFIX))
     seq = reference_llada.engine.make_sequence(PROMPT, params)
     eos = 7
-    seq.eos_id = eos
+    seq.eos_ids = (eos,)
     start, end = seq.block_bounds()
     seq.commit(torch.arange(start, end), torch.full((end - start,), eos))
     assert seq.finish_reason == "stop"

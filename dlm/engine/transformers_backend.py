@@ -269,12 +269,12 @@ class GenerateMethodRunner:
             )
         return params
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> Sequence:
         """The holder of one request. `GenerateMethodEngine.validate` hides the dlm-only
         fields the method ignores (steps, block length); the holder lays them out again."""
         if params.steps is None or params.block_length is None:
             params = params.validate(len(prompt_ids), self.config.max_position_embeddings, UNREGISTERED)
-        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_ids)
 
     def _kwargs(self, params: GenerationParams) -> dict[str, Any]:
         """dlm's parameters under the names the method takes: the length; sampling when

@@ -42,14 +42,14 @@ class BlockRunner:
         self.vocab_shard = lm_head_shard(config.logits_size)  # None outside tensor parallelism
         self.prefix_cache: PrefixCache | None = None  # prompt K/V shared across requests (exact)
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> BlockSequence:
-        """Decoding stops after a block holding `eos_id`."""
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> BlockSequence:
+        """Decoding stops after a block holding one of `eos_ids`."""
         c = self.config
         cache = None
         if params.cache == "block":
             heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
             cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
-        seq = BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_id, rules=self.rules, cache=cache)
+        seq = BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_ids, rules=self.rules, cache=cache)
         if cache is not None and self.prefix_cache is not None:
             seq.reuse(self.prefix_cache)
         return seq

@@ -135,9 +135,9 @@ class CanvasRunner:
         self.model: Any = model  # dlm.engine.models.diffusion_gemma.Model
         self.config, self.dtype, self.device = config, dtype, device
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> CanvasSequence:
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> CanvasSequence:
         return CanvasSequence(
-            list(prompt_ids), params, self.config.mask_token_id, eos_id, pad_id=self.config.pad_token_id
+            list(prompt_ids), params, self.config.mask_token_id, eos_ids, pad_id=self.config.pad_token_id
         )
 
     def step(self, seqs: Seq[RequestState]) -> None:

@@ -48,8 +48,8 @@ class CloverRunner:
         self.config, self.device = config, device
         self.vocab_shard = lm_head_shard(config.logits_size)
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
-        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id)
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> Sequence:
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_ids)
 
     def step(self, seqs: Seq[RequestState]) -> None:
         """One preview pass per sequence (and the passes it entails, see the module docstring)."""

@@ -261,8 +261,7 @@ class LLMEngine(Engine):
     def _build(
         self, prompt_ids: list[int], resolved: ResolvedParams, laid: tuple[list[int], Constraint] | None
     ) -> RequestState:
-        seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_id)
-        seq.more_eos = self.config.eos_token_ids[1:]  # every runner's sequences end on each EOS
+        seq = self.runner.new_sequence(prompt_ids, resolved, self.config.eos_token_ids)
         if laid is not None:
             if not isinstance(seq, Sequence):
                 raise Unsupported("response_format is not available on this decoding path", field=FIELD)

@@ -34,9 +34,9 @@ class Runner(Protocol):
     requests may ask is not the runner's to say: dlm/engine/family_rules.py derives it from the
     config, so it is checked before loading too."""
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> RequestState:
-        """A sequence for resolved, validated `params`, ending by its rule on the engine's
-        `eos_id` (the engine adds the model's other EOS ids, `RequestState.more_eos`)."""
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> RequestState:
+        """A sequence for resolved, validated `params`, ending by its rule on any of the
+        model's `eos_ids` (`RequestState.eos_ids`)."""
         ...
 
     def step(self, seqs: Seq[RequestState]) -> None:

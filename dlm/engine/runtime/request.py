@@ -34,9 +34,9 @@ class RequestState:
     prompt_ids: list[int]
     params: ResolvedParams  # validated and resolved once, at the boundary
     mask_id: int
-    eos_id: int | None  # the model's EOS: it fills the canvas after an early stop
-    # The model's other EOS ids (config.json may list several): they end an answer as EOS does.
-    more_eos: tuple[int, ...] = ()
+    # Every EOS id of the model (config.json and generation_config.json may list several):
+    # each ends an answer; the first (`eos_id`) also fills the canvas after an early stop.
+    eos_ids: tuple[int, ...]
     seq_id: int = field(default_factory=lambda: next(_ids))
     nfe: int = 0  # model forwards spent on this request
     query_lengths: list[int] = field(default_factory=list)  # tokens fed to each forward
@@ -63,9 +63,9 @@ class RequestState:
         return 0
 
     @property
-    def eos_ids(self) -> tuple[int, ...]:
-        """Every EOS id of the model (none without one)."""
-        return (() if self.eos_id is None else (self.eos_id,)) + self.more_eos
+    def eos_id(self) -> int | None:
+        """The model's EOS, the first of `eos_ids` (None without one)."""
+        return self.eos_ids[0] if self.eos_ids else None
 
     @property
     def stop_ids(self) -> frozenset[int]:

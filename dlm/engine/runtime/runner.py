@@ -82,8 +82,8 @@ class ModelRunner:
         self.vocab_shard = vocab_shard  # this rank's LM-head rows under tensor parallelism
         self.graphs: StepGraphs | None = None  # static-shape forwards (CUDA graphs), when enabled
 
-    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_id: int | None) -> Sequence:
-        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_id, sampler=self.sampler)
+    def new_sequence(self, prompt_ids: list[int], params: ResolvedParams, eos_ids: tuple[int, ...]) -> Sequence:
+        return Sequence(list(prompt_ids), params, self.config.mask_token_id, eos_ids, sampler=self.sampler)
 
     @torch.inference_mode()
     def step(self, seqs: Seq[RequestState]) -> None:
