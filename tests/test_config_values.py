@@ -24,7 +24,7 @@ import pytest
 
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.store import Store
-from dlm.engine.config import MAX_ELEMENTS, NO_MASK, config_from_dict, load_config
+from dlm.engine.config import COMMON_DTYPES, MAX_ELEMENTS, NO_MASK, config_from_dict, load_config
 from dlm.engine.errors import InvalidConfig, UsageError
 from dlm.engine.registry import family_named
 from dlm.engine.tiny_models import BUILDERS, special_ids
@@ -611,3 +611,11 @@ def test_a_field_only_transformers_reads_fails_the_tokenizer_in_one_line(kind: s
     code, stdout, _ = cli("verify", str(directory), "--json")
     failures = json.loads(stdout)["failures"]
     assert code == 1 and [(f["file"], f["check"]) for f in failures] == [("tokenizer", "tokenizer")], failures
+
+
+def test_the_dtype_names_taken_without_torch_are_torch_dtypes() -> None:
+    """check_dtypes takes COMMON_DTYPES without importing torch: each must be what torch
+    itself names a dtype, or a config.json naming it would pass and fail later."""
+    import torch
+
+    assert all(isinstance(getattr(torch, name, None), torch.dtype) for name in COMMON_DTYPES)

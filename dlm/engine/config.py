@@ -707,6 +707,7 @@ def check_fits_weights(config: ModelConfig, values: int) -> None:
         )
 
 
+# Names check_dtypes takes without importing torch (a test holds each to torch).
 COMMON_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
