@@ -147,6 +147,23 @@ def test_every_family_refuses_heads_its_key_value_heads_do_not_divide(name: str)
     assert "4 attention heads over 3 key/value heads" in str(caught.value), caught.value
 
 
+def _linear(name: str) -> bool:
+    return config_from_dict(_config(name)).linear is not None
+
+
+@pytest.mark.parametrize("name", [name for name in tiny_names() if _linear(name)])
+def test_every_hybrid_family_refuses_value_heads_its_key_heads_do_not_divide(name: str) -> None:
+    """Gated DeltaNet reads each key head with a whole group of value heads: 5 over 2 raised
+    ValueError from the layer's build (a traceback from verify, generate and serve)."""
+    config = copy.deepcopy(_config(name))
+    fields = _fields(config)
+    fields.update(linear_num_key_heads=2, linear_num_value_heads=5)
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(config)
+    assert caught.value.key == "linear_num_value_heads" and caught.value.exit_code == 2
+    assert "5 linear-attention value heads over 2 key heads" in str(caught.value), caught.value
+
+
 def _masked(name: str) -> bool:
     return config_from_dict(_config(name)).mask_token_id != NO_MASK
 

@@ -660,6 +660,14 @@ def check_sizes(config: ModelConfig) -> ModelConfig:
             "key/value heads: each key/value head must serve a whole number of heads",
             "num_kv_heads",
         )
+    # Gated DeltaNet: each key head is read by a whole number of value heads (the layer's
+    # view of them raised ValueError from the first build: a traceback from verify and serve).
+    if config.linear is not None and config.linear.value_heads % config.linear.key_heads:
+        raise InvalidConfig(
+            f"config.json's sizes give {config.linear.value_heads} linear-attention value heads over "
+            f"{config.linear.key_heads} key heads: linear_num_value_heads must be a multiple of linear_num_key_heads",
+            "linear_num_value_heads",
+        )
     # Every canvas starts as MASK ids, so the MASK must be a row of the embedding: out of
     # range, the first forward raised IndexError.
     if config.mask_token_id != NO_MASK and config.mask_token_id >= config.logits_size:

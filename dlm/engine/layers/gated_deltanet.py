@@ -161,8 +161,6 @@ class GatedDeltaNet(nn.Module):
         eps: float,
     ) -> None:
         super().__init__()
-        if num_v_heads % num_k_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         # Tensor parallelism splits the heads (value heads with the key heads they read).
         k0, k1 = split(num_k_heads, "linear-attention key heads")
         v0, v1 = split(num_v_heads, "linear-attention value heads")
