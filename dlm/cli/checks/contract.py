@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 
 from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context, expect_status, json_body
-from dlm.cli.client.api import StreamResult, error_message, tls_failure
+from dlm.cli.client.api import StreamResult, error_message, model_cards, tls_failure
+from dlm.engine.errors import DlmError
 
 PROMPT = "Write one sentence about the sea."
 FINISH_REASONS = ("stop", "length")
@@ -80,13 +81,14 @@ def auth(ctx: Context) -> str:
 
 def models(ctx: Context) -> str:
     body = json_body(ctx.client.get("/v1/models"), "/v1/models")
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list) or not data or body.get("object") != "list":
+    try:
+        data = model_cards(body, "/v1/models")
+    except DlmError as exc:
+        raise CheckFailed(str(exc)) from None
+    if not data or body.get("object") != "list":
         raise CheckFailed(f"/v1/models is not a non-empty OpenAI list: {str(body)[:120]}")
-    if not all(
-        isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"] and m.get("object") == "model" for m in data
-    ):
-        raise CheckFailed("every /v1/models entry needs a string id and object 'model'")
+    if not all(m.get("object") == "model" for m in data):
+        raise CheckFailed("every /v1/models entry needs object 'model'")
     ids: list[str] = [m["id"] for m in data]
     wanted = ctx.options.model or ids[0]
     if wanted not in ids:

@@ -98,6 +98,22 @@ def openai_error_problem(response: httpx.Response) -> str | None:
     return None
 
 
+def model_cards(body: Any, where: str) -> list[dict[str, Any]]:
+    """The model cards of an OpenAI /v1/models answer `body` (its parsed JSON), each with a
+    non-empty string id; a `DlmError` naming what is wrong when it is not such a list (an
+    HTML page, a proxy's error, another API on that port). `dlm validate` holds the list to
+    the contract on top of this; `dlm loadtest` takes any server that lists its models so."""
+    from dlm.engine.errors import DlmError
+
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise DlmError(f"{where} is not an OpenAI model list (no 'data' list): {json.dumps(body)[:120]}")
+    cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]]
+    if len(cards) != len(data):
+        raise DlmError(f"{where}: every entry of 'data' needs a string id: {json.dumps(data)[:120]}")
+    return cards
+
+
 def checked_url(url: str) -> str:
     """The base URL of a server, refused (bad usage) unless it is http(s)://HOST[:PORT][/PREFIX]
     with a valid port, and not an OpenAI client's base URL ending in /v1 (the commands add the

@@ -9,7 +9,6 @@ knee from nothing; `auto` (the default) therefore sends `tasks` when the server'
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -84,14 +83,10 @@ def model_card(body: Any, model: str | None, where: str) -> dict[str, Any]:
     """The card of `model` (default: the first listed) in `where`'s /v1/models answer `body`
     (its parsed JSON); a `DlmError` naming what is wrong when the answer is not an OpenAI
     model list (an HTML page, a proxy's error, another API on that port)."""
+    from dlm.cli.client.api import model_cards
     from dlm.engine.errors import DlmError
 
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list):
-        raise DlmError(f"{where} is not an OpenAI model list (no 'data' list): {json.dumps(body)[:120]}")
-    cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]]
-    if len(cards) != len(data):
-        raise DlmError(f"{where}: every entry of 'data' needs a string id: {json.dumps(data)[:120]}")
+    cards = model_cards(body, where)
     if model is not None:
         return next((c for c in cards if c["id"] == model), {"id": model})
     if not cards:
