@@ -499,6 +499,17 @@ def test_bidirectional_caches_are_approximate_and_optional() -> None:
         _plan(SDAR_8B, cache="dual")
 
 
+def test_any_gen_length_is_planned_as_generate_and_serve_take_it() -> None:
+    """`dlm generate --gen-length 100 --block-length 32` and a server's max_tokens of 100 run
+    (docs/cli.md: any length on every family); the plan of that length was refused as 'not a
+    multiple of --block-length'. A shorter generation leaves a longer prompt to prefill."""
+    for config in (LLADA_8B, SDAR_8B):
+        _, odd = _plan(config, context=2048, gen_length=100, block_length=32)
+        _, whole = _plan(config, context=2048, gen_length=128, block_length=32)
+        assert odd.total >= whole.total > 0
+        _plan(config, context=2048, gen_length=16, block_length=32)  # shorter than one block
+
+
 def test_forward_covers_the_canvas_or_the_block() -> None:
     """Without a cache a bidirectional model runs every layer over the whole sequence; a
     block-causal model with its exact cache decodes one block per forward."""

@@ -368,10 +368,6 @@ class Serving:
         ):
             if value < 1:
                 raise UsageError(f"--{name} must be at least 1, got {value}")
-        if self.gen_length % self.block_length:
-            raise UsageError(
-                f"--gen-length ({self.gen_length}) must be a multiple of --block-length ({self.block_length})"
-            )
         if context <= self.gen_length:
             raise UsageError(
                 f"--context ({context}) must exceed --gen-length ({self.gen_length}): "
