@@ -263,6 +263,42 @@ def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_pat
     assert message in result.output
 
 
+def test_the_plan_holds_what_the_pods_serve(tmp_path: Path, big_config: Path) -> None:
+    """The plan's context is the max_model_len the pods' `dlm serve` holds, and its generation
+    at most what fits in it. A model of 512 positions at the default max_tokens (1024), and
+    max_model_len 120 with max_tokens 100 (both served as they are), failed with '--context
+    (512) must exceed --gen-length (1024)', flags deploy does not have; a max_model_len the
+    model cannot hold, which `dlm serve` refuses at start, rendered."""
+    short = tmp_path / "short" / "config.json"
+    short.parent.mkdir()
+    short.write_text(json.dumps({**json.loads(big_config.read_text()), "max_sequence_length": 512}))
+    settings = tmp_path / "serve.toml"
+    for toml, source, context in (
+        ("", short, 512),
+        ("max_model_len = 120\nmax_tokens = 100\n", big_config, 120),
+        ("max_model_len = 1024\nmax_tokens = 1024\n", big_config, 1024),
+    ):
+        settings.write_text(toml)
+        result = runner.invoke(
+            app,
+            ["deploy", "kubernetes", "org/m", "--revision", COMMIT_A, "--estimate-from", str(source)]
+            + ["--config", str(settings), "--json"],
+        )
+        assert result.exit_code == 0, result.output
+        from dlm.cli.deploy.kubernetes import plan_report
+        from dlm.cli.server.config import load_config
+
+        report = plan_report(load_config(settings, environ={}), str(source), None, None)
+        assert report["serving"]["context"] == context and report["serving"]["gen_length"] < context
+    settings.write_text("max_model_len = 8192\n")  # the 8B LLaDA holds 4096 positions
+    result = runner.invoke(
+        app,
+        ["deploy", "kubernetes", "org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config)]
+        + ["--config", str(settings)],
+    )
+    assert result.exit_code == 2 and "max_model_len (8192) exceeds the model's maximum (4096)" in result.output
+
+
 def test_api_keys_come_from_a_secret(big_config: Path) -> None:
     def server_env(*args: str) -> list[dict[str, Any]]:
         objects = by_kind(render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), *args))

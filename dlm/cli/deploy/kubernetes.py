@@ -264,26 +264,30 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revisi
     """`dlm estimate`'s report for the server's shape: its TP, batch and generation length,
     from `estimate_from` (a hub SOURCE at the pinned `revision`). A hub out of reach is fixed
     by --estimate-from, not by another SOURCE: SOURCE is what the pods fetch."""
-    from dlm.cli.estimate.plan import HubUnreachable, Serving, estimate
+    from dlm.cli.estimate.plan import HubUnreachable, Serving, architecture_from_config, load_source
+    from dlm.cli.estimate.plan import plan_report as estimate_report
 
-    block = config.block_length or Serving.block_length
-    serving = Serving(
-        dtype=config.dtype,
-        tp=config.tensor_parallel_size,
-        batch=config.max_num_seqs,
-        context=config.max_model_len,
-        gen_length=math.ceil(config.max_tokens / block) * block,
-        block_length=block,
-        quantization=config.quantization,
-        device="cpu" if config.device == "cpu" else "cuda",
-    )
     try:
-        return estimate(estimate_from, serving, gpu=gpu, revision=revision)
+        source = load_source(estimate_from, revision)
     except HubUnreachable as exc:
         raise DlmError(
             f"cannot read {exc.repo_id!r} from the Hugging Face hub ({exc.why}) to size the pods; give "
             "--estimate-from with the checkpoint's directory or its config.json (SOURCE stays what the pods fetch)"
         ) from None
+    # The context the pods' `dlm serve` will hold (its max_model_len rule: a setting it would
+    # refuse at start is refused here), and the longest answer a request may ask within it.
+    context = config.model_len(architecture_from_config(source.raw).config.max_position_embeddings)
+    serving = Serving(
+        dtype=config.dtype,
+        tp=config.tensor_parallel_size,
+        batch=config.max_num_seqs,
+        context=context,
+        gen_length=min(config.max_tokens, context - 1),
+        block_length=config.block_length or Serving.block_length,
+        quantization=config.quantization,
+        device="cpu" if config.device == "cpu" else "cuda",
+    )
+    return estimate_report(source, serving, gpu)
 
 
 # --------------------------------------------------------------------------- objects
