@@ -268,7 +268,8 @@ def test_the_plan_holds_what_the_pods_serve(tmp_path: Path, big_config: Path) ->
     at most what fits in it. A model of 512 positions at the default max_tokens (1024), and
     max_model_len 120 with max_tokens 100 (both served as they are), failed with '--context
     (512) must exceed --gen-length (1024)', flags deploy does not have; a max_model_len the
-    model cannot hold, which `dlm serve` refuses at start, rendered."""
+    model cannot hold, or a block length its family refuses, which `dlm serve` refuses at
+    start, rendered."""
     short = tmp_path / "short" / "config.json"
     short.parent.mkdir()
     short.write_text(json.dumps({**json.loads(big_config.read_text()), "max_sequence_length": 512}))
@@ -297,6 +298,13 @@ def test_the_plan_holds_what_the_pods_serve(tmp_path: Path, big_config: Path) ->
         + ["--config", str(settings)],
     )
     assert result.exit_code == 2 and "max_model_len (8192) exceeds the model's maximum (4096)" in result.output
+    settings.write_text("block_length = 64\n")  # Clover decodes 32-token blocks only
+    clover = runner.invoke(
+        app,
+        ["deploy", "kubernetes", "org/m", "--revision", COMMIT_A, "--estimate-from", "tiny:clover"]
+        + ["--config", str(settings)],
+    )
+    assert clover.exit_code == 2 and "clover decodes 32-token blocks only" in clover.output
 
 
 def test_api_keys_come_from_a_secret(big_config: Path) -> None:

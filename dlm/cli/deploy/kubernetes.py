@@ -274,9 +274,12 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revisi
             f"cannot read {exc.repo_id!r} from the Hugging Face hub ({exc.why}) to size the pods; give "
             "--estimate-from with the checkpoint's directory or its config.json (SOURCE stays what the pods fetch)"
         ) from None
-    # The context the pods' `dlm serve` will hold (its max_model_len rule: a setting it would
-    # refuse at start is refused here), and the longest answer a request may ask within it.
-    context = config.model_len(architecture_from_config(source.raw).config.max_position_embeddings)
+    # What the pods' `dlm serve` checks from config.json before loading is checked here (a
+    # max_model_len the model cannot hold, decoding defaults its family refuses): such pods
+    # would never start. The plan's context is what they hold, its generation what fits in it.
+    model = architecture_from_config(source.raw).config
+    config.check_lengths(model)  # the split: estimate's check_tensor_parallel, in the same words
+    context = config.model_len(model.max_position_embeddings)
     serving = Serving(
         dtype=config.dtype,
         tp=config.tensor_parallel_size,

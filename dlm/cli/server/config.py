@@ -298,11 +298,17 @@ class ServeConfig(BaseModel):
         heads do not allow, and decoding defaults its family refuses (e.g. another block length
         for Clover), which would fail every request that relies on them. A default length
         over the model's context is left to requests to shorten."""
-        from dlm.engine.family_rules import validate
         from dlm.engine.parallel.divisibility import check_tensor_parallel
 
-        self.model_len(model.max_position_embeddings)
+        self.check_lengths(model)
         check_tensor_parallel(model, self.parallel().tensor_parallel_size)
+
+    def check_lengths(self, model: ModelConfig) -> None:
+        """`check_model` without the parallel split (what `dlm deploy` checks for pods whose
+        ranks are placed by the cluster): the context length and the decoding defaults."""
+        from dlm.engine.family_rules import validate
+
+        self.model_len(model.max_position_embeddings)
         try:
             validate(self.decoding_params({}), 1, model)
         except UsageError as exc:
