@@ -377,9 +377,21 @@ def test_rendered_configuration_is_valid_haproxy(groups: list[str], tmp_path: Pa
         (["dlm=10.0.0.1"], "is not HOST:PORT"),
         (["dlm:0=10.0.0.1:8000"], "weight must be 1..256"),
         (["a=10.0.0.1:8000", "a=10.0.0.2:8000"], "group names repeat"),
+        # Digits and letters of other scripts, which int() reads and HAProxy refuses: they
+        # rendered (exit 0) a configuration `haproxy -c` rejects.
+        (["a=10.0.0.1:\u0668\u0660\u0660\u0660"], "is not HOST:PORT"),  # Arabic-Indic 8000
+        (["a:\u0663=10.0.0.1:8000"], "expected NAME[:WEIGHT]=HOST:PORT"),
+        (["gr\u00fcn=10.0.0.1:8000"], "expected NAME[:WEIGHT]=HOST:PORT"),
+        (["a=h\u00f6st:8000"], "is not HOST:PORT"),
     ],
 )
 def test_bad_groups_are_one_line_errors(groups: list[str], message: str) -> None:
     result = CliRunner().invoke(app, ["deploy", "haproxy", *(x for g in groups for x in ("--group", g))])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_bind_address_in_other_digits_is_refused() -> None:
+    bind = "0.0.0.0:\u0668\u0660\u0668\u0660"  # 8080 in Arabic-Indic digits: rendered, and haproxy refused it
+    result = CliRunner().invoke(app, ["deploy", "haproxy", "--group", "a=10.0.0.1:8000", "--bind", bind])
+    assert result.exit_code == 2 and "--bind" in result.output and "Traceback" not in result.output

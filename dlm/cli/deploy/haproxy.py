@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 from dlm.engine.errors import UsageError
 
-GROUP = re.compile(r"^(?P<name>[A-Za-z][\w-]*)(?::(?P<weight>\d+))?=(?P<servers>.+)$")
-ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[\w.-]+):(?P<port>\d{1,5})$")
+# ASCII only (re.ASCII: `\d` and `\w` are otherwise any script's digits and letters, which
+# int() reads but HAProxy refuses in a name, a host or a port), anchored at the very end.
+GROUP = re.compile(r"^(?P<name>[A-Za-z][\w-]*)(?::(?P<weight>\d+))?=(?P<servers>.+)\Z", re.ASCII)
+ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[\w.-]+):(?P<port>\d{1,5})\Z", re.ASCII)
 MAX_WEIGHT = 256  # HAProxy's server weight range is 0..256
 # which group and replica answered (set where the group's backend is known)
 SERVED_BY = "    http-response set-header X-Dlm-Served-By %[be_name]/%[srv_name]"
