@@ -248,6 +248,10 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", COMMIT_A, "--api-key-secret", "Keys!"], "invalid setting api_key_secret"),
         (["org/m", "--revision", COMMIT_A, "--storage-class", "fast ssd"], "invalid setting storage_class"),
         (["/models/my model"], "give --model-name"),
+        # Another script's digits (int() reads them, kubectl and torch do not): rendered, exit 0.
+        (["org/m", "--revision", COMMIT_A, "--store-size", "\u0663Gi"], "must be a Kubernetes quantity"),
+        (["org/m", "--revision", COMMIT_A, "--device", "cuda:\u0661"], "device: must be auto, cpu, cuda or cuda:N"),
+        (["org/m", "--revision", COMMIT_A + "\n"], "--revision must be a full 40-digit commit"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:

@@ -222,7 +222,7 @@ def test_weight_loading_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplo
     assert lines and lines[-1].startswith(f"loading weights: {len(lines)} tensors read")
 
 
-@pytest.mark.parametrize("name", ["tpu", "mps", "meta", "xla", "cuda:x", "cuda:-1", "", "cpu:0"])
+@pytest.mark.parametrize("name", ["tpu", "mps", "meta", "xla", "cuda:x", "cuda:-1", "", "cpu:0", "cuda:\u0661"])
 def test_a_device_dlm_does_not_run_on_is_refused_everywhere_it_is_named(name: str) -> None:
     """One rule (dlm.engine.device.device_name) for `dlm serve`'s setting, a deployment's
     (`dlm deploy kubernetes --device tpu` rendered pods with exit 0) and the engine's."""

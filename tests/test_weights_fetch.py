@@ -109,6 +109,7 @@ def test_bad_usage(source: Path, tmp_path: Path) -> None:
         ([str(source), "--revision", "main"], "--revision applies to hub sources"),
         ([str(source), "--name", "bad name!"], "invalid model name"),
         ([str(source / "config.json")], "is a file"),
+        (["org/n\u00e4me"], "not a hub repo id"),  # the hub's ids are ASCII: no request is made
     ]:
         code, _, stderr = cli("fetch", *args, "--store", store)
         assert code == 2 and words in stderr, (args, stderr)

@@ -7,9 +7,13 @@ bounded request answers instead, and offline mode (HF_HUB_OFFLINE) is honoured a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 HUB_TIMEOUT_S = 2.0
+# A hub repo id, `org/name`, as every command tells one from a path or a store name: ASCII
+# (the hub's rule; re.ASCII, else \w is any script's letters) and nothing after it.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+\Z", re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dlm.engine.errors import UsageError
 from dlm.kernels import dispatch
 
 # The devices dlm runs on, as every --device and `device` setting spells them (any case).
-DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?", re.ASCII)  # cuda:١ is no device torch knows
 
 
 def device_name(device: str) -> str:

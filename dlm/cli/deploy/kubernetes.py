@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dlm.cli.hub import HUB_ID
 from dlm.cli.server.config import Cli, ServeConfig, setting_error
 from dlm.engine.errors import DlmError, UsageError
 
@@ -42,9 +43,8 @@ WARMUP_SECONDS = 120  # CUDA context, kernel compilation and the warm-up forward
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 # Set by the server itself; the init step supplies the model and the pod its address.
 NOT_IN_CONFIG = {"model", "deployment", "store", "host", "port", "nnodes", "node_rank", "master_addr", "master_port"}
-REVISION = re.compile(r"^[0-9a-f]{40}$")
-QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+REVISION = re.compile(r"^[0-9a-f]{40}\Z")
+QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?", re.ASCII)  # kubectl reads ASCII digits only
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label: a namespace
 DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret
 

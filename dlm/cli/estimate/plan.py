@@ -15,7 +15,6 @@ Every row of the plan carries the assumption it rests on.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from dlm.cli.estimate import canvas as canvas_terms
 from dlm.cli.estimate.gpus import CATALOGUE, Gpu, find_gpu
 from dlm.cli.estimate.headers import CheckpointHeaders, hub_headers, local_headers
+from dlm.cli.hub import HUB_ID
 from dlm.engine.compressed_tensors import read_scheme
 from dlm.engine.config import NO_MASK, LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
 from dlm.engine.errors import DlmError, UsageError
@@ -714,9 +714,6 @@ class ModelSource:
     header_note: str | None = None
 
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
 class HubUnreachable(DlmError):
     """A hub repo's config.json could not be read (offline, unreachable): what to give
     instead depends on the command (`dlm deploy kubernetes` says --estimate-from)."""
@@ -736,7 +733,7 @@ def load_source(spec: str, revision: str | None = None) -> ModelSource:
     from dlm.engine.config import read_config_json
 
     path = Path(spec).expanduser()
-    if not path.exists() and REPO_ID.match(spec):  # store names never contain "/"
+    if not path.exists() and HUB_ID.match(spec):  # store names never contain "/"
         return _hub_source(spec, revision)
     if revision is not None:  # taken and ignored before: a path or a store version is what it is
         from dlm.cli.store.fetch import LOCAL_REVISION

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.cli.hub import HUB_ID
 from dlm.cli.store.atomic import write_json_atomic
 from dlm.cli.store.hashing import (
     ByteProgress,
@@ -57,7 +58,6 @@ from dlm.cli.store.store import (
 from dlm.cli.store.verify import VerifyReport, check_structure
 from dlm.engine.errors import DlmError, UsageError
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
 COMMIT = re.compile(r"[0-9a-f]{40}\Z")
 
 
