@@ -432,6 +432,37 @@ def test_validate_bad_inputs(tmp_path: Path) -> None:
     _assert_one_error(code, stdout, stderr, 2)
 
 
+def test_a_path_no_result_can_be_written_at_is_refused_before_any_work(good: Path, tmp_path: Path) -> None:
+    """Every command that writes its result to a path refuses one it cannot write as bad usage
+    (2), before it works, as `validate --junit-xml` does: `deploy haproxy --out DIR` and
+    `deploy kubernetes --out FILE` (and /proc paths) failed with exit 1 after rendering."""
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("kept")
+    k8s = ("deploy", "kubernetes", str(good), "--device", "cpu", "--estimate-from", str(good))
+    for args in (
+        ("deploy", "haproxy", "--group", "a=10.0.0.1:8000", "--out", str(tmp_path)),
+        ("deploy", "haproxy", "--group", "a=10.0.0.1:8000", "--out", "/proc/dlm-test.cfg"),
+        (*k8s, "--out", str(a_file)),
+        (*k8s, "--out", "/proc/dlm-test"),
+        ("validate", CLOSED, "--junit-xml", "/proc/dlm-test.xml"),
+    ):
+        code, stdout, stderr = cli(*args)
+        _assert_one_error(code, stdout, stderr, 2)
+        assert "--out" in stderr or "--junit-xml" in stderr
+    assert a_file.read_text() == "kept"
+    out = tmp_path / "new" / "haproxy.cfg"  # its folder is made, as --junit-xml's is
+    code, stdout, stderr = cli("deploy", "haproxy", "--group", "a=10.0.0.1:8000", "--out", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["config"] == out.read_text()
+
+
+def test_deploy_haproxy_takes_json_as_every_command_does() -> None:
+    code, stdout, stderr = cli("deploy", "haproxy", "--group", "a:3=10.0.0.1:8000,10.0.0.2:8000", "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["out"] is None and report["bind"] == "0.0.0.0:8080" and "backend group_a" in report["config"]
+    assert report["groups"] == [{"name": "a", "weight": 3, "servers": ["10.0.0.1:8000", "10.0.0.2:8000"]}]
+
+
 @pytest.mark.slow
 def test_loadtest_bad_inputs(tmp_path: Path) -> None:
     cases = _tls_cases(tmp_path) + [
@@ -442,8 +473,10 @@ def test_loadtest_bad_inputs(tmp_path: Path) -> None:
             ("--prompts", str(tmp_path / "none.jsonl")),
             ("--sweep", "1,x"),
             ("--slo", "x"),
+            ("--out", str(tmp_path / "none.jsonl")),  # a file where a folder goes: refused before any load
         )
     ]
+    (tmp_path / "none.jsonl").write_text("")
     for args, code in cases:
         _assert_one_error(*_dlm("loadtest", *args), code)
 

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -68,3 +69,40 @@ def _one_line(exc: OSError) -> str:
         return f"{exc.strerror}: {exc.filename}"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def writable_file(flag: str, path: Path) -> None:
+    """Refuse (bad usage, exit 2) a FLAG path no file can be written at, before any work: a
+    directory, a folder that cannot be created, a place no file can take (/proc/x). Its folder
+    is created; the file is left as it was."""
+    from dlm.engine.errors import UsageError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create its folder ({exc.strerror or exc})") from None
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    existed = path.exists()
+    try:  # opened now, as it will be: a path no file can take is refused before the work
+        path.open("a").close()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def writable_dir(flag: str, path: Path) -> None:
+    """Refuse (bad usage, exit 2) a FLAG folder that is a file or cannot be created or written
+    in, before any work; it is created (with its parents) when missing."""
+    import tempfile
+
+    from dlm.engine.errors import UsageError
+
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()  # a folder no file can be made in (/proc, read-only)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in it ({exc.strerror or exc})") from None

@@ -9,7 +9,7 @@ import typer
 
 from dlm.cli import parallel as tp
 from dlm.cli.deploy.kubernetes import KubernetesSettings
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, writable_dir, writable_file
 from dlm.cli.setting_options import default, given, setting_option, with_settings
 
 app = typer.Typer(
@@ -55,6 +55,8 @@ def kubernetes(
         from dlm.cli.deploy import kubernetes as k8s
 
         cluster = k8s.kubernetes_settings(source=source, **settings)
+        if out is not None:  # before the plan: a folder no file can be written in is bad usage
+            writable_dir("--out", out)
         flags = given(ctx, ("tensor_parallel_size", "nnodes", "device"))  # the rest: the settings file's
         config, serve_settings = k8s.serve_settings(config_file, flags)
         report = k8s.plan_report(
@@ -85,21 +87,29 @@ def haproxy(
     out: Path | None = typer.Option(
         None, "--out", help="Write the configuration to this file instead of stdout.", show_default="stdout"
     ),
+    json_out: bool = typer.Option(
+        False, "--json", help='Print {"config", "out", "bind", "groups"} on stdout instead of the configuration.'
+    ),
 ) -> None:
     """Render an HAProxy configuration: least-outstanding-requests balancing, safe retries, SSE, weighted A/B split."""
     with cli_errors():
+        from dataclasses import asdict
+
         from dlm.cli.deploy.haproxy import ProxySettings, parse_group, render
 
-        text = render(
-            ProxySettings(
-                groups=tuple(parse_group(g) for g in group),
-                bind=bind,
-                check_interval_ms=check_interval_ms,
-                request_timeout=request_timeout,
-            )
+        settings = ProxySettings(
+            groups=tuple(parse_group(g) for g in group),
+            bind=bind,
+            check_interval_ms=check_interval_ms,
+            request_timeout=request_timeout,
         )
-        if out is None:
-            typer.echo(text, nl=False)
-        else:
+        text = render(settings)
+        if out is not None:
+            writable_file("--out", out)
             out.write_text(text)
             err_console.print(f"wrote {out}", highlight=False)
+        if json_out:
+            groups = [asdict(g) for g in settings.groups]
+            emit_json({"config": text, "out": None if out is None else str(out), "bind": bind, "groups": groups})
+        elif out is None:
+            typer.echo(text, nl=False)

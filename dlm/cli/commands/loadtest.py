@@ -10,7 +10,7 @@ import typer
 
 from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm.cli.loadtest.sweep import MIN_SAMPLES
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, writable_dir
 from dlm.engine.home import dlm_home
 
 SERVERS = "the server's"  # a dLLM field left out of the requests: the server's default applies
@@ -128,6 +128,7 @@ def loadtest(
         }
         workload = from_prompts(prompts, fields, model, fixed_length=fixed_length)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
+        writable_dir("--out", directory)  # before the load: its results would have nowhere to go
         verify = tls_verify(cacert, insecure)
         plan = LoadPlan(
             url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds), verify

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
-from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.output import cli_errors, emit_json, err_console, writable_file
 
 
 def validate(
@@ -60,7 +60,7 @@ def validate(
         checked_url(url)
         verify = tls_verify(cacert, insecure)
         if junit_xml is not None:  # before any check runs, so their results are never lost
-            _writable(junit_xml)
+            writable_file("--junit-xml", junit_xml)
         options = ValidateOptions(
             model=model, max_tokens=max_tokens, ready_timeout=ready_timeout, burst=burst, min_context=min_context
         )
@@ -84,22 +84,3 @@ def validate(
         failed = [r.name for r in results if r.status == FAILED]
         if failed:
             raise DlmError(f"{len(failed)} of {len(results)} checks failed: {', '.join(failed)}")
-
-
-def _writable(path: Path) -> None:
-    """Create the report's folder if needed, and refuse (bad usage) a path that cannot be written."""
-    from dlm.engine.errors import UsageError
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--junit-xml {path}: cannot create its folder ({exc.strerror or exc})") from None
-    if path.is_dir():
-        raise UsageError(f"--junit-xml {path} is a directory; give a file name")
-    existed = path.exists()
-    try:  # opened now, as the report will be: a path no file can take is refused before any check
-        path.open("a").close()
-    except OSError as exc:
-        raise UsageError(f"--junit-xml {path}: cannot write it ({exc.strerror or exc})") from None
-    if not existed:
-        path.unlink(missing_ok=True)
