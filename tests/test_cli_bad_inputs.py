@@ -472,6 +472,7 @@ def test_loadtest_bad_inputs(tmp_path: Path) -> None:
             ("--duration", "soon"),
             ("--prompts", str(tmp_path / "none.jsonl")),
             ("--sweep", "1,x"),
+            ("--sweep", ""),  # was no sweep: one level of --users
             ("--slo", "x"),
             ("--out", str(tmp_path / "none.jsonl")),  # a file where a folder goes: refused before any load
         )

@@ -499,6 +499,21 @@ def test_bidirectional_caches_are_approximate_and_optional() -> None:
         _plan(SDAR_8B, cache="dual")
 
 
+def test_an_empty_model_is_refused_not_planned_as_the_default_model(tmp_path: Path) -> None:
+    """`dlm estimate ""` planned the embedded default model (the engine's reading of ""), and
+    `dlm deploy kubernetes SOURCE --estimate-from ""` planned SOURCE."""
+    for spec in ("", "  "):
+        with pytest.raises(UsageError, match="the model to plan .* is empty"):
+            estimate(spec, Serving())
+    from typer.testing import CliRunner
+
+    from dlm.cli.main import app
+
+    args = ["deploy", "kubernetes", str(tiny_checkpoint(tmp_path, "llada")), "--device", "cpu", "--estimate-from", ""]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "is empty" in result.output
+
+
 def test_any_gen_length_is_planned_as_generate_and_serve_take_it() -> None:
     """`dlm generate --gen-length 100 --block-length 32` and a server's max_tokens of 100 run
     (docs/cli.md: any length on every family); the plan of that length was refused as 'not a

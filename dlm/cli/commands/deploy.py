@@ -59,9 +59,8 @@ def kubernetes(
             writable_dir("--out", out)
         flags = given(ctx, ("tensor_parallel_size", "nnodes", "device"))  # the rest: the settings file's
         config, serve_settings = k8s.serve_settings(config_file, flags)
-        report = k8s.plan_report(
-            config, estimate_from or source, cluster.gpu, None if estimate_from else cluster.revision
-        )
+        planned = source if estimate_from is None else estimate_from  # "" is refused, not SOURCE
+        report = k8s.plan_report(config, planned, cluster.gpu, None if estimate_from is not None else cluster.revision)
         objects = k8s.render(config, cluster, report, serve_settings)
         if out is not None:
             for path in k8s.write_base(objects, out):

@@ -109,7 +109,7 @@ def loadtest(
         if spawn_rate is not None and (not math.isfinite(spawn_rate) or spawn_rate <= 0):
             raise UsageError(f"--spawn-rate must be a finite number > 0, got {spawn_rate}")
         url = checked_url(url)
-        levels = parse_levels(sweep) if sweep else [users]
+        levels = parse_levels(sweep) if sweep is not None else [users]  # "" is no sweep: refused
         seconds = parse_seconds(duration, "--duration")
         slo_bounds = parse_slo(slo)
         thresholds = parse_conditions(fail_on, GATE_METRICS, "--fail-on")

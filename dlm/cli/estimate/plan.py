@@ -732,6 +732,8 @@ def load_source(spec: str, revision: str | None = None) -> ModelSource:
     from dlm.cli.store.resolve import resolve_model
     from dlm.engine.config import read_config_json
 
+    if not spec.strip():  # Path("") is the current directory, and the engine's "" the default model
+        raise UsageError("the model to plan (MODEL_OR_CONFIG, or --estimate-from) is empty")
     path = Path(spec).expanduser()
     if not path.exists() and HUB_ID.match(spec):  # store names never contain "/"
         return _hub_source(spec, revision)
