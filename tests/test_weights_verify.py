@@ -132,6 +132,18 @@ def test_healthy_version_verifies_and_records(stored: tuple[Store, str, Path]) -
     assert manifest.verification is not None and manifest.verification.hashed and manifest.state == "verified"
 
 
+def test_tiny_models_verify_as_every_command_names_them(tmp_path: Path) -> None:
+    """MODEL is a directory, a store name or `tiny:FAMILY` for every command (docs/cli.md);
+    `dlm verify tiny:llada` said 'no such directory'."""
+    code, stdout, stderr = cli("verify", "tiny:sdar", "--store", str(tmp_path / "store"), "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["ok"] and report["family"] == "sdar" and report["model"] is None
+    assert report["path"] == str(ensure_tiny_model("tiny:sdar"))
+    code, _, stderr = cli("verify", "tiny:nope", "--store", str(tmp_path / "store"))
+    assert code == 2 and "no tiny model 'tiny:nope'" in stderr
+
+
 def test_missing_and_extra_files(stored: tuple[Store, str, Path]) -> None:
     store, ref, files = stored
     (files / "tokenizer_config.json").unlink()

@@ -18,7 +18,9 @@ from dlm.cli.store_ui import (
 
 
 def verify(
-    model: str = typer.Argument(..., help="Store name[@version], or a checkpoint directory (structure only)."),
+    model: str = typer.Argument(
+        ..., help="Store name[@version], or a checkpoint directory or tiny:FAMILY (structure only)."
+    ),
     workers: int | None = WORKERS_OPTION,
     store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,

@@ -422,10 +422,14 @@ def verify_directory(
 def verify_model(
     spec: str, store: Store, progress: ByteProgress | None = None, workers: int | None = None
 ) -> VerifyReport:
-    """Verify MODEL: a checkpoint directory, or a store version (whose manifest then records
-    the result, so `release` knows whether it may use it)."""
+    """Verify MODEL: a checkpoint directory (`tiny:FAMILY` too, as every command names one),
+    or a store version (whose manifest then records the result, so `release` knows whether it
+    may use it)."""
     from dlm.cli.store.releases import transaction
+    from dlm.engine.tiny_models import ensure_tiny_model, is_tiny
 
+    if is_tiny(spec):  # built on first use, as generate, serve and estimate build it
+        return verify_directory(ensure_tiny_model(spec), None, progress, workers)
     path = local_path(spec)
     if path is not None and path.is_dir():
         return verify_directory(path, None, progress, workers)
