@@ -174,6 +174,13 @@ def test_bad_names_are_usage_errors(label: str, good: Path, tmp_path: Path) -> N
         _assert_one_error(code, stdout, stderr, 2)
 
 
+def test_a_name_one_character_too_long_is_told_the_limit(good: Path, tmp_path: Path) -> None:
+    """A 129-character name was refused as 'use letters, digits, ...', which it already was."""
+    code, stdout, stderr = cli("release", "m", "--deployment", "d" * 129, "--store", str(tmp_path / "store"))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "1 to 128" in stderr
+
+
 def test_missing_things_say_what_is_missing(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     code, stdout, stderr = cli("verify", "/no/such/dir", "--store", store)

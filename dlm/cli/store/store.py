@@ -94,7 +94,7 @@ def now() -> str:
 def check_name(name: str, what: str = "model name") -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise UsageError(
-            f"invalid {what} {name!r}: use letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"invalid {what} {name!r}: use 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
 
