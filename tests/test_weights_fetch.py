@@ -115,6 +115,30 @@ def test_bad_usage(source: Path, tmp_path: Path) -> None:
         assert code == 2 and words in stderr, (args, stderr)
 
 
+def test_links_that_multiply_a_source_are_bounded(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories that each link twice to the next have 2^n paths: a chain of 30 (or `dlm
+    fetch /`, through /sys) scanned until the kernel killed the fetch for memory. The scan
+    stops at MAX_SOURCE_ENTRIES (lowered here to keep the test quick) and nothing is stored."""
+    ckpt = tmp_path / "src"
+    shutil.copytree(source, ckpt)
+    previous = None
+    for level in reversed(range(12)):  # 2^12 ways to the last level's file
+        directory = ckpt / f"level{level}"
+        directory.mkdir()
+        (directory / "x.txt").write_text(str(level))
+        if previous is not None:
+            (directory / "a").symlink_to(previous)
+            (directory / "b").symlink_to(previous)
+        previous = directory
+    monkeypatch.setattr(fetch_module, "MAX_SOURCE_ENTRIES", 1000, raising=False)
+    store = Store(tmp_path / "store")
+    code, _, stderr = cli("fetch", str(ckpt), "--name", "dag", "--store", str(store.root))
+    assert code == 1 and "holds more than 1,000 entries" in stderr, stderr
+    assert store.manifests("dag") == [] and not (store.root / "models" / "dag").exists()
+
+
 def test_store_names_resolve_as_model(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLM_STORE", str(tmp_path / "store"))
     result = fetch(str(source), Store())

@@ -170,6 +170,14 @@ class SourceFile:
         return {"size": self.size, "mtime_ns": self.mtime_ns}
 
 
+# Entries a local source may hold (files, directories, links; each way to one through links
+# counts): a checkpoint has a few thousand at most. Links to directories reachable along
+# many paths multiply them (a chain of n directories, each linking twice to the next, has
+# 2^n paths), and `dlm fetch /` walks /sys's web of links: without a bound the scan ran until
+# the kernel killed it for memory, before --include/--exclude are applied.
+MAX_SOURCE_ENTRIES = 200_000
+
+
 def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFile], dict[str, str]]:
     """Walk a local source: (relative path -> file to read, relative path -> why it cannot
     be copied). Dot-directories (.git, .cache) are skipped, as in `iter_files`. A symbolic
@@ -178,10 +186,18 @@ def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFil
     files: dict[str, SourceFile] = {}
     unusable: dict[str, str] = {}
     pending: list[tuple[Path, str, frozenset[Path]]] = [(src, "", frozenset({src}))]
+    entries = 0
     while pending:
         directory, prefix, ancestors = pending.pop()
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             rel, path = prefix + entry.name, Path(entry.path)
+            entries += 1
+            if entries > MAX_SOURCE_ENTRIES:
+                raise DlmError(
+                    f"{src} holds more than {MAX_SOURCE_ENTRIES:,} entries (reached at {rel}; links to "
+                    "directories along many paths count each path): it is no checkpoint directory; "
+                    "fetch the checkpoint's own directory"
+                )
             real = path
             if entry.is_symlink():
                 try:
