@@ -174,6 +174,32 @@ def test_bad_names_are_usage_errors(label: str, good: Path, tmp_path: Path) -> N
         _assert_one_error(code, stdout, stderr, 2)
 
 
+def test_settings_suites_and_key_files_that_do_not_read_are_one_error_line(tmp_path: Path) -> None:
+    """A settings file, suite or key file that is not UTF-8 was a UnicodeDecodeError traceback
+    (exit 1); YAML that does not parse printed PyYAML's message over several lines."""
+    not_utf8 = tmp_path / "settings.yaml"
+    not_utf8.write_bytes(b"max_tokens: \xff\n")
+    (tmp_path / "settings.toml").write_bytes(b'served_model_name = "\xff"\n')
+    (tmp_path / "keys.txt").write_bytes(b"\xff\xfe\n")
+    (tmp_path / "suite.yaml").write_text("prompts: [1, 2\n")
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n"
+    )
+    for args in (
+        ("serve", "tiny:llada", "--config", str(not_utf8)),
+        ("serve", "tiny:llada", "--config", str(tmp_path / "settings.toml")),
+        ("serve", "tiny:llada", "--api-key-file", str(tmp_path / "keys.txt")),
+        ("batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--config", str(not_utf8)),
+        ("validate", CLOSED, "--suite", str(not_utf8)),
+    ):
+        code, stdout, stderr = cli(*args)
+        _assert_one_error(code, stdout, stderr, 2)
+        assert "is not UTF-8 text (byte 0xff" in stderr
+    code, stdout, stderr = cli("validate", CLOSED, "--suite", str(tmp_path / "suite.yaml"))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert stderr.count("\n") == 1 and "is not valid YAML at line 2, column 1" in stderr
+
+
 def test_a_name_one_character_too_long_is_told_the_limit(good: Path, tmp_path: Path) -> None:
     """A 129-character name was refused as 'use letters, digits, ...', which it already was."""
     code, stdout, stderr = cli("release", "m", "--deployment", "d" * 129, "--store", str(tmp_path / "store"))

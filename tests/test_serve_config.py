@@ -222,6 +222,16 @@ def test_weight_loading_logs_its_progress(monkeypatch: pytest.MonkeyPatch, caplo
     assert lines and lines[-1].startswith(f"loading weights: {len(lines)} tensors read")
 
 
+def test_a_key_file_saved_with_a_byte_order_mark_keeps_its_first_key(tmp_path: Path) -> None:
+    """Notepad writes a BOM first: it became part of the first key, which then never matched."""
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(b"\xef\xbb\xbfsk-first\nsk-second\n")
+    assert load_config(flags={"api_key_file": keys}, environ={}).keys() == ["sk-first", "sk-second"]
+    settings = tmp_path / "serve.toml"
+    settings.write_bytes(b"\xef\xbb\xbfmax_tokens = 10\n")  # tomllib refused the mark
+    assert load_config(settings, environ={}).max_tokens == 10
+
+
 @pytest.mark.parametrize("name", ["tpu", "mps", "meta", "xla", "cuda:x", "cuda:-1", "", "cpu:0", "cuda:\u0661"])
 def test_a_device_dlm_does_not_run_on_is_refused_everywhere_it_is_named(name: str) -> None:
     """One rule (dlm.engine.device.device_name) for `dlm serve`'s setting, a deployment's

@@ -13,10 +13,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dlm.cli.checks.runner import Check, CheckFailed, Context, expect_status, json_body
+from dlm.cli.text_files import load_yaml, read_text
 from dlm.engine.errors import UsageError
 
 FENCE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -125,12 +125,7 @@ def load_suite(spec: str | Path) -> Suite:
     """Parse and validate a suite (a file, or a shipped suite's name); any problem is a
     UsageError naming the field."""
     path = suite_file(spec)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"cannot read suite {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"suite {path} is not valid YAML: {exc}") from None
+    raw = load_yaml(read_text(path, "suite"), f"suite {path}")
     try:
         return Suite.model_validate(raw)
     except ValidationError as exc:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from dlm.cli.text_files import load_yaml, read_text
 from dlm.engine.errors import UsageError
 from dlm.engine.params import DEFAULTS
 from dlm.engine.quantization import CHOICES as QUANTIZATION_CHOICES
@@ -319,10 +320,7 @@ class ServeConfig(BaseModel):
         """Every accepted API key: the list plus the key file (one per line, # comments)."""
         keys = [k.get_secret_value() for k in self.api_keys]
         if self.api_key_file is not None:
-            try:
-                lines = self.api_key_file.read_text().splitlines()
-            except OSError as exc:
-                raise UsageError(f"cannot read api_key_file {self.api_key_file}: {exc.strerror}") from exc
+            lines = read_text(self.api_key_file, "api_key_file").splitlines()
             keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if any(not k for k in keys):
             raise UsageError("an API key is empty")
@@ -366,10 +364,7 @@ class ServeConfig(BaseModel):
         if self.admin_key is not None:
             key = self.admin_key.get_secret_value().strip()
         elif self.admin_key_file is not None:
-            try:
-                key = self.admin_key_file.read_text().strip()
-            except OSError as exc:
-                raise UsageError(f"cannot read admin_key_file {self.admin_key_file}: {exc.strerror}") from exc
+            key = read_text(self.admin_key_file, "admin_key_file").strip()
         else:
             return None
         if not key:
@@ -385,22 +380,14 @@ def _normalise(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def read_file(path: Path) -> dict[str, Any]:
     """Settings from a .toml or .yaml/.yml file (a top-level `[serve]` table is accepted)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from exc
+    text = read_text(path, "config file")
     if path.suffix == ".toml":
         try:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"config file {path} is not valid TOML: {exc}") from exc
     elif path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise UsageError(f"config file {path} is not valid YAML: {exc}") from exc
+        data = load_yaml(text, f"config file {path}") or {}
     else:
         raise UsageError(f"config file {path} must end in .toml, .yaml or .yml")
     if isinstance(data, Mapping) and set(data) == {"serve"}:

@@ -1,0 +1,42 @@
+"""Text files a user names (settings files, validate suites, key files), read in one place.
+
+Each problem is one usage error naming the file (exit 2): one that cannot be read, bytes that
+are not UTF-8 (a UnicodeDecodeError was a traceback), YAML that does not parse (PyYAML's
+message spans several lines, with a caret under the spot; the contract is one `error:`
+line). A byte order mark opening the file, which Notepad and PowerShell write, is skipped, as
+it is in JSONL files (dlm/cli/jsonl.py): kept, it was part of the first API key of a key file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dlm.engine.errors import UsageError
+
+
+def read_text(path: Path, what: str) -> str:
+    """The text of `what` (e.g. "config file") at `path`."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """`yaml.safe_load`, its error on one line: `WHAT is not valid YAML at line L, column C: ...`."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"{what} is not valid YAML{where}: {problem}") from None
