@@ -60,8 +60,16 @@ def encode_chat(
 ) -> list[int]:
     """Prompt ids of a conversation through the checkpoint's own chat template (which also
     decides how `tools` are shown to the model)."""
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
+    templates = template.values() if isinstance(template, dict) else [template]  # named templates
+    if not all(isinstance(t, str) for t in templates):
+        kinds = sorted({type(t).__name__ for t in templates if not isinstance(t, str)})
+        raise UsageError(
+            f"this checkpoint's chat template is no template (tokenizer_config.json's chat_template holds "
+            f"{', '.join(kinds)}, not text); drop --chat"
+        )
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -73,8 +81,21 @@ def encode_chat(
     except Exception as exc:  # jinja2 errors: the template rejected these messages
         if type(exc).__module__.startswith("jinja2"):
             raise UsageError(f"the chat template rejected the messages: {exc}") from exc
+        if _raised_by_template(exc):  # its own code failed: `{{ 1/0 }}`, `{{ messages + 1 }}`
+            raise UsageError(f"the chat template failed on the messages: {type(exc).__name__}: {exc}") from exc
         raise
     return list(ids)
+
+
+def _raised_by_template(exc: BaseException) -> bool:
+    """Whether `exc` was raised while a chat template ran (the checkpoint's code, or a filter
+    it called; not dlm's or transformers' own): jinja2 names template code's frames <template>."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def decode(tokenizer: Any, ids: list[int], stops: Collection[int]) -> str:
