@@ -31,7 +31,12 @@ def load_tokenizer(model_dir: Path) -> Any:
             # config fields of model types it does not know (Dream's `rope_scaling: null`):
             # nothing the tokenizer uses, and nothing the user can act on.
             warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
-            return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+            # Fields it reads only when it encodes or decodes fail then, not here: a string
+            # model_max_length was a TypeError traceback from the first prompt. One word each
+            # way makes such a tokenizer fail where it loads, with the errors below.
+            tokenizer.decode(tokenizer("a", add_special_tokens=False)["input_ids"])
+            return tokenizer
     except (OSError, ValueError) as exc:
         raise UsageError(f"could not load the tokenizer in {model_dir}: {exc}") from exc
     except (ImportError, MemoryError):
