@@ -200,6 +200,37 @@ def test_settings_suites_and_key_files_that_do_not_read_are_one_error_line(tmp_p
     assert stderr.count("\n") == 1 and "is not valid YAML at line 2, column 1" in stderr
 
 
+def test_text_in_brackets_is_shown_as_it_is_never_read_as_markup(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paths, file names and a server's words were printed through rich markup: a source path
+    holding `[/q]` made every `dlm models` a MarkupError traceback (the store unlistable but
+    with --json), as it did `dlm verify DIR`, `dlm doctor` under such a DLM_HOME, and `dlm
+    validate` against a server whose message held one."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dlm.cli.checks.report import render_table
+    from dlm.cli.checks.runner import CheckResult
+
+    odd = tmp_path / "ckpt[/q]"
+    shutil.copytree(good, odd)
+    store = str(tmp_path / "store[/s]")
+    code, _, stderr = cli("fetch", str(odd), "--name", "odd", "--store", store)
+    assert code == 0, stderr
+    code, stdout, stderr = cli("models", "--store", store)
+    assert code == 0 and str(odd) in stdout and "store[/s]" in stdout, stderr
+    code, _, stderr = cli("verify", str(odd))
+    assert code == 0 and "ckpt[/q]" in stderr, stderr
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "home[/h]"))
+    code, stdout, stderr = cli("doctor")
+    assert not RAW_EXCEPTION.search(stdout + stderr) and "home[/h]" in stdout
+    shown = StringIO()
+    render_table([CheckResult("chat", "failed", 0.1, "HTTP 400: [/bad] field")], "http://h:1", Console(file=shown))
+    assert "[/bad] field" in shown.getvalue()
+
+
 def test_a_name_one_character_too_long_is_told_the_limit(good: Path, tmp_path: Path) -> None:
     """A 129-character name was refused as 'use letters, digits, ...', which it already was."""
     code, stdout, stderr = cli("release", "m", "--deployment", "d" * 129, "--store", str(tmp_path / "store"))

@@ -108,20 +108,22 @@ class ByteBar:
 
 
 def render_findings(report: Any) -> None:
-    """Failures (and warnings) of a VerifyReport as a table on stderr."""
+    """Failures (and warnings) of a VerifyReport as a table on stderr (file names and problems
+    are the checkpoint's: shown as they are, never read as rich markup)."""
+    from rich.markup import escape
     from rich.table import Table
 
     rows = [("FAIL", f) for f in report.failures] + [("warn", f) for f in report.warnings]
     if not rows:
         return
-    table = Table(title=f"verification of {report.path}", title_justify="left")
+    table = Table(title=f"verification of {escape(str(report.path))}", title_justify="left")
     table.add_column("")
     table.add_column("file", no_wrap=True)  # whole, so it can be copied and grepped
     table.add_column("check")
     table.add_column("problem", overflow="fold")
     for level, finding in rows:
         style = "red" if level == "FAIL" else "yellow"
-        table.add_row(f"[{style}]{level}[/]", finding.file, finding.check, finding.problem)
+        table.add_row(f"[{style}]{level}[/]", escape(finding.file), escape(finding.check), escape(finding.problem))
     err_console.print(table)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckResult
@@ -19,13 +20,13 @@ def counts(results: list[CheckResult]) -> dict[str, int]:
 
 
 def render_table(results: list[CheckResult], url: str, console: Console) -> None:
-    table = Table(title=f"dlm validate {url}", title_justify="left")
+    table = Table(title=f"dlm validate {escape(url)}", title_justify="left")
     table.add_column("check", no_wrap=True)
     table.add_column("result", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
     table.add_column("detail", overflow="fold")
     for r in results:
-        table.add_row(r.name, STYLE[r.status], f"{r.seconds:.2f}s", r.detail)
+        table.add_row(r.name, STYLE[r.status], f"{r.seconds:.2f}s", escape(r.detail))  # the server's words
     console.print(table)
     c = counts(results)
     verdict = "[bold red]FAILED[/]" if c[FAILED] else "[bold green]PASSED[/]"

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json, err_console, progress
 from dlm.cli.setting_options import default, setting_option
@@ -83,7 +84,9 @@ def batch(
             emit_json(counts)
         else:
             err_console.print(
-                f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in {output_file}"
+                f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in "
+                f"{escape(str(output_file))}",
+                highlight=False,
             )
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from dlm.cli import parallel as tp
 from dlm.cli.deploy.kubernetes import KubernetesSettings
@@ -64,7 +65,7 @@ def kubernetes(
         objects = k8s.render(config, cluster, report, serve_settings)
         if out is not None:
             for path in k8s.write_base(objects, out):
-                err_console.print(f"wrote {path}", highlight=False)
+                err_console.print(f"wrote {escape(str(path))}", highlight=False)
         elif json_out:
             emit_json(objects)
         else:
@@ -106,7 +107,7 @@ def haproxy(
         if out is not None:
             writable_file("--out", out)
             out.write_text(text)
-            err_console.print(f"wrote {out}", highlight=False)
+            err_console.print(f"wrote {escape(str(out))}", highlight=False)
         if json_out:
             groups = [asdict(g) for g in settings.groups]
             emit_json({"config": text, "out": None if out is None else str(out), "bind": bind, "groups": groups})

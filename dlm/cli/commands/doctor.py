@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json
 from dlm.cli.setting_options import default
@@ -31,7 +32,7 @@ def doctor(
             table = Table("check", "status", "value", box=None, pad_edge=False)
             for check in report.checks:
                 style = STYLE[check.status]
-                table.add_row(check.name, f"[{style}]{check.status}[/]", check.value)
+                table.add_row(check.name, f"[{style}]{check.status}[/]", escape(check.value))
             # Piped: no terminal width to fit, so keep every value on one line for grep.
             console = Console(width=None if sys.stdout.isatty() else 400)
             console.print(table)

@@ -38,7 +38,7 @@ def _render(report: dict[str, Any]) -> None:
 
     m, p, s = report["model"], report["parameters"], report["serving"]
     err_console.print(
-        f"[bold]{m['source']}[/]: {m['family']} ({m['model_type']}), {m['attention']} attention, "
+        f"[bold]{escape(m['source'])}[/]: {m['family']} ({m['model_type']}), {m['attention']} attention, "
         f"{m['layers']} layers, hidden {m['hidden_size']}, {m['heads']}/{m['kv_heads']} heads"
     )
     params = Table(title="parameters", title_justify="left")

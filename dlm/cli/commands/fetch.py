@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json, err_console
 from dlm.cli.store_ui import (
@@ -70,7 +71,7 @@ def fetch(
         verb = "already in the store:" if result.already_present else "fetched"
         err_console.print(
             f"{verb} [bold]{m.name}@{m.version}[/] ({len(m.files)} files, {human_size(m.total_size)}, "
-            f"{m.state}) -> {result.path}",
+            f"{m.state}) -> {escape(str(result.path))}",
             highlight=False,
             soft_wrap=True,
         )

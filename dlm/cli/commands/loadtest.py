@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm.cli.loadtest.sweep import MIN_SAMPLES
@@ -159,7 +160,7 @@ def loadtest(
         # Human text on stderr in both modes (docs/cli.md): a --json run's warnings and the
         # reason it failed are not only in summary.json.
         render_summary(summary, err_console)
-        err_console.print(f"results in {directory}/: {', '.join(summary['files'])}")
+        err_console.print(f"results in {escape(str(directory))}/: {', '.join(summary['files'])}", highlight=False)
         if json_out:
             emit_json(summary if result_format == "dlm" else (vllm if len(vllm) > 1 else vllm[0]))
         if not summary["passed"]:

@@ -99,7 +99,7 @@ def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> No
 
         out = listing_console()
 
-        table = Table(title=f"models in {listing['store']}", title_justify="left")
+        table = Table(title=f"models in {escape(str(listing['store']))}", title_justify="left")
         table.add_column("model@version", no_wrap=True)  # whole, so it can be copied and grepped
         for column in ("state", "size", "fetched", "source", "release", "problem"):
             table.add_column(column, overflow="fold")
@@ -111,7 +111,7 @@ def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> No
                     f"[{color}]{v['state']}[/]",
                     human_size(v["total_size"]) if v["total_size"] is not None else "",
                     v["fetched_at"] or "",
-                    _source(v["source"]),
+                    escape(_source(v["source"])),
                     v["release_role"] or "",
                     escape(v.get("reason", "")),
                 )
@@ -137,7 +137,7 @@ def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> No
                     event["action"],
                     f"{event['model']}@{event['version']}",
                     event["status"],
-                    event.get("error") or "",
+                    escape(event.get("error") or ""),
                 )
             pending = state.get("pending")
             if pending:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from dlm.cli import parallel as tp
 from dlm.cli.model_options import MODEL_ARGUMENT
@@ -73,7 +74,7 @@ def serve(
         else:
             err_console.print("[bold]dlm serve[/] configuration:")
             for key, value in config.public().items():
-                err_console.print(f"  {key} = {value}", highlight=False)
+                err_console.print(f"  {key} = {escape(str(value))}", highlight=False)
 
         if tp.run_worker(
             config.model,

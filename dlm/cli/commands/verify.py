@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json, err_console
 from dlm.cli.store_ui import (
@@ -38,7 +39,7 @@ def verify(
         rate = report.bytes_hashed / report.hash_seconds / 1e6 if report.hash_seconds else 0.0
         target = f"{report.model}@{report.version}" if report.model else report.path
         err_console.print(
-            f"{target}: {report.files} files, {human_size(report.bytes_hashed)} hashed in "
+            f"{escape(str(target))}: {report.files} files, {human_size(report.bytes_hashed)} hashed in "
             f"{report.hash_seconds:.2f}s ({rate:.0f} MB/s), family {report.family or '?'}",
             highlight=False,
         )

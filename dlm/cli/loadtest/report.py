@@ -149,7 +149,8 @@ def live_table(tick: dict[str, Any]) -> Table:
 
 
 def render_summary(summary: dict[str, Any], console: Console) -> None:
-    title = f"dlm loadtest {summary['url']} ({summary['model']}, prompts: {summary['prompts']})"
+    # the URL and the server's own model id, shown as they are (never read as rich markup)
+    title = escape(f"dlm loadtest {summary['url']} ({summary['model']}, prompts: {summary['prompts']})")
     console.print(levels_table(summary["levels"], title))
     errors = summary["totals"]["errors_by_status"]
     if errors:
