@@ -252,6 +252,10 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", COMMIT_A, "--store-size", "\u0663Gi"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--device", "cuda:\u0661"], "device: must be auto, cpu, cuda or cuda:N"),
         (["org/m", "--revision", COMMIT_A + "\n"], "--revision must be a full 40-digit commit"),
+        # Image references no runtime pulls (InvalidImageName at every pod): rendered, exit 0.
+        (["org/m", "--revision", COMMIT_A, "--image", "registry.example.com/dlm:0.1 cuda"], "invalid setting image"),
+        (["org/m", "--revision", COMMIT_A, "--image", "Team/dlm:1"], "invalid setting image"),
+        (["org/m", "--revision", COMMIT_A, "--image", "dlm:"], "invalid setting image"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:
@@ -265,6 +269,24 @@ def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_pat
     assert result.exit_code in (1, 2), result.output
     assert "Traceback" not in result.output and "Value error" not in result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize(
+    "reference",
+    ["registry.example.com/dlm:0.1.0-cuda", "localhost:5000/dlm", "[::1]:5000/team/dlm:x", "dlm@sha256:" + "a" * 64],
+)
+def test_image_references_runtimes_pull_render(reference: str, big_config: Path) -> None:
+    objects = by_kind(render("org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config), "--image", reference))
+    assert objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == reference
+
+
+def test_the_default_image_is_a_reference_runtimes_pull() -> None:
+    from dlm.cli.deploy.kubernetes import IMAGE, KubernetesSettings, image
+    from dlm.cli.server.config import load_config
+
+    for device in ("cpu", "cuda"):
+        config = load_config(flags={"device": device}, environ={})
+        assert IMAGE.fullmatch(image(KubernetesSettings(source="org/m"), config))
 
 
 def test_the_plan_holds_what_the_pods_serve(tmp_path: Path, big_config: Path) -> None:

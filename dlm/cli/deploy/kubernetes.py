@@ -46,6 +46,18 @@ NOT_IN_CONFIG = {"model", "deployment", "store", "host", "port", "nnodes", "node
 REVISION = re.compile(r"^[0-9a-f]{40}\Z")
 QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?", re.ASCII)  # kubectl reads ASCII digits only
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label: a namespace
+# A container image reference as the runtimes parse it (distribution/reference's grammar):
+# [HOST/]path/components[:tag][@digest], where the first part is a host only if it holds a
+# '.' or a ':port' or is localhost (else it is a path component, lowercase); anything else
+# is InvalidImageName at the pod, after the manifests applied.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"(?:localhost(?::[0-9]+)?|{_LABEL}(?:\.{_LABEL})+(?::[0-9]+)?|{_LABEL}:[0-9]+|\[[0-9A-Fa-f:]+\](?::[0-9]+)?)"
+IMAGE = re.compile(
+    rf"(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,})?",
+    re.ASCII,
+)
 DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret
 
 FETCH_SCRIPT = f"""set -eu
@@ -116,6 +128,13 @@ class KubernetesSettings(BaseModel):
     def _dns_label(cls, value: str) -> str:
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?", value):
             raise ValueError("must be lowercase letters, digits and '-', start with a letter, at most 42 characters")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 255 or not IMAGE.fullmatch(value)):
+            raise ValueError("must be an image reference such as registry.example.com/dlm:0.1.0-cuda (lowercase path)")
         return value
 
     @field_validator("namespace")
