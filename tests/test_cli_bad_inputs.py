@@ -711,3 +711,25 @@ def test_ctrl_c_while_the_commands_load_is_the_contracts_interrupt(
 
     assert 'dlm = "dlm.cli.entry:main"' in (ROOT / "pyproject.toml").read_text()  # the installed `dlm`
     assert "from dlm.cli.entry import main" in (ROOT / "dlm" / "__main__.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "", "--prompt", "x", "--gen-length", "4"],
+        ["generate", " ", "--prompt", "x", "--gen-length", "4"],
+        ["serve", "", "--port", "0"],
+        ["batch", "{input}", "{output}", "--model", ""],
+    ],
+    ids=["generate", "generate-blank", "serve", "batch"],
+)
+def test_an_empty_model_is_refused_not_served_as_the_default_model(args: list[str], tmp_path: Path) -> None:
+    """An empty MODEL is a variable that was not set (`dlm generate "$MODEL"`): it ran the
+    embedded default model with exit 0 (the engine read "" as no MODEL)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n")
+    filled = [a.format(input=source, output=tmp_path / "out.jsonl") for a in args]
+    code, stdout, stderr = cli(*filled)
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "MODEL is empty" in stderr
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_bytes()

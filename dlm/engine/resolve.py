@@ -16,12 +16,17 @@ from dlm.engine.errors import UsageError
 def checkpoint_dir(spec: str | Path | None) -> Path | None:
     """The checkpoint directory `spec` names, or None when it names no existing path.
 
-    None or "" -> the embedded default model; `tiny:FAMILY` -> that tiny model (both built
-    on first use)."""
-    if spec is None or str(spec) == "":
+    None -> the embedded default model; `tiny:FAMILY` -> that tiny model (both built on
+    first use). An empty MODEL is refused: it is a variable that was not set (`dlm generate
+    "$MODEL"`), which must not quietly become the default model."""
+    if spec is None:
         from dlm.engine.default_model import ensure_default_model
 
         return ensure_default_model()
+    if not str(spec).strip():
+        raise UsageError(
+            "MODEL is empty: name a checkpoint directory, a store name or tiny:FAMILY (none: the default model)"
+        )
     from dlm.engine.tiny_models import ensure_tiny_model, is_tiny
 
     if is_tiny(str(spec)):
