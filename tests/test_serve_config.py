@@ -61,6 +61,8 @@ def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
         ("", {"default_max_tokens": 64, "max_tokens": 32}, "default_max_tokens"),
         ("", {"api_key_file": "/no/such/keys"}, "cannot read api_key_file"),
         ("port = [", {}, "not valid TOML"),
+        ("", {"host": ""}, "invalid setting host"),  # was exit 1 from the bind: "cannot listen on :8000"
+        ("host = ' '\n", {}, "invalid setting host"),
     ],
 )
 def test_bad_settings_are_usage_errors(tmp_path: Path, content: str, flags: dict, message: str) -> None:

@@ -65,7 +65,7 @@ class ServeConfig(BaseModel):
     served_model_name: Annotated[str | None, Cli(shown="the directory name")] = Field(
         None, description="Model name clients send."
     )
-    host: str = Field("127.0.0.1", description="Bind address.")
+    host: str = Field("127.0.0.1", min_length=1, pattern=r"^\S+$", description="Bind address.")
     port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
     dtype: str = Field("auto", description="auto (per device, see dlm doctor), float32, bfloat16, float16.")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N.")
