@@ -65,6 +65,13 @@ EDIT_PRESETS = {"speed": (0.5, 0.0), "quality": (0.7, 0.5)}
 DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode's
 DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_logprobs
+# The least positive temperature a sampler divides by (`temperature`, `alg_temp` and the
+# entropy-bound sampler's): a smaller one resolves to it after validation. It is the greedy
+# limit already (logits 1e-28 apart are a probability ratio of e^100 at it), while dividing by
+# less sent float32 logits past their range (1e-40 is a float32 0; 5e-324 the least double), and
+# the softmax's inf - inf failed the step, and the forward's other requests, with NaN.
+MIN_TEMPERATURE = 1e-30
+TEMPERATURES = ("temperature", "alg_temp", "min_temperature", "max_temperature")
 MAX_N = 64  # samples per prompt
 # transformers' defaults for DiffusionGemma's generate (DiffusionGemmaGenerationConfig), where
 # the checkpoint's generation_config.json says nothing (dlm/engine/family_rules.py fills them).
@@ -499,7 +506,10 @@ class GenerationParams:
                 f"the model's maximum length of {max_length} tokens",
                 field="prompt",
             )
-        return p
+        floored: dict[str, Any] = {
+            n: MIN_TEMPERATURE for n in TEMPERATURES if 0 < (getattr(p, n) or 0) < MIN_TEMPERATURE
+        }
+        return dataclasses.replace(p, **floored) if floored else p  # after the checks, which judge the values sent
 
     def samples(self: P) -> list[P]:
         """The `n` samples this request asks for, each a request of its own (n = 1): sample i
