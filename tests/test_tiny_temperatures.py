@@ -65,3 +65,22 @@ def test_a_tiny_temperature_is_answered_over_http() -> None:
         for body in ({"temperature": 1e-40}, {"temperature": 5e-324, "n": 2}, {"alg_temp": 5e-324}):
             r = client.post("/v1/completions", json={"prompt": "Sort: 4 3 9", "max_tokens": 8, **body})
             assert r.status_code == 200, r.text
+
+
+def test_diffusion_gemma_in_float16_takes_a_low_temperature() -> None:
+    """DiffusionGemma's tempered logits condition its next step in the model's dtype: in
+    float16 (a GPU without bf16 loads a float16 checkpoint so) logits of 30 at a temperature of
+    1e-4 passed its range of 65504, and the next step's softmax of inf failed the request."""
+    import torch
+
+    with LLM("tiny:diffusion_gemma", dtype="float16", device="cpu") as llm:
+        for low in (1e-4, 1e-20):
+            out = llm.generate("Sort: 4 3 9", gen_length=8, min_temperature=low, max_temperature=2 * low)[0]
+            assert out.finish_reason == "length"
+    from dlm.engine.decoding.entropy_bound import conditioning
+
+    logits = torch.tensor([[[3e5, 2.9e5, -4e5, 10.0]]])
+    held = conditioning(logits, torch.float16)
+    assert held.dtype == torch.float16 and not held.isnan().any()
+    assert torch.equal(held.float().softmax(-1), logits.softmax(-1))  # the distribution the model takes
+    assert torch.equal(conditioning(logits, torch.float32), logits)  # as the reference: unchanged

@@ -32,6 +32,19 @@ def temperature(params: ResolvedParams, remaining: int) -> torch.Tensor:
     return low + (high - low) * fraction
 
 
+def conditioning(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A step's tempered logits (float32) as the next step's self-conditioning, in the model's
+    `dtype`, of which the model takes only the softmax. float16's range ends at 65504 (the
+    soft-capped logits, up to 30, at a temperature of 1e-4 pass it): cast as they were, they
+    overflowed to inf and that softmax's inf - inf made the next step's probabilities NaN, a
+    failed step. So for float16 each row is shifted first, its largest to 0 (the softmax is
+    the same): the rest can only overflow to -inf, weight 0. float32 and bfloat16, whose range
+    is float32's, take them as they are, as the reference does."""
+    if dtype != torch.float16:
+        return logits.to(dtype)
+    return (logits - logits.amax(dim=-1, keepdim=True)).to(dtype)
+
+
 @dataclass
 class StepResult:
     canvas: torch.Tensor  # the next canvas: accepted samples, the rest renoised

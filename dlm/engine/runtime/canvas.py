@@ -88,7 +88,7 @@ class CanvasSequence(RequestState):
         step = entropy_bound.denoise_step(
             self.params, self.current, logits, steps - self.step_in_canvas, vocab_size, self.generator
         )
-        self.current, self.self_conditioning = step.canvas, step.logits.to(dtype)
+        self.current, self.self_conditioning = step.canvas, entropy_bound.conditioning(step.logits, dtype)
         self.step_in_canvas += 1
         self.nfe += 1
         self.query_lengths.append(step.canvas.shape[1])
