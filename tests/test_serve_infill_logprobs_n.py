@@ -194,3 +194,38 @@ def test_validate_checks_every_advertised_capability(llada: httpx.Client) -> Non
     checks = [Check("models", models), Check("completion", completion, ("models",)), *CAPABILITY_CHECKS]
     results = run_checks(Context(api, ValidateOptions(max_tokens=16)), checks)
     assert {r.name: r.status for r in results} == {c.name: PASSED for c in checks}, [r.detail for r in results]
+
+
+def test_logprobs_decode_each_token_once(llada: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer's logprobs name the same tokens over and over (up to 21 entries a token, each
+    a text and, on chat, bytes): each token id's own text and bytes are worked out once, not
+    per entry on the event loop, where n 15 x 1024 tokens x 20 alternatives held /health for
+    4 s. A second answer over the same tokens decodes none of them again."""
+    from transformers import PreTrainedTokenizerBase
+
+    calls: list[int] = []
+    decode = PreTrainedTokenizerBase.decode
+    to_tokens = PreTrainedTokenizerBase.convert_ids_to_tokens
+
+    def counted_decode(self: Any, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and isinstance(ids, list) and len(ids) == 1:  # one token's own text
+            calls.append(ids[0])
+        return decode(self, ids, *args, **kwargs)
+
+    def counted_tokens(self: Any, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(ids)  # one token's bytes
+        return to_tokens(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "decode", counted_decode)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "convert_ids_to_tokens", counted_tokens)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "ignore_eos": True}
+    body |= {"logprobs": True, "top_logprobs": 20, "n": 2, **SAMPLING}
+    first = llada.post("/v1/chat/completions", json=body)
+    assert first.status_code == 200, first.text
+    entries = sum(1 + len(e["top_logprobs"]) for c in first.json()["choices"] for e in c["logprobs"]["content"])
+    assert entries == 2 * 16 * 21
+    assert 0 < len(calls) <= 2 * len(set(calls)) < entries  # a text and bytes per token id, not per entry
+    calls.clear()
+    again = llada.post("/v1/chat/completions", json=body)
+    assert again.json()["choices"][0]["logprobs"] == first.json()["choices"][0]["logprobs"]
+    assert calls == []

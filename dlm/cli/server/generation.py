@@ -43,7 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 from dlm.cli.server import errors
 from dlm.cli.server.connections import CONNECTION, Connection
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError
-from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs, token_bytes
+from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
 from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
 from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
@@ -292,7 +292,7 @@ class Responder:
         start = choice.sent_tokens
         choice.sent_tokens = max(choice.sent_tokens, end)
         if self.chat:
-            return chat_logprobs(tokens, self.served.token_text, self._token_bytes)
+            return chat_logprobs(tokens, self.served.token_text, self.served.token_bytes)
         return completion_logprobs(tokens, self.served.token_text, self._offsets(ids, start, end, stops))
 
     def _offsets(self, ids: list[int], start: int, end: int, stops: Any) -> list[int]:
@@ -313,9 +313,6 @@ class Responder:
             at = decoded(k + 1) if part or after_part else at + len(piece)
             after_part = part
         return offsets
-
-    def _token_bytes(self, token: int) -> bytes:
-        return token_bytes(self.served.tokenizer, token, self.served.token_text(token))
 
     def fail(self) -> Response:
         """A failure nobody anticipated while answering (the caller logs its traceback): the

@@ -9,10 +9,11 @@ output with that model's tokenizer, whatever the server serves by the time it en
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm.cli.server.logprobs import token_bytes
 from dlm.engine.runtime.async_engine import AsyncEngine
 from dlm.engine.runtime.request import completion
 
@@ -24,6 +25,9 @@ class LoadedModel:
     max_model_len: int
     model_dir: Path
     ref: str | None = None  # NAME@VERSION when it came from the store through a deployment
+    # Each token's own text and raw bytes, once per token id (at most the vocabulary).
+    _texts: dict[int, str] = field(default_factory=dict, repr=False)
+    _bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def version(self) -> str | None:
@@ -36,8 +40,22 @@ class LoadedModel:
         return "" if self.tokenizer is None else decode(self.tokenizer, ids, stops)
 
     def token_text(self, token: int) -> str:
-        """One token's own text (special tokens spelt out); its id where there is no tokenizer."""
-        return str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
+        """One token's own text (special tokens spelt out); its id where there is no tokenizer.
+        Decoded once per token id: an answer's logprobs (up to 21 entries per token, each
+        text and bytes) and canvas events name the same tokens over and over, and decoding
+        each entry on the event loop stalled every route for seconds (n 15 x 1024 tokens x
+        20 alternatives: /health waited 4 s)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
+        return text
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's raw bytes (`token_bytes`), worked out once per token id."""
+        raw = self._bytes.get(token)
+        if raw is None:
+            raw = self._bytes[token] = token_bytes(self.tokenizer, token, self.token_text(token))
+        return raw
 
     def completion_ids(self, prefix: list[int], stops: Collection[int]) -> list[int]:
         """Generated ids that count as the completion: up to and including the first stop id."""
