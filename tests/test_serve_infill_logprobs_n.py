@@ -229,3 +229,29 @@ def test_logprobs_decode_each_token_once(llada: httpx.Client, monkeypatch: pytes
     again = llada.post("/v1/chat/completions", json=body)
     assert again.json()["choices"][0]["logprobs"] == first.json()["choices"][0]["logprobs"]
     assert calls == []
+
+
+def test_an_answer_is_built_off_the_event_loop(llada: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole answer's body (its choices' logprobs, then the JSON) is built on a worker
+    thread: with n choices of 1024 tokens and 20 alternatives it is hundreds of thousands of
+    entries, a second of CPU during which the event loop answered nothing, /health included."""
+    import asyncio
+
+    from dlm.cli.server import generation
+
+    on_loop: list[bool] = []
+    build = generation.chat_logprobs
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread
+            on_loop.append(False)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "chat_logprobs", watched)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logprobs": True, "n": 2}
+    response = llada.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert on_loop == [False, False]  # one per choice, neither on the loop

@@ -339,6 +339,12 @@ class Responder:
             if error is not None:
                 self.pending = (out.finish_reason or "error", error.status, "failed")
                 return _Delivery(self, error.response())
+        # Off the event loop: an answer of n choices with logprobs is hundreds of thousands
+        # of entries and tens of MB of JSON, a second of CPU that would stall every route.
+        return _Delivery(self, await asyncio.to_thread(self._answer, finals))
+
+    def _answer(self, finals: list[tuple[RequestOutput, str, bool]]) -> JSONResponse:
+        """The body of a finished request's choices, rendered (on a worker thread)."""
         bodies, texts, reasons = [], [], []
         for choice, (out, text, stopped) in zip(self.choices, finals):
             body: dict[str, Any] = {"index": choice.index, "logprobs": self.logprobs(choice, out, text, stopped)}
@@ -362,7 +368,7 @@ class Responder:
             reasons.append(body["finish_reason"])
         self.account(texts, reasons)
         body = {**self._head(), "choices": bodies, "usage": self.usage()}
-        return _Delivery(self, JSONResponse(body, headers={"X-Request-Id": self.job.id}))
+        return JSONResponse(body, headers={"X-Request-Id": self.job.id})
 
     async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
         return list(await asyncio.gather(*(self._final(c) for c in self.choices)))
