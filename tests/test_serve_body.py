@@ -41,6 +41,9 @@ def tool_nested(depth: int) -> bytes:
         (b'{"prompt": "x", "\\ud83d": 1}', "invalid_value", None),
         (tool_nested(500), "invalid_json", None),
         (b'{"prompt": "\xff"}', "invalid_json", None),
+        ('{"prompt": "x"}'.encode("utf-16"), "invalid_json", None),  # JSON is UTF-8: no other encoding
+        ('{"prompt": "x"}'.encode("utf-16-le"), "invalid_json", None),
+        ('{"prompt": "x"}'.encode("utf-32"), "invalid_json", None),
         (b'{"prompt": "x", ', "invalid_json", None),
         (b"[1, 2]", "invalid_json", None),
         (b"", "invalid_json", None),
@@ -63,3 +66,4 @@ def test_bodies_within_the_limits_parse() -> None:
     }
     raw = json.dumps(body).encode()  # ensure_ascii: the emoji travels as a \\ud83d\\ude00 pair
     assert parse_json(raw) == body
+    assert parse_json(b"\xef\xbb\xbf" + raw) == body  # a UTF-8 byte order mark is ignored (RFC 8259 allows it)

@@ -58,12 +58,17 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, within the limits above; a 400 `invalid_json` (malformed
     or over a limit) or `invalid_value` (a lone surrogate, naming the field) otherwise."""
     try:
-        data: Any = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        # UTF-8 only (RFC 8259), a leading byte order mark ignored as it allows: given bytes,
+        # `json.loads` guessed UTF-16 and UTF-32 as well, and took bodies in them.
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+        data: Any = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except _Refused as exc:
         raise exc.error from None
     except RecursionError:
         raise _too_deep() from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the body is not UTF-8 text: {exc}", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
