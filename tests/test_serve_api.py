@@ -86,6 +86,10 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["quantization"] is None  # dense weights
+    # OpenAI's retrieve route (client.models.retrieve), keyed as the list is.
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}").status_code == 401
+    one = httpx.get(f"{server.url}/v1/models/{MODEL}", headers={"Authorization": f"Bearer {OTHER_KEY}"})
+    assert one.status_code == 200 and one.json() == models["data"][0]
 
 
 def test_openai_client_completions_chat_and_streaming(client: openai.OpenAI) -> None:

@@ -48,6 +48,18 @@ def test_models_lists_the_family_capabilities(llada: httpx.Client) -> None:
     assert card["capabilities"] == ["suffix", "logprobs", "n", "response_format", "include_canvas"]
 
 
+def test_a_model_is_retrieved_by_its_name(llada: httpx.Client) -> None:
+    """`client.models.retrieve(NAME)` (GET /v1/models/NAME) answers the card `/v1/models`
+    lists; it was a 404 `Not Found` for the name served, so SDK code checking its model failed."""
+    card = llada.get("/v1/models").json()["data"][0]
+    client = sdk(llada)
+    retrieved = client.models.retrieve(card["id"])
+    assert retrieved.id == card["id"] and retrieved.model_dump()["capabilities"] == card["capabilities"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("not-served/model")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"  # type: ignore[index]
+
+
 def test_suffix_answers_the_engine_middle(llada: httpx.Client, engine: LLM) -> None:
     suffix = " and that is all."
     body = complete(llada, suffix=suffix, return_token_ids=True)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -140,10 +141,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         _, raw = await utility(request)
         return JSONResponse({"prompt": await preparer.detokenize(service, raw)})
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        service.keys.identify(request.headers.get("authorization"))
-        card = {
+    def card() -> dict[str, Any]:
+        """The served model's entry, as `/v1/models` lists it and `/v1/models/{model}` answers it."""
+        card: dict[str, Any] = {
             "id": service.model_name,
             "object": "model",
             "created": 0,
@@ -159,7 +159,20 @@ def create_app(config: ServeConfig) -> FastAPI:
             card["capabilities"] = list(served.engine.engine.capabilities)
             # The weights' method (dlm/engine/quantization.py), or null: as /health says it.
             card["quantization"] = service.runtime.get("quantization")
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        service.keys.identify(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        """OpenAI's retrieve-model route (`client.models.retrieve(NAME)`): the served model's
+        entry for its name (or NAME@VERSION served now), else 404 `model_not_found`."""
+        service.keys.identify(request.headers.get("authorization"))
+        service.check_model(model)
+        return JSONResponse(card())
 
     async def generate(request: Request, job: Job, model: type[CompletionRequest | ChatRequest]) -> Response:
         """What both generation routes do, in the contract's order: API key, readiness and
