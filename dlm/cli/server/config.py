@@ -147,7 +147,9 @@ class ServeConfig(BaseModel):
     )
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")
     default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)")] = Field(
-        None, ge=1, description="max_tokens when a request gives none."
+        None,
+        ge=1,
+        description="max_tokens when a request gives none (at most what the context leaves after its prompt).",
     )
     max_steps: int = Field(
         1024,

@@ -322,18 +322,22 @@ class Service:
         --max-steps) fill in, and the caller's key names its prefix-cache partition."""
         cfg = self.config
         job.length_field = length = _length_field(body)
-        gen = max_tokens if max_tokens is not None else cfg.default_gen_length
+        # Without a length, the server's default, lowered to the room the context leaves after
+        # the prompt (and suffix), as OpenAI's and vLLM's default answers up to the context's end.
+        room = served.max_model_len - len(job.prompt_ids) - len(job.suffix_ids)
+        gen = max_tokens if max_tokens is not None else min(cfg.default_gen_length, max(room, 1))
         if gen > cfg.max_tokens:
             raise bad_request(
                 f"{length} ({gen}) exceeds this server's limit of {cfg.max_tokens}",
                 param=length,
                 code="max_tokens_exceeded",
             )
-        if len(job.prompt_ids) + gen + len(job.suffix_ids) > served.max_model_len:
+        if gen > room:
             suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
+            asked = f" plus {length} ({gen})" if max_tokens is not None else ""
             raise bad_request(
-                f"the prompt ({len(job.prompt_ids)} tokens) plus {length} ({gen}){suffix} exceeds the "
-                f"maximum context of {served.max_model_len} tokens",
+                f"the prompt ({len(job.prompt_ids)} tokens){asked}{suffix} exceeds the maximum context of "
+                f"{served.max_model_len} tokens" + ("" if asked else " with room for an answer"),
                 param=_prompt_param(job),
                 code="context_length_exceeded",
             )
