@@ -58,6 +58,7 @@ def test_a_model_is_retrieved_by_its_name(llada: httpx.Client) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("not-served/model")
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"  # type: ignore[index]
+    assert llada.get("/v1/models/").json()["data"] == [card]  # the list, as before the route
 
 
 def test_suffix_answers_the_engine_middle(llada: httpx.Client, engine: LLM) -> None:

@@ -169,7 +169,10 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> JSONResponse:
         """OpenAI's retrieve-model route (`client.models.retrieve(NAME)`): the served model's
-        entry for its name (or NAME@VERSION served now), else 404 `model_not_found`."""
+        entry for its name (or NAME@VERSION served now), else 404 `model_not_found`. Names
+        may hold slashes (`org/model`); `/v1/models/` is the list."""
+        if not model:
+            return await models(request)
         service.keys.identify(request.headers.get("authorization"))
         service.check_model(model)
         return JSONResponse(card())
