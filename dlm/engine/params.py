@@ -73,6 +73,11 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_lo
 MIN_TEMPERATURE = 1e-30
 TEMPERATURES = ("temperature", "alg_temp", "min_temperature", "max_temperature")
 MAX_N = 64  # samples per prompt
+# The largest classifier-free guidance scale: far past any useful guidance (LLaDA's evaluations
+# use at most 3), and the guided hidden state (s + 1) h_cond - s h_uncond stays within the
+# model's dtype. A scale of 1e38 overflowed float32 (float16 at a few thousand): the step's
+# probabilities were NaN, a garbage answer and, with logprobs, a 500.
+MAX_CFG_SCALE = 100.0
 # transformers' defaults for DiffusionGemma's generate (DiffusionGemmaGenerationConfig), where
 # the checkpoint's generation_config.json says nothing (dlm/engine/family_rules.py fills them).
 SAMPLER_DEFAULTS = dict(
@@ -220,7 +225,9 @@ class GenerationParams:
     )
     remasking: str = _param("low_confidence", "Which positions a step commits.", choices=REMASKING)
     temperature: float = _param(0.0, "Sampling temperature (0: greedy).", low=0)
-    cfg_scale: float = _param(0.0, "Classifier-free guidance scale (0: off; LLaDA family, no cache).", low=0)
+    cfg_scale: float = _param(
+        0.0, "Classifier-free guidance scale (0: off; LLaDA family, no cache).", low=0, high=MAX_CFG_SCALE
+    )
     threshold: float | None = _param(
         None,
         "Fast-dLLM parallel decoding: commit every masked token with confidence >= T, at least one per step.",
