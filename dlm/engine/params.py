@@ -65,12 +65,14 @@ EDIT_PRESETS = {"speed": (0.5, 0.0), "quality": (0.7, 0.5)}
 DEFAULT_EDIT_PRESET = "speed"  # SGLang's JointThreshold defaults are speed mode's
 DEFAULT_MAX_POST_EDIT_STEPS = 16  # SGLang's JointThreshold default
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_logprobs
-# The least positive temperature a sampler divides by (`temperature`, `alg_temp` and the
-# entropy-bound sampler's): a smaller one resolves to it after validation. It is the greedy
-# limit already (logits 1e-28 apart are a probability ratio of e^100 at it), while dividing by
-# less sent float32 logits past their range (1e-40 is a float32 0; 5e-324 the least double), and
-# the softmax's inf - inf failed the step, and the forward's other requests, with NaN.
-MIN_TEMPERATURE = 1e-30
+# The least and the largest positive temperature a sampler divides by (`temperature`,
+# `alg_temp` and the entropy-bound sampler's): one outside resolves to the nearer, after
+# validation. Each is its limit already: at 1e-30 the greedy one (logits 1e-28 apart are a
+# probability ratio of e^100), at 1e30 the uniform one (every logit divided to ~0). Past them
+# float32 logits left their range: a float32 0 (1e-40) or inf (1e39) divisor, an overflow, or
+# -inf / inf for an excluded token, and the softmax's NaN failed the step, and the forward's
+# other requests, with it.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e30
 TEMPERATURES = ("temperature", "alg_temp", "min_temperature", "max_temperature")
 MAX_N = 64  # samples per prompt
 # The largest classifier-free guidance scale: far past any useful guidance (LLaDA's evaluations
@@ -513,10 +515,12 @@ class GenerationParams:
                 f"the model's maximum length of {max_length} tokens",
                 field="prompt",
             )
-        floored: dict[str, Any] = {
-            n: MIN_TEMPERATURE for n in TEMPERATURES if 0 < (getattr(p, n) or 0) < MIN_TEMPERATURE
+        # After the checks, which judge the values sent: temperatures into what samplers divide by.
+        bounded: dict[str, Any] = {
+            n: min(max(t, MIN_TEMPERATURE), MAX_TEMPERATURE) for n in TEMPERATURES if (t := getattr(p, n))
         }
-        return dataclasses.replace(p, **floored) if floored else p  # after the checks, which judge the values sent
+        changed = {n: t for n, t in bounded.items() if t != getattr(p, n)}
+        return dataclasses.replace(p, **changed) if changed else p
 
     def samples(self: P) -> list[P]:
         """The `n` samples this request asks for, each a request of its own (n = 1): sample i
