@@ -127,10 +127,16 @@ class Engine(Protocol):
         seqs = [seq for p in prompts for seq in self.make_sequences(p, params)]
         for seq in seqs:
             self.add(seq)
-        while any(not s.finished for s in seqs):
-            self.step()
-            if on_step is not None:
-                on_step(seqs)
+        try:
+            while any(not s.finished for s in seqs):
+                self.step()
+                if on_step is not None:
+                    on_step(seqs)
+        except BaseException:  # a failed step, an interrupt: this call's sequences leave the running set
+            for seq in seqs:  # (left there, every later call stepped them again, and failed the same way)
+                if not seq.finished:
+                    self.abort(seq, "error")
+            raise
         return seqs
 
     def cache_bytes(self) -> int:
