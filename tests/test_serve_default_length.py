@@ -31,5 +31,9 @@ def test_no_length_answers_within_the_room_the_prompt_leaves(name: str) -> None:
         error = full.json()["error"]
         assert full.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
         assert "max_tokens" not in error["message"]  # the client sent none
+        assert (
+            error["message"]
+            == f"the prompt ({CONTEXT} tokens) leaves no room for an answer in the maximum context of {CONTEXT} tokens"
+        )
         asked = client.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 24), "max_tokens": 25})
         assert asked.status_code == 400 and "plus max_tokens (25)" in asked.json()["error"]["message"]

@@ -334,10 +334,12 @@ class Service:
             )
         if gen > room:
             suffix = f" and the suffix ({len(job.suffix_ids)} tokens)" if job.suffix_ids else ""
-            asked = f" plus {length} ({gen})" if max_tokens is not None else ""
+            prompt, context = f"the prompt ({len(job.prompt_ids)} tokens)", f"{served.max_model_len} tokens"
+            leave = "leave" if suffix else "leaves"
             raise bad_request(
-                f"the prompt ({len(job.prompt_ids)} tokens){asked}{suffix} exceeds the maximum context of "
-                f"{served.max_model_len} tokens" + ("" if asked else " with room for an answer"),
+                f"{prompt} plus {length} ({gen}){suffix} exceeds the maximum context of {context}"
+                if max_tokens is not None
+                else f"{prompt}{suffix} {leave} no room for an answer in the maximum context of {context}",
                 param=_prompt_param(job),
                 code="context_length_exceeded",
             )
