@@ -4,6 +4,7 @@ continuous batching, equality with `dlm generate`, metrics and request logs."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -295,6 +296,16 @@ LONG_PROMPT = list(range(10, 600))
             "invalid_api_key",
         ),
         (dict(body={"prompt": "x" * 9000}), 413, "invalid_request_error", None, "request_too_large"),
+        (  # a compressed body: named as such (it was a 400 'not UTF-8 text')
+            dict(
+                content=gzip.compress(b'{"prompt": "x"}'),
+                headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+            ),
+            415,
+            "invalid_request_error",
+            None,
+            "unsupported_content_encoding",
+        ),
     ],
 )
 def test_completion_error_paths(

@@ -33,7 +33,17 @@ class _Refused(ValueError):
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """At most `limit` bytes (else 413), within `timeout` seconds (else 408); a client that
-    leaves mid-body is a 499 (logged, nothing sent)."""
+    leaves mid-body is a 499 (logged, nothing sent). A compressed body (`Content-Encoding:
+    gzip`, ...) is a 415 naming the coding, before any byte is read: it was parsed as it
+    came and refused as text that is not UTF-8, which said nothing of the cause."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise APIError(
+            415,
+            f"Content-Encoding {coding!r} is not supported: send the body uncompressed",
+            code="unsupported_content_encoding",
+            headers={"Accept-Encoding": "identity"},
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
