@@ -75,6 +75,11 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API bounds top_lo
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e30
 TEMPERATURES = ("temperature", "alg_temp", "min_temperature", "max_temperature")
 MAX_N = 64  # samples per prompt
+# The most denoising steps a request may ask for (`steps` in all, `refinement_steps` per
+# block): far past any schedule (a million forwards), and each block's schedule is a list
+# that long. Unbounded, steps 2**31 was a MemoryError (a 17 GB schedule) and DiffusionGemma's
+# int32 step fraction an overflow: tracebacks from generate, an engine failure served.
+MAX_STEPS = 2**20
 # The largest classifier-free guidance scale: far past any useful guidance (LLaDA's evaluations
 # use at most 3), and the guided hidden state (s + 1) h_cond - s h_uncond stays within the
 # model's dtype. A scale of 1e38 overflowed float32 (float16 at a few thousand): the step's
@@ -211,12 +216,14 @@ class GenerationParams:
         "share's last step committing what is left. Dream's alg confidence_threshold without a cache is "
         "Fast-dLLM's: its schedule, plus steps until every token clears the threshold.",
         low=1,
+        high=MAX_STEPS,
         shown="one forward per answer token; a threshold or factor rule uncapped",
     )
     refinement_steps: int | None = _param(
         None,
         "Denoising steps per block (at most the block length) instead of --steps in all.",
         low=1,
+        high=MAX_STEPS,
         shown="none: --steps",
     )
     block_length: int | None = _param(
@@ -508,6 +515,11 @@ class GenerationParams:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
         if prompt_length < 1:
             raise UsageError("the prompt is empty", field="prompt")
+        if (p.block_length or 0) > max_length:  # a block-causal canvas runs to a block boundary past the context
+            raise UsageError(
+                f"block_length ({p.block_length}) exceeds the model's maximum length of {max_length} tokens",
+                field="block_length",
+            )
         if prompt_length + p.gen_length + len(p.suffix) > max_length:
             suffix = f" + suffix ({len(p.suffix)})" if p.suffix else ""
             raise UsageError(
