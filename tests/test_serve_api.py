@@ -83,6 +83,9 @@ def test_health_ready_and_models(server: ServerProcess) -> None:
     # are under the packing floor in any dtype.
     assert health["kernels"]["linear"] == "dense"
     assert httpx.get(server.url + "/ready").status_code == 200
+    for probe in ("/health", "/ready"):  # HEAD probes (curl -I, load balancers): a 405 before
+        head = httpx.head(server.url + probe)
+        assert head.status_code == 200 and head.content == b"", (probe, head.status_code)
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}).json()
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -93,6 +93,12 @@ def create_app(config: ServeConfig) -> FastAPI:
             return APIError(503, "the model is not ready", type="unavailable", code="not_ready").response()
         return JSONResponse({"status": "ready", "model": service.model_name})
 
+    # The probes answer HEAD too (status and headers, no body): `curl -I`, and load balancers
+    # probing with HEAD, got a 405 from a healthy server. (Out of the OpenAPI document: one
+    # operation per route and method there, and HEAD is GET's.)
+    for path, probe in (("/health", health), ("/ready", ready)):
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """The server's own counters. They sum every API key's traffic, so with several keys
