@@ -142,6 +142,14 @@ def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:
     assert refused.unsupported() is not None and refused.unsupported()[0] == "logit_bias"  # type: ignore[index]
 
 
+@pytest.mark.parametrize(("n", "best_of", "taken"), [(None, 1, True), (3, 3, True), (None, 2, False), (2, 3, False)])
+def test_best_of_equal_to_n_asks_for_nothing_more(n: int | None, best_of: int, taken: bool) -> None:
+    """best_of answers, the best n returned: best_of = n (vLLM's default) is every answer
+    asked for; more would need a ranking dlm does not make. best_of = n > 1 was refused."""
+    body = CompletionRequest.model_validate({"prompt": "x", "n": n, "best_of": best_of})
+    assert (body.unsupported() is None) == taken, body.unsupported()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

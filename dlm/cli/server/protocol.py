@@ -214,7 +214,9 @@ class GenerationRequest(DiffusionFields):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field dlm cannot honour, else None."""
         for name, neutral in NEUTRAL.items():
-            if getattr(self, name) not in neutral:
+            value = getattr(self, name)
+            # best_of picks the best n of best_of answers: best_of = n (vLLM's default) asks for nothing more
+            if value not in neutral and not (name == "best_of" and value == (self.n or 1)):
                 return name, f"{name} is not supported by diffusion decoding"
         return None
 
