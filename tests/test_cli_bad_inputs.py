@@ -733,3 +733,40 @@ def test_an_empty_model_is_refused_not_served_as_the_default_model(args: list[st
     _assert_one_error(code, stdout, stderr, 2)
     assert "MODEL is empty" in stderr
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["validate", "http://127.0.0.1:9", "--suite", ""],
+        ["validate", "http://127.0.0.1:9", "--junit-xml", ""],
+        ["validate", "http://127.0.0.1:9", "--cacert", ""],
+        ["loadtest", "http://127.0.0.1:9", "--out", ""],
+        ["loadtest", "http://127.0.0.1:9", "--prompts", " "],
+        ["deploy", "kubernetes", "tiny:llada", "--out", ""],
+        ["deploy", "kubernetes", "tiny:llada", "--config", ""],
+        ["deploy", "haproxy", "--out", ""],
+        ["batch", "", "out.jsonl"],
+        ["batch", "in.jsonl", ""],
+        ["batch", "in.jsonl", "out.jsonl", "--config", ""],
+        ["serve", "--config", ""],
+    ],
+    ids=lambda args: " ".join(a or "''" for a in args[:1] + args[-2:]),
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`Path("")` is `.`: `--suite ""` said "cannot read suite .: Is a directory" and
+    `deploy kubernetes --out ""` wrote into the current directory (an unset "$VARIABLE").
+    Run through `dlm.cli.main.main`, which reports a refused command line as `dlm` does."""
+    from dlm.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    monkeypatch.setattr(sys, "argv", ["dlm", *args])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    captured = capsys.readouterr()
+    _assert_one_error(int(stopped.value.code or 0), captured.out, captured.err, 2)
+    assert "is empty" in captured.err, captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written here

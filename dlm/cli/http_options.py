@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from dlm.cli.paths import path_value
+
 URL_ARGUMENT: Any = typer.Argument(..., metavar="URL", help="Base URL of the server, e.g. http://127.0.0.1:8000.")
 CACERT_OPTION: Any = typer.Option(
     None,
@@ -15,6 +17,7 @@ CACERT_OPTION: Any = typer.Option(
     envvar="DLM_CACERT",
     help="PEM file of the CA that signed an https:// server's certificate (a private CA).",
     show_default="the system's CAs",
+    parser=path_value,
 )
 INSECURE_OPTION: Any = typer.Option(
     False, "--insecure", help="Do not check an https:// server's certificate (testing only)."

@@ -11,12 +11,17 @@ import typer
 from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json, err_console, progress
+from dlm.cli.paths import path_value
 from dlm.cli.setting_options import default, setting_option
 
 
 def batch(
-    input_file: Path = typer.Argument(..., metavar="INPUT", help="OpenAI Batch API requests, one JSON per line."),
-    output_file: Path = typer.Argument(..., metavar="OUTPUT", help="Results, one JSON per line (appended; resumable)."),
+    input_file: Path = typer.Argument(
+        ..., metavar="INPUT", help="OpenAI Batch API requests, one JSON per line.", parser=path_value
+    ),
+    output_file: Path = typer.Argument(
+        ..., metavar="OUTPUT", help="Results, one JSON per line (appended; resumable).", parser=path_value
+    ),
     model: str | None = typer.Option(
         None,
         "--model",
@@ -24,7 +29,7 @@ def batch(
         show_default="--config's model, else the embedded default model",
     ),
     config_file: Path | None = typer.Option(
-        None, "--config", help="`dlm serve` settings file (limits, defaults).", show_default="none"
+        None, "--config", help="`dlm serve` settings file (limits, defaults).", show_default="none", parser=path_value
     ),
     max_concurrency: int = typer.Option(
         default("max_num_seqs"), "--max-concurrency", help="Requests decoded together."

@@ -11,6 +11,7 @@ from rich.markup import escape
 from dlm.cli import parallel as tp
 from dlm.cli.deploy.kubernetes import KubernetesSettings
 from dlm.cli.output import cli_errors, emit_json, err_console, writable_dir, writable_file
+from dlm.cli.paths import path_value
 from dlm.cli.setting_options import default, given, setting_option, with_settings
 
 app = typer.Typer(
@@ -31,6 +32,7 @@ def kubernetes(
         "--config",
         help="The serve settings (TOML/YAML, as `dlm serve --config`); shipped as a ConfigMap.",
         show_default="none",
+        parser=path_value,
     ),
     tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,
     nnodes: int | None = tp.NNODES,
@@ -43,7 +45,11 @@ def kubernetes(
         show_default="SOURCE",
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write a Kustomize base into this folder instead of stdout.", show_default="stdout"
+        None,
+        "--out",
+        help="Write a Kustomize base into this folder instead of stdout.",
+        show_default="stdout",
+        parser=path_value,
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the objects as a JSON list on stdout."),
     **settings: Any,
@@ -85,7 +91,11 @@ def haproxy(
         help="The servers' request_timeout: the longest a request may take.",
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the configuration to this file instead of stdout.", show_default="stdout"
+        None,
+        "--out",
+        help="Write the configuration to this file instead of stdout.",
+        show_default="stdout",
+        parser=path_value,
     ),
     json_out: bool = typer.Option(
         False, "--json", help='Print {"config", "out", "bind", "groups"} on stdout instead of the configuration.'

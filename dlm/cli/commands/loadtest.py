@@ -12,6 +12,7 @@ from rich.markup import escape
 from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm.cli.loadtest.sweep import MIN_SAMPLES
 from dlm.cli.output import cli_errors, emit_json, err_console, writable_dir
+from dlm.cli.paths import path_value
 from dlm.engine.home import dlm_home
 
 SERVERS = "the server's"  # a dLLM field left out of the requests: the server's default applies
@@ -35,6 +36,7 @@ def loadtest(
         "--out",
         help="Output directory (outside any checkout by default).",
         show_default="$DLM_HOME/loadtest/<time>",
+        parser=path_value,
     ),
     prompts: str = typer.Option(
         "auto",

@@ -11,6 +11,7 @@ from rich.markup import escape
 from dlm.cli import parallel as tp
 from dlm.cli.model_options import MODEL_ARGUMENT
 from dlm.cli.output import cli_errors, emit_json, err_console
+from dlm.cli.paths import path_value
 from dlm.cli.setting_options import given, with_settings
 
 
@@ -26,6 +27,7 @@ def serve(
         "--config",
         help="TOML or YAML file of settings (flags and DLM_* variables override it).",
         show_default="none",
+        parser=path_value,
     ),
     json_out: bool = typer.Option(
         False, "--json", help="Print the effective configuration as JSON on stdout at start."

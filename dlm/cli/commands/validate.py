@@ -8,6 +8,7 @@ import typer
 
 from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
 from dlm.cli.output import cli_errors, emit_json, err_console, writable_file
+from dlm.cli.paths import path_value
 
 
 def validate(
@@ -28,9 +29,10 @@ def validate(
         help="YAML file of prompts with expectations, or `default-model`: the embedded default model's "
         "known answers (see docs/validate.md).",
         show_default="none",
+        parser=path_value,
     ),
     junit_xml: Path | None = typer.Option(
-        None, "--junit-xml", help="Also write the results as JUnit XML.", show_default="none"
+        None, "--junit-xml", help="Also write the results as JUnit XML.", show_default="none", parser=path_value
     ),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout", help="Seconds to wait for /ready."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for each request."),

@@ -125,7 +125,12 @@ def named(name: str) -> Requests:
 
 def from_prompts(spec: str, fields: dict[str, Any], model: str | None, *, fixed_length: bool = False) -> Workload:
     """`--prompts`: a named set (`auto`, `tasks`, `builtin`) unless a file has its name, else
-    a JSONL file; `auto` leaves the choice to the served model (`Workload.for_model`)."""
+    a JSONL file; `auto` leaves the choice to the served model (`Workload.for_model`). An
+    empty spec is refused (as a path it read as the current directory)."""
+    if not spec.strip():
+        raise UsageError(
+            f"--prompts is empty: give a JSONL file or {AUTO_PROMPTS}, {TASK_PROMPTS}, {BUILTIN_PROMPT_SET}"
+        )
     if not Path(spec).exists():
         if spec == AUTO_PROMPTS:
             return Workload(None, fields, model, spec, fixed_length)
