@@ -63,6 +63,9 @@ def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
         ("port = [", {}, "not valid TOML"),
         ("", {"host": ""}, "invalid setting host"),  # was exit 1 from the bind: "cannot listen on :8000"
         ("host = ' '\n", {}, "invalid setting host"),
+        # was served under the directory name, as if not given: a request naming "" got 404
+        ("", {"served_model_name": ""}, "invalid setting served_model_name"),
+        ("served_model_name = ' '\n", {}, "invalid setting served_model_name"),
     ],
 )
 def test_bad_settings_are_usage_errors(tmp_path: Path, content: str, flags: dict, message: str) -> None:

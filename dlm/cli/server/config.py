@@ -63,7 +63,7 @@ class ServeConfig(BaseModel):
     # `model` is the command's MODEL argument (or --model-path), not an option.
     model: str | None = Field(None, description="Checkpoint directory; none: the embedded default model.")
     served_model_name: Annotated[str | None, Cli(shown="the directory name")] = Field(
-        None, description="Model name clients send."
+        None, min_length=1, pattern=r"\S", description="Model name clients send."
     )
     host: str = Field("127.0.0.1", min_length=1, pattern=r"^\S+$", description="Bind address.")
     port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
