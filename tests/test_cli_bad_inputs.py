@@ -487,7 +487,12 @@ def _tls_cases(tmp_path: Path) -> list[tuple[tuple[str, ...], int]]:
 def test_validate_bad_inputs(tmp_path: Path) -> None:
     for args, code in _tls_cases(tmp_path):
         _assert_one_error(*cli("validate", *args), code)
-    for args in (("--suite", str(tmp_path / "none.yaml")), ("--skip", "no-such-check")):
+    for args in (
+        ("--suite", str(tmp_path / "none.yaml")),
+        ("--skip", "no-such-check"),
+        ("--model", ""),  # was the first model of /v1/models
+        ("--model", " "),
+    ):
         _assert_one_error(*cli("validate", CLOSED, *args), 2)
     report = tmp_path / "reports" / "nested" / "x.xml"
     code, stdout, stderr = cli("validate", CLOSED, "--ready-timeout", "0", "--junit-xml", str(report))
@@ -539,6 +544,11 @@ def test_loadtest_bad_inputs(tmp_path: Path) -> None:
             ("--sweep", ""),  # was no sweep: one level of --users
             ("--slo", "x"),
             ("--out", str(tmp_path / "none.jsonl")),  # a file where a folder goes: refused before any load
+            # empty values were defaults: no SLO, no gate (exit 0 whatever was measured), the first model
+            ("--slo", ""),
+            ("--fail-on", ""),
+            ("--fail-on", " , "),
+            ("--model", ""),
         )
     ]
     (tmp_path / "none.jsonl").write_text("")

@@ -69,11 +69,11 @@ def loadtest(
     ),
     cache: str | None = typer.Option(None, "--cache", help="dLLM: none|prefix|dual|block.", show_default=SERVERS),
     decode_mode: str | None = typer.Option(None, "--decode-mode", help="dLLM: diffusion|ar.", show_default=SERVERS),
-    slo: str = typer.Option(
-        "", "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".', show_default="none"
+    slo: str | None = typer.Option(
+        None, "--slo", help='Goodput bounds per request, e.g. "ttft<=1s,e2e<=10s".', show_default="none"
     ),
-    fail_on: str = typer.Option(
-        "", "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".', show_default="none"
+    fail_on: str | None = typer.Option(
+        None, "--fail-on", help='Exit 1 when any holds, e.g. "p95_e2e>5s,error_rate>1%".', show_default="none"
     ),
     cacert: Path | None = CACERT_OPTION,
     insecure: bool = INSECURE_OPTION,
@@ -114,8 +114,15 @@ def loadtest(
         url = checked_url(url)
         levels = parse_levels(sweep) if sweep is not None else [users]  # "" is no sweep: refused
         seconds = parse_seconds(duration, "--duration")
-        slo_bounds = parse_slo(slo)
-        thresholds = parse_conditions(fail_on, GATE_METRICS, "--fail-on")
+        slo_bounds = parse_slo(slo or "")
+        thresholds = parse_conditions(fail_on or "", GATE_METRICS, "--fail-on")
+        # An empty value ('', ',', an unset "$VAR") is no request for the default: a gate that
+        # checks nothing, or the first model of /v1/models, passes where the script meant a check.
+        for flag, given, parsed in (("--slo", slo, slo_bounds), ("--fail-on", fail_on, thresholds)):
+            if given is not None and not parsed:
+                raise UsageError(f"{flag} names no condition, got {given!r} (leave the option out for none)")
+        if model is not None and not model.strip():
+            raise UsageError("--model is empty (leave the option out for the first of /v1/models)")
         dllm = {
             "steps": steps,
             "block_length": block_length,

@@ -57,6 +57,8 @@ def validate(
 
         if max_tokens < 1 or burst < 1:
             raise UsageError("--max-tokens and --burst must be >= 1")
+        if model is not None and not model.strip():  # was the first of /v1/models, unasked
+            raise UsageError("--model is empty (leave the option out for the first of /v1/models)")
         finite_seconds(timeout, "--timeout")
         finite_seconds(ready_timeout, "--ready-timeout", allow_zero=True)
         checked_url(url)
