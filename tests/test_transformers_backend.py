@@ -133,6 +133,22 @@ def test_native_dllm_end_to_end_through_cli(tmp_path: Path) -> None:
     assert data["output_ids"] == expected.tolist()[:16]
 
 
+def test_a_model_answering_a_fixed_canvas_takes_the_generate_path_even_with_a_mask_id() -> None:
+    """`dlm generate tiny:diffusion_gemma --backend transformers`: its tokenizer names a MASK,
+    and its forward is bidirectional, so the forward path was chosen; but the forward answers
+    its canvas (32 positions) whatever the input's length, and the first step ended in a
+    RuntimeError traceback ('index 32 is out of bounds for dimension 1 with size 32'). The
+    forward path needs one output per input position; such a model takes the generate path."""
+    result = CliRunner().invoke(
+        app,
+        ["generate", "tiny:diffusion_gemma", "--backend", "transformers", "--prompt", "hi"]
+        + ["--gen-length", "32", "--device", "cpu", "--json"],
+    )
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["backend"] == {"name": "transformers", "path": "generate"}
+
+
 REMOTE_CONFIG = """
 import pathlib
 from transformers import BertConfig

@@ -3,12 +3,12 @@
 The checkpoint is loaded with transformers (its remote code only when the caller passes
 `trust_remote_code=True`). Then one of two paths, chosen by probing the loaded model:
 
-- "forward": the model's forward is bidirectional (changing the last token changes the
-  first position's output), takes an attention mask, has a linear output head and a MASK
-  id is known. dlm's own decoding drives it: `LLMEngine` (continuous batching, schedules,
-  threshold/factor commits, CFG, token_stats on the decided rows only) runs over a thin
-  adapter. Cost versus native: the model still computes logits for every position and has
-  no dlm caches.
+- "forward": the model's forward answers every input position and is bidirectional
+  (changing the last token changes the first position's output), takes an attention mask,
+  has a linear output head and a MASK id is known. dlm's own decoding drives it:
+  `LLMEngine` (continuous batching, schedules, threshold/factor commits, CFG, token_stats
+  on the decided rows only) runs over a thin adapter. Cost versus native: the model still
+  computes logits for every position and has no dlm caches.
 - "generate": anything else (a causal LM, an encoder-decoder block-diffusion model, a
   remote-code dLLM with its own sampler). The model's own generation method is called,
   `diffusion_generate` when it has one, else `generate`, one request at a time: no
@@ -135,13 +135,17 @@ class ForwardAdapter(nn.Module):
 
 
 def is_bidirectional(adapter: ForwardAdapter, vocab: int, device: torch.device) -> bool:
-    """Does the first position's output depend on the last token? (Causal models: never.)"""
+    """Does the forward answer every input position, and does the first position's output
+    depend on the last token? (Causal models: never. A model answering a canvas of its own
+    length whatever the input, as transformers' DiffusionGemma does, is no masked LM either.)"""
     ids = torch.arange(4, device=device)[None] % vocab
     other = ids.clone()
     other[0, -1] = (ids[0, -1] + 1) % vocab
     with torch.inference_mode():
-        a, b = adapter.hidden(ids, None)[0, 0], adapter.hidden(other, None)[0, 0]
-    return not torch.allclose(a, b, rtol=0.0, atol=0.0)
+        first, second = adapter.hidden(ids, None), adapter.hidden(other, None)
+    if first.shape[:2] != ids.shape or second.shape[:2] != ids.shape:
+        return False
+    return not torch.allclose(first[0, 0], second[0, 0], rtol=0.0, atol=0.0)
 
 
 def _eos_ids(*values: Any) -> tuple[int, ...]:
