@@ -149,6 +149,35 @@ def test_a_model_answering_a_fixed_canvas_takes_the_generate_path_even_with_a_ma
     assert json.loads(result.stdout)["backend"] == {"name": "transformers", "path": "generate"}
 
 
+@pytest.mark.slow
+def test_a_scripts_stderr_gets_no_torchao_warnings_and_no_progress_bar(tmp_path: Path) -> None:
+    """`dlm generate tiny:diffusion_gemma --backend transformers` (building the tiny model, then
+    loading it with transformers) wrote torchao's 'Failed to load ...' lines, torch's
+    register_constant warnings (transformers' model classes import torchao) and transformers'
+    'Loading weights' bar to a stderr that is no terminal; dlm quiets the first two where it
+    imports torchao itself, and draws progress bars only on a terminal (docs/cli.md)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.weights_helpers import ROOT
+
+    env = {**os.environ, "DLM_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "dlm", "generate", "tiny:diffusion_gemma", "--backend", "transformers"]
+        + ["--prompt", "hi", "--gen-length", "32", "--device", "cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    for noise in ("Failed to load", "register_constant", "Loading weights", "\r"):
+        assert noise not in run.stderr, run.stderr[-2000:]
+    assert "generate path" in run.stderr
+
+
 REMOTE_CONFIG = """
 import pathlib
 from transformers import BertConfig

@@ -62,7 +62,10 @@ def save_tiny_diffusion_gemma(
 ) -> Path:
     """Write a random fp32 checkpoint to `directory` with `save_pretrained`; `text`
     overrides fields of the text config."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    from dlm.engine.quantized_weights import quiet_torchao_import
+
+    with quiet_torchao_import():  # transformers' model classes import torchao when installed
+        from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
     text_config = {

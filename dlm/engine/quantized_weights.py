@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -30,24 +31,33 @@ from dlm.engine.parallel import state as parallel_state
 from dlm.engine.quantization import METHODS, Method, check_runs
 
 
-@cache
-def torchao() -> Any:
-    """torchao, imported on first use (it takes a second) and quietly: a CPU build of torch
-    cannot load its CUDA extensions, which it reports as warnings on every import, and torch
-    warns about how it registers its enums; neither concerns a user of dlm."""
+@contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Whatever imports torchao inside (dlm, or transformers' model classes, which import it
+    when it is installed): a CPU build of torch cannot load torchao's CUDA extensions, which
+    it reports as warnings on every import, and torch warns about how torchao registers its
+    enums; neither concerns a user of dlm."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
     pytree = logging.getLogger("torch.utils._pytree")
     level = pytree.level
     pytree.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        pytree.setLevel(level)
+
+
+@cache
+def torchao() -> Any:
+    """torchao, imported on first use (it takes a second) and quietly (`quiet_torchao_import`)."""
+    with quiet_torchao_import():
         try:
             import torchao as module
             import torchao.prototype.quantization.int4  # noqa: F401 - the CPU int4 tensor
         except ImportError as exc:  # pragma: no cover - a dependency of dlm
             raise UsageError(f"quantized weights need torchao ({exc})") from exc
-        finally:
-            pytree.setLevel(level)
     return module
 
 

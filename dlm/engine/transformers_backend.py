@@ -21,6 +21,7 @@ and `dlm serve` (its scheduler, limits, metrics) drive them like a native model.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -78,6 +79,8 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remot
     import transformers
     from transformers.utils import logging as hf_logging
 
+    from dlm.engine.quantized_weights import quiet_torchao_import
+
     hf_logging.set_verbosity_error()
     _check_loadable(model_dir, trust_remote_code)
     try:
@@ -85,15 +88,25 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remot
     except (OSError, ValueError) as exc:  # transformers' own words, first line (the rest is advice on upgrading)
         raise UsageError(f"transformers cannot read {model_dir}: {str(exc).splitlines()[0]}") from exc
     errors = []
-    for auto in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
-        try:
-            model = getattr(transformers, auto).from_pretrained(
-                str(model_dir), config=config, dtype=dtype, trust_remote_code=trust_remote_code
-            )
-        except ValueError as exc:  # this auto class has no mapping for the config
-            errors.append(f"{auto}: {exc}")
-            continue
-        return model.to(device).eval()
+    # transformers' "Loading weights" bar only on a terminal, as every progress bar of dlm
+    # (docs/cli.md): a script's stderr holds lines, not carriage-return frames
+    bars = hf_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        for auto in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
+            try:
+                with quiet_torchao_import():  # a model class may import torchao
+                    model = getattr(transformers, auto).from_pretrained(
+                        str(model_dir), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+                    )
+            except ValueError as exc:  # this auto class has no mapping for the config
+                errors.append(f"{auto}: {exc}")
+                continue
+            return model.to(device).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     raise UsageError(f"transformers has no model class for {model_dir}: {errors[-1]}")
 
 
