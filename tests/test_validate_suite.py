@@ -140,6 +140,10 @@ def test_expectations_on_text() -> None:
         ("cases: []\n", "cases"),
         ("min_pass_rate: 1.5\ncases:\n  - {name: a, prompt: x, expect: {}}\n", "min_pass_rate"),
         ("cases: [\n", "not valid YAML"),
+        # a misspelt key was reported as the missing one it stands for ('cases.0.expect: Field
+        # required'), never naming what the file says
+        ("cases:\n  - name: a\n    prompt: hi\n    expekt: {contains: x}\n", "cases.0.expekt"),
+        ("cases:\n  - name: a\n    promt: hi\n    expect: {}\n", "cases.0.promt"),
     ],
 )
 def test_bad_suites_are_usage_errors(tmp_path: Path, text: str, message: str) -> None:

@@ -129,7 +129,9 @@ def load_suite(spec: str | Path) -> Suite:
     try:
         return Suite.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        # a key the suite does not know first: a misspelt `expekt` also leaves `expect` missing,
+        # and the misspelling is what the file says
+        first = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
         where = ".".join(str(p) for p in first["loc"]) or "suite"
         raise UsageError(f"suite {path}: {where}: {first['msg']}") from None
 
