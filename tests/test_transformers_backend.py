@@ -149,6 +149,23 @@ def test_a_model_answering_a_fixed_canvas_takes_the_generate_path_even_with_a_ma
     assert json.loads(result.stdout)["backend"] == {"name": "transformers", "path": "generate"}
 
 
+def test_generate_path_of_a_model_whose_generate_skips_its_forward_counts_and_repeats(tmp_path: Path) -> None:
+    """transformers' DiffusionGemma `generate` runs its decoder and LM head, never the model's
+    top-level forward: nfe (the server's denoising_steps) was 0, which `dlm validate`'s usage
+    check fails; and it samples by its own config, so two requests at temperature 0 without
+    a seed answered differently (validate's determinism). nfe now counts LM-head passes when
+    the top-level forward is not used (48 here, as the native DiffusionGemma spends), and
+    temperature 0 without a seed runs seeded 0, as dlm's own DiffusionGemma does."""
+    save_tiny_diffusion_gemma(tmp_path, vocab_size=128, canvas_length=32)
+    llm = LLM(tmp_path, dtype="float32", device="cpu", backend="transformers")
+    assert llm.engine.path == "generate"
+    first, second = (llm.generate([21, 82, 90], gen_length=32)[0] for _ in range(2))
+    assert first.nfe > 0 and len(first.query_lengths) == first.nfe
+    assert first.output_ids == second.output_ids
+    seeded = llm.generate([21, 82, 90], gen_length=32, seed=1)[0]
+    assert seeded.output_ids != first.output_ids  # a seed still chooses the sample
+
+
 @pytest.mark.slow
 def test_a_scripts_stderr_gets_no_torchao_warnings_and_no_progress_bar(tmp_path: Path) -> None:
     """`dlm generate tiny:diffusion_gemma --backend transformers` (building the tiny model, then

@@ -260,6 +260,13 @@ class GenerateMethodRunner:
         )
         self._forward_lengths: list[int] = []
         hf_model.register_forward_pre_hook(self._count, with_kwargs=True)
+        # A method may run submodules and never the top-level forward (transformers'
+        # DiffusionGemma: its decoder, then the LM head, per denoising step); then each LM-head
+        # pass is a forward, as dlm's own DiffusionGemma counts them.
+        self._head_lengths: list[int] = []
+        head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+        if isinstance(head, nn.Module):
+            head.register_forward_pre_hook(self._count_head)
 
     def _accepts(self, name: str) -> bool:
         return self._open or name in self._named
@@ -267,6 +274,10 @@ class GenerateMethodRunner:
     def _count(self, _module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._forward_lengths.append(int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0)
+
+    def _count_head(self, _module: Any, args: tuple) -> None:
+        hidden = args[0] if args else None
+        self._head_lengths.append(int(hidden.shape[-2]) if isinstance(hidden, torch.Tensor) and hidden.dim() > 1 else 0)
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """Refuse what the method cannot honour."""
@@ -320,13 +331,17 @@ class GenerateMethodRunner:
     def _run(self, seq: Sequence) -> None:
         if seq.params.seed is not None:
             torch.manual_seed(seq.params.seed)
+        elif seq.params.temperature == 0:  # reproducible, also where the method samples by its own config
+            torch.manual_seed(0)
         self._forward_lengths.clear()
+        self._head_lengths.clear()
         ids = torch.tensor([seq.prompt_ids], device=self.device)
         out = self._method(ids, **self._kwargs(seq.params))
         tokens = getattr(out, "sequences", out)[0, seq.prompt_length :].tolist()[: seq.params.gen_length]
         seq.canvas = torch.tensor(seq.prompt_ids + tokens, dtype=torch.long)
-        seq.nfe = len(self._forward_lengths)
-        seq.query_lengths = list(self._forward_lengths)
+        lengths = self._forward_lengths or self._head_lengths
+        seq.nfe = len(lengths)
+        seq.query_lengths = list(lengths)
         seq.finish("stop" if any(eos in tokens for eos in seq.eos_ids) else "length")
 
 
