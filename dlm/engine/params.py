@@ -230,7 +230,7 @@ class GenerationParams:
         None,
         "Semi-autoregressive block size; need not divide gen_length.",
         low=1,
-        shown="the family's, else 32 if it divides gen_length",
+        shown="the family's, else 32 if it divides gen_length, else gen_length: one block",
     )
     remasking: str = _param("low_confidence", "Which positions a step commits.", choices=REMASKING)
     temperature: float = _param(0.0, "Sampling temperature (0: greedy).", low=0)
