@@ -752,7 +752,6 @@ def test_an_empty_model_is_refused_not_served_as_the_default_model(args: list[st
         ["validate", "http://127.0.0.1:9", "--junit-xml", ""],
         ["validate", "http://127.0.0.1:9", "--cacert", ""],
         ["loadtest", "http://127.0.0.1:9", "--out", ""],
-        ["loadtest", "http://127.0.0.1:9", "--prompts", " "],
         ["deploy", "kubernetes", "tiny:llada", "--out", ""],
         ["deploy", "kubernetes", "tiny:llada", "--config", ""],
         ["deploy", "haproxy", "--out", ""],
@@ -780,3 +779,14 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(
     _assert_one_error(int(stopped.value.code or 0), captured.out, captured.err, 2)
     assert "is empty" in captured.err, captured.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written here
+
+
+def test_an_empty_prompts_spec_is_refused_not_read_as_the_current_directory() -> None:
+    """`loadtest --prompts ""` said "cannot read prompts .: Is a directory". (Checked on the
+    reader: the command in process would import locust, whose gevent patches this process.)"""
+    from dlm.cli.loadtest.workload import from_prompts
+    from dlm.engine.errors import UsageError
+
+    for spec in ("", " "):
+        with pytest.raises(UsageError, match="--prompts is empty"):
+            from_prompts(spec, {}, None)
