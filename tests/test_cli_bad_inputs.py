@@ -790,3 +790,18 @@ def test_an_empty_prompts_spec_is_refused_not_read_as_the_current_directory() ->
     for spec in ("", " "):
         with pytest.raises(UsageError, match="--prompts is empty"):
             from_prompts(spec, {}, None)
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+@pytest.mark.parametrize("address", ["", " "])
+def test_an_empty_master_address_is_refused(nnodes: int, address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--master-addr ""` (an unset "$ADDR") was taken as an address: on two nodes node 0
+    waited for the other until the store timed out (601 s), then a DistStoreError line."""
+    from dlm.engine.errors import UsageError
+    from dlm.engine.parallel.distributed import TORCHRUN_VARS, ParallelConfig
+
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    config = ParallelConfig(tensor_parallel_size=2, nnodes=nnodes, master_addr=address, master_port=29555)
+    with pytest.raises(UsageError, match="--master-addr is empty"):
+        config.resolved()

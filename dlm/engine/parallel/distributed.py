@@ -101,6 +101,8 @@ class ParallelConfig:
             raise UsageError(f"the collective timeout must be positive, got {config.timeout_s}")
         if config.master_port is not None and not 1 <= config.master_port <= 65535:
             raise UsageError(f"--master-port must be a port in 1..65535, got {config.master_port}")
+        if config.master_addr is not None and not config.master_addr.strip():  # an unset "$ADDR": no address
+            raise UsageError("--master-addr is empty: give node 0's address (or leave it out on one node)")
         if config.nnodes > 1 and not torchrun() and (config.master_addr is None or config.master_port is None):
             raise UsageError("multi-node runs need --master-addr and --master-port (node 0's address)")
         return config
