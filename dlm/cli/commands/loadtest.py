@@ -99,7 +99,7 @@ def loadtest(
         from dlm.cli.loadtest.stats import GATE_METRICS
         from dlm.cli.loadtest.sweep import parse_levels
         from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
-        from dlm.cli.loadtest.workload import from_prompts
+        from dlm.cli.loadtest.workload import check_dllm_fields, from_prompts
         from dlm.engine.errors import DlmError, UsageError
 
         if result_format not in ("dlm", "vllm"):
@@ -131,6 +131,7 @@ def loadtest(
             "cache": cache,
             "decode_mode": decode_mode,
         }
+        check_dllm_fields(dllm)  # before the load: a value every request would be refused for
         fields = {
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -79,6 +79,17 @@ BUILTIN_PROMPT_SET = "builtin"
 AUTO_PROMPTS = "auto"  # tasks for the default model, else builtin
 
 
+def check_dllm_fields(fields: dict[str, Any]) -> None:
+    """The dLLM request fields the command sends (body names: `decode_mode`, ...), each held to
+    its declared range or choices (dlm/engine/params.py), so a value every request would be
+    refused for (`--cache ''`) is bad usage before the load, not a run of 400s. None: not sent."""
+    from dlm.engine.params import PARAMS, http_name
+
+    names = {http_name(name): name for name in PARAMS}
+    for body_field, value in fields.items():
+        PARAMS[names[body_field]].check(body_field, value)
+
+
 def model_card(body: Any, model: str | None, where: str) -> dict[str, Any]:
     """The card of `model` (default: the first listed) in `where`'s /v1/models answer `body`
     (its parsed JSON); a `DlmError` naming what is wrong when the answer is not an OpenAI
