@@ -138,7 +138,14 @@ def test_thresholds_and_quantities() -> None:
         ("error_rate", ">", 0.01),
         ("p50_ttft", ">=", 0.2),
     ]
-    assert violations(conditions, {"p95_e2e": 6.0, "error_rate": 0.0, "p50_ttft": None}) == ["p95_e2e>5s (measured 6)"]
+    assert violations(conditions, {"p95_e2e": 6.0, "error_rate": 0.0, "p50_ttft": None}) == ["p95_e2e>5s (measured 6s)"]
+    # The measured value in the unit its condition wrote ("measured 0.2805" said nothing of it).
+    tight = parse_conditions("p95_e2e>1ms,error_rate>=1%,p50_ttft>0.1", GATE_METRICS, "--fail-on")
+    assert violations(tight, {"p95_e2e": 0.2805, "error_rate": 0.025, "p50_ttft": 0.25}) == [
+        "p95_e2e>1ms (measured 280.5ms)",
+        "error_rate>=1% (measured 2.5%)",
+        "p50_ttft>0.1 (measured 0.25)",
+    ]
     assert parse_seconds("2m", "-t") == 120 and parse_seconds("1.5", "-t") == 1.5
     for bad in ("p95_e2e 5s", "latency>5s"):
         with pytest.raises(UsageError):

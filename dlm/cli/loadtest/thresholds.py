@@ -29,8 +29,9 @@ SLO_METRICS = ("ttft", "tpot", "e2e")
 class Condition:
     metric: str
     op: str
-    value: float
+    value: float  # in seconds or a fraction
     text: str
+    unit: str = ""  # as the condition wrote its quantity: a measured value is shown in it
 
     def holds(self, measured: float) -> bool:
         return OPERATORS[self.op](measured, self.value)
@@ -57,7 +58,7 @@ def parse_conditions(text: str, known: tuple[str, ...], flag: str) -> list[Condi
         metric, op, number, unit = match.groups()
         if metric not in known:
             raise UsageError(f"{flag}: unknown metric {metric!r}; known: {', '.join(known)}")
-        conditions.append(Condition(metric, op, float(number) * UNITS[unit or ""], part))
+        conditions.append(Condition(metric, op, float(number) * UNITS[unit or ""], part, unit or ""))
     return conditions
 
 
@@ -72,7 +73,7 @@ def parse_slo(text: str) -> list[Condition]:
 def violations(conditions: list[Condition], measured: dict[str, float | None]) -> list[str]:
     """The fail-on conditions that hold (each one is a reason to fail)."""
     return [
-        f"{c.text} (measured {value:.4g})"
+        f"{c.text} (measured {value / UNITS[c.unit]:.4g}{c.unit})"
         for c in conditions
         if (value := measured.get(c.metric)) is not None and c.holds(value)
     ]
