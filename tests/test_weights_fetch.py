@@ -139,6 +139,23 @@ def test_links_that_multiply_a_source_are_bounded(
     assert store.manifests("dag") == [] and not (store.root / "models" / "dag").exists()
 
 
+@pytest.mark.parametrize("inside", ["store", "models/store"])
+def test_a_source_holding_the_store_is_refused(source: Path, tmp_path: Path, inside: str) -> None:
+    """`dlm fetch DIR` with the store under DIR copied the store into itself (every version
+    and its own staging folder as it filled). A store under a dot-directory (skipped by the
+    scan, as `.dlm` under a project) is no obstacle."""
+    ckpt = tmp_path / "src"
+    shutil.copytree(source, ckpt)
+    store = Store(ckpt / inside)
+    code, _, stderr = cli("fetch", str(ckpt), "--name", "self", "--store", str(store.root))
+    assert code == 2 and "holds the model store" in stderr, stderr
+    assert not (store.root / "models" / "self").exists()
+    hidden = Store(ckpt / ".dlm" / "store")
+    code, _, stderr = cli("fetch", str(ckpt), "--name", "ok", "--store", str(hidden.root))
+    assert code == 0, stderr
+    assert not any(".dlm" in f.path for f in hidden.manifests("ok")[0].files)
+
+
 def test_store_names_resolve_as_model(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLM_STORE", str(tmp_path / "store"))
     result = fetch(str(source), Store())

@@ -230,6 +230,18 @@ def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFil
     return files, unusable
 
 
+def _refuse_store_inside(src: Path, store: Store) -> None:
+    """A source that holds the store (DLM_HOME under a project folder fetched whole) would be
+    copied with the store in it, every version of every model, and its staging folder as it
+    fills: refused (bad usage) unless a dot-directory, which the scan skips, holds the store."""
+    root = store.root.expanduser().resolve()
+    if root.is_relative_to(src) and not any(part.startswith(".") for part in root.relative_to(src).parts):
+        raise UsageError(
+            f"{src} holds the model store ({root}): fetching it would copy the store into itself; "
+            "fetch the checkpoint's own directory"
+        )
+
+
 NO_FOLLOW_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW  # O_PATH: search, not read
 
 
@@ -304,6 +316,7 @@ def fetch_local(
 ) -> FetchResult:
     src = directory.expanduser().resolve()
     name = check_name(src.name if name is None else name)
+    _refuse_store_inside(src, store)
     found, unusable = _source_files(src, follow_symlinks)
     selected = set(_select(sorted({*found, *unusable}), include, exclude))
     if not selected:
