@@ -1,6 +1,6 @@
 """The arguments of the commands that call a running server (`dlm validate`, `dlm loadtest`):
-its URL, and how its TLS certificate is checked (turned into a check by
-dlm.cli.client.api.tls_verify)."""
+its URL, how its TLS certificate is checked (turned into a check by
+dlm.cli.client.api.tls_verify), and the model id they ask for."""
 
 from __future__ import annotations
 
@@ -22,3 +22,12 @@ CACERT_OPTION: Any = typer.Option(
 INSECURE_OPTION: Any = typer.Option(
     False, "--insecure", help="Do not check an https:// server's certificate (testing only)."
 )
+
+
+def check_model_id(model: str | None) -> None:
+    """`--model` of a server's client (validate, loadtest): an empty one ('', an unset
+    "$MODEL") is bad usage, never the first model of /v1/models, which it was read as."""
+    from dlm.engine.errors import UsageError
+
+    if model is not None and not model.strip():
+        raise UsageError("--model is empty (leave the option out for the first of /v1/models)")

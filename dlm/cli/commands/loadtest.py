@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
+from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT, check_model_id
 from dlm.cli.loadtest.sweep import MIN_SAMPLES
 from dlm.cli.output import cli_errors, emit_json, err_console, writable_dir
 from dlm.cli.paths import path_value
@@ -121,8 +121,7 @@ def loadtest(
         for flag, given, parsed in (("--slo", slo, slo_bounds), ("--fail-on", fail_on, thresholds)):
             if given is not None and not parsed:
                 raise UsageError(f"{flag} names no condition, got {given!r} (leave the option out for none)")
-        if model is not None and not model.strip():
-            raise UsageError("--model is empty (leave the option out for the first of /v1/models)")
+        check_model_id(model)
         dllm = {
             "steps": steps,
             "block_length": block_length,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT
+from dlm.cli.http_options import CACERT_OPTION, INSECURE_OPTION, URL_ARGUMENT, check_model_id
 from dlm.cli.output import cli_errors, emit_json, err_console, writable_file
 from dlm.cli.paths import path_value
 
@@ -57,8 +57,7 @@ def validate(
 
         if max_tokens < 1 or burst < 1:
             raise UsageError("--max-tokens and --burst must be >= 1")
-        if model is not None and not model.strip():  # was the first of /v1/models, unasked
-            raise UsageError("--model is empty (leave the option out for the first of /v1/models)")
+        check_model_id(model)
         finite_seconds(timeout, "--timeout")
         finite_seconds(ready_timeout, "--ready-timeout", allow_zero=True)
         checked_url(url)
