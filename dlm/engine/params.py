@@ -531,8 +531,7 @@ class GenerationParams:
         bounded: dict[str, Any] = {
             n: min(max(t, MIN_TEMPERATURE), MAX_TEMPERATURE) for n in TEMPERATURES if (t := getattr(p, n))
         }
-        changed = {n: t for n, t in bounded.items() if t != getattr(p, n)}
-        return dataclasses.replace(p, **changed) if changed else p
+        return dataclasses.replace(p, **bounded) if bounded else p
 
     def samples(self: P) -> list[P]:
         """The `n` samples this request asks for, each a request of its own (n = 1): sample i
