@@ -141,3 +141,30 @@ def test_a_command_line_click_refuses_is_one_error_line(args: list[str], message
     result = dlm(*args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+
+
+@pytest.mark.parametrize(
+    "args", [["models", "--json"], ["models"], ["doctor", "--json"], ["--version"], ["--help"]], ids=" ".join
+)
+def test_a_reader_that_closed_stdout_ends_the_command_quietly(args: list[str], tmp_path: Path) -> None:
+    """`dlm models --json | head -1` on a long listing: the reader is gone before dlm writes.
+    Like a shell tool (and rich's own listings), the command ends without a word on stderr
+    (it printed `error: [Errno 32] Broken pipe`) and exits 1, not with a traceback."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before dlm starts: its first write to stdout meets no reader
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "dlm", *args],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env={**os.environ, "DLM_HOME": str(tmp_path)},
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 1

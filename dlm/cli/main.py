@@ -25,6 +25,7 @@ from dlm.cli.commands import (
     validate,
     verify,
 )
+from dlm.cli.output import reader_gone
 from dlm.cli.version import dlm_version
 
 app = typer.Typer(
@@ -139,6 +140,8 @@ def main() -> None:
             sys.exit(2)
         if type(exc).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
             interrupts.interrupted()
+        if reader_gone(exc):  # outside a command's cli_errors: `dlm --version | (exec 0<&-)`
+            interrupts.end(1)
         raise
     interrupts.end(result if isinstance(result, int) else 0)
 

@@ -43,6 +43,31 @@ def emit_json(payload: Any) -> None:
     sys.stdout.flush()
 
 
+def reader_gone(exc: BaseException) -> bool:
+    """Whether `exc` is stdout's reader having closed the pipe (`dlm models --json | head -1`).
+    That is no failure to report: the command ends quietly with exit 1, as rich's own
+    listings do there (and Python's documented way). stdout is pointed at /dev/null, so the
+    flush at exit does not raise the same error again. A broken pipe elsewhere (a socket a
+    server closed) is not this: the pipe on stdout must report the error itself."""
+    import os
+    import select
+
+    if not isinstance(exc, BrokenPipeError):
+        return False
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, ValueError, OSError):  # no real stdout (a test's capture), or closed
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return gone
+
+
 @contextmanager
 def cli_errors() -> Iterator[None]:
     """Turn engine errors into `error: ...` on stderr and the contract's exit code."""
@@ -54,6 +79,8 @@ def cli_errors() -> Iterator[None]:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:  # the file system or the network refused: a failed operation, not a bug
+        if reader_gone(exc):
+            raise typer.Exit(1) from None
         err_console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
