@@ -25,7 +25,7 @@ GENERATE_OTHER = {
 # Request fields of the OpenAI API that are not decoding parameters.
 OPENAI_OTHER = {
     "model", "max_output_tokens", "stream", "stream_options", "stop", "return_token_ids", "prompt", "echo",
-    "logprobs", "top_logprobs", "suffix",
+    "logprobs", "top_logprobs", "suffix", "parallel_tool_calls",
     "messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
 }  # fmt: skip
 

@@ -138,9 +138,40 @@ def test_tool_call_parsing() -> None:
     assert parse_tool_calls(broken) == (broken, [])
     unclosed = 'x <tool_call>{"name": "f"'
     assert parse_tool_calls(unclosed) == (unclosed, [])
-    assert streamable("Hello <tool_ca") == "Hello "
-    assert streamable("Hello <tool_call>{") == "Hello "
+    assert streamable("Hello <tool_ca") == "Hello"  # the space goes with a call, if one follows
+    assert streamable("Hello <tool_call>{") == "Hello"
     assert streamable("a < b") == "a < b"
+
+
+CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Sure. {CALL}",
+        f"Sure.\n\n{CALL}\n",
+        f"  {CALL} and then {CALL} done ",
+        f"<tool_call>[1]</tool_call> x {CALL}",
+        "no call at all, trailing space ",
+        f"Sure. <tool_call>{{broken</tool_call> {CALL}",
+    ],
+)
+def test_streamed_content_is_the_whole_answers_content(text: str) -> None:
+    """A stream sends `streamable` of what has committed so far, then the rest of the whole
+    answer's content: what it sent must be a prefix of that content at every step, or the
+    stream's text differs from the whole answer's ("Sure. " streamed, "Sure." answered)."""
+    content, _ = parse_tool_calls(text)
+    for end in range(len(text) + 1):
+        sent = streamable(text[:end])
+        assert content.startswith(sent), (text[:end], sent, content)
+
+
+def test_parallel_tool_calls_false_takes_the_first_call_and_shows_the_rest() -> None:
+    content, calls = parse_tool_calls(f"a {CALL} b {CALL}", most=1)
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    assert content == f"a\nb {CALL}"
+    assert parse_tool_calls(f"a {CALL} b {CALL}")[0] == "a\nb"
 
 
 def dlm_serve(*args: str) -> subprocess.CompletedProcess:

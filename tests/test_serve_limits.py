@@ -98,6 +98,25 @@ def test_streamed_tool_calls(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parallel_tool_calls_false_takes_one_call(client: openai.OpenAI, stream: bool) -> None:
+    """`parallel_tool_calls: false` (accepted and ignored before: both blocks became calls):
+    the first block is the call, the second stays in the content as the model wrote it."""
+    request = dict(model="tool-model", messages=MESSAGES, tools=TOOLS, max_tokens=2, parallel_tool_calls=False)
+    if stream:
+        chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+        content = "".join(d.content or "" for d in deltas)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+        calls, content, finish = choice.message.tool_calls, choice.message.content, choice.finish_reason
+    assert [(c.function.name, c.index if stream else 0) for c in calls] == [("get_weather", 0)]
+    assert content.startswith("<tool_call>") and content.count("<tool_call>") == 1
+    assert finish == "tool_calls"
+
+
 def test_queue_full_is_429_at_once_and_timeouts_free_the_slot(server: ServerProcess) -> None:
     results: dict[str, httpx.Response] = {}
 

@@ -352,8 +352,7 @@ class Responder:
             if self.chat:
                 content = text
                 if self.job.tools:
-                    content, calls = parse_tool_calls(text)
-                    content = content.strip() if calls else content
+                    content, calls = parse_tool_calls(text, self.job.most_tool_calls)
                 message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = calls
@@ -479,10 +478,8 @@ class Responder:
                     yield "data: [DONE]\n\n"
                     return
                 sent = choice.sent
-                content, calls = parse_tool_calls(text) if self.job.tools else (text, [])
+                content, calls = parse_tool_calls(text, self.job.most_tool_calls) if self.job.tools else (text, [])
                 rest = content[len(sent) :] if content.startswith(sent) else ""
-                if calls:
-                    rest = rest.rstrip()
                 if (rest or calls) and not first_token:
                     first_token = True
                     self.service.metrics.ttft.observe(time.monotonic() - self.job.arrival)

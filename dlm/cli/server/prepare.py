@@ -179,6 +179,8 @@ def _options(job: Job, body: Body) -> None:
         if getattr(job, name) and not job.stream:
             raise bad_request(f"stream_options.{name} needs stream: true", param="stream_options", code="invalid_value")
     job.return_token_ids = bool(body.return_token_ids)
+    if isinstance(body, ChatRequest) and body.parallel_tool_calls is False:
+        job.most_tool_calls = 1
 
 
 def _detokenize(service: Service, served: LoadedModel, raw: bytes) -> str:

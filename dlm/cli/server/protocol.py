@@ -58,7 +58,7 @@ ResponseFormat = Annotated[
 PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
 
 # Sent by OpenAI SDKs and frameworks, harmless here: accepted and ignored.
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 # Not honoured by dlm: accepted only with these values (asking for nothing), else `unsupported`.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
@@ -170,12 +170,13 @@ class GenerationRequest(DiffusionFields):
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     return_token_ids: StrictBool | None = False  # as in vLLM: also return the generated token ids
+    # false: at most one tool call in a chat answer (dlm/cli/server/tools.py); completions have no tools
+    parallel_tool_calls: StrictBool | None = None
     # IGNORED
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     top_logprobs: int | None = None  # chat's count of alternatives (on completions: `logprobs`)

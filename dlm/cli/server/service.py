@@ -66,6 +66,7 @@ class Job:
     params: ResolvedParams | None = None
     stops: list[str] = field(default_factory=list)
     tools: bool = False
+    most_tool_calls: int | None = None  # 1 for `parallel_tool_calls: false`; None: every call
     stream: bool = False
     include_usage: bool = False
     include_canvas: bool = False  # stream_options.include_canvas: canvas events after every step
