@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from dlm.cli.server import errors
+from dlm.cli.server.answer_json import json_response
 from dlm.cli.server.connections import CONNECTION, Connection
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError
 from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
@@ -343,7 +344,7 @@ class Responder:
         # of entries and tens of MB of JSON, a second of CPU that would stall every route.
         return _Delivery(self, await asyncio.to_thread(self._answer, finals))
 
-    def _answer(self, finals: list[tuple[RequestOutput, str, bool]]) -> JSONResponse:
+    def _answer(self, finals: list[tuple[RequestOutput, str, bool]]) -> Response:
         """The body of a finished request's choices, rendered (on a worker thread)."""
         bodies, texts, reasons = [], [], []
         for choice, (out, text, stopped) in zip(self.choices, finals):
@@ -367,7 +368,7 @@ class Responder:
             reasons.append(body["finish_reason"])
         self.account(texts, reasons)
         body = {**self._head(), "choices": bodies, "usage": self.usage()}
-        return JSONResponse(body, headers={"X-Request-Id": self.job.id})
+        return json_response(body, headers={"X-Request-Id": self.job.id})
 
     async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
         return list(await asyncio.gather(*(self._final(c) for c in self.choices)))
