@@ -232,30 +232,33 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", "main"], "--revision must be a full 40-digit commit"),
         (["org/m"], "--revision must be a full 40-digit commit"),
         (["org/m", "--revision", COMMIT_A, "-tp", "8", "--nnodes", "3"], "must be a multiple of nnodes"),
-        (["org/m", "--revision", COMMIT_A, "--name", "Bad_Name"], "invalid setting name"),
+        (["org/m", "--revision", COMMIT_A, "--name", "Bad_Name"], "--name 'Bad_Name': must be lowercase"),
         (["org/m", "--revision", COMMIT_A, "--store-access-mode", "ReadWriteOnce"], "must be ReadWriteMany"),
         (["org/m", "--revision", COMMIT_A, "--store-size", "lots"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--gpu", "A100-40GB", "--config", "TP1"], "more than A100-40GB has"),
         (["org/m", "--revision", COMMIT_A, "--config", "KEYS"], "API keys go in the Secret"),
         # Manifests that rendered with exit 0 and could never run (a new user's attack):
-        ([""], "invalid setting source"),
+        ([""], "SOURCE '': "),
         (["org/m", "--revision", COMMIT_A, "--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
         (["CKPT", "--revision", COMMIT_A], "--revision applies to hub sources, not to a local directory"),
         # Names kubectl or the pods' `dlm fetch --name` refuse: they rendered with exit 0.
-        (["org/m", "--revision", COMMIT_A, "--namespace", "team a"], "invalid setting namespace"),
-        (["org/m", "--revision", COMMIT_A, "--namespace", "Prod"], "invalid setting namespace"),
-        (["org/m", "--revision", COMMIT_A, "--model-name", "a/b"], "invalid setting model_name"),
-        (["org/m", "--revision", COMMIT_A, "--api-key-secret", "Keys!"], "invalid setting api_key_secret"),
-        (["org/m", "--revision", COMMIT_A, "--storage-class", "fast ssd"], "invalid setting storage_class"),
+        (["org/m", "--revision", COMMIT_A, "--namespace", "team a"], "--namespace 'team a': must be"),
+        (["org/m", "--revision", COMMIT_A, "--namespace", "Prod"], "--namespace 'Prod': must be"),
+        (["org/m", "--revision", COMMIT_A, "--model-name", "a/b"], "--model-name 'a/b': must be a store name"),
+        (["org/m", "--revision", COMMIT_A, "--api-key-secret", "Keys!"], "--api-key-secret 'Keys!': must be"),
+        (["org/m", "--revision", COMMIT_A, "--storage-class", "fast ssd"], "--storage-class 'fast ssd': must be"),
         (["/models/my model"], "give --model-name"),
         # Another script's digits (int() reads them, kubectl and torch do not): rendered, exit 0.
         (["org/m", "--revision", COMMIT_A, "--store-size", "\u0663Gi"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--device", "cuda:\u0661"], "device: must be auto, cpu, cuda or cuda:N"),
         (["org/m", "--revision", COMMIT_A + "\n"], "--revision must be a full 40-digit commit"),
         # Image references no runtime pulls (InvalidImageName at every pod): rendered, exit 0.
-        (["org/m", "--revision", COMMIT_A, "--image", "registry.example.com/dlm:0.1 cuda"], "invalid setting image"),
-        (["org/m", "--revision", COMMIT_A, "--image", "Team/dlm:1"], "invalid setting image"),
-        (["org/m", "--revision", COMMIT_A, "--image", "dlm:"], "invalid setting image"),
+        (
+            ["org/m", "--revision", COMMIT_A, "--image", "registry.example.com/dlm:0.1 cuda"],
+            "--image 'registry.example.com/dlm:0.1 cuda': must be",
+        ),
+        (["org/m", "--revision", COMMIT_A, "--image", "Team/dlm:1"], "--image 'Team/dlm:1': must be"),
+        (["org/m", "--revision", COMMIT_A, "--image", "dlm:"], "--image 'dlm:': must be"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from dlm.cli.server.config import Cli, ServeConfig
+from dlm.cli.server.config import Cli, ServeConfig, setting_error
+from dlm.engine.errors import UsageError
 
 NOT_OPTIONS = ("model",)  # ServeConfig's: the MODEL argument of the commands that load a model
 
@@ -59,6 +60,20 @@ def names(name: str, model: type[BaseModel] = ServeConfig) -> tuple[str, ...]:
     field = model.model_fields[name]
     flag = "--" + name.replace("_", "-")
     return cli_record(field).names or ((f"{flag}/--no-{flag[2:]}",) if field.annotation is bool else (flag,))
+
+
+def option_error(exc: ValidationError, model: type[BaseModel], arguments: Iterable[str] = ()) -> UsageError:
+    """The first error of `model` validated from one command line alone (`dlm deploy
+    kubernetes`'s cluster settings) as the one `error:` line, naming what the user typed: the
+    option and its value (`--name 'A': must be ...`), or an argument by its name (`SOURCE`).
+    `setting_error`'s "invalid setting name" fits a setting a file or DLM_* may also give."""
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    if name not in model.model_fields:
+        return setting_error(exc)
+    what = name.upper() if name in arguments else names(name, model)[0].split("/")[0]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return UsageError(f"{what} {first['input']!r}: {message}")
 
 
 def setting_option(name: str, model: type[BaseModel] = ServeConfig, *, from_file: bool = False) -> Any:

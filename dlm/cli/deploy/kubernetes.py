@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dlm.cli.hub import HUB_ID
-from dlm.cli.server.config import Cli, ServeConfig, setting_error
+from dlm.cli.server.config import Cli, ServeConfig
 from dlm.engine.errors import DlmError, UsageError
 
 PORT = 8000  # the container's HTTP port
@@ -183,7 +183,9 @@ def kubernetes_settings(**values: Any) -> KubernetesSettings:
     try:
         settings = KubernetesSettings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        raise setting_error(exc) from None
+        from dlm.cli.setting_options import option_error
+
+        raise option_error(exc, KubernetesSettings, arguments=("source",)) from None
     hub = HUB_ID.match(settings.source) and not Path(settings.source).exists()
     if hub and (settings.revision is None or not REVISION.match(settings.revision)):
         raise UsageError(
