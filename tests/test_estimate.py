@@ -525,6 +525,23 @@ def test_any_gen_length_is_planned_as_generate_and_serve_take_it() -> None:
         _plan(config, context=2048, gen_length=16, block_length=32)  # shorter than one block
 
 
+@pytest.mark.parametrize(
+    ("max_length", "serving", "message"),
+    [
+        (1, {}, r"no room for a prompt in the model's maximum length \(1 tokens, config.json\): it holds no"),
+        (8192, {"gen_length": 9000}, r"model's maximum length \(8192 tokens, config.json\): give a --gen-length below"),
+        (8192, {"gen_length": 5000}, r"the default context \(4096 tokens\): give a --context above it"),
+        (8192, {"gen_length": 64, "context": 64}, r"--context \(64\) must exceed --gen-length \(64\)"),
+    ],
+)
+def test_a_context_too_short_names_where_its_length_came_from(max_length: int, serving: dict, message: str) -> None:
+    """Without --context the plan's context is the model's maximum length or dlm's default:
+    a --gen-length that fills it was refused as "--context (1) must exceed ...", blaming a flag
+    never given."""
+    with pytest.raises(UsageError, match=message):
+        _plan({**LLADA_8B, "max_sequence_length": max_length}, **serving)
+
+
 def test_forward_covers_the_canvas_or_the_block() -> None:
     """Without a cache a bidirectional model runs every layer over the whole sequence; a
     block-causal model with its exact cache decodes one block per forward."""

@@ -296,6 +296,7 @@ def weight_format(name: str) -> str:
 LOGITS = ("fused", "unfused")
 DEVICES = ("cuda", "cpu")  # what `dlm estimate --device` plans for
 STATS_CHUNK = 16384  # vocabulary chunk of dlm/kernels/token_stats.py
+DEFAULT_CONTEXT = 4096  # tokens per sequence planned without --context, if the model takes that many
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ class Serving:
     kv_dtype: str = "auto"
     tp: int = 1
     batch: int = 1
-    context: int | None = None  # tokens per sequence, prompt + generation (default: min(max_position, 4096))
+    context: int | None = None  # tokens per sequence, prompt + generation (default: min(max_position, DEFAULT_CONTEXT))
     gen_length: int = 256
     block_length: int = 32
     cache: str = "auto"
@@ -344,7 +345,8 @@ class Serving:
         kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
         if kv not in KV_BYTES:
             raise UsageError(f"unknown --kv-dtype {self.kv_dtype!r}; use auto, {', '.join(KV_BYTES)}")
-        context = self.context if self.context is not None else min(a.config.max_position_embeddings, 4096)
+        longest = a.config.max_position_embeddings
+        context = self.context if self.context is not None else min(longest, DEFAULT_CONTEXT)
         cache = self.cache
         if cache not in CACHES:
             raise UsageError(f"--cache must be one of {', '.join(CACHES)}, got {cache!r}")
@@ -368,10 +370,22 @@ class Serving:
         ):
             if value < 1:
                 raise UsageError(f"--{name} must be at least 1, got {value}")
-        if context <= self.gen_length:
+        if context <= self.gen_length and self.context is not None:
             raise UsageError(
                 f"--context ({context}) must exceed --gen-length ({self.gen_length}): "
                 "it counts the prompt and the generation"
+            )
+        if context <= self.gen_length and self.gen_length >= longest:  # no --context: the model's length
+            raise UsageError(
+                f"--gen-length ({self.gen_length}) leaves no room for a prompt in the model's maximum "
+                f"length ({longest} tokens, config.json): "
+                + (f"give a --gen-length below {longest}" if longest > 1 else "it holds no prompt and answer")
+            )
+        if context <= self.gen_length:  # no --context: dlm's default, shorter than the model's length
+            raise UsageError(
+                f"--gen-length ({self.gen_length}) leaves no room for a prompt in the default context "
+                f"({context} tokens): give a --context above it (the model takes up to {longest}) or a "
+                "shorter --gen-length"
             )
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--fragmentation must be in [0, 1), got {self.fragmentation}")
