@@ -319,6 +319,42 @@ def test_a_blank_dlm_store_is_refused_by_name_where_a_command_reads_the_variable
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args", [*STORE_COMMANDS, ("verify", "tiny:llada")], ids=" ".join)
+def test_a_blank_dlm_home_is_refused_naming_it(
+    args: tuple[str, ...], good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DLM_HOME=' '` (DLM_STORE unset) was a directory named by a space under the current
+    directory: a fetch filled './ /store', a tiny model was built in './ /builtin'. It is
+    refused as a blank DLM_STORE is, naming the variable; nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DLM_STORE", raising=False)
+    monkeypatch.setenv("DLM_HOME", " ")
+    code, stdout, stderr = cli(*(str(good) if a == "SOURCE" else a for a in args))
+    _assert_one_error(code, stdout, stderr, 2)
+    assert "error: DLM_HOME must name a directory, got a blank value ' '" in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
+def test_a_dlm_home_under_a_file_is_refused_naming_dlm_home_not_store(
+    args: tuple[str, ...], good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DLM_HOME=FILE` (no --store, no DLM_STORE) was refused as "--store FILE/store is under
+    FILE": an option the user never gave. The error says the store is DLM_HOME's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DLM_STORE", raising=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DLM_HOME", str(blocker))
+    code, stdout, stderr = cli(*(str(good) if a == "SOURCE" else a for a in args))
+    _assert_one_error(code, stdout, stderr, 2)
+    said = " ".join(stderr.split())
+    assert "--store" not in said, said
+    assert f"$DLM_HOME/store: {blocker / 'store'} is under {blocker}, which is a file" in said, said
+    assert "check DLM_HOME" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == ""
+
+
 @pytest.mark.parametrize("where", ["empty", "blank", "a file", "under a file"])
 def test_serve_refuses_a_deployment_store_that_is_or_lies_under_a_file(
     where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -58,13 +58,16 @@ def open_store(path: str | None) -> Any:
     it read as the current directory, and a fetch filled ./models with no word; a path that
     is a file, or lies under one (`FILE/store`: listed as an empty store, or "Not a
     directory" from whichever command first tried to create it), is refused by name before
-    any command tries to lock or create under it."""
+    any command tries to lock or create under it, naming where the path came from (--store,
+    DLM_STORE, or DLM_HOME for the default store)."""
     from dlm.cli.store.store import Store, check_store_path, store_root_problem
     from dlm.engine.errors import UsageError
 
     source = path.source if isinstance(path, StoreArgument) else "--store"
     store = Store(Path(check_store_path(path, source)) if path is not None else None)
     if (problem := store_root_problem(store.root)) is not None:
+        if path is None:  # no --store, DLM_STORE unset or empty: the default, under DLM_HOME
+            raise UsageError(f"the store at $DLM_HOME/store: {problem} (check DLM_HOME)")
         raise UsageError(f"{source} {problem}")
     return store
 
