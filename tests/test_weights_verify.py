@@ -360,6 +360,37 @@ def test_a_dangling_link_in_a_version_is_a_finding_recorded_not_a_crash(stored: 
     assert store.manifest(*ref.split("@")).state == "failed"
 
 
+@pytest.mark.parametrize("where", ["a file", "the files directory"])
+def test_a_link_in_a_version_to_an_identical_copy_outside_it_fails_verify(
+    where: str, stored: tuple[Store, str, Path], tmp_path: Path
+) -> None:
+    """A stored file (or the version's whole `files/`) replaced by a symbolic link to an
+    identical copy outside the version verified as sound: the bytes hashed were the copy's,
+    which can change or vanish while the version stays "verified", and `dlm rm` never removes
+    it. A fetch stores copies (or hard links), never a symbolic link: verify names the link."""
+    store, ref, files = stored
+    outside = tmp_path / "outside"
+    if where == "a file":
+        outside.mkdir()
+        shutil.copyfile(files / SHARD1, outside / SHARD1)
+        (files / SHARD1).unlink()
+        (files / SHARD1).symlink_to(outside / SHARD1)
+        named = SHARD1
+    else:
+        shutil.copytree(files, outside)
+        shutil.rmtree(files)
+        files.symlink_to(outside)
+        named = "."
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    report = json.loads(stdout)
+    assert any(
+        f["file"] == named and "symbolic link" in f["problem"] and str(outside) in f["problem"]
+        for f in report["failures"]
+    ), report["failures"]
+    assert store.manifest(*ref.split("@")).state == "failed"
+
+
 def _fail(store: Store, ref: str, files: Path) -> None:
     _flip_byte(files / SHARD1)
     assert cli("verify", ref, "--store", str(store.root))[0] == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import struct
 import time
 from collections.abc import Iterator
@@ -152,10 +153,31 @@ class VerifyReport:
         )
 
 
+def check_no_links(directory: Path, report: VerifyReport) -> None:
+    """A store version's files are its own: a fetch copies them (or hard-links them), never
+    makes a symbolic link. A link (the `files` directory itself, a file or a directory in it)
+    hashes as whatever it points to now, which can change or vanish while the version stays
+    "verified", and `dlm rm` does not remove it: each is a finding, naming its target."""
+
+    def fail(path: Path, rel: str) -> None:
+        report.fail(rel, "manifest", f"a symbolic link to {os.readlink(path)}: a store version holds its own files")
+
+    if directory.is_symlink():
+        fail(directory, ".")
+        return
+    for root, dirs, files in os.walk(directory):
+        for name in sorted([*dirs, *files]):
+            path = Path(root) / name
+            if path.is_symlink():
+                fail(path, path.relative_to(directory).as_posix())
+
+
 def check_hashes(
     directory: Path, manifest: Manifest, report: VerifyReport, progress: ByteProgress, workers: int | None
 ) -> None:
-    """Every manifest file exists with its size and sha256; no file is unaccounted for."""
+    """Every manifest file exists with its size and sha256; no file is unaccounted for; and
+    none is a symbolic link (`check_no_links`)."""
+    check_no_links(directory, report)
     listed = {f.path: f for f in manifest.files}
     present = {p.relative_to(directory).as_posix(): p for p in iter_files(directory)}
     for rel in sorted(set(present) - set(listed)):
