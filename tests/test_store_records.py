@@ -275,3 +275,51 @@ def test_a_staging_copy_of_a_running_fetch_is_left_alone(stocked: tuple[Store, l
     with store.staging_lock("m"):  # a fetch of m transferring
         assert cli("models", "--store", str(store.root))[0] == 0
     assert staging.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("verify", "m@V1"), ("release", "m@V3"), ("rollback",)],
+    ids=["verify (manifest)", "release (deployment record)", "rollback (deployment record)"],
+)
+def test_a_full_disk_writing_a_record_names_the_record(
+    args: tuple[str, ...], stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record written on a full disk (the manifest's verification, a deployment's file) said
+    only `error: [Errno 28] No space left on device`: no word of which file or which disk. The
+    error names the record it could not write; the record is as it was, no temporary left."""
+    import os
+
+    from dlm.cli.store import atomic
+
+    store, versions = stocked
+    before = {p: p.read_bytes() for p in store.root.rglob("*.json")}
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()  # type: ignore[attr-defined]
+
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+    def fdopen(fd: int, mode: str = "r", *args: object, **kwargs: object) -> object:
+        handle = real_fdopen(fd, mode, *args, **kwargs)  # type: ignore[call-overload]
+        return Full(handle) if mode == "wb" else handle  # what write_bytes_atomic opens
+
+    monkeypatch.setattr(atomic.os, "fdopen", fdopen)
+    args = tuple(a.replace("V1", versions[0]).replace("V3", versions[2]) for a in args)
+    code, stdout, stderr = cli(*args, "--store", str(store.root))
+    assert code == 1 and "Traceback" not in stderr, stderr
+    line = " ".join(stderr.split())
+    assert "error: No space left on device: " in line, line
+    record = "manifest.json" if args[0] == "verify" else "deployments/default.json"
+    assert f"{store.root}/" in line and record in line, line
+    assert {p: p.read_bytes() for p in store.root.rglob("*.json")} == before
+    assert not list(store.root.rglob(".*.tmp"))

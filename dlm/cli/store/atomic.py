@@ -27,6 +27,9 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` by `data` (see above). An OSError that names no file (a write or an fsync
+    on a full disk: `[Errno 28] No space left on device`, and nothing to say where) is raised
+    naming `path`, the record that could not be written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,8 +40,10 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     fsync_dir(path.parent)
 
