@@ -115,6 +115,22 @@ def test_bad_usage(source: Path, tmp_path: Path) -> None:
         assert code == 2 and words in stderr, (args, stderr)
 
 
+def test_a_source_whose_name_is_no_model_name_says_to_give_one(source: Path, tmp_path: Path) -> None:
+    """`dlm fetch "./my model"` (no --name) said "invalid model name 'my model'": a name the
+    user never gave, with no word of where it came from or of --name. The refusal says it is
+    the directory's name and that --name NAME gives another; nothing is created."""
+    odd = tmp_path / "my model"
+    shutil.copytree(source, odd)
+    code, stdout, stderr = cli("fetch", str(odd), "--store", str(tmp_path / "store"))
+    said = " ".join(stderr.split())
+    assert code == 2 and stdout == "", stderr
+    assert "invalid model name 'my model'" in said and "the directory's name" in said and "--name" in said, said
+    assert not (tmp_path / "store").exists()
+    code, _, stderr = cli("fetch", "org/-dashed", "--store", str(tmp_path / "store"))  # a hub id: no request made
+    said = " ".join(stderr.split())
+    assert code == 2 and "invalid model name '-dashed'" in said and "the repository's name" in said, said
+
+
 def test_links_that_multiply_a_source_are_bounded(
     source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

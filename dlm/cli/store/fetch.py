@@ -91,6 +91,18 @@ class FetchResult:
 LOCAL_REVISION = "--revision applies to hub sources, not to a local directory"
 
 
+def _store_name(given: str | None, derived: str, origin: str) -> str:
+    """The name to store under: --name, else `derived` from the source (`origin` says how),
+    which, when it is no valid name, is refused saying so and pointing to --name (it was
+    refused as an "invalid model name" the user never typed)."""
+    if given is not None:
+        return check_name(given)
+    try:
+        return check_name(derived)
+    except UsageError as exc:
+        raise UsageError(f"{exc} ({origin}; give the store name with --name NAME)") from None
+
+
 def _select(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> list[str]:
     """The hub's own --include/--exclude semantics, for hub and local sources alike."""
     from huggingface_hub.utils import filter_repo_objects
@@ -315,7 +327,7 @@ def fetch_local(
     follow_symlinks: bool = False,
 ) -> FetchResult:
     src = directory.expanduser().resolve()
-    name = check_name(src.name if name is None else name)
+    name = _store_name(name, src.name, "the directory's name")
     _refuse_store_inside(src, store)
     found, unusable = _source_files(src, follow_symlinks)
     selected = set(_select(sorted({*found, *unusable}), include, exclude))
@@ -397,7 +409,7 @@ def fetch_hub(
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
-    name = check_name(repo_id.split("/")[-1] if name is None else name)
+    name = _store_name(name, repo_id.split("/")[-1], "the repository's name")
     revision = revision or "main"
     tag = _filter_tag(include, exclude)
     if COMMIT.match(revision):  # immutable: no need to ask the hub what it resolves to
