@@ -68,6 +68,24 @@ def test_release_and_rollback_walk_back_the_stack(stocked: tuple[Store, list[str
     assert manifest.version == v3 and (path / "config.json").is_file()
 
 
+def test_a_rollback_past_a_damaged_release_names_it(stocked: tuple[Store, list[str]]) -> None:
+    """Releases v1, v2, v3, then v2's weights truncated: the rollback lands on v1 and says it
+    passed over v2 and why (it said nothing: the operator learnt only that v1 was serving)."""
+    store, (v1, v2, v3) = stocked
+    for v in (v1, v2, v3):
+        release(store, f"m@{v}")
+    shard = store.files_dir("m", v2) / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    code, stdout, stderr = cli("rollback", "--store", str(store.root), "--json")
+    assert code == 0, stderr
+    answer = json.loads(stdout)
+    assert answer["current"]["version"] == v1
+    (reason,) = answer["skipped"]
+    assert f"m@{v2}" in reason and "changed size since it was verified" in reason
+    assert f"skipped: m@{v2}" in stderr
+    assert json.loads(cli("rollback", "--store", str(store.root), "--to", v3, "--json")[1])["skipped"] == []
+
+
 def test_deployments_are_independent_and_cli_contract(stocked: tuple[Store, list[str]]) -> None:
     store, (v1, v2, _) = stocked
     root = str(store.root)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.output import cli_errors, emit_json, err_console
 from dlm.cli.store_ui import JSON_OPTION, STORE_OPTION, open_store
@@ -18,6 +19,8 @@ def _report(outcome: Any, json_out: bool, asked: str | None = None) -> None:
     ref = outcome.current.ref if outcome.current else "nothing"
     if asked is not None and "@" not in asked:  # a bare name: say which version it meant
         err_console.print(f"{asked} resolves to {ref}, its newest verified version", highlight=False)
+    for reason in outcome.skipped:  # a rollback past damaged or removed releases says which
+        err_console.print(f"[yellow]skipped:[/] {escape(reason)}", highlight=False)
     if not outcome.changed:
         err_console.print(f"deployment {outcome.deployment} already serves {ref}", highlight=False)
         return

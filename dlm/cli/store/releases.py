@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +245,8 @@ class Outcome:
     action: str
     event: Event | None  # None: nothing changed
     current: Current | None
+    # a rollback's earlier releases passed over, newest first: each one's reason (removed, failed, damaged)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -257,6 +259,7 @@ class Outcome:
             "changed": self.changed,
             "current": self.current.to_json() if self.current else None,
             "event": self.event.to_json() if self.event else {},
+            "skipped": self.skipped,
         }
 
 
@@ -361,7 +364,7 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
             except DlmError as exc:
                 reasons.append(str(exc))
                 continue
-            return _switch(store, deployment, "rollback", manifest, state)
+            return replace(_switch(store, deployment, "rollback", manifest, state), skipped=reasons)
         detail = f" ({'; '.join(reasons)})" if reasons else ""
         raise DlmError(f"deployment {deployment!r} has no earlier good release to roll back to{detail}")
 
