@@ -30,6 +30,20 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
     assert load_config(file, {"api_keys": ["sk-flag"]}, environ=env).keys() == ["sk-flag"]
 
 
+def test_api_keys_are_stripped_as_the_key_file_and_admin_key_are(tmp_path: Path) -> None:
+    """A secret mounted as DLM_API_KEY often ends in a newline, and a flag can carry a space:
+    the key kept them, no client can send them (the header's token is stripped), and every
+    request was a 401."""
+    assert load_config(None, {"api_keys": [" sk-flag "]}, environ={}).keys() == ["sk-flag"]
+    config = load_config(None, environ={"DLM_API_KEY": "sk-env\n", "DLM_API_KEYS": "sk-flag"})
+    assert config.keys() == ["sk-flag", "sk-env"]
+    ring = KeyRing(config.keys())
+    assert ring.identify("Bearer sk-env") == key_id("sk-env") == ring.identify("Bearer sk-env  ")
+    assert ring.identify("Bearer sk-flag") == key_id("sk-flag")
+    with pytest.raises(UsageError, match="empty"):
+        load_config(None, {"api_keys": ["  "]}, environ={}).keys()
+
+
 def test_yaml_file_with_a_serve_table_and_a_key_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# comment\nsk-one\n\nsk-two\n")

@@ -319,8 +319,11 @@ class ServeConfig(BaseModel):
                 raise
 
     def keys(self) -> list[str]:
-        """Every accepted API key: the list plus the key file (one per line, # comments)."""
-        keys = [k.get_secret_value() for k in self.api_keys]
+        """Every accepted API key: the list plus the key file (one per line, # comments).
+        Each is stripped, as the admin key is: a client cannot present a key's surrounding
+        whitespace (`KeyRing.identify` strips the header's token, and HTTP drops it), so an
+        unstripped `DLM_API_KEY` from a secret ending in a newline refused every request."""
+        keys = [k.get_secret_value().strip() for k in self.api_keys]
         if self.api_key_file is not None:
             lines = read_text(self.api_key_file, "api_key_file").splitlines()
             keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
