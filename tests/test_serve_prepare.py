@@ -13,7 +13,7 @@ import pytest
 from dlm.cli.server import prepare
 from dlm.cli.server.errors import APIError
 from dlm.cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Preparer
-from dlm.cli.server.protocol import ChatRequest, CompletionRequest
+from dlm.cli.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatRequest, CompletionRequest
 
 
 class CountingTokenizer:
@@ -117,3 +117,23 @@ def test_forcing_a_tool_is_unsupported_as_documented(choice: Any) -> None:
     with pytest.raises(APIError) as caught:
         run(FakeService(Served()), body, ChatRequest)
     assert (caught.value.status, caught.value.code, caught.value.param) == (400, "unsupported", "tool_choice")
+
+
+@pytest.mark.parametrize(
+    "stop, message",
+    [
+        ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("x" * (MAX_STOP_CHARS + 1), f"at most {MAX_STOP_CHARS} characters"),
+        (["a", "x" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters"),
+    ],
+)
+def test_stop_strings_are_bounded_before_tokenising(stop: Any, message: str) -> None:
+    """Each output of a request is searched for every stop string on the event loop: 50,000
+    of them (a 1 MB body) held /health for up to a second per request, n choices times."""
+    served = Served()
+    with pytest.raises(APIError) as caught:
+        run(FakeService(served), {"prompt": "hi", "stop": stop})
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "invalid_value", "stop")
+    assert message in caught.value.message and served.tokenizer.calls == 0
+    most = [f"s{i}".ljust(MAX_STOP_CHARS, "x") for i in range(MAX_STOP_STRINGS)]
+    assert run(FakeService(served), {"prompt": "hi", "stop": most}).body.stop_strings() == most

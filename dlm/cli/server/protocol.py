@@ -54,6 +54,13 @@ ResponseFormat = Annotated[
     Any, WithJsonSchema({"anyOf": [{"additionalProperties": True, "type": "object"}, {"type": "null"}]})
 ]
 
+# `stop`: how many strings, and how long each. Every output of a request with stops is
+# searched for each of them, and its end checked against each one's prefixes, on the event
+# loop (dlm/cli/server/generation.py): 50,000 strings in a 1 MB body held /health for up to
+# a second per request. OpenAI takes 4; vLLM's clients send a few more.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 # Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
 PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
 
@@ -198,6 +205,18 @@ class GenerationRequest(DiffusionFields):
         """`max_output_tokens` and `max_tokens` may not disagree (the error names the field)."""
         if value is not None and info.data.get("max_tokens") not in (None, value):
             raise ValueError("give max_tokens or max_output_tokens, not both")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        """At most `MAX_STOP_STRINGS` strings of at most `MAX_STOP_CHARS` characters."""
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}")
         return value
 
     @model_validator(mode="after")
