@@ -354,3 +354,17 @@ def test_null_booleans_take_their_default(client: TestClient, route: str, field:
     assert "token_ids" not in choice or choice["token_ids"] is None
     if route == "completions":
         assert not choice["text"].startswith("hi")  # no echo
+
+
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})])
+def test_tokenize_and_detokenize_count_against_the_request_rate(tight: TestClient, path: str, body: Any) -> None:
+    """They parse and tokenise on the preparation thread as a generation request does: a key
+    over its request rate flooded them (900 KB prompts, chat templates, response formats)
+    without a single 429."""
+    service = tight.app.state.service
+    service.limiter = RateLimiter(2, 1000)
+    assert tight.post(path, json=body).status_code == 200
+    assert tight.post(path, json=body).status_code == 200
+    refused = tight.post(path, json=body)
+    assert "request rate" in error_of(refused, 429)["message"] and int(refused.headers["retry-after"]) >= 1
+    assert "request rate" in error_of(post(tight, "completions", max_tokens=8), 429)["message"]  # one bucket

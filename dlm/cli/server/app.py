@@ -123,10 +123,11 @@ def create_app(config: ServeConfig) -> FastAPI:
         return JSONResponse({"version": dlm_version()})
 
     async def utility(request: Request) -> tuple[str, bytes]:
-        """The preamble of `/tokenize` and `/detokenize`: key, readiness, body."""
+        """The preamble of `/tokenize` and `/detokenize`: key, readiness, request rate, body."""
         key = service.keys.identify(request.headers.get("authorization"))
         if not service.ready:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        service.charge_request(key)  # their bodies cost the preparation thread as a generation's do
         return key, await read_body(request, config.max_body_bytes, config.read_timeout)
 
     @app.post("/tokenize", openapi_extra=openapi.body(CompletionRequest, ChatRequest))

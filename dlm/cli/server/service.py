@@ -296,13 +296,19 @@ class Service:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
         if self.engine_failure is not None:
             raise _engine_failed(self.engine_failure)
-        wait = self.limiter.check(job.key, "requests")
-        if wait:
-            raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
+        self.charge_request(job.key)
         try:  # refuse overload before reading the body or tokenizing
             self.engine.check_room(job.key)
         except QueueFull as exc:
             raise _queue_full(self.engine, exc) from None
+
+    def charge_request(self, key: str) -> None:
+        """One request against `key`'s request rate (429 with Retry-After beyond it): every
+        route whose body goes through the preparation thread (generation, /tokenize,
+        /detokenize), so the rate bounds what a key makes that thread do."""
+        wait = self.limiter.check(key, "requests")
+        if wait:
+            raise _rate_limited(f"request rate limit ({self.config.requests_per_minute:g}/min) exceeded", wait)
 
     def check_model(self, name: str | None) -> None:
         """The served name, or NAME@VERSION of the version served now."""
