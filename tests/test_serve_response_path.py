@@ -23,7 +23,7 @@ import pytest
 import torch
 import uvicorn
 
-from dlm.cli.server import generation
+from dlm.cli.server import generation, prepare
 from dlm.cli.server.app import create_app
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import protocol
@@ -237,6 +237,38 @@ def test_a_failure_while_answering_is_a_logged_counted_500_on_a_usable_connectio
         (200, "answered", lines[1]["finish_reason"]),
     ]
     assert served.metric(client, 'dlm_request_failures_total{reason="error"}') == failures + 1
+
+
+def test_every_answer_of_a_generation_route_carries_its_request_id(
+    served: Served, client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """X-Request-Id names the request's log line: it came with a 200 only, so the client of a
+    refusal (400), a failure before submission (500) or while answering (500) could not
+    point the operator at its line. And a failure before submission was raised to the
+    framework, which closed the connection after its 500: the client's next request on it
+    (the one after, here) was reset."""
+
+    def boom(*_: Any) -> Any:
+        raise RuntimeError("injected")
+
+    body = {"prompt": "hi", "max_tokens": 8}
+    answers = [
+        client.post("/v1/completions", json=body),
+        client.post("/v1/completions", json={**body, "stream": True}),
+        client.post("/v1/chat/completions", json={"messages": SORT, "max_tokens": 8, "treshold": 0.9}),
+    ]
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare, "_options", boom)  # before submission
+        answers.append(client.post("/v1/completions", json=body))
+    with monkeypatch.context() as patch:
+        patch.setattr(Responder, "close", boom)  # after it
+        answers.append(client.post("/v1/completions", json=body))
+    assert [a.status_code for a in answers] == [200, 200, 400, 500, 500]
+    ids = [a.headers.get("x-request-id") for a in answers]
+    assert None not in ids and len(set(ids)) == len(ids), ids
+    assert wait_until(lambda: {line["id"] for line in served.logs()} >= set(ids)), ids
+    lines = {line["id"]: line for line in served.logs()}
+    assert [lines[i]["status"] for i in ids] == [200, 200, 400, 500, 500]
 
 
 # ---- 3, 4: stop strings: streams, token_ids, usage, logprobs ---------------------------

@@ -203,10 +203,11 @@ def create_app(config: ServeConfig) -> FastAPI:
             streams = service.submit(job, prepared.params, prepared.seqs)
         except APIError as exc:
             service.reject(job, exc)
-            raise
-        except Exception:
+            return exc.response(job.id)
+        except Exception:  # answered here, not by the framework's handler, which closes the connection
+            log.exception("unhandled error")
             service.reject(job, errors.INTERNAL)
-            raise
+            return errors.INTERNAL.response(job.id)
         # Submitted: from here a failure nobody anticipated is the request's 500, logged
         # `failed` and counted once it is delivered, on a connection that stays usable
         # (an exception raised to the framework would close it).
@@ -246,11 +247,12 @@ class HeadLimit:
             code="request_header_fields_too_large",
         )
         endpoint = ENDPOINTS.get(scope["path"])
-        if endpoint is not None:
-            self.service.reject(Job(endpoint), error)
+        job = Job(endpoint) if endpoint is not None else None
+        if job is not None:
+            self.service.reject(job, error)
         else:
             self.service.metrics.rejections.labels(error.code).inc()
-        await error.response()(scope, receive, send)
+        await error.response(job.id if job is not None else None)(scope, receive, send)
 
 
 def _load_then_freeze(service: Service) -> None:

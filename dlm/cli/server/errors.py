@@ -21,6 +21,7 @@ from dlm.engine.errors import UnknownKey, Unsupported, UsageError
 log = logging.getLogger("dlm.server")
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request": logged, never sent
+REQUEST_ID = "X-Request-Id"  # a generation request's id, as its log line and its answer's `id` carry it
 
 
 class APIError(Exception):
@@ -40,8 +41,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        """The answer; `request_id`: a generation request's id (its log line's), sent as
+        `X-Request-Id` as every answer of those routes is."""
+        headers = {**self.headers, REQUEST_ID: request_id} if request_id is not None else self.headers
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 INTERNAL = APIError(500, "internal server error", type="server_error")  # what nobody anticipated

@@ -43,7 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 from dlm.cli.server import errors
 from dlm.cli.server.answer_json import json_response
 from dlm.cli.server.connections import CONNECTION, Connection
-from dlm.cli.server.errors import CLIENT_CLOSED, APIError
+from dlm.cli.server.errors import CLIENT_CLOSED, REQUEST_ID, APIError
 from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
 from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
@@ -320,7 +320,7 @@ class Responder:
         request leaves the batch, and its 500 is delivered and logged `failed`."""
         self.abort()
         self.pending = ("error", errors.INTERNAL.status, "failed")
-        return _Delivery(self, errors.INTERNAL.response())
+        return _Delivery(self, errors.INTERNAL.response(self.job.id))
 
     # ---- one JSON body -----------------------------------------------------------------
 
@@ -339,7 +339,7 @@ class Responder:
             error = _failure(self.service, out)
             if error is not None:
                 self.pending = (out.finish_reason or "error", error.status, "failed")
-                return _Delivery(self, error.response())
+                return _Delivery(self, error.response(self.job.id))
         # Off the event loop: an answer of n choices with logprobs is hundreds of thousands
         # of entries and tens of MB of JSON, a second of CPU that would stall every route.
         return _Delivery(self, await asyncio.to_thread(self._answer, finals))
@@ -368,7 +368,7 @@ class Responder:
             reasons.append(body["finish_reason"])
         self.account(texts, reasons)
         body = {**self._head(), "choices": bodies, "usage": self.usage()}
-        return json_response(body, headers={"X-Request-Id": self.job.id})
+        return json_response(body, headers={REQUEST_ID: self.job.id})
 
     async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
         return list(await asyncio.gather(*(self._final(c) for c in self.choices)))
@@ -386,7 +386,7 @@ class Responder:
         events = StreamingResponse(
             self._events(),
             media_type="text/event-stream",
-            headers={"X-Request-Id": self.job.id, "Cache-Control": "no-cache"},
+            headers={REQUEST_ID: self.job.id, "Cache-Control": "no-cache"},
         )
         return _Delivery(self, events)
 
