@@ -368,3 +368,12 @@ def test_tokenize_and_detokenize_count_against_the_request_rate(tight: TestClien
     refused = tight.post(path, json=body)
     assert "request rate" in error_of(refused, 429)["message"] and int(refused.headers["retry-after"]) >= 1
     assert "request rate" in error_of(post(tight, "completions", max_tokens=8), 429)["message"]  # one bucket
+
+
+@pytest.mark.parametrize("path", ["/v1/completions/", "/v1/chat/completions/", "/health/", "/tokenize/"])
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(client: TestClient, path: str) -> None:
+    """Starlette redirected it (307, empty body, before any key check) to a URL built from the
+    Host header the client sent: `Host: evil.example` got `Location: http://evil.example/...`."""
+    response = client.post(path, json={"prompt": "hi"}, headers={"Host": "evil.example"}, follow_redirects=False)
+    assert response.status_code in (404, 405) and "location" not in response.headers
+    assert response.json()["error"]["type"] in ("not_found_error", "invalid_request_error")

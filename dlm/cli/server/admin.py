@@ -37,7 +37,7 @@ MAX_BODY = 64 * 1024
 
 
 def create_admin_app(swapper: HotSwapper, key: str) -> FastAPI:
-    app = FastAPI(title="dlm admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dlm admin", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     errors.install(app)
     keys = KeyRing([key])
 

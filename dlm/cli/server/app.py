@@ -69,6 +69,11 @@ def create_app(config: ServeConfig) -> FastAPI:
         docs_url="/docs" if config.openapi else None,
         redoc_url=None,
         openapi_url="/openapi.json" if config.openapi else None,
+        # A path with a slash too many is unknown (404, OpenAI's error body), not Starlette's
+        # 307 to the path without it: that redirect answered before the API key was checked,
+        # with an empty body, to a URL built from the request's Host header (any host a client
+        # names; behind a TLS proxy, http:// where the client spoke https).
+        redirect_slashes=False,
     )
     openapi.install(app, config)
     app.state.service = service
