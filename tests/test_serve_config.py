@@ -243,6 +243,26 @@ def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # keys first
 
 
+def test_several_authorization_headers_are_refused_whichever_comes_first() -> None:
+    """The routes read the first header: `Bearer sk-k` then `Bearer bad` was served (a proxy
+    checking the last one saw a bad key), the other order refused."""
+    from fastapi.testclient import TestClient
+
+    from dlm.cli.server.app import create_app
+
+    client = TestClient(create_app(load_config(None, {"api_keys": ["sk-k"]}, environ={})))  # not loaded
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-k"}).status_code == 200
+    for pair in (["sk-k", "bad"], ["bad", "sk-k"], ["sk-k", "sk-k"]):
+        headers = [("Authorization", f"Bearer {key}") for key in pair]
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            refused = client.request(method, path, headers=headers, json={"prompt": "x"})
+            assert refused.status_code == 401, (pair, path, refused.text)
+            assert (
+                refused.json()["error"]["code"] == "invalid_api_key" and "several" in refused.json()["error"]["message"]
+            )
+        assert client.get("/health", headers=headers).status_code == 200  # reads no key
+
+
 def test_gpu_memory_utilization_caps_the_cuda_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ceiling on CUDA devices (the allocator refuses beyond it), nothing on the CPU."""
     import torch

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dlm.cli.server import errors
-from dlm.cli.server.auth import KeyRing
+from dlm.cli.server.auth import KeyRing, authorization
 from dlm.cli.server.hotswap import HotSwapper, SwapRequest
 from dlm.cli.server.service import Service
 from dlm.cli.store.admin import SWAP_PATH, unregister_server
@@ -43,7 +43,7 @@ def create_admin_app(swapper: HotSwapper, key: str) -> FastAPI:
 
     @app.post(SWAP_PATH)
     async def swap(request: Request) -> JSONResponse:
-        keys.identify(request.headers.get("authorization"))  # 401 before the body is read
+        keys.identify(authorization(request))  # 401 before the body is read
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise errors.APIError(413, f"the request body exceeds {MAX_BODY} bytes", code="request_too_large")

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dlm.cli.server import errors, heap, openapi
 from dlm.cli.server.admin import AdminEndpoint
-from dlm.cli.server.auth import KeyRing
+from dlm.cli.server.auth import KeyRing, authorization
 from dlm.cli.server.body import read_body
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, head_bytes
@@ -110,9 +110,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         (tenants) they tell one about the others: then they are the operator's, read with the
         admin key (a tenant's key is a 403), unless --public-metrics; with one key or none,
         that key reads them."""
-        authorization = request.headers.get("authorization")
-        if not config.public_metrics and not operators.knows(authorization):
-            service.keys.identify(authorization)  # 401 for a missing or wrong key
+        if not config.public_metrics and not operators.knows(caller := authorization(request)):
+            service.keys.identify(caller)  # 401 for a missing or wrong key
             if service.tenants > 1:
                 raise APIError(
                     403,
@@ -129,7 +128,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     async def utility(request: Request) -> tuple[str, bytes]:
         """The preamble of `/tokenize` and `/detokenize`: key, readiness, request rate, body."""
-        key = service.keys.identify(request.headers.get("authorization"))
+        key = service.keys.identify(authorization(request))
         if not service.ready:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
         service.charge_request(key)  # their bodies cost the preparation thread as a generation's do
@@ -175,7 +174,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        service.keys.identify(request.headers.get("authorization"))
+        service.keys.identify(authorization(request))
         return JSONResponse({"object": "list", "data": [card()]})
 
     @app.get("/v1/models/{model:path}")
@@ -185,7 +184,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         may hold slashes (`org/model`); `/v1/models/` is the list."""
         if not model:
             return await models(request)
-        service.keys.identify(request.headers.get("authorization"))
+        service.keys.identify(authorization(request))
         service.check_model(model)
         return JSONResponse(card())
 
@@ -196,7 +195,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         out); then the queue. A refusal anywhere is counted and logged once (`reject`), and so
         is a failure nobody anticipated (a 500, never a request without its log line)."""
         try:
-            service.authenticate(job, request.headers.get("authorization"))
+            service.authenticate(job, authorization(request))
             loading: asyncio.Task[None] | None = request.app.state.loading
             if not service.ready and loading is not None and not loading.done():  # held, within a bound
                 with contextlib.suppress(asyncio.TimeoutError):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.requests import HTTPConnection
+
 from dlm.cli.server.config import key_id
 from dlm.cli.server.errors import APIError
 
@@ -46,6 +48,16 @@ class KeyRing:
         if found is None:
             raise _unauthorized("invalid API key")
         return found
+
+
+def authorization(request: HTTPConnection) -> str | None:
+    """The request's `Authorization` header, for `KeyRing.identify`; 401 when it has several:
+    which one names the caller is ambiguous (RFC 9110 allows one), and reading the first
+    served `Bearer KEY` then `Bearer bad`, which a proxy checking the last one saw as bad."""
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:
+        raise _unauthorized("several Authorization headers: send one")
+    return values[0] if values else None
 
 
 def _unauthorized(message: str) -> APIError:
