@@ -54,6 +54,25 @@ def test_yaml_file_with_a_serve_table_and_a_key_file(tmp_path: Path) -> None:
     assert config.keys() == ["sk-one", "sk-two"]
 
 
+def test_the_other_flag_spellings_are_file_keys_and_variables_too(tmp_path: Path) -> None:
+    """`--max-concurrency` and `--model-path` (the deployment guides' names) were flags only: a
+    file's `max_concurrency: 16` stopped the start with 'Extra inputs are not permitted'."""
+    file = tmp_path / "serve.yaml"
+    file.write_text("serve:\n  max-concurrency: 16\n  model_path: tiny:sdar\n")
+    config = load_config(file, environ={})
+    assert (config.max_num_seqs, config.model) == (16, "tiny:sdar")
+    config = load_config(None, environ={"DLM_MAX_CONCURRENCY": "5", "DLM_MODEL_PATH": "tiny:pangu"})
+    assert (config.max_num_seqs, config.model) == (5, "tiny:pangu")
+    file.write_text("max_concurrency = 4\nmax_num_seqs = 4\n")
+    file = file.rename(tmp_path / "both.toml")
+    with pytest.raises(UsageError, match="max_num_seqs is given twice"):
+        load_config(file, environ={})
+    with pytest.raises(UsageError, match="DLM_MAX_NUM_SEQS and DLM_MAX_CONCURRENCY"):
+        load_config(None, environ={"DLM_MAX_NUM_SEQS": "4", "DLM_MAX_CONCURRENCY": "4"})
+    # DLM_API_KEY still adds a key beside DLM_API_KEYS
+    assert load_config(None, environ={"DLM_API_KEYS": "k1", "DLM_API_KEY": "k2"}).keys() == ["k1", "k2"]
+
+
 def test_public_view_has_key_ids_never_keys(tmp_path: Path) -> None:
     config = load_config(None, {"api_keys": ["sk-very-secret"]}, environ={})
     shown = json.dumps(config.public())

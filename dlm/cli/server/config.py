@@ -377,10 +377,36 @@ class ServeConfig(BaseModel):
         return key
 
 
+def _aliases() -> dict[str, str]:
+    """A setting's other long spellings on the command line, as file keys and `DLM_` names:
+    `max_concurrency` is `max_num_seqs` (`--max-concurrency`), `model_path` is `model`
+    (`--model-path`), as the deployment guides and other servers spell them. Not `api_key`:
+    `--api-key` adds one key, as `DLM_API_KEY` does beside `DLM_API_KEYS`."""
+    out = {"model_path": "model"}
+    for name, field in ServeConfig.model_fields.items():
+        if name == "api_keys":
+            continue
+        for meta in field.metadata:
+            if isinstance(meta, Cli):
+                for flag in meta.names:
+                    key = flag.removeprefix("--").replace("-", "_")
+                    if flag.startswith("--") and "/" not in flag and key != name:
+                        out[key] = name
+    return out
+
+
 def _normalise(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(mapping, Mapping):
         raise UsageError(f"{source}: expected a table of settings")
-    return {str(k).replace("-", "_"): v for k, v in mapping.items()}
+    aliases = _aliases()
+    out: dict[str, Any] = {}
+    for raw, value in mapping.items():
+        key = str(raw).replace("-", "_")
+        name = aliases.get(key, key)
+        if name in out:
+            raise UsageError(f"{source}: {name} is given twice ({raw} is another name for it): give one")
+        out[name] = value
+    return out
 
 
 def read_file(path: Path) -> dict[str, Any]:
@@ -406,8 +432,12 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     from dlm.cli.store.store import store_env
 
     out: dict[str, Any] = {}
+    aliases = {name: sorted(a for a, n in _aliases().items() if n == name) for name in ServeConfig.model_fields}
     for name, field in ServeConfig.model_fields.items():
-        value = store_env(environ) if name == "store" else environ.get(f"DLM_{name.upper()}")
+        spellings = [f"DLM_{n.upper()}" for n in (name, *aliases[name]) if f"DLM_{n.upper()}" in environ]
+        if len(spellings) > 1:
+            raise UsageError(f"{' and '.join(spellings)} name the same setting ({name}): set one")
+        value = store_env(environ) if name == "store" else environ.get(spellings[0]) if spellings else None
         if value is None:
             continue
         out[name] = [v.strip() for v in value.split(",") if v.strip()] if field.annotation == list[SecretStr] else value
