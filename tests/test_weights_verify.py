@@ -106,6 +106,9 @@ def test_damage_fails_verify_naming_file_and_problem(kind: str, stored: tuple[St
     named = {f["file"] for f in report["failures"]}
     assert victim in named or "model.safetensors.index.json" in named
     assert victim in stderr and "error: verification failed" in stderr
+    n = len(report["failures"])
+    said = f"{n} problem{'s' if n > 1 else ''} in {len(named)} file{'s' if len(named) > 1 else ''}"
+    assert f"error: verification failed: {said}\n" in stderr, stderr  # was "1 problems in 1 files"
     assert store.manifest(*ref.split("@")).state == "failed"  # release now refuses it
 
 

@@ -130,6 +130,11 @@ def render_findings(report: Any) -> None:
     err_console.print(table)
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 problem`, `2 problems`: a count with its noun in the right number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def human_size(n: int) -> str:
     size = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):

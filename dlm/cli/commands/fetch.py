@@ -12,6 +12,7 @@ from dlm.cli.store_ui import (
     WORKERS_OPTION,
     ByteBar,
     check_workers,
+    counted,
     human_size,
     open_store,
     render_findings,
@@ -78,6 +79,6 @@ def fetch(
         if not m.verified:
             problems = len(m.verification.failures) if m.verification else 0
             raise DlmError(
-                f"{m.name}@{m.version} is stored but failed verification ({problems} problems); "
+                f"{m.name}@{m.version} is stored but failed verification ({counted(problems, 'problem')}); "
                 "fix the source and fetch it again to replace it"
             )

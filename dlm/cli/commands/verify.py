@@ -12,6 +12,7 @@ from dlm.cli.store_ui import (
     WORKERS_OPTION,
     ByteBar,
     check_workers,
+    counted,
     human_size,
     open_store,
     render_findings,
@@ -45,7 +46,9 @@ def verify(
         )
         if not report.ok:
             files = len({f.file for f in report.failures})
-            raise DlmError(f"verification failed: {len(report.failures)} problems in {files} files")
+            raise DlmError(
+                f"verification failed: {counted(len(report.failures), 'problem')} in {counted(files, 'file')}"
+            )
         err_console.print(
             "[green]verified[/]" if report.model else "[green]structure ok[/] (no manifest: hashes not checked)"
         )
