@@ -81,6 +81,8 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.state.loading = None  # the loading task, once the lifespan starts it
     errors.install(app)
     app.add_middleware(HeadLimit, service=service)
+    if config.allowed_ips:
+        app.add_middleware(AllowList, service=service, networks=config.allowed_networks())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -257,6 +259,48 @@ class HeadLimit:
         else:
             self.service.metrics.rejections.labels(error.code).inc()
         await error.response(job.id if job is not None else None)(scope, receive, send)
+
+
+class AllowList:
+    """403 for a client whose address is in no network of `allowed_ips` (the deployment guides'
+    access allow-list), on every route but the probes `/health` and `/ready`, which load
+    balancers and kubelets call from their own addresses. The address is uvicorn's: behind a
+    proxy on 127.0.0.1 (or FORWARDED_ALLOW_IPS), the X-Forwarded-For client it names."""
+
+    OPEN = ("/health", "/ready")
+
+    def __init__(self, app: ASGIApp, service: Service, networks: list[Any]) -> None:
+        self.app, self.service, self.networks = app, service, networks
+
+    def allowed(self, scope: Scope) -> bool:
+        import ipaddress
+
+        client = scope.get("client")
+        try:
+            address = ipaddress.ip_address(client[0]) if client else None
+        except ValueError:
+            address = None
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return address is not None and any(address in network for network in self.networks)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN or self.allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        error = APIError(
+            403,
+            f"client address {client[0] if client else 'unknown'} is not in the server's allowed_ips",
+            type="permission_error",
+            code="ip_not_allowed",
+        )
+        endpoint = ENDPOINTS.get(scope["path"])
+        if endpoint is not None:
+            self.service.reject(Job(endpoint), error)
+        else:
+            self.service.metrics.rejections.labels(error.code).inc()
+        await error.response()(scope, receive, send)
 
 
 def _load_then_freeze(service: Service) -> None:

@@ -128,6 +128,11 @@ class ServeConfig(BaseModel):
         None, description="TLS certificate (with --ssl-keyfile)."
     )
     ssl_keyfile: Annotated[Path | None, Cli(shown="none: plain HTTP")] = Field(None, description="TLS private key.")
+    allowed_ips: Annotated[list[str], Cli(names=("--allow-ip",), shown="none: every address")] = Field(
+        [],
+        description="Client address or network (CIDR) allowed to call the server (repeatable); others get 403. "
+        "/health and /ready stay open to probes.",
+    )
     # connections (docs/serve.md#hardening): idle and slow clients are closed
     read_timeout: float = Field(
         30.0, gt=0, description="Seconds to receive a request's headers, and again its body; then closed / 408."
@@ -219,6 +224,32 @@ class ServeConfig(BaseModel):
             return device_name(value)
         except UsageError as exc:
             raise ValueError(str(exc).removeprefix("device ")) from None
+
+    @field_validator("allowed_ips", mode="before")
+    @classmethod
+    def _allowed_ips(cls, value: Any) -> Any:
+        """A list, or one text of comma-separated entries (`DLM_ALLOWED_IPS`, a file's string);
+        each an address or a network, checked here so a typo stops the start."""
+        import ipaddress
+
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return value
+        out = []
+        for item in items:
+            text = str(item).strip()
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                raise ValueError(f"{text!r} is not an IP address or network (CIDR)") from None
+            out.append(text)
+        return out
+
+    def allowed_networks(self) -> list[Any]:
+        """The allow-list as networks (empty: every address may call)."""
+        import ipaddress
+
+        return [ipaddress.ip_network(n, strict=False) for n in self.allowed_ips]
 
     @field_validator("step_graphs")
     @classmethod
