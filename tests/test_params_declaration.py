@@ -26,7 +26,7 @@ GENERATE_OTHER = {
 OPENAI_OTHER = {
     "model", "max_output_tokens", "stream", "stream_options", "stop", "return_token_ids", "prompt", "echo",
     "logprobs", "top_logprobs", "suffix", "parallel_tool_calls",
-    "messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
+    "messages", "max_completion_tokens", "tools", "tool_choice", "response_format", "chat_template_kwargs",
 }  # fmt: skip
 
 

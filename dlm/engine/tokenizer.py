@@ -58,13 +58,40 @@ def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+# apply_chat_template's own arguments: not template variables a caller may set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def encode_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Prompt ids of a conversation through the checkpoint's own chat template (which also
-    decides how `tools` are shown to the model)."""
+    decides how `tools` are shown to the model). `template_kwargs` are extra template
+    variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`)."""
+    clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise UsageError(f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it")
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")
@@ -82,6 +109,7 @@ def encode_chat(
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # jinja2 errors: the template rejected these messages
         if type(exc).__module__.startswith("jinja2"):

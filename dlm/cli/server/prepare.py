@@ -243,20 +243,39 @@ def _chat(served: LoadedModel, body: ChatRequest) -> Prepared:
     if body.tools and body.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     text = json.dumps(messages, ensure_ascii=False)
-    _fit(served, len(text) + len(json.dumps(tools or [])), "messages", "characters", CHARS_PER_TOKEN)
+    extra = body.chat_template_kwargs or {}
+    _fit(
+        served,
+        len(text) + len(json.dumps(tools or [])) + len(json.dumps(extra)),
+        "messages",
+        "characters",
+        CHARS_PER_TOKEN,
+    )
     if served.tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template", param="messages", code="unsupported")
-    ids = _encode_chat(served.tokenizer, messages, tools)
+    ids = _encode_chat(served.tokenizer, messages, tools, extra)
     return Prepared(body, ids, text, body.max_completion_tokens or body.max_tokens, tools is not None)
 
 
-def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def _encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """A template that fails on the client's messages or tools (a missing key, a wrong type:
     the template's own checks) is the client's 400, not a server error."""
-    from dlm.engine.tokenizer import encode_chat
+    from dlm.engine.tokenizer import RESERVED_TEMPLATE_KWARGS, encode_chat
 
+    clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise bad_request(
+            f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
     try:
-        return encode_chat(tokenizer, messages, tools)
+        return encode_chat(tokenizer, messages, tools, template_kwargs)
     except UsageError as exc:
         raise bad_request(str(exc), param="messages", code="invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:

@@ -315,6 +315,9 @@ class ChatRequest(GenerationRequest):
     # "required" and a named function force a tool call, which dlm cannot: refused as unsupported.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = None
+    # vLLM's field: extra variables for the chat template (`{"enable_thinking": false}` where a
+    # template has a thinking switch); a template that does not read one ignores it.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):

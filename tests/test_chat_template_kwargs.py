@@ -1,0 +1,61 @@
+"""`chat_template_kwargs` (vLLM's request field): extra variables for the checkpoint's chat
+template, such as the thinking-mode switch the deployment guides ask the API to expose
+(`{"enable_thinking": true}`). It was refused as an unknown parameter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dlm.engine.errors import UsageError
+from dlm.engine.tokenizer import encode_chat, load_tokenizer
+from tests.serving import in_process_server
+
+DEFAULT = Path(__file__).resolve().parent.parent / "dlm" / "engine" / "assets" / "dlm-tiny-tasks-llada"
+THINKING = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "What is 27 + 58?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(DEFAULT, directory, ignore=shutil.ignore_patterns("sha256sums.json", "*.png"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_the_template_sees_the_variables(thinking_model: Path) -> None:
+    tokenizer = load_tokenizer(thinking_model)
+    plain = encode_chat(tokenizer, MESSAGES)
+    thinking = encode_chat(tokenizer, MESSAGES, template_kwargs={"enable_thinking": True})
+    assert thinking[: len(plain)] == plain and len(thinking) > len(plain)
+    assert encode_chat(tokenizer, MESSAGES, template_kwargs={"enable_thinking": False}) == plain
+    with pytest.raises(UsageError, match="cannot set add_generation_prompt"):
+        encode_chat(tokenizer, MESSAGES, template_kwargs={"add_generation_prompt": False})
+
+
+def test_the_server_passes_them_to_the_template(thinking_model: Path) -> None:
+    with in_process_server(model=str(thinking_model), dtype="float32", device="cpu", warmup=False) as client:
+        plain = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}
+        thinking = client.post("/tokenize", json=body).json()["tokens"]
+        assert thinking[: len(plain)] == plain and len(thinking) > len(plain)
+        answer = client.post("/v1/chat/completions", json={**body, "max_tokens": 8})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] == len(thinking)
+        for bad in ({"tokenize": False}, "enable_thinking"):
+            refused = client.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs", (
+                refused.text
+            )
+        # completions have no template: the field stays unknown there
+        refused = client.post("/v1/completions", json={"prompt": "x", "chat_template_kwargs": {}})
+        assert refused.json()["error"]["code"] == "unknown_parameter"
