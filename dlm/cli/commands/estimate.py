@@ -123,7 +123,10 @@ def estimate(
         show_default="none",
     ),
     kv_dtype: str = typer.Option(
-        "auto", "--kv-dtype", help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8."
+        "auto",
+        "--kv-dtype",
+        help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8 (a what-if: dlm serve holds the "
+        "activation dtype).",
     ),
     tp: int = typer.Option(
         1,
