@@ -66,12 +66,6 @@ _FAILURES = {
 }
 
 
-def find_stop(text: str, stops: list[str], after: int = 0) -> int | None:
-    """Where the first stop string starts among those ending past `after` characters."""
-    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
 def undecided(text: str, stops: list[str]) -> int:
     """How many of `text`'s last characters could still begin a stop string (the longest
     suffix that is a proper prefix of one): a stream holds them back until the next
@@ -144,19 +138,13 @@ class Responder:
     # ---- text --------------------------------------------------------------------------
 
     def text(self, choice: Choice, out: RequestOutput) -> tuple[str, bool]:
-        """Decoded prefix cut at the first stop string, and whether a stop string was hit. As in
-        vLLM, a stop string ends the answer only once it has `min_tokens` tokens, and only where
-        it ends after them."""
-        stops = choice.stream.seq.stop_ids
-        text = self.served.decode(out.prefix_ids, stops)
-        least = choice.stream.seq.params.min_tokens
-        if least and len(out.prefix_ids) < least:
-            return text, False
-        after = len(self.served.decode(out.prefix_ids[:least], stops)) if least else 0
-        cut = find_stop(text, self.job.stops, after)
+        """Decoded prefix cut at the first stop string, and whether a stop string was hit
+        (`LoadedModel.stop_cut`). The engine thread ends the request at the step whose prefix
+        first holds one (`Service.submit`), so its forwards never depend on when this runs."""
+        text, cut = self.served.stop_cut(out.prefix_ids, choice.stream.seq, self.job.stops)
         if cut is None:
             return text, False
-        if not out.finished:  # the answer is complete: free the slot now
+        if not out.finished:  # ended by the engine already; a snapshot that saw it first changes nothing
             self.served.engine.abort(choice.stream, "stop")
         return text[:cut], True
 

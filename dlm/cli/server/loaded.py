@@ -15,7 +15,13 @@ from typing import Any
 
 from dlm.cli.server.logprobs import token_bytes
 from dlm.engine.runtime.async_engine import AsyncEngine
-from dlm.engine.runtime.request import completion
+from dlm.engine.runtime.request import RequestState, completion
+
+
+def find_stop(text: str, stops: list[str], after: int = 0) -> int | None:
+    """Where the first stop string starts among those ending past `after` characters."""
+    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
 
 
 @dataclass(eq=False)
@@ -56,6 +62,19 @@ class LoadedModel:
         if raw is None:
             raw = self._bytes[token] = token_bytes(self.tokenizer, token, self.token_text(token))
         return raw
+
+    def stop_cut(self, prefix: list[int], seq: RequestState, strings: list[str]) -> tuple[str, int | None]:
+        """The text of `seq`'s committed `prefix` and where its first stop string starts (None:
+        none yet). As in vLLM, a stop string ends the answer only once it has `min_tokens`
+        tokens, and only where it ends after them. The one rule both the engine thread (which
+        ends the request at the step that commits it, `RequestStream.ends`) and the answer's
+        text (`Responder.text`) apply."""
+        text = self.decode(prefix, seq.stop_ids)
+        least = seq.params.min_tokens
+        if not strings or (least and len(prefix) < least):
+            return text, None
+        after = len(self.decode(prefix[:least], seq.stop_ids)) if least else 0
+        return text, find_stop(text, strings, after)
 
     def completion_ids(self, prefix: list[int], stops: Collection[int]) -> list[int]:
         """Generated ids that count as the completion: up to and including the first stop id."""

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -437,9 +438,10 @@ class Service:
                     ids,
                     seqs,
                     timeout=self.config.request_timeout,
-                    updates=job.stream or bool(job.stops),
+                    updates=job.stream,
                     canvas=job.include_canvas,
                     tenant=job.key,
+                    ends=_stop_rule(self.served, job.stops) if job.stops else None,
                 )
             except (QueueFull, Draining, EngineFailed, UsageError) as exc:
                 raise _submit_refused(engine, exc, job) from None
@@ -528,6 +530,18 @@ def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
             engine.vocabulary()
         except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
             log.info("structured output unavailable: %s", exc)
+
+
+def _stop_rule(served: LoadedModel, strings: list[str]) -> Callable[[RequestState], Callable[[list[int]], bool]]:
+    """The rule by which a request's stop strings end each of its sequences, asked on the
+    engine thread after every step that extends the committed prefix: the request leaves the
+    batch before the next forward, so its `usage.denoising_steps` is the same whether the
+    event loop reads its snapshots at once or late (a batch's other lines, a slow client)."""
+
+    def rule(seq: RequestState) -> Callable[[list[int]], bool]:
+        return lambda prefix: served.stop_cut(prefix, seq, strings)[1] is not None
+
+    return rule
 
 
 def charge(gen: int, n: int) -> int:

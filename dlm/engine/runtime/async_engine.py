@@ -105,6 +105,11 @@ class RequestStream:
     dropped: int = 0  # snapshots dropped because the reader was behind
     finished_at: float | None = None
     last_prefix: int = -1  # length of the last prefix sent (loop-thread side)
+    # Whether a committed prefix ends the request by a rule of its caller's (a server's stop
+    # strings): asked on the engine thread after every step that extends the prefix, so the
+    # request leaves the batch before the next forward, however busy its reader is.
+    ends: Callable[[list[int]], bool] | None = None
+    checked_prefix: int = 0  # length of the last prefix `ends` was asked about (loop-thread side)
 
     @property
     def request_id(self) -> str:
@@ -279,16 +284,18 @@ class AsyncEngine:
         updates: bool = False,
         canvas: bool = False,
         tenant: str = "",
+        ends: Callable[[RequestState], Callable[[list[int]], bool]] | None = None,
     ) -> list[RequestStream]:
         """Queue sequences built by the engine's `make_sequences` (a request's samples), all
-        of them or none (QueueFull, Draining, EngineFailed; those refused are left unqueued)."""
+        of them or none (QueueFull, Draining, EngineFailed; those refused are left unqueued).
+        `ends(seq)`: the rule by which a committed prefix of `seq` ends it (`RequestStream.ends`)."""
         self._check_open()
         now = time.monotonic()
         loop = asyncio.get_running_loop()
         streams = []
         for request_id, seq in zip(request_ids, seqs):
             request = ScheduledRequest(request_id, seq, now, now + timeout if timeout else None, tenant=tenant)
-            stream = RequestStream(request, updates, loop, wants_canvas=canvas)
+            stream = RequestStream(request, updates, loop, wants_canvas=canvas, ends=ends(seq) if ends else None)
             request.context = stream
             streams.append(stream)
         with self._cv:
@@ -415,6 +422,10 @@ class AsyncEngine:
                 prefix = seq.committed_prefix
                 if seq.finished:
                     continue
+                if self._ended(stream, prefix):  # its caller's rule: out before the next forward
+                    self.scheduler.remove(request, "stop")
+                    self._finish(request)
+                    continue
                 if stream.wants_canvas:  # one per step, whether or not the prefix grew
                     stream.last_prefix = len(prefix)
                     stream.post(RequestOutput(request.request_id, prefix, seq.nfe, canvas=seq.canvas_view()))
@@ -423,6 +434,20 @@ class AsyncEngine:
                     stream.post(RequestOutput(request.request_id, prefix, seq.nfe, logprobs=seq.token_logprobs(prefix)))
             for request in self.scheduler.reap():
                 self._finish(request)
+
+    def _ended(self, stream: RequestStream, prefix: list[int]) -> bool:
+        """Whether the caller's rule (`RequestStream.ends`) ends the request at this committed
+        prefix, asked once per prefix that grew. A rule that fails is dropped (logged), never
+        the engine thread: the request then ends by its own rule."""
+        if stream.ends is None or len(prefix) <= stream.checked_prefix:
+            return False
+        stream.checked_prefix = len(prefix)
+        try:
+            return stream.ends(prefix)
+        except Exception:  # noqa: BLE001 - a caller's rule never stops the loop
+            log.exception("the end rule of request %s failed; it ends by its own rule", stream.request_id)
+            stream.ends = None
+            return False
 
 
 def start_on_engine_thread(build: Callable[[], tuple[AsyncEngine, T]]) -> T:
