@@ -11,6 +11,7 @@ from dlm.engine.errors import UsageError
 from dlm.engine.llm import LLM
 from dlm.engine.params import GenerationParams
 from dlm.engine.registry import FAMILIES
+from tests.tiny_families import tiny_names
 
 PROMPT = [5, 17, 42, 99]
 
@@ -131,3 +132,19 @@ def test_auto_cache_is_the_familys_exact_cache() -> None:
         assert params.validate(4, 4096, family_named(name)).cache == expected, name
     with pytest.raises(UsageError, match="auto, none, prefix, dual, block"):
         GenerationParams(gen_length=32, cache="exact").validate(4, 4096, family_named("llada"))
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_top_p_one_asks_for_nothing_on_every_family_and_entry_point(name: str) -> None:
+    """`top_p: 1` filters nothing (OpenAI's default, which SDKs send): every family takes it,
+    as if it were not given. Only the server accepted it (it dropped the field itself), while
+    `dlm generate --top-p 1` and `LLM.generate(top_p=1.0)` refused it on every family but Dream
+    ("top_p applies to Dream-family models"), and Dream decoded it on its filtering path."""
+    from dlm.engine.config import load_config
+    from dlm.engine.family_rules import validate
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    config = load_config(ensure_tiny_model(f"tiny:{name}"))
+    plain = validate(GenerationParams(gen_length=8), 4, config)
+    assert validate(GenerationParams(gen_length=8, top_p=1.0), 4, config) == plain
+    assert validate(GenerationParams(gen_length=8, top_p=1), 4, config).top_p is None

@@ -356,7 +356,12 @@ class GenerationParams:
         shown="none: the most confident",
     )
     top_p: float | None = _param(
-        None, "Dream family: nucleus filtering of the token distribution.", low=0, high=1, low_open=True, shown="none"
+        None,
+        "Dream family: nucleus filtering of the token distribution (1: none, taken by every family).",
+        low=0,
+        high=1,
+        low_open=True,
+        shown="none",
     )
     top_k: int | None = _param(None, "Dream family: keep the k most likely tokens.", low=1, shown="none")
     eps: float = _param(
@@ -577,6 +582,8 @@ class GenerationParams:
         quota = family.sampler == "dream" and self.alg == "confidence_threshold" and cache == "none"
         values = {name: getattr(self, name) for name in PARAMS}
         values.update(suffix=tuple(int(t) for t in self.suffix))  # a list from the Python API is welcome
+        if self.top_p == 1:  # filters nothing (OpenAI's default, which clients send): asks for nothing
+            values["top_p"] = None
         if isinstance(self.response_format, dict):  # so is the response_format object: kept as its text
             values["response_format"] = json.dumps(self.response_format)
         if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form

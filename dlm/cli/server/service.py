@@ -358,8 +358,6 @@ class Service:
         response_format = given.pop("response_format", None)
         if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
             given["response_format"] = json.dumps(response_format, ensure_ascii=False)
-        if given.get("top_p") == 1.0:
-            del given["top_p"]  # 1 filters nothing (OpenAI's default): any family takes it
         given.update(gen_length=gen, suffix=job.suffix_ids)
         if not cfg.prefix_cache_shared:
             given["prefix_cache_partition"] = job.key
