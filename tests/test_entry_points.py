@@ -1,5 +1,7 @@
-"""One request, three entry points: `dlm generate --json`, `engine.LLM` and `/v1/completions`
-(`return_token_ids`) give the same ids and spend the same forwards, for every family.
+"""One request, four entry points: `dlm generate --json`, `engine.LLM`, `/v1/completions`
+(`return_token_ids`) and a `dlm batch` line give the same ids and spend the same forwards, for
+every family the registry decodes (`tiny_names`: a family added there joins by itself, on its
+`tiny:` checkpoint, with the default request, until it is given one of its own below).
 
 The request ends by the sequence's own rule whatever runs it (an EOS ends it at block
 granularity, dlm/engine/runtime/request.py). Random tiny weights never emit EOS on cue, so each
@@ -10,7 +12,9 @@ at the first EOS of the committed prefix) would spend fewer.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from dlm.cli.main import app
 from dlm.engine.llm import LLM
 from tests.conftest import session_home
 from tests.serving import ServerProcess
+from tests.tiny_families import tiny_names
 from tests.tp_checkpoints import PROMPT, write_family
 
 # Per family, greedy (temperature 0), written once under GenerationParams' names: what each
@@ -35,7 +40,17 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "fast_dllm_v2": dict(gen_length=32, threshold=0.7),
     "clover": dict(gen_length=32, threshold=0.3),
 }
+DEFAULT_REQUEST: dict[str, Any] = dict(gen_length=16)  # a family without a request of its own
 EOS_AT = 2  # answer position whose greedy token becomes the EOS id: inside the first block
+
+
+def _checkpoint(directory: Path, family: str) -> Path:
+    """The family's test checkpoint (tests/tp_checkpoints.py), else a copy of its `tiny:` one."""
+    if family in REQUESTS:
+        return write_family(directory, family)
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    return Path(shutil.copytree(ensure_tiny_model(f"tiny:{family}"), directory / family))
 
 
 def _cli_flags(request: dict[str, Any]) -> list[str]:
@@ -54,17 +69,38 @@ def _with_eos_from_answer(directory: Path, request: dict[str, Any]) -> int:
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
     config["eos_token_id"] = eos
+    if isinstance(config.get("text_config"), dict):  # a multimodal layout keeps it there too
+        config["text_config"]["eos_token_id"] = eos
     config_path.write_text(json.dumps(config))
+    generation = directory / "generation_config.json"
+    if generation.exists():  # its EOS ids count too (dlm/engine/config.py)
+        settings = json.loads(generation.read_text())
+        settings.pop("eos_token_id", None)
+        generation.write_text(json.dumps(settings))
     return eos
 
 
+def _batch_line(directory: Path, body: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """The answer `dlm batch` writes for one line (its in-process server, dlm/cli/batch.py)."""
+    from dlm.cli.batch import BatchRequest, claim_output, run_batch
+    from dlm.cli.server.config import load_config
+
+    config = load_config(None, {"model": str(directory), "dtype": "float32", "device": "cpu"}, environ={})
+    request = BatchRequest("q", "/v1/completions", body)
+    with claim_output(tmp / "out.jsonl", [request]) as output:
+        asyncio.run(run_batch(config, [request], output, concurrency=1))
+    line = json.loads((tmp / "out.jsonl").read_text())
+    assert line["response"]["status_code"] == 200, line
+    return dict(line["response"]["body"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(REQUESTS))
-def test_same_ids_and_forwards_through_cli_python_and_http(
+@pytest.mark.parametrize("family", tiny_names())
+def test_same_ids_and_forwards_through_cli_python_http_and_batch(
     tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
-    request = REQUESTS[family]
-    directory = write_family(tmp_path_factory.mktemp(family), family)
+    request = REQUESTS.get(family, DEFAULT_REQUEST)
+    directory = _checkpoint(tmp_path_factory.mktemp(family), family)
     eos = _with_eos_from_answer(directory, request)
 
     with LLM(directory, dtype="float32", device="cpu") as llm:
@@ -88,6 +124,8 @@ def test_same_ids_and_forwards_through_cli_python_and_http(
         server.terminate()
     assert response.status_code == 200, response.text
     http = response.json()
+    batch = _batch_line(directory, _http_body(request), tmp_path_factory.mktemp(f"{family}-batch"))
+    assert batch["choices"] == http["choices"] and batch["usage"] == http["usage"]
 
     assert cli["output_ids"] == python.output_ids
     assert cli["completion_ids"] == python.completion_ids == http["choices"][0]["token_ids"]
