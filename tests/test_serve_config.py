@@ -336,3 +336,14 @@ def test_a_device_dlm_does_not_run_on_is_refused_everywhere_it_is_named(name: st
 @pytest.mark.parametrize(("name", "kept"), [("CPU", "cpu"), ("auto", "auto"), ("Cuda:1", "cuda:1")])
 def test_device_spellings_are_kept_lower_cased(name: str, kept: str) -> None:
     assert load_config(flags={"device": name}, environ={}).device == kept
+
+
+def test_a_config_made_in_python_defaults_max_tokens_as_a_loaded_one() -> None:
+    """`create_app(ServeConfig(...))` (the Python way in) answers a request without max_tokens
+    with as many tokens as `dlm serve` and `dlm batch` (load_config): min(128, max_tokens)."""
+    from dlm.cli.server.config import ServeConfig, load_config
+
+    for settings in ({}, {"max_tokens": 64}, {"default_max_tokens": 16}):
+        made, loaded = ServeConfig(**settings), load_config(None, settings, environ={})
+        assert made.default_gen_length == loaded.default_gen_length
+        assert made.decoding_params({}).gen_length == loaded.decoding_params({}).gen_length

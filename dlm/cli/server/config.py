@@ -311,8 +311,10 @@ class ServeConfig(BaseModel):
 
     @property
     def default_gen_length(self) -> int:
-        """The max_tokens of a request that gives none."""
-        return self.default_max_tokens or self.max_tokens
+        """The max_tokens of a request that gives none: `default_max_tokens`, else min(128,
+        max_tokens), as `load_config` fills it (a ServeConfig made in Python, as `create_app`
+        takes it, answered such a request with max_tokens, 1024 tokens)."""
+        return self.default_max_tokens or min(GEN_LENGTH, self.max_tokens)
 
     def decoding_params(self, given: dict[str, Any]) -> GenerationParams:
         """A request's decoding fields (`given`, by GenerationParams name) with this server's
