@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -117,6 +118,21 @@ def test_server_smaller_than_the_required_context_fails_context_window() -> None
     results = validate(Behaviour(max_model_len=512), ValidateOptions(ready_timeout=2, burst=4, min_context=4096))
     assert failed(results) == {"context_window"}
     assert "less than the required 4096" in results["context_window"].detail
+
+
+def test_waiting_for_readiness_is_said_once() -> None:
+    """A URL where nothing answers yet: validate waits --ready-timeout, and says so once (it
+    waited 60 s in silence when stderr is no terminal, where no spinner is drawn)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    notes: list[str] = []
+    results = run_validation(f"http://127.0.0.1:{port}", ValidateOptions(ready_timeout=0.6), on_note=notes.append)
+    assert [r.status for r in results if r.name == "readiness"] == [FAILED]
+    assert (
+        len(notes) == 1
+        and notes[0] == f"http://127.0.0.1:{port}/ready: ConnectError; waiting up to 0.6s (--ready-timeout)"
+    )
 
 
 def test_a_server_that_never_gets_ready_fails_readiness_and_skips_the_rest() -> None:

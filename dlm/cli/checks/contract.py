@@ -42,6 +42,7 @@ def readiness(ctx: Context) -> str:
     start = time.perf_counter()
     deadline = start + ctx.options.ready_timeout
     last = "no answer"
+    waited = False
     while True:
         try:
             response = ctx.client.get("/ready", key=False, timeout=5.0)
@@ -58,6 +59,11 @@ def readiness(ctx: Context) -> str:
                     "or --insecure"
                 ) from None
             last = type(exc).__name__
+        if not waited:  # said once: a server still starting and a wrong URL look alike for a while
+            waited = True
+            ctx.note(
+                f"{ctx.client.base_url}/ready: {last}; waiting up to {ctx.options.ready_timeout:g}s (--ready-timeout)"
+            )
         if time.perf_counter() >= deadline:
             raise CheckFailed(f"not ready within {ctx.options.ready_timeout:g}s (last: {last})")
         time.sleep(0.25)

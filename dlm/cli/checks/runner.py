@@ -58,6 +58,8 @@ class Context:
     model: str = ""
     max_context: int | None = None  # as advertised by /v1/models (`max_model_len`)
     facts: dict[str, Any] = field(default_factory=dict)
+    # a line for the person waiting (what a check waits for, and how long it may), beside the results
+    note: Callable[[str], None] = lambda line: None
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,11 @@ def run_validation(
     skip: tuple[str, ...] = (),
     on_start: Callable[[str], None] | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
     verify: Verify = True,
 ) -> list[CheckResult]:
     url = checked_url(url)
     checks = validation_checks(suite, skip)
     with ApiClient(url, api_key, timeout, max_connections=max(100, options.burst), verify=verify) as client:
-        return run_checks(Context(client, options), checks, on_result=on_result, on_start=on_start)
+        ctx = Context(client, options, note=on_note or Context.note)
+        return run_checks(ctx, checks, on_result=on_result, on_start=on_start)

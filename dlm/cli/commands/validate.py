@@ -77,6 +77,7 @@ def validate(
                 suite=loaded,
                 skip=tuple(skip),
                 on_start=lambda name: status.update(f"check [bold]{name}[/]"),
+                on_note=lambda line: err_console.print(line, highlight=False, markup=False),
                 verify=verify,
             )
         if junit_xml:
