@@ -264,6 +264,8 @@ def test_every_answer_of_a_generation_route_carries_its_request_id(
         patch.setattr(Responder, "close", boom)  # after it
         answers.append(client.post("/v1/completions", json=body))
     assert [a.status_code for a in answers] == [200, 200, 400, 500, 500]
+    # a server's client learns no internals (`dlm batch`, the operator, gets the cause: test_batch_lines.py)
+    assert [a.json()["error"]["message"] for a in answers[3:]] == ["internal server error"] * 2
     ids = [a.headers.get("x-request-id") for a in answers]
     assert None not in ids and len(set(ids)) == len(ids), ids
     assert wait_until(lambda: {line["id"] for line in served.logs()} >= set(ids)), ids

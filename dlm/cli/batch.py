@@ -232,14 +232,6 @@ def result_line(request: BatchRequest, status: int, body: Any) -> dict[str, Any]
     }
 
 
-def internal_error(exc: Exception) -> dict[str, Any]:
-    """The body of a line the app failed on: the server's 500 `server_error`, naming the cause."""
-    from dlm.cli.server.errors import APIError
-
-    cause = f"{type(exc).__name__}: {exc}"[:500]
-    return APIError(500, f"internal server error: {cause}", type="server_error", code="internal_error").body()
-
-
 def _retry_after(header: str | None) -> float:
     """Seconds to wait before sending a request the server answered 429 again: its
     Retry-After (whole seconds), 1 when it gives none."""
@@ -260,10 +252,11 @@ async def run_batch(
     result as it comes."""
     import httpx
 
+    from dlm.cli.server import errors
     from dlm.cli.server.app import create_app
 
     todo = output.todo
-    app = create_app(config)
+    app = create_app(config, failure_detail=True)  # the client is the operator: 500s name their cause
     keys = config.keys()
     headers = {"Content-Type": "application/json"}
     if keys:
@@ -280,7 +273,7 @@ async def run_batch(
                     response = await client.post(request.url, content=json_bytes(request.body), headers=headers)
             status, body = response.status_code, response.json()
         except Exception as exc:  # noqa: BLE001 - whatever the app raised is this line's answer, not the batch's end
-            status, body = 500, internal_error(exc)
+            status, body = 500, errors.internal(exc).body()
         output.append(result_line(request, status, body))
         if status == 200:
             completed += 1

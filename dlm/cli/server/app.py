@@ -38,8 +38,11 @@ log = logging.getLogger("dlm.server")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}  # path -> log name
 
 
-def create_app(config: ServeConfig) -> FastAPI:
+def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
+    """The server's app. `failure_detail`: a 500 names its cause (`errors.internal`), for a
+    client that is the operator itself (`dlm batch`)."""
     service = Service(config)
+    service.failure_detail = failure_detail
     preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
     admin = AdminEndpoint(service) if config.admin_enabled else None
     operators = KeyRing([admin.key] if admin is not None else [])
@@ -210,19 +213,20 @@ def create_app(config: ServeConfig) -> FastAPI:
         except APIError as exc:
             service.reject(job, exc)
             return exc.response(job.id)
-        except Exception:  # answered here, not by the framework's handler, which closes the connection
+        except Exception as exc:  # answered here, not by the framework's handler, which closes the connection
             log.exception("unhandled error")
-            service.reject(job, errors.INTERNAL)
-            return errors.INTERNAL.response(job.id)
+            error = service.internal_error(exc)
+            service.reject(job, error)
+            return error.response(job.id)
         # Submitted: from here a failure nobody anticipated is the request's 500, logged
         # `failed` and counted once it is delivered, on a connection that stays usable
         # (an exception raised to the framework would close it).
         responder = Responder(service, job, streams, request)
         try:
             return responder.streaming() if job.stream else await responder.respond()
-        except Exception:
+        except Exception as exc:
             log.exception("unhandled error")
-            return responder.fail()
+            return responder.fail(exc)
 
     @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
     async def completions(request: Request) -> Response:

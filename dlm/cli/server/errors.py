@@ -51,6 +51,16 @@ class APIError(Exception):
 INTERNAL = APIError(500, "internal server error", type="server_error")  # what nobody anticipated
 
 
+def internal(exc: BaseException | None = None) -> APIError:
+    """The 500 of a failure nobody anticipated. A server's clients learn no more than that (its
+    cause and traceback are in the server's log, under the request's id); `dlm batch`, whose
+    client is the operator running the app in process, has the cause named in its line."""
+    if exc is None:
+        return INTERNAL
+    cause = f"{type(exc).__name__}: {exc}"[:500]
+    return APIError(500, f"internal server error: {cause}", type="server_error", code="internal_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

@@ -303,12 +303,12 @@ class Responder:
             after_part = part
         return offsets
 
-    def fail(self) -> Response:
+    def fail(self, exc: Exception) -> Response:
         """A failure nobody anticipated while answering (the caller logs its traceback): the
         request leaves the batch, and its 500 is delivered and logged `failed`."""
         self.abort()
         self.pending = ("error", errors.INTERNAL.status, "failed")
-        return _Delivery(self, errors.INTERNAL.response(self.job.id))
+        return _Delivery(self, self.service.internal_error(exc).response(self.job.id))
 
     # ---- one JSON body -----------------------------------------------------------------
 
@@ -495,12 +495,12 @@ class Responder:
                     }
                 )
             yield "data: [DONE]\n\n"
-        except Exception:  # nobody anticipated it: an error event (logged, counted), not a broken stream
+        except Exception as exc:  # nobody anticipated it: an error event (logged, counted), not a broken stream
             log.exception("unhandled error")
             completed = True
             self.abort()
             self.pending = ("error", errors.INTERNAL.status, "failed")
-            yield _sse(errors.INTERNAL.body())
+            yield _sse(self.service.internal_error(exc).body())
             yield "data: [DONE]\n\n"
         finally:
             if not completed:  # the client went away, or was cut off (the response task was cancelled)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dlm.cli.server.auth import KeyRing
 from dlm.cli.server.config import ServeConfig
-from dlm.cli.server.errors import APIError, bad_request, refusal_code
+from dlm.cli.server.errors import APIError, bad_request, internal, refusal_code
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
@@ -98,6 +98,7 @@ class Service:
         self.retiring: list[LoadedModel] = []  # replaced by a hot swap, finishing their requests
         self.ready = False
         self.draining = False
+        self.failure_detail = False  # a 500 names its cause (`create_app`: for `dlm batch`)
         self.load_error: str | None = None
         # a deployment's checkpoint and NAME@VERSION, read as the admin endpoint registers
         self.pinned: tuple[str, str] | None = None
@@ -274,6 +275,11 @@ class Service:
     def engine_failure(self) -> str | None:
         """Why the served engine can run nothing more (a tensor-parallel rank died or hung)."""
         return self.engine.failure if self.engine is not None else None
+
+    def internal_error(self, exc: Exception) -> APIError:
+        """The 500 of a failure nobody anticipated (`errors.internal`), naming its cause only
+        where the client is the operator (`failure_detail`)."""
+        return internal(exc if self.failure_detail else None)
 
     @property
     def failure(self) -> str | None:
