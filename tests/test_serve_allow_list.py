@@ -42,6 +42,7 @@ def test_only_listed_networks_reach_the_api_and_probes_stay_open(client: tuple[s
             assert error["code"] == "ip_not_allowed" and client[0] in error["message"]
     refused = http.post("/v1/completions", json={"prompt": "hi"})
     assert (refused.status_code == 403) is not allowed
+    assert "x-request-id" in refused.headers  # as every answer of a generation route: its log line's id
     assert http.get("/health").status_code == 200 and http.head("/health").status_code == 200
     assert http.get("/ready").status_code == 503  # not loaded: the probe answers, it is not refused
 

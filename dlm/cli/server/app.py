@@ -239,6 +239,18 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
     return app
 
 
+async def _refuse(service: Service, error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer `error` from a middleware, before any route: counted, and on the generation
+    routes logged like every refusal, with the request id of its log line."""
+    endpoint = ENDPOINTS.get(scope["path"])
+    job = Job(endpoint) if endpoint is not None else None
+    if job is not None:
+        service.reject(job, error)
+    else:
+        service.metrics.rejections.labels(error.code).inc()
+    await error.response(job.id if job is not None else None)(scope, receive, send)
+
+
 class HeadLimit:
     """431 for a request whose head (request line and headers) exceeds `MAX_HEAD_BYTES`:
     h11 bounds a head still arriving, but not one that arrives whole. Counted and, on the
@@ -256,13 +268,7 @@ class HeadLimit:
             f"the request head (request line and headers) exceeds {MAX_HEAD_BYTES} bytes",
             code="request_header_fields_too_large",
         )
-        endpoint = ENDPOINTS.get(scope["path"])
-        job = Job(endpoint) if endpoint is not None else None
-        if job is not None:
-            self.service.reject(job, error)
-        else:
-            self.service.metrics.rejections.labels(error.code).inc()
-        await error.response(job.id if job is not None else None)(scope, receive, send)
+        await _refuse(self.service, error, scope, receive, send)
 
 
 class AllowList:
@@ -299,12 +305,7 @@ class AllowList:
             type="permission_error",
             code="ip_not_allowed",
         )
-        endpoint = ENDPOINTS.get(scope["path"])
-        if endpoint is not None:
-            self.service.reject(Job(endpoint), error)
-        else:
-            self.service.metrics.rejections.labels(error.code).inc()
-        await error.response()(scope, receive, send)
+        await _refuse(self.service, error, scope, receive, send)
 
 
 def _load_then_freeze(service: Service) -> None:
