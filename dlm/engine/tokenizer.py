@@ -91,7 +91,9 @@ def encode_chat(
     variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`)."""
     clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
     if clash:
-        raise UsageError(f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it")
+        raise UsageError(
+            f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it", field="chat_template_kwargs"
+        )
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise UsageError("this checkpoint's tokenizer has no chat template; drop --chat")

@@ -265,19 +265,12 @@ def _encode_chat(
 ) -> list[int]:
     """A template that fails on the client's messages or tools (a missing key, a wrong type:
     the template's own checks) is the client's 400, not a server error."""
-    from dlm.engine.tokenizer import RESERVED_TEMPLATE_KWARGS, encode_chat
+    from dlm.engine.tokenizer import encode_chat
 
-    clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
-    if clash:
-        raise bad_request(
-            f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it",
-            param="chat_template_kwargs",
-            code="invalid_value",
-        )
     try:
         return encode_chat(tokenizer, messages, tools, template_kwargs)
-    except UsageError as exc:
-        raise bad_request(str(exc), param="messages", code="invalid_value") from None
+    except UsageError as exc:  # the messages, or chat_template_kwargs setting an argument of the call
+        raise bad_request(str(exc), param=exc.field or "messages", code="invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages", code="invalid_value"
