@@ -41,58 +41,61 @@ def batch(
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""
     with cli_errors():
-        import asyncio
+        from dlm.cli.store.leases import holding
 
-        from dlm.cli.batch import claim_output, read_requests, run_batch
-        from dlm.cli.server.config import load_config
-        from dlm.cli.store.resolve import resolve_model
-        from dlm.engine.errors import UsageError
+        with holding("dlm batch"):  # a store version it resolves is leased while it runs
+            import asyncio
 
-        if max_concurrency < 1:
-            raise UsageError("--max-concurrency must be at least 1")
-        requests = read_requests(input_file)
-        flags = {
-            # MODEL as given, as `dlm serve` takes it: the server's one rule names the served
-            # model from it (`Service.model_name`) and matches a body's `model` against that, so
-            # a line asking for `tiny:llada` is answered by `dlm batch --model tiny:llada`.
-            "model": model,
-            "max_num_seqs": max_concurrency,
-            "dtype": dtype,
-            "device": device,
-            "quantization": quantization,
-            "max_queue": max(len(requests), 1),
-            "ready_wait": 0,
-        }
-        config = load_config(config_file, flags)
-        if config.deployment is not None:  # a deployment has one server, the one releases swap
-            raise UsageError("dlm batch answers with --model, not a deployment")
-        model_dir = resolve_model(config.model)  # a wrong path is a usage error before anything starts
-        if config.backend == "native":  # settings the checkpoint refuses fail before it loads
-            from dlm.engine.config import load_config as model_config
+            from dlm.cli.batch import claim_output, read_requests, run_batch
+            from dlm.cli.server.config import load_config
+            from dlm.cli.store.resolve import resolve_model
+            from dlm.engine.errors import UsageError
 
-            config.check_model(model_config(model_dir))
-        with (
-            claim_output(output_file, requests) as output,
-            _server_log_lines(),
-            progress() as bar,
-        ):
-            task = bar.add_task("batch", total=len(requests), completed=len(requests) - len(output.todo))
-            summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
-        counts = {
-            "total": summary.total,
-            "skipped": summary.skipped,
-            "completed": summary.completed,
-            "failed": summary.failed,
-            "output": str(output_file),
-        }
-        if json_out:
-            emit_json(counts)
-        else:
-            err_console.print(
-                f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in "
-                f"{escape(str(output_file))}",
-                highlight=False,
-            )
+            if max_concurrency < 1:
+                raise UsageError("--max-concurrency must be at least 1")
+            requests = read_requests(input_file)
+            flags = {
+                # MODEL as given, as `dlm serve` takes it: the server's one rule names the served
+                # model from it (`Service.model_name`) and matches a body's `model` against that, so
+                # a line asking for `tiny:llada` is answered by `dlm batch --model tiny:llada`.
+                "model": model,
+                "max_num_seqs": max_concurrency,
+                "dtype": dtype,
+                "device": device,
+                "quantization": quantization,
+                "max_queue": max(len(requests), 1),
+                "ready_wait": 0,
+            }
+            config = load_config(config_file, flags)
+            if config.deployment is not None:  # a deployment has one server, the one releases swap
+                raise UsageError("dlm batch answers with --model, not a deployment")
+            model_dir = resolve_model(config.model)  # a wrong path is a usage error before anything starts
+            if config.backend == "native":  # settings the checkpoint refuses fail before it loads
+                from dlm.engine.config import load_config as model_config
+
+                config.check_model(model_config(model_dir))
+            with (
+                claim_output(output_file, requests) as output,
+                _server_log_lines(),
+                progress() as bar,
+            ):
+                task = bar.add_task("batch", total=len(requests), completed=len(requests) - len(output.todo))
+                summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
+            counts = {
+                "total": summary.total,
+                "skipped": summary.skipped,
+                "completed": summary.completed,
+                "failed": summary.failed,
+                "output": str(output_file),
+            }
+            if json_out:
+                emit_json(counts)
+            else:
+                err_console.print(
+                    f"{summary.completed} answered, {summary.failed} failed, {summary.skipped} already in "
+                    f"{escape(str(output_file))}",
+                    highlight=False,
+                )
 
 
 class _OneLine(logging.Formatter):

@@ -184,28 +184,31 @@ def estimate(
 ) -> None:
     """Plan GPU memory for serving MODEL: parameters, weights, caches, activations, verdicts."""
     with cli_errors():
-        from dlm.cli.estimate.plan import Serving
-        from dlm.cli.estimate.plan import estimate as plan
+        from dlm.cli.store.leases import holding
 
-        serving = Serving(
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            tp=tp,
-            batch=batch,
-            context=context,
-            gen_length=gen_length,
-            block_length=block_length,
-            cache=cache,
-            logits=logits,
-            prefill_chunk=prefill_chunk or None,
-            overhead_gib=overhead_gb,
-            fragmentation=fragmentation,
-            quantization=quantization,
-            group_size=group_size,
-            device=device,
-        )
-        report = plan(model, serving, gpu=gpu, gpu_memory_gib=gpu_memory, revision=revision)
-        if json_out:
-            emit_json(report)
-        else:
-            _render(report)
+        with holding("dlm estimate"):  # a store version it resolves is leased while it runs
+            from dlm.cli.estimate.plan import Serving
+            from dlm.cli.estimate.plan import estimate as plan
+
+            serving = Serving(
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                tp=tp,
+                batch=batch,
+                context=context,
+                gen_length=gen_length,
+                block_length=block_length,
+                cache=cache,
+                logits=logits,
+                prefill_chunk=prefill_chunk or None,
+                overhead_gib=overhead_gb,
+                fragmentation=fragmentation,
+                quantization=quantization,
+                group_size=group_size,
+                device=device,
+            )
+            report = plan(model, serving, gpu=gpu, gpu_memory_gib=gpu_memory, revision=revision)
+            if json_out:
+                emit_json(report)
+            else:
+                _render(report)

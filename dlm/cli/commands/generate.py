@@ -147,100 +147,105 @@ def generate(
 ) -> None:
     """Generate text (or token ids) from MODEL by masked-diffusion decoding."""
     with cli_errors():
-        from dlm.engine.errors import UsageError
+        from dlm.cli.store.leases import holding
 
-        source: str | list[int]  # the prompt: text (encoded once the tokenizer is loaded) or token ids
-        if prompt is not None and prompt_ids is None:
-            source = prompt
-        elif prompt_ids is not None and prompt is None:
-            source = dp.parse_ids(prompt_ids, "--prompt-ids")
-        else:
-            raise UsageError("give exactly one of --prompt or --prompt-ids")
-        if suffix_text is not None and suffix_ids is not None:
-            raise UsageError("give --suffix or --suffix-ids, not both")
-        from dlm.cli.store.resolve import resolve_model
+        with holding("dlm generate"):  # a store version it resolves is leased while it runs
+            from dlm.engine.errors import UsageError
 
-        checkpoint = resolve_model(model)  # fails fast; also resolves store names
-        model = str(checkpoint)
-        params = dp.decoding_params(ctx.params)
-        if suffix_ids is not None:  # text is encoded once the tokenizer is loaded
-            params = replace(params, suffix=tuple(dp.parse_ids(suffix_ids, "--suffix-ids")))
-        parallel = tp.parallel_config(tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel)
-        if backend == "native":  # a text prompt's length is known once tokenised; a text suffix has a token
-            early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
-            dp.check_before_loading(
-                checkpoint, early, len(source) if isinstance(source, list) else None, parallel.tensor_parallel_size
+            source: str | list[int]  # the prompt: text (encoded once the tokenizer is loaded) or token ids
+            if prompt is not None and prompt_ids is None:
+                source = prompt
+            elif prompt_ids is not None and prompt is None:
+                source = dp.parse_ids(prompt_ids, "--prompt-ids")
+            else:
+                raise UsageError("give exactly one of --prompt or --prompt-ids")
+            if suffix_text is not None and suffix_ids is not None:
+                raise UsageError("give --suffix or --suffix-ids, not both")
+            from dlm.cli.store.resolve import resolve_model
+
+            checkpoint = resolve_model(model)  # fails fast; also resolves store names
+            model = str(checkpoint)
+            params = dp.decoding_params(ctx.params)
+            if suffix_ids is not None:  # text is encoded once the tokenizer is loaded
+                params = replace(params, suffix=tuple(dp.parse_ids(suffix_ids, "--suffix-ids")))
+            parallel = tp.parallel_config(
+                tensor_parallel_size, nnodes, node_rank, master_addr, master_port, moe_parallel
             )
-
-        from dlm.engine.llm import LLM
-
-        if tp.run_worker(model, dtype, device, parallel, quantization=quantization):  # another node's rank
-            return
-        with err_console.status("loading model"):
-            llm = LLM(
-                model,
-                dtype=dtype,
-                device=device,
-                backend=backend,
-                trust_remote_code=trust_remote_code,
-                parallel=parallel,
-                quantization=quantization,
-                thread_governor=thread_governor,
-            )
-        with llm:  # stops the worker ranks of a tensor-parallel model however this ends
-            if llm.engine.tensor_parallel_size > 1:
-                err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
-            if llm.thread_governor_off is not None:
-                err_console.print(f"thread governor: off ({llm.thread_governor_off})")
-            path = llm.engine.path
-            if path is not None:
-                from dlm.engine.transformers_backend import PATHS
-
-                err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
-            # Validate before decoding so a bad flag fails fast, not after tokenizer work.
-            prompt_tokens = llm.encode(source, chat=chat)
-            if suffix_text:
-                params = replace(params, suffix=tuple(llm.encode(suffix_text)))
-            resolved = llm.engine.validate(params, len(prompt_tokens))
-            decode = _generate_with_canvas if canvas else _generate_with_progress
-            outs = decode(llm, prompt_tokens, resolved)
-            out = outs[0]
-            if json_out:
-                emit_json(
-                    {
-                        "model": str(llm.model_dir),
-                        "prompt_ids": out.prompt_ids,
-                        "output_ids": out.output_ids,
-                        "completion_ids": out.completion_ids,
-                        "text": out.text,
-                        "nfe": out.nfe,
-                        "seconds": round(out.seconds, 6),
-                        "tokens_per_second": round(out.tokens_per_second, 3),
-                        "finish_reason": out.finish_reason,
-                        "query_lengths": out.query_lengths,
-                        "cache": out.cache,
-                        "tokens_fed": sum(out.query_lengths),
-                        "params": dict(resolved.__dict__),
-                        "dtype": str(llm.dtype).replace("torch.", ""),
-                        "quantization": llm.quantization,
-                        "device": str(llm.device),
-                        "backend": {"name": backend, "path": path},
-                        "tensor_parallel_size": llm.engine.tensor_parallel_size,
-                        "logprobs": _logprobs(out),
-                        **({"samples": [_sample(o) for o in outs]} if len(outs) > 1 else {}),
-                    }
+            if backend == "native":  # a text prompt's length is known once tokenised; a text suffix has a token
+                early = replace(params, suffix=params.suffix or ((0,) if suffix_text else ()))
+                dp.check_before_loading(
+                    checkpoint, early, len(source) if isinstance(source, list) else None, parallel.tensor_parallel_size
                 )
+
+            from dlm.engine.llm import LLM
+
+            if tp.run_worker(model, dtype, device, parallel, quantization=quantization):  # another node's rank
                 return
-            for o in outs:
-                if len(outs) > 1:
-                    err_console.print(f"[dim]sample {o.index}[/]")
-                typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
-            err_console.print(
-                f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
-                f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
-                f"finish_reason={out.finish_reason}[/]"
-            )
-            if llm.dtype_choice.requested == "auto":
-                err_console.print(f"[dim]dtype {llm.dtype_choice.name} (auto: {llm.dtype_choice.reason})[/]")
-            if llm.quantization is not None:
-                err_console.print(f"[dim]weights: {llm.quantization} (docs/quantization.md)[/]")
+            with err_console.status("loading model"):
+                llm = LLM(
+                    model,
+                    dtype=dtype,
+                    device=device,
+                    backend=backend,
+                    trust_remote_code=trust_remote_code,
+                    parallel=parallel,
+                    quantization=quantization,
+                    thread_governor=thread_governor,
+                )
+            with llm:  # stops the worker ranks of a tensor-parallel model however this ends
+                if llm.engine.tensor_parallel_size > 1:
+                    err_console.print(f"[dim]tensor parallel: {llm.engine.tensor_parallel_size} ranks ready[/]")
+                if llm.thread_governor_off is not None:
+                    err_console.print(f"thread governor: off ({llm.thread_governor_off})")
+                path = llm.engine.path
+                if path is not None:
+                    from dlm.engine.transformers_backend import PATHS
+
+                    err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
+                # Validate before decoding so a bad flag fails fast, not after tokenizer work.
+                prompt_tokens = llm.encode(source, chat=chat)
+                if suffix_text:
+                    params = replace(params, suffix=tuple(llm.encode(suffix_text)))
+                resolved = llm.engine.validate(params, len(prompt_tokens))
+                decode = _generate_with_canvas if canvas else _generate_with_progress
+                outs = decode(llm, prompt_tokens, resolved)
+                out = outs[0]
+                if json_out:
+                    emit_json(
+                        {
+                            "model": str(llm.model_dir),
+                            "prompt_ids": out.prompt_ids,
+                            "output_ids": out.output_ids,
+                            "completion_ids": out.completion_ids,
+                            "text": out.text,
+                            "nfe": out.nfe,
+                            "seconds": round(out.seconds, 6),
+                            "tokens_per_second": round(out.tokens_per_second, 3),
+                            "finish_reason": out.finish_reason,
+                            "query_lengths": out.query_lengths,
+                            "cache": out.cache,
+                            "tokens_fed": sum(out.query_lengths),
+                            "params": dict(resolved.__dict__),
+                            "dtype": str(llm.dtype).replace("torch.", ""),
+                            "quantization": llm.quantization,
+                            "device": str(llm.device),
+                            "backend": {"name": backend, "path": path},
+                            "tensor_parallel_size": llm.engine.tensor_parallel_size,
+                            "logprobs": _logprobs(out),
+                            **({"samples": [_sample(o) for o in outs]} if len(outs) > 1 else {}),
+                        }
+                    )
+                    return
+                for o in outs:
+                    if len(outs) > 1:
+                        err_console.print(f"[dim]sample {o.index}[/]")
+                    typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
+                err_console.print(
+                    f"[dim]{len(out.output_ids)} tokens, {out.nfe} forwards feeding {sum(out.query_lengths)} tokens "
+                    f"(cache {out.cache}), {out.seconds:.2f}s ({out.tokens_per_second:.1f} tok/s), "
+                    f"finish_reason={out.finish_reason}[/]"
+                )
+                if llm.dtype_choice.requested == "auto":
+                    err_console.print(f"[dim]dtype {llm.dtype_choice.name} (auto: {llm.dtype_choice.reason})[/]")
+                if llm.quantization is not None:
+                    err_console.print(f"[dim]weights: {llm.quantization} (docs/quantization.md)[/]")

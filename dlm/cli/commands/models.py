@@ -155,7 +155,7 @@ def rm(
     store: str | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
-    """Delete store versions; never the current or previous release of a deployment."""
+    """Delete store versions; never one a release or a running process holds."""
     with cli_errors():
         from dlm.cli.store.releases import remove_versions
         from dlm.cli.store.store import split_ref
@@ -163,8 +163,8 @@ def rm(
         name, version = split_ref(model)
         removed, kept = remove_versions(open_store(store), name, version, keep)
         if json_out:
-            emit_json({"removed": removed, "kept_released": kept})
+            emit_json({"removed": removed, "kept_released": list(kept)})
         for ref in removed:
             err_console.print(f"removed {ref}", highlight=False)
-        for ref in kept:
-            err_console.print(f"kept {ref} (released)", highlight=False)
+        for ref, role in kept.items():
+            err_console.print(f"kept {ref} (it is {role})", highlight=False)

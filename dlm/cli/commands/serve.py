@@ -40,55 +40,58 @@ def serve(
     and DLM_* variables; the command line wins."""
     flags = {**given(ctx, settings), "model": model}
     with cli_errors():
-        if model_path is not None:
-            if model is not None and model != model_path:
-                from dlm.engine.errors import UsageError
+        from dlm.cli.store.leases import holding
 
-                raise UsageError(f"MODEL ({model}) and --model-path ({model_path}) disagree: give one")
-            flags["model"] = model_path
-        from dlm.cli.server.config import load_config
-        from dlm.cli.store.resolve import resolve_model
+        with holding("dlm serve", "served"):  # a store version it resolves is leased while it runs
+            if model_path is not None:
+                if model is not None and model != model_path:
+                    from dlm.engine.errors import UsageError
 
-        config = load_config(config_file, flags)
-        if config.deployment is not None:
-            from dlm.cli.store.admin import running_server
-            from dlm.cli.store.releases import current_checkpoint
-            from dlm.cli.store_ui import open_store
-            from dlm.engine.errors import DlmError
+                    raise UsageError(f"MODEL ({model}) and --model-path ({model_path}) disagree: give one")
+                flags["model"] = model_path
+            from dlm.cli.server.config import load_config
+            from dlm.cli.store.resolve import resolve_model
 
-            store = open_store(str(config.store) if config.store is not None else None)  # a file: usage error
-            current_checkpoint(store, config.deployment)  # no store, no release: usage error now
-            other = running_server(store, config.deployment)
-            if other is not None:  # releases would hot-swap only one of the two
-                raise DlmError(
-                    f"deployment {config.deployment} is already served by process {other.pid} "
-                    f"(admin endpoint {other.admin_url}); one server per deployment and store"
-                )
-        elif config.backend == "native":  # settings the checkpoint refuses fail before it loads
-            from dlm.engine.config import load_config as model_config
+            config = load_config(config_file, flags)
+            if config.deployment is not None:
+                from dlm.cli.store.admin import running_server
+                from dlm.cli.store.releases import current_checkpoint
+                from dlm.cli.store_ui import open_store
+                from dlm.engine.errors import DlmError
 
-            config.check_model(model_config(resolve_model(config.model)))
-        else:
-            resolve_model(config.model)  # a wrong path is a usage error before anything starts
-        parallel = config.parallel()
-        if json_out:
-            emit_json(config.public())
-        else:
-            err_console.print("[bold]dlm serve[/] configuration:")
-            for key, value in config.public().items():
-                err_console.print(f"  {key} = {escape(str(value))}", highlight=False)
+                store = open_store(str(config.store) if config.store is not None else None)  # a file: usage error
+                current_checkpoint(store, config.deployment)  # no store, no release: usage error now
+                other = running_server(store, config.deployment)
+                if other is not None:  # releases would hot-swap only one of the two
+                    raise DlmError(
+                        f"deployment {config.deployment} is already served by process {other.pid} "
+                        f"(admin endpoint {other.admin_url}); one server per deployment and store"
+                    )
+            elif config.backend == "native":  # settings the checkpoint refuses fail before it loads
+                from dlm.engine.config import load_config as model_config
 
-        if tp.run_worker(
-            config.model,
-            config.dtype,
-            config.device,
-            parallel,  # not rank 0: no HTTP
-            config.gpu_memory_utilization,
-            config.quantization,
-        ):
-            return
+                config.check_model(model_config(resolve_model(config.model)))
+            else:
+                resolve_model(config.model)  # a wrong path is a usage error before anything starts
+            parallel = config.parallel()
+            if json_out:
+                emit_json(config.public())
+            else:
+                err_console.print("[bold]dlm serve[/] configuration:")
+                for key, value in config.public().items():
+                    err_console.print(f"  {key} = {escape(str(value))}", highlight=False)
 
-        from dlm.cli.server.run import serve as run_server
+            if tp.run_worker(
+                config.model,
+                config.dtype,
+                config.device,
+                parallel,  # not rank 0: no HTTP
+                config.gpu_memory_utilization,
+                config.quantization,
+            ):
+                return
 
-        code = run_server(config)
+            from dlm.cli.server.run import serve as run_server
+
+            code = run_server(config)
     raise typer.Exit(code)

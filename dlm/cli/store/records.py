@@ -242,3 +242,14 @@ class ServerRecord(Record):
     serving: str | None = None  # NAME@VERSION
     swapping: str | None = None  # NAME@VERSION being loaded by a hot swap
     swap_intent: str | None = None  # the journal entry that swap carries out
+
+
+# -- a running process's lease on a version it loaded ------------------------------------------
+class Lease(Ref):
+    """dlm/cli/store/leases.py: a process that resolved `model@version` to load it."""
+
+    pid: int
+    host: str  # where `pid` runs: only a lease of this host can be checked for a live process
+    command: str  # `dlm serve`, `dlm generate`, ...; or the program that called resolve_model
+    use: Literal["served", "loaded"]
+    since: str

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm.cli import interrupts
-from dlm.cli.store import admin
+from dlm.cli.store import admin, leases
 from dlm.cli.store.atomic import write_json_atomic
 from dlm.cli.store.records import (
     Action,
@@ -108,6 +108,7 @@ def transaction(store: Store, blocking: bool = True) -> Iterator[None]:
                 torn.unlink(missing_ok=True)
         for name in store.model_directories():  # a fetch's leftovers too, with no version yet
             store.clear_leftovers(name)
+        leases.clear_stale(store)  # the leases of processes that died
         for state in readable_states(store)[0]:
             if state.pending is not None:
                 _settle(store, state.deployment)
@@ -174,9 +175,11 @@ def release_stack(history: list[Event]) -> list[tuple[str, str]]:
 
 def protected_versions(store: Store) -> dict[tuple[str, str], str]:
     """Versions `rm` must keep, with the reason: each deployment's current and previous
-    release, both ends of a swap in progress, and whatever a live server serves or loads.
-    A deployment whose record is corrupt protects nothing: what it held cannot be known
-    (its server, if one runs, still protects what it serves)."""
+    release, both ends of a swap in progress, whatever a live server serves or loads, and
+    every version a live process leased as it loaded it (dlm/cli/store/leases.py: a plain
+    `dlm serve NAME@VERSION`, `dlm generate`, `dlm batch`). A deployment whose record is
+    corrupt protects nothing: what it held cannot be known (its server, if one runs, still
+    protects what it serves)."""
     kept: dict[tuple[str, str], str] = {}
     for state in readable_states(store)[0]:
         name = state.deployment
@@ -190,6 +193,8 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
             if served:
                 model, _, version = served.partition("@")
                 kept.setdefault((model, version), f"served by the server of deployment {record.deployment}")
+    for lease in leases.live_leases(store):
+        kept.setdefault((lease.model, lease.version), leases.holder(lease))
     return kept
 
 
@@ -369,10 +374,10 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
         raise DlmError(f"deployment {deployment!r} has no earlier good release to roll back to{detail}")
 
 
-def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], list[str]]:
+def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], dict[str, str]]:
     """Delete one version (`version`, a corrupt one included), or all but the newest `keep`
     readable ones, failed ones counted last (a corrupt version is removed only by naming it); never a version that
-    `protected_versions` names. Returns (removed, kept-because-released)."""
+    `protected_versions` names. Returns (removed, {kept because protected: what protects it})."""
     if (version is None) == (keep is None):
         raise UsageError("give MODEL@VERSION, or MODEL with --keep N")
     if keep is not None and keep < 0:
@@ -384,7 +389,7 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
             pending = [f for f in store.incomplete_fetches(name) if f.version == version]
             if pending and not (store.version_dir(name, version) / MANIFEST).exists():
                 store.discard_incomplete(pending[0])  # a download never published: no release holds it
-                return [pending[0].ref], []
+                return [pending[0].ref], {}
             found = store.lookup(f"{name}@{version}")
             role = protected.get((found.name, found.version))
             if role:
@@ -398,10 +403,11 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
             # of one that can (`--keep 1` over a good v1 and a failed v2 removed the good one).
             ranked = [m for m in manifests if m.state == "failed"] + [m for m in manifests if m.state != "failed"]
             targets = list(ranked[: max(0, len(ranked) - (keep or 0))])
-        removed, kept = [], []
+        removed, kept = [], {}
         for target in targets:
-            if (target.name, target.version) in protected:
-                kept.append(target.ref)
+            role = protected.get((target.name, target.version))
+            if role:
+                kept[target.ref] = role
                 continue
             store.remove(target.name, target.version)
             removed.append(target.ref)

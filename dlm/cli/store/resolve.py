@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+from dlm.cli.store import leases
 from dlm.cli.store.hashing import sha256_file
 from dlm.cli.store.store import NAME_RE, Manifest, Store
 from dlm.engine.errors import DlmError, UsageError
@@ -14,20 +16,36 @@ CONFIG = "config.json"
 
 def resolve_model(spec: str | Path | None) -> Path:
     """None -> the embedded default model; an existing checkpoint directory; or a store
-    name, `NAME` (its newest verified version) or `NAME@VERSION`."""
+    name, `NAME` (its newest verified version) or `NAME@VERSION`, leased to this process
+    (dlm/cli/store/leases.py) so that `dlm rm` keeps it while the process runs."""
     path = checkpoint_dir(spec)
     if path is not None:
         return path
     name = str(spec).partition("@")[0]
     store = Store()
     if NAME_RE.match(name) and store.model_dir(name).is_dir():
-        manifest = store.find(str(spec))
-        if (failure := manifest.failure()) is not None:  # NAME@VERSION of a damaged version
-            raise DlmError(failure)
+        try:
+            # Found and leased under the store lock, under which `rm` decides: either the
+            # version is gone before it is found here, or `rm` sees the lease and keeps it.
+            with store.lock():
+                manifest = _loadable(store, str(spec))
+                leases.take(store, manifest)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            manifest = _loadable(store, str(spec))  # a store this process may not write: no lease
         directory = store.files_dir(manifest.name, manifest.version)
         check_config(manifest, directory)
         return directory
     raise UsageError(f"no model at {spec!r}: not a directory, nor a model in the store at {store.root}")
+
+
+def _loadable(store: Store, spec: str) -> Manifest:
+    """The version `spec` names, unless its last verification failed."""
+    manifest = store.find(spec)
+    if (failure := manifest.failure()) is not None:  # NAME@VERSION of a damaged version
+        raise DlmError(failure)
+    return manifest
 
 
 def check_config(manifest: Manifest, directory: Path) -> None:

@@ -1,0 +1,130 @@
+"""Leases: the record that a running process uses a store version, so that `rm` keeps it.
+
+A deployment's server records what it serves (dlm/cli/store/admin.py), but a plain
+`dlm serve NAME@VERSION`, `dlm generate`, `dlm batch` or a Python program that resolved a
+store name (`dlm.cli.store.resolve.resolve_model`) reads a version's files for as long as it
+runs with no deployment naming it: `dlm rm` deleted the files under a live server. So the
+resolver takes a lease, `<store>/.leases/<pid>-<token>.json` (`records.Lease`: the version,
+pid, host, command), under the store-wide lock and only once it has found the version there;
+`rm` decides under the same lock (`releases.protected_versions`), so either the version was
+removed first (the resolver then finds none) or `rm` sees the lease and refuses.
+
+A lease counts while its process lives. A process that dies leaves its lease behind (a
+command ends with `os._exit`, a SIGKILL): one whose pid is dead is ignored, and removed by the
+next store transaction. A lease written on another host (a store shared between machines)
+cannot be checked and counts as live until it is deleted. A command drops its leases when it
+ends (`holding`); a Python program keeps its leases until it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from dlm.cli.store.admin import alive
+from dlm.cli.store.atomic import write_json_atomic
+from dlm.cli.store.records import CorruptRecord, Lease, Manifest, read_record
+from dlm.cli.store.store import Store, now
+
+LEASES = ".leases"
+HOST = socket.gethostname()
+
+Use = Literal["served", "loaded"]
+# This process's leases, (store root, NAME@VERSION) -> its file: one lease per version, however
+# often the name is resolved (`dlm serve` resolves MODEL before it starts and as it loads).
+_taken: dict[tuple[Path, str], Path] = {}
+_holder: tuple[str, Use] | None = None  # set by `holding`; None: a Python program
+
+
+def _program() -> str:
+    """What this process runs, for a lease taken outside a command (`holding`): the script,
+    or `python` (for `python -c`, stdin)."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name and not name.startswith("-") else "python"
+
+
+def lease_dir(store: Store) -> Path:
+    return store.root / LEASES
+
+
+def take(store: Store, manifest: Manifest) -> None:
+    """Lease `manifest`'s version for this process (the caller holds the store lock and has
+    just found the version under it)."""
+    key = (store.root, manifest.ref)
+    if key in _taken and _taken[key].exists():
+        return
+    command, use = _holder or (_program(), "loaded")
+    lease = Lease(
+        model=manifest.name,
+        version=manifest.version,
+        pid=os.getpid(),
+        host=HOST,
+        command=command,
+        use=use,
+        since=now(),
+    )
+    path = lease_dir(store) / f"{os.getpid()}-{secrets.token_hex(6)}.json"
+    write_json_atomic(path, lease.to_json())
+    _taken[key] = path
+
+
+@contextmanager
+def holding(command: str, use: Use = "loaded") -> Iterator[None]:
+    """For the block, leases name `command` (`dlm serve`) and what it does with the version;
+    the leases taken in it are dropped when it ends: the command no longer reads the files."""
+    global _holder
+    before, earlier = set(_taken), _holder
+    _holder = (command, use)
+    try:
+        yield
+    finally:
+        _holder = earlier
+        for key in set(_taken) - before:
+            _taken.pop(key).unlink(missing_ok=True)
+
+
+def _records(store: Store) -> Iterator[tuple[Path, Lease | None]]:
+    """Every lease file, with its record (None: corrupt)."""
+    directory = lease_dir(store)
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            yield path, read_record(path, Lease)
+        except FileNotFoundError:  # dropped since the listing
+            continue
+        except CorruptRecord:
+            yield path, None
+
+
+def _live(lease: Lease) -> bool:
+    return lease.host != HOST or alive(lease.pid)
+
+
+def live_leases(store: Store) -> list[Lease]:
+    """The leases whose process may still run (a corrupt one counts as none: only a process
+    that resolved a version writes one, atomically)."""
+    return [lease for _, lease in _records(store) if lease is not None and _live(lease)]
+
+
+def holder(lease: Lease) -> str:
+    """Who holds it, as `rm` and `dlm models` name it: 'served by pid 12 (dlm serve)'."""
+    where = "" if lease.host == HOST else f" on {lease.host}"
+    return f"{lease.use} by pid {lease.pid}{where} ({lease.command})"
+
+
+def clear_stale(store: Store) -> None:
+    """Remove the leases of dead processes, corrupt ones and torn temporaries (the caller
+    holds the store lock, under which every lease is written)."""
+    directory = lease_dir(store)
+    if not directory.is_dir():
+        return
+    for torn in directory.glob(".*.tmp"):
+        torn.unlink(missing_ok=True)
+    for path, lease in _records(store):
+        if lease is None or not _live(lease):
+            path.unlink(missing_ok=True)

@@ -1,0 +1,104 @@
+"""Leases (dlm/cli/store/leases.py): a process that resolved a store version keeps it from
+`dlm rm` while it runs, a plain `dlm serve NAME@VERSION` included; a dead holder's lease
+counts for nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlm.cli.store import leases
+from dlm.cli.store.fetch import fetch
+from dlm.cli.store.records import Lease
+from dlm.cli.store.releases import protected_versions, remove_versions, transaction
+from dlm.cli.store.resolve import resolve_model
+from dlm.cli.store.store import Store, now
+from dlm.engine.errors import DlmError
+from tests.weights_helpers import cli, make_checkpoint, make_checkpoints
+
+
+@pytest.fixture
+def stocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Store, list[str]]:
+    """The default store (DLM_HOME under tmp_path) with two verified versions of model `c`."""
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DLM_STORE", raising=False)
+    store = Store()
+    sources = make_checkpoints(tmp_path / "src", count=2)
+    return store, [fetch(str(s), store, name="c").manifest.version for s in sources]
+
+
+def test_a_resolved_version_is_kept_by_rm_while_its_holder_runs(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, v2) = stocked
+    with leases.holding("dlm generate"):
+        assert resolve_model(f"c@{v1}") == store.files_dir("c", v1)
+        code, _, stderr = cli("rm", f"c@{v1}", "--store", str(store.root))
+        assert code == 1 and stderr.count("\n") == 1
+        assert stderr.startswith(f"error: refusing to remove c@{v1}: it is loaded by pid ")
+        assert "(dlm generate)" in stderr and store.files_dir("c", v1).is_dir()
+        code, stdout, stderr = cli("rm", "c", "--keep", "0", "--json", "--store", str(store.root))
+        assert code == 0 and json.loads(stdout) == {"removed": [f"c@{v2}"], "kept_released": [f"c@{v1}"]}
+        assert f"kept c@{v1} (it is loaded by pid" in stderr
+        listed = json.loads(cli("models", "--json", "--store", str(store.root))[1])["models"][0]["versions"]
+        assert listed[0]["release_role"].startswith("loaded by pid ")  # the holder, in the listing too
+    assert not list(leases.lease_dir(store).glob("*.json"))  # the command ended: its lease went
+    assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
+
+
+def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, _) = stocked
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lease_dir = leases.lease_dir(store)
+    lease_dir.mkdir()
+    record = Lease(
+        model="c", version=v1, pid=dead.pid, host=leases.HOST, command="dlm serve", use="served", since=now()
+    )
+    (lease_dir / f"{dead.pid}-0.json").write_text(json.dumps(record.to_json()))
+    (lease_dir / "1-corrupt.json").write_text("{")  # only a dlm process writes one, atomically: counts as none
+    assert protected_versions(store) == {}
+    with transaction(store):
+        pass
+    assert not list(lease_dir.iterdir())
+    # The same record with a live pid (this one) protects the version.
+    alive = record.model_copy(update={"pid": os.getpid()})
+    (lease_dir / "live.json").write_text(json.dumps(alive.to_json()))
+    assert protected_versions(store) == {("c", v1): f"served by pid {alive.pid} (dlm serve)"}
+    foreign = record.model_copy(update={"host": "elsewhere"})  # its pid cannot be checked from here
+    (lease_dir / "live.json").write_text(json.dumps(foreign.to_json()))
+    with pytest.raises(DlmError, match=f"served by pid {dead.pid} on elsewhere"):
+        remove_versions(store, "c", v1, None)
+
+
+def test_a_version_removed_first_is_not_leased(stocked: tuple[Store, list[str]]) -> None:
+    """rm and a starting process decide under the store lock: once rm has won, the
+    resolver finds no version (and leases nothing)."""
+    store, (v1, _) = stocked
+    remove_versions(store, "c", v1, None)
+    with leases.holding("dlm serve", "served"), pytest.raises(Exception, match="has no version"):
+        resolve_model(f"c@{v1}")
+    assert not leases.lease_dir(store).exists() or not list(leases.lease_dir(store).glob("*.json"))
+
+
+@pytest.mark.slow
+def test_rm_refuses_the_version_a_plain_server_serves(tmp_path: Path) -> None:
+    from tests.serving import ready_server
+
+    home = tmp_path / "home"
+    store = Store(home / "store")
+    version = fetch(str(make_checkpoint(tmp_path / "src", shards=1)), store, name="c").manifest.version
+    env = {**os.environ, "DLM_HOME": str(home), "DLM_STORE": ""}
+    rm = [sys.executable, "-m", "dlm", "rm", f"c@{version}"]
+    with ready_server([f"c@{version}"], home) as server:
+        refused = subprocess.run(rm, capture_output=True, text=True, env=env, timeout=120)
+        assert refused.returncode == 1, refused.stderr
+        assert f"served by pid {server.proc.pid} (dlm serve)" in refused.stderr
+        assert store.files_dir("c", version).is_dir()
+        assert server.http.get(server.url + "/health").status_code == 200
+    removed = subprocess.run(rm, capture_output=True, text=True, env=env, timeout=120)
+    assert removed.returncode == 0, removed.stderr
+    assert not store.version_dir("c", version).exists()
