@@ -128,6 +128,28 @@ def test_release_requires_a_verified_intact_version(stocked: tuple[Store, list[s
     assert _current(store) is None
 
 
+def test_models_lists_a_version_damaged_since_its_verification(stocked: tuple[Store, list[str]]) -> None:
+    """`dlm models` stats each file against its manifest (the size check `release` makes): a
+    truncated or deleted file shows the version as damaged, not as its last record says."""
+    store, (v1, v2, v3) = stocked
+    root = str(store.root)
+    (store.files_dir("m", v2) / "model.safetensors").write_bytes(b"\0" * 1000)
+    (store.files_dir("m", v3) / "config.json").unlink()
+    code, stdout, _ = cli("models", "--json", "--store", root)
+    versions = {v["version"]: v for v in json.loads(stdout)["models"][0]["versions"]}
+    assert code == 0 and versions[v1]["state"] == "verified" and "reason" not in versions[v1]
+    for version, file in ((v2, "model.safetensors"), (v3, "config.json")):
+        assert versions[version]["state"] == "damaged"
+        reason = versions[version]["reason"]
+        assert reason.startswith(f"{file} is missing or changed size since it was verified: `dlm verify m@{version}`")
+        assert "--name m` repairs it" in reason and f"`dlm rm m@{version}`" in reason
+    code, stdout, _ = cli("models", "--store", root)
+    row = next(line for line in stdout.splitlines() if f"m@{v2}" in line)
+    assert code == 0 and row.split("│")[2].strip() == "damaged"  # the state column
+    code, _, stderr = cli("release", f"m@{v2}", "--store", root)  # the same check, the same finding
+    assert code == 1 and "model.safetensors is missing or changed size since it was verified" in stderr
+
+
 def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None:
     store, (v1, v2, v3) = stocked
     release(store, f"m@{v1}")

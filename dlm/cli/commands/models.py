@@ -33,6 +33,25 @@ def _settled_listing(store: Any) -> dict[str, Any]:
         return _listing(store)
 
 
+def _state(store: Any, manifest: Any) -> tuple[str, str | None]:
+    """A version's state as listed, and why it cannot be used (None when it can): `failed`
+    with its last verification's findings, or `damaged` when a file is missing or of another
+    size than its manifest records (`Store.size_damage`: a stat, no hashing), whatever its
+    last verification said, with the commands that record the damage and repair it."""
+    if manifest.state == "failed":
+        return "failed", manifest.problems()
+    damage = store.size_damage(manifest)
+    if damage is None:
+        return manifest.state, None
+    from dlm.cli.store.records import fetch_command
+
+    ref = manifest.ref
+    return "damaged", (
+        f"{damage}: `dlm verify {ref}` records the damage, then `{fetch_command(manifest.name, manifest.source)}` "
+        f"repairs it (or `dlm rm {ref}`)"
+    )
+
+
 def _listing(store: Any) -> dict[str, Any]:
     """Every version and deployment; a corrupt record is listed as such, with the reason."""
     from dlm.cli.store.releases import protected_versions, readable_states
@@ -41,20 +60,21 @@ def _listing(store: Any) -> dict[str, Any]:
     models = []
     for name in store.models():
         manifests, corrupt = store.versions(name)
+        listed = [(m, *_state(store, m)) for m in manifests]
         versions = [
             {
                 "version": m.version,
                 "ref": m.ref,
-                "state": m.state,
+                "state": state,
                 "total_size": m.total_size,
                 "files": len(m.files),
                 "fetched_at": m.fetched_at,
                 "verified_at": m.verification.at if m.verification else None,
                 "source": m.source.to_json(),
                 "release_role": roles.get((name, m.version)),
-                **({"reason": m.problems()} if m.state == "failed" else {}),
+                **({"reason": reason} if reason is not None else {}),
             }
-            for m in manifests
+            for m, state, reason in listed
         ]
         versions += [
             {
@@ -105,7 +125,9 @@ def models(store: str | None = STORE_OPTION, json_out: bool = JSON_OPTION) -> No
             table.add_column(column, overflow="fold")
         for model in listing["models"]:
             for v in model["versions"]:
-                color = {"verified": "green", "failed": "red", "corrupt": "red"}.get(v["state"], "yellow")
+                color = {"verified": "green", "failed": "red", "corrupt": "red", "damaged": "red"}.get(
+                    v["state"], "yellow"
+                )
                 table.add_row(
                     v["ref"],
                     f"[{color}]{v['state']}[/]",

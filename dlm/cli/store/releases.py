@@ -275,14 +275,11 @@ def _usable(store: Store, manifest: Manifest) -> None:
         raise DlmError(failure)
     if not manifest.verified:
         raise DlmError(f"{ref} is {manifest.state}; run `dlm verify {ref}` first")
-    root = store.files_dir(manifest.name, manifest.version)
-    for entry in manifest.files:
-        path = root / entry.path
-        if not path.is_file() or path.stat().st_size != entry.size:
-            raise DlmError(
-                f"{ref}: {entry.path} is missing or changed size since it was verified; run `dlm verify {ref}`"
-            )
-    check_config(manifest, root)  # the file every load reads first, by its sha256 (it is small)
+    if (damage := store.size_damage(manifest)) is not None:
+        raise DlmError(f"{ref}: {damage}; run `dlm verify {ref}`")
+    check_config(
+        manifest, store.files_dir(manifest.name, manifest.version)
+    )  # the file every load reads first, by its sha256 (it is small)
 
 
 def _switch(store: Store, deployment: str, action: Action, manifest: Manifest, state: DeploymentState) -> Outcome:

@@ -404,6 +404,24 @@ class Store:
             raise CorruptRecord(path, f"{found.reason} (`dlm rm {found.ref}` removes it)")
         return found
 
+    def size_damage(self, manifest: Manifest) -> str | None:
+        """The first file of `manifest`'s version that is missing or not of the size its
+        manifest records, as a finding ("model.safetensors is missing or changed size since
+        it was verified"); None when each is there at its size. A stat per file, no hashing
+        (that is `dlm verify`): cheap enough for every listing, and what catches a truncated
+        or deleted file that the last verification's record cannot know of."""
+        root = self.files_dir(manifest.name, manifest.version)
+        since = "fetched" if manifest.verification is None else "verified"
+        for entry in manifest.files:
+            path = root / entry.path
+            try:
+                intact = path.is_file() and path.stat().st_size == entry.size
+            except OSError:  # a directory on the way that cannot be searched: no file to load either
+                intact = False
+            if not intact:
+                return f"{entry.path} is missing or changed size since it was {since}"
+        return None
+
     # -- writing ------------------------------------------------------------------------
     def staging(self, name: str, key: str | None = None) -> Path:
         """A staging directory: named by `key` when a rerun should resume it (hub downloads),
