@@ -70,8 +70,9 @@ def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tupl
     assert protected_versions(store) == {("c", v1): f"served by pid {alive.pid} (dlm serve)"}
     foreign = record.model_copy(update={"host": "elsewhere"})  # its pid cannot be checked from here
     (lease_dir / "live.json").write_text(json.dumps(foreign.to_json()))
-    with pytest.raises(DlmError, match=f"served by pid {dead.pid} on elsewhere"):
+    with pytest.raises(DlmError, match=f"served by pid {dead.pid} on elsewhere") as refused:
         remove_versions(store, "c", v1, None)
+    assert f"if it runs no more, delete {lease_dir / 'live.json'}" in str(refused.value)  # how to clear it
 
 
 def test_a_version_removed_first_is_not_leased(stocked: tuple[Store, list[str]]) -> None:

@@ -105,16 +105,19 @@ def _live(lease: Lease) -> bool:
     return lease.host != HOST or alive(lease.pid)
 
 
-def live_leases(store: Store) -> list[Lease]:
-    """The leases whose process may still run (a corrupt one counts as none: only a process
-    that resolved a version writes one, atomically)."""
-    return [lease for _, lease in _records(store) if lease is not None and _live(lease)]
+def live_leases(store: Store) -> list[tuple[Path, Lease]]:
+    """The leases whose process may still run, with their files (a corrupt one counts as none:
+    only a process that resolved a version writes one, atomically)."""
+    return [(path, lease) for path, lease in _records(store) if lease is not None and _live(lease)]
 
 
-def holder(lease: Lease) -> str:
-    """Who holds it, as `rm` and `dlm models` name it: 'served by pid 12 (dlm serve)'."""
-    where = "" if lease.host == HOST else f" on {lease.host}"
-    return f"{lease.use} by pid {lease.pid}{where} ({lease.command})"
+def holder(path: Path, lease: Lease) -> str:
+    """Who holds it, as `rm` and `dlm models` name it: 'served by pid 12 (dlm serve)'. One of
+    another host cannot be checked here: the file to delete once that host runs it no more
+    (a pod killed outright leaves its lease) is named."""
+    if lease.host == HOST:
+        return f"{lease.use} by pid {lease.pid} ({lease.command})"
+    return f"{lease.use} by pid {lease.pid} on {lease.host} ({lease.command}; if it runs no more, delete {path})"
 
 
 def clear_stale(store: Store) -> None:

@@ -193,8 +193,8 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
             if served:
                 model, _, version = served.partition("@")
                 kept.setdefault((model, version), f"served by the server of deployment {record.deployment}")
-    for lease in leases.live_leases(store):
-        kept.setdefault((lease.model, lease.version), leases.holder(lease))
+    for path, lease in leases.live_leases(store):
+        kept.setdefault((lease.model, lease.version), leases.holder(path, lease))
     return kept
 
 
