@@ -232,7 +232,11 @@ def test_a_corrupt_deployment_file_affects_only_its_deployment(content: str, sto
     code, stdout, _ = cli("models", "--store", root)
     assert code == 0 and "deployment other: corrupt" in stdout
     assert cli("release", f"m@{v3}", "--store", root)[0] == 0
-    assert cli("rm", f"m@{v1}", "--store", root)[0] == 0  # protected by nothing readable now
+    # what the corrupt record releases cannot be known: rm removes nothing until it is restored
+    for rm in (["rm", f"m@{v1}"], ["rm", "m", "--keep", "0"]):
+        code, _, stderr = cli(*rm, "--store", root)
+        assert code == 1 and "other.json is corrupt" in " ".join(stderr.split()), (rm, stderr)
+        assert store.version_dir("m", v1).is_dir()
     for args in (["release", f"m@{v3}", "-d", "other"], ["rollback", "-d", "other"]):
         code, _, stderr = cli(*args, "--store", root)
         assert code == 1 and "other.json is corrupt" in " ".join(stderr.split()), (args, stderr)

@@ -371,6 +371,20 @@ def rollback(store: Store, deployment: str = DEFAULT_DEPLOYMENT, to: str | None 
         raise DlmError(f"deployment {deployment!r} has no earlier good release to roll back to{detail}")
 
 
+def _releases_knowable(store: Store) -> None:
+    """Refuse to remove a version while a deployment's record is corrupt: which versions it
+    releases cannot be known, and once the record is restored its current release must still
+    be there (rm removed it, as protected by nothing, before)."""
+    corrupt = readable_states(store)[1]
+    if corrupt:
+        deployment, why = next(iter(corrupt.items()))
+        raise DlmError(
+            f"deployment {deployment}'s record {state_path(store, deployment)} is corrupt ({why}): the versions "
+            "it releases cannot be known, so rm removes none until it is restored (or deleted, to start "
+            "that deployment afresh)"
+        )
+
+
 def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], dict[str, str]]:
     """Delete one version (`version`, a corrupt one included), or all but the newest `keep`
     readable ones, failed ones counted last (a corrupt version is removed only by naming it); never a version that
@@ -387,12 +401,14 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
             if pending and not (store.version_dir(name, version) / MANIFEST).exists():
                 store.discard_incomplete(pending[0])  # a download never published: no release holds it
                 return [pending[0].ref], {}
+            _releases_knowable(store)
             found = store.lookup(f"{name}@{version}")
             role = protected.get((found.name, found.version))
             if role:
                 raise DlmError(f"refusing to remove {found.ref}: it is {role}")
             targets = [found]
         else:
+            _releases_knowable(store)
             manifests, corrupt = store.versions(name)
             if not manifests and not corrupt:
                 raise UsageError(f"no model named {name!r} in the store at {store.root}")
