@@ -178,8 +178,8 @@ def protected_versions(store: Store) -> dict[tuple[str, str], str]:
     release, both ends of a swap in progress, whatever a live server serves or loads, and
     every version a live process leased as it loaded it (dlm/cli/store/leases.py: a plain
     `dlm serve NAME@VERSION`, `dlm generate`, `dlm batch`). A deployment whose record is
-    corrupt protects nothing: what it held cannot be known (its server, if one runs, still
-    protects what it serves)."""
+    corrupt names nothing here (what it holds cannot be known): `rm` refuses to run beside
+    it (`_releases_knowable`)."""
     kept: dict[tuple[str, str], str] = {}
     for state in readable_states(store)[0]:
         name = state.deployment
