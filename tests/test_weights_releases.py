@@ -18,6 +18,7 @@ import pytest
 from dlm.cli.store import admin
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.releases import Outcome, current_checkpoint, load_state, release, remove_versions, rollback
+from dlm.cli.store.resolve import resolve_model
 from dlm.cli.store.store import Store
 from dlm.engine.errors import DlmError, UsageError
 from tests.weights_helpers import ROOT, cli, make_checkpoints
@@ -128,7 +129,9 @@ def test_release_requires_a_verified_intact_version(stocked: tuple[Store, list[s
     assert _current(store) is None
 
 
-def test_models_lists_a_version_damaged_since_its_verification(stocked: tuple[Store, list[str]]) -> None:
+def test_models_lists_a_version_damaged_since_its_verification(
+    stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`dlm models` stats each file against its manifest (the size check `release` makes): a
     truncated or deleted file shows the version as damaged, not as its last record says."""
     store, (v1, v2, v3) = stocked
@@ -141,13 +144,20 @@ def test_models_lists_a_version_damaged_since_its_verification(stocked: tuple[St
     for version, file in ((v2, "model.safetensors"), (v3, "config.json")):
         assert versions[version]["state"] == "damaged"
         reason = versions[version]["reason"]
-        assert reason.startswith(f"{file} is missing or changed size since it was verified: `dlm verify m@{version}`")
+        assert reason.startswith(
+            f"m@{version}: {file} is missing or changed size since it was verified: `dlm verify m@{version}`"
+        )
         assert "--name m` repairs it" in reason and f"`dlm rm m@{version}`" in reason
     code, stdout, _ = cli("models", "--store", root)
     row = next(line for line in stdout.splitlines() if f"m@{v2}" in line)
     assert code == 0 and row.split("│")[2].strip() == "damaged"  # the state column
     code, _, stderr = cli("release", f"m@{v2}", "--store", root)  # the same check, the same finding
     assert code == 1 and "model.safetensors is missing or changed size since it was verified" in stderr
+    # and loading it (MODEL as a store name): refused with the finding and its fixes; it failed in
+    # the loader (a truncated safetensors header), naming no fix
+    monkeypatch.setenv("DLM_STORE", root)
+    with pytest.raises(DlmError, match=f"m@{v2}: model.safetensors is missing or changed size .* repairs it"):
+        resolve_model(f"m@{v2}")
 
 
 def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None:

@@ -36,20 +36,11 @@ def _settled_listing(store: Any) -> dict[str, Any]:
 def _state(store: Any, manifest: Any) -> tuple[str, str | None]:
     """A version's state as listed, and why it cannot be used (None when it can): `failed`
     with its last verification's findings, or `damaged` when a file is missing or of another
-    size than its manifest records (`Store.size_damage`: a stat, no hashing), whatever its
-    last verification said, with the commands that record the damage and repair it."""
+    size than its manifest records (`Store.size_damage`), whatever its last verification said."""
     if manifest.state == "failed":
         return "failed", manifest.problems()
     damage = store.size_damage(manifest)
-    if damage is None:
-        return manifest.state, None
-    from dlm.cli.store.records import fetch_command
-
-    ref = manifest.ref
-    return "damaged", (
-        f"{damage}: `dlm verify {ref}` records the damage, then `{fetch_command(manifest.name, manifest.source)}` "
-        f"repairs it (or `dlm rm {ref}`)"
-    )
+    return ("damaged", damage) if damage is not None else (manifest.state, None)
 
 
 def _listing(store: Any) -> dict[str, Any]:

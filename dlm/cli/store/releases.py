@@ -276,7 +276,7 @@ def _usable(store: Store, manifest: Manifest) -> None:
     if not manifest.verified:
         raise DlmError(f"{ref} is {manifest.state}; run `dlm verify {ref}` first")
     if (damage := store.size_damage(manifest)) is not None:
-        raise DlmError(f"{ref}: {damage}; run `dlm verify {ref}`")
+        raise DlmError(damage)
     check_config(
         manifest, store.files_dir(manifest.name, manifest.version)
     )  # the file every load reads first, by its sha256 (it is small)

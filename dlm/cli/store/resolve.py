@@ -41,9 +41,10 @@ def resolve_model(spec: str | Path | None) -> Path:
 
 
 def _loadable(store: Store, spec: str) -> Manifest:
-    """The version `spec` names, unless its last verification failed."""
+    """The version `spec` names, unless its last verification failed or a file has gone or
+    changed size since (a truncated shard failed in the loader, naming no fix)."""
     manifest = store.find(spec)
-    if (failure := manifest.failure()) is not None:  # NAME@VERSION of a damaged version
+    if (failure := manifest.failure() or store.size_damage(manifest)) is not None:
         raise DlmError(failure)
     return manifest
 

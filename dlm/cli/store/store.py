@@ -406,8 +406,10 @@ class Store:
 
     def size_damage(self, manifest: Manifest) -> str | None:
         """The first file of `manifest`'s version that is missing or not of the size its
-        manifest records, as a finding ("model.safetensors is missing or changed size since
-        it was verified"); None when each is there at its size. A stat per file, no hashing
+        manifest records, as a finding with its fixes ("m@V: model.safetensors is missing or
+        changed size since it was verified: `dlm verify m@V` records ..."); None when each is
+        there at its size. Every use of a version checks it (release, rollback, resolving
+        MODEL, the listing). A stat per file, no hashing
         (that is `dlm verify`): cheap enough for every listing, and what catches a truncated
         or deleted file that the last verification's record cannot know of."""
         root = self.files_dir(manifest.name, manifest.version)
@@ -419,7 +421,12 @@ class Store:
             except OSError:  # a directory on the way that cannot be searched: no file to load either
                 intact = False
             if not intact:
-                return f"{entry.path} is missing or changed size since it was {since}"
+                ref = manifest.ref
+                return (
+                    f"{ref}: {entry.path} is missing or changed size since it was {since}: `dlm verify {ref}` "
+                    f"records the damage, then `{fetch_command(manifest.name, manifest.source)}` repairs it "
+                    f"(or `dlm rm {ref}`)"
+                )
         return None
 
     # -- writing ------------------------------------------------------------------------
