@@ -506,7 +506,11 @@ class GenerationParams:
                 field="cache",
             )
         if p.mode != "diffusion" and not family.block_causal:
-            raise Unsupported(f"mode {p.mode!r} is not available for this model family", field="mode")
+            raise Unsupported(
+                f"mode {p.mode!r} is not available for {family.name} models (one token per forward over "
+                "a block cache: block-causal families only)",
+                field="mode",
+            )
         if p.suffix:
             require(family, "suffix")
         if p.logprobs is not None:

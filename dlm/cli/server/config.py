@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from dlm.cli.text_files import load_yaml, read_text
 from dlm.engine.errors import UsageError
-from dlm.engine.params import DEFAULTS
+from dlm.engine.params import DEFAULTS, MODES
 from dlm.engine.quantization import CHOICES as QUANTIZATION_CHOICES
 
 GEN_LENGTH = DEFAULTS["gen_length"]  # a request's length when neither it nor the server says
@@ -167,6 +167,11 @@ class ServeConfig(BaseModel):
     block_length: Annotated[int | None, Cli(shown="the family's")] = Field(
         None, ge=1, description="Block length when a request gives none."
     )
+    decode_mode: str = Field(
+        DEFAULTS["mode"],
+        description=f"{'|'.join(MODES)}: decoding mode of requests that send no decode_mode (ar: block-causal "
+        "families only; refused at start on others).",
+    )
     max_model_len: Annotated[int | None, Cli(shown="the model's, at most max-num-batched-tokens")] = Field(
         None, ge=2, description="Prompt + generation limit."
     )
@@ -251,6 +256,15 @@ class ServeConfig(BaseModel):
 
         return [ipaddress.ip_network(n, strict=False) for n in self.allowed_ips]
 
+    @field_validator("decode_mode")
+    @classmethod
+    def _decode_mode(cls, value: str) -> str:
+        """The request field's choices (GenerationParams.mode): the family's refusal of a
+        mode comes later, from the checkpoint (`check_defaults`)."""
+        if value not in MODES:
+            raise ValueError(f"must be one of {', '.join(MODES)}")
+        return value
+
     @field_validator("step_graphs")
     @classmethod
     def _graphs(cls, value: str) -> str:
@@ -318,11 +332,16 @@ class ServeConfig(BaseModel):
 
     def decoding_params(self, given: dict[str, Any]) -> GenerationParams:
         """A request's decoding fields (`given`, by GenerationParams name) with this server's
-        defaults for what it leaves out: the length, the block length, per-block steps (unless
-        it gives a step count), and --max-steps, which every request gets."""
+        defaults for what it leaves out: the length, the block length, the decoding mode,
+        per-block steps (unless it gives a step count), and --max-steps, which every request
+        gets."""
         from dlm.engine.params import GenerationParams
 
-        defaults: dict[str, Any] = {"gen_length": self.default_gen_length, "block_length": self.block_length}
+        defaults: dict[str, Any] = {
+            "gen_length": self.default_gen_length,
+            "block_length": self.block_length,
+            "mode": self.decode_mode,
+        }
         if "steps" not in given and not GenerationParams(**given).edits:  # draft-and-edit bounds its own steps
             defaults["refinement_steps"] = self.refinement_steps
         values = {k: v for k, v in defaults.items() if v is not None} | given
@@ -345,11 +364,19 @@ class ServeConfig(BaseModel):
         from dlm.engine.family_rules import validate
 
         self.model_len(model.max_position_embeddings)
+        self.check_defaults(lambda params, prompt_length: validate(params, prompt_length, model))
+
+    def check_defaults(self, validate: Callable[[GenerationParams, int], object]) -> None:
+        """Refuse decoding defaults (`block_length`, `refinement_steps`, `decode_mode`) the
+        model's family refuses, with `validate` (the family's one validation: from config.json
+        before loading, or a loaded engine's, which is what a deployment's releases and the
+        transformers backend get): a default its family refuses would fail every request that
+        relies on it. A refusal of the prompt is not the defaults'."""
         try:
-            validate(self.decoding_params({}), 1, model)
+            validate(self.decoding_params({}), 1)
         except UsageError as exc:
-            if exc.field != "prompt":
-                raise
+            if exc.field != "prompt":  # said as the setting's refusal, not a request's
+                raise UsageError(f"a default this server gives requests is refused: {exc}", field=exc.field) from None
 
     def keys(self) -> list[str]:
         """Every accepted API key: the list plus the key file (one per line, # comments).

@@ -195,6 +195,9 @@ class Service:
             self.metrics.watch_gpu(lambda: torch.cuda.memory_allocated(device))
         cfg = self.config
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
+        # Checked from config.json before `dlm serve` loads a MODEL; here again for what it
+        # could not check so: a deployment's releases (each hot swap) and the transformers backend.
+        cfg.check_defaults(llm.engine.validate)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         limits = SchedulerLimits(
             self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue, self.queue_share
