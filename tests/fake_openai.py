@@ -54,6 +54,8 @@ class Behaviour:
     tool_call: dict[str, Any] | None = None  # chat requests with tools get this call
     leaks_mask: bool = False  # answers end in an undecoded MASK token
     batch_dependent: bool = False  # JSON answers decoded beside other requests come out reversed
+    capabilities: tuple[str, ...] = ()  # advertised in /v1/models
+    decode_modes: tuple[str, ...] = ("diffusion", "ar")  # decode_mode values answered; others: 400 unsupported
 
 
 def error(
@@ -88,6 +90,8 @@ def dllm_steps(body: dict[str, Any], max_tokens: int, b: Behaviour) -> int:
         raise Invalid("unknown cache")
     if body.get("response_format") not in (None, {"type": "text"}):  # as a server without structured output
         raise Invalid("response_format is not supported", param="response_format", code="unsupported")
+    if body.get("decode_mode", "diffusion") not in b.decode_modes:
+        raise Invalid(f"decode_mode {body['decode_mode']!r} is not supported", param="decode_mode", code="unsupported")
     if b.refuses_dllm is not None:
         for name in ("steps", "block_length", "threshold"):
             if body.get(name) is not None:
@@ -144,7 +148,15 @@ def make_app(b: Behaviour) -> FastAPI:
         return JSONResponse(
             {
                 "object": "list",
-                "data": [{"id": MODEL, "object": "model", "owned_by": "tests", "max_model_len": b.max_model_len}],
+                "data": [
+                    {
+                        "id": MODEL,
+                        "object": "model",
+                        "owned_by": "tests",
+                        "max_model_len": b.max_model_len,
+                        "capabilities": list(b.capabilities),
+                    }
+                ],
             }
         )
 

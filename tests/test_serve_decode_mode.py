@@ -1,7 +1,8 @@
 """`dlm serve --decode-mode`: the server-wide default decoding mode (guide 003's
 `default_mode: diffusion|autoregressive`), the mode of every request that sends no
 `decode_mode`; a request's own wins, and a family that cannot decode that way refuses it at
-start (exit 2), from its record, for every family the registry lists."""
+start (exit 2), from its record, for every family the registry lists. And guide 003's
+dual-mode acceptance: `dlm validate`'s `capability_decode_mode` on a real server."""
 
 from __future__ import annotations
 
@@ -92,3 +93,30 @@ def test_requests_decode_in_the_servers_mode_unless_they_say(name: str) -> None:
         diffusion = complete(client, decode_mode="diffusion")
     assert default["choices"] == ar["choices"] and default["usage"] == ar["usage"]
     assert ar["usage"]["denoising_steps"] >= 16 > diffusion["usage"]["denoising_steps"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [next(f"tiny:{n}" for n in tiny_names() if takes_ar(f"tiny:{n}") is takes) for takes in (True, False)],
+)
+def test_validate_compares_the_modes_where_the_family_takes_both(name: str) -> None:
+    """`/v1/models` lists `decode_mode` for a family that takes `ar` (from its record), and
+    `capability_decode_mode` then passes; elsewhere it is skipped, saying why."""
+    from dlm.cli.checks.runner import PASSED, SKIPPED, Context, ValidateOptions, run_checks
+    from dlm.cli.checks.validate import validation_checks
+    from dlm.cli.client.api import ApiClient
+
+    wanted = ("models", "completion", "usage", "capability_decode_mode")
+    with in_process_server(model=name, warmup=False) as http:
+        advertised = "decode_mode" in http.get("/v1/models").json()["data"][0]["capabilities"]
+        api = ApiClient("http://dlm")
+        api.http = http
+        checks = [c for c in validation_checks() if c.name in wanted]
+        results = {r.name: r for r in run_checks(Context(api, ValidateOptions()), checks)}
+    assert advertised is takes_ar(name)
+    check = results["capability_decode_mode"]
+    if advertised:
+        assert check.status == PASSED and check.detail.startswith("diffusion 16 tokens"), check.detail
+        assert "; ar 16 tokens in " in check.detail
+    else:
+        assert (check.status, check.detail) == (SKIPPED, "the server does not advertise decode_mode")

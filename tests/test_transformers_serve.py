@@ -82,7 +82,16 @@ def test_forward_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.T
     checks, lines = serve_and_validate(
         masked_lm(tmp_path / "bert"), session_home(tmp_path_factory), skip=("batch_invariance",)
     )
-    assert {c["status"] for c in checks.values()} == {"passed"}, checks  # dLLM parameters included
+    # dLLM parameters included; the capabilities the record of a bidirectional model lacks are
+    # skipped (decode_mode: ar is for block-causal families)
+    from dlm.cli.checks.capabilities import PROBES
+    from dlm.engine.capabilities import supported
+    from dlm.engine.registry import UNREGISTERED
+
+    lacks = {f"capability_{name}" for name in PROBES if name not in supported(UNREGISTERED)}
+    assert lacks == {"capability_decode_mode"}
+    assert {n for n, c in checks.items() if c["status"] != "passed"} == lacks, checks
+    assert all(checks[n]["status"] == "skipped" for n in lacks), checks
     assert DLLM_CHECKS <= set(checks)
     assert any("transformers backend, forward path: dlm decoding over the model's forward" in line for line in lines)
 
@@ -91,7 +100,9 @@ def test_generate_path_passes_validate(tmp_path: Path, tmp_path_factory: pytest.
     checks, lines = serve_and_validate(causal_lm(tmp_path / "llama"), session_home(tmp_path_factory))
     skipped = {name for name, c in checks.items() if c["status"] == "skipped"}
     # it advertises only `n` (n calls of the method): every other capability's check is skipped
-    unadvertised = {f"capability_{name}" for name in ("suffix", "logprobs", "response_format", "include_canvas")}
+    unadvertised = {
+        f"capability_{name}" for name in ("suffix", "logprobs", "response_format", "decode_mode", "include_canvas")
+    }
     assert skipped == DLLM_CHECKS | unadvertised, checks
     for name in DLLM_CHECKS:
         assert "unsupported" in checks[name]["detail"] and "own generate" in checks[name]["detail"]

@@ -107,6 +107,21 @@ def test_dllm_checks_are_skipped_when_the_server_refuses_the_fields_as_unsupport
         assert f"refuses {refused} as unsupported: {refused} is not supported by this model" in results[name].detail
 
 
+def test_a_server_advertising_both_decoding_modes_answers_in_each() -> None:
+    """Guide 003's dual-mode acceptance: `capability_decode_mode` sends the same prompt in
+    each mode and reports both; a mode the server advertises but refuses fails it."""
+    both = validate(Behaviour(capabilities=("decode_mode",)))
+    assert both["capability_decode_mode"].status == PASSED, both["capability_decode_mode"].detail
+    assert re.fullmatch(
+        r"diffusion \d+ tokens in \d+ steps, [\d.]+s; ar \d+ tokens in \d+ steps, [\d.]+s",
+        both["capability_decode_mode"].detail,
+    )
+    one = validate(Behaviour(capabilities=("decode_mode",), decode_modes=("diffusion",)))
+    assert failed(one) == {"capability_decode_mode"}
+    assert "decode_mode 'ar' is not supported" in one["capability_decode_mode"].detail
+    assert validate(Behaviour())["capability_decode_mode"].detail == "the server does not advertise decode_mode"
+
+
 def test_queue_full_with_429_and_retry_after_is_correct_overload_handling() -> None:
     results = validate(Behaviour(queue_limit=2, step_delay=0.003))
     assert results["burst"].status == PASSED

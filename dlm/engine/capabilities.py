@@ -35,6 +35,12 @@ def _always(family: Family) -> bool:
     return True
 
 
+def _block_causal(family: Family) -> bool:
+    """A block attends only to what precedes it, through an exact block cache: a block of one
+    token decoded in one step is autoregressive decoding (dlm/engine/family_rules.py)."""
+    return family.block_causal
+
+
 def _commits_tokens(family: Family) -> bool:
     """A token, once committed, stays: its committing step's distribution is its logprob.
     DiffusionGemma's canvas is resampled and renoised whole each step, with no such step."""
@@ -62,6 +68,12 @@ CAPABILITIES: tuple[Capability, ...] = (
         "schema-shaped JSON: the schema's skeleton laid on the canvas, typed value slots decoded",
         decodes_skeletons,
         "it needs a bidirectional model, one that attends to a skeleton laid ahead of the position being decoded",
+    ),
+    Capability(
+        "decode_mode",
+        'both decoding modes: decode_mode "ar" (one token per forward) beside "diffusion"',
+        _block_causal,
+        "ar decodes one token per forward over a block cache: block-causal families only",
     ),
     Capability(
         "include_canvas",

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dlm.engine.capabilities import BY_NAME as CAPABILITIES
 from dlm.engine.capabilities import require
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.registry import FAMILIES, Family
@@ -52,6 +53,8 @@ P = TypeVar("P", bound="GenerationParams")
 REMASKING = ("low_confidence", "random")
 CACHES = ("auto", "none", "prefix", "dual", "block")
 MODES = ("diffusion", "ar")
+# Which families take a mode beyond diffusion: the capability /v1/models lists (`decode_mode`).
+MODES_CAPABILITY = CAPABILITIES["decode_mode"]
 # Dream's diffusion_generate algorithms, plus Fast-dLLM's threshold rule.
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 DREAM_ONLY = ("alg", "alg_temp", "top_p", "top_k")
@@ -505,10 +508,9 @@ class GenerationParams:
                 "commits the block's first position, which may be a fixed skeleton token); use cache none",
                 field="cache",
             )
-        if p.mode != "diffusion" and not family.block_causal:
+        if p.mode != "diffusion" and not MODES_CAPABILITY.supports(family):
             raise Unsupported(
-                f"mode {p.mode!r} is not available for {family.name} models (one token per forward over "
-                "a block cache: block-causal families only)",
+                f"mode {p.mode!r} is not available for {family.name} models: {MODES_CAPABILITY.why_not}",
                 field="mode",
             )
         if p.suffix:

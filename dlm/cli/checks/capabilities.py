@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jsonschema
 
-from dlm.cli.checks.contract import chat_body, choices_body, completion_body, post_ok, refused_field
+from dlm.cli.checks.contract import (
+    FINISH_REASONS,
+    chat_body,
+    choices_body,
+    completion_body,
+    consistent_usage,
+    post_ok,
+    refused_field,
+)
 from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context, json_body
 from dlm.cli.client.api import error_message
+from dlm.engine.params import MODES
 
 LOGPROBS_TOP = 2
 N = 2
@@ -164,12 +174,38 @@ def canvas_stream(ctx: Context) -> str:
     return f"{len(canvases)} canvas events, deltas equal the answer"
 
 
+def decode_modes(ctx: Context) -> str:
+    """Guide 003's dual-mode acceptance: the same prompt in every decoding mode answers 200 with
+    a text of at least one token, a valid finish reason and usage that adds up; the detail
+    gives each mode's steps and time, the throughput the guide compares."""
+    found = []
+    for mode in MODES:
+        start = time.perf_counter()
+        body = post_ok(ctx, "/v1/completions", completion_body(ctx, decode_mode=mode))
+        seconds = time.perf_counter() - start
+        choice = body["choices"][0]
+        if not isinstance(choice.get("text"), str):
+            raise CheckFailed(f"decode_mode {mode}: choices[0].text is not a string")
+        if choice.get("finish_reason") not in FINISH_REASONS:
+            raise CheckFailed(
+                f"decode_mode {mode}: finish_reason {choice.get('finish_reason')!r} not in {FINISH_REASONS}"
+            )
+        try:
+            consistent_usage(ctx, body.get("usage"))
+        except CheckFailed as exc:
+            raise CheckFailed(f"decode_mode {mode}: {exc}") from None
+        used = body["usage"]
+        found.append(f"{mode} {used['completion_tokens']} tokens in {used['denoising_steps']} steps, {seconds:.2f}s")
+    return "; ".join(found)
+
+
 # capability -> (its check, the checks it needs first)
 PROBES: dict[str, tuple[Callable[[Context], str], tuple[str, ...]]] = {
     "suffix": (suffix, ("completion",)),
     "logprobs": (logprobs, ("completion",)),
     "n": (n, ("completion",)),
     "response_format": (structured_output, ("chat",)),
+    "decode_mode": (decode_modes, ("completion", "usage")),
     "include_canvas": (canvas_stream, ("chat_stream",)),
 }
 

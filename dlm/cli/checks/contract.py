@@ -148,8 +148,11 @@ def completion(ctx: Context) -> str:
 
 
 def usage(ctx: Context) -> str:
+    return consistent_usage(ctx, ctx.facts["completion"].get("usage"))
+
+
+def consistent_usage(ctx: Context, found: Any) -> str:
     """Token counts add up, stay within max_tokens, and the dLLM's step count is reported."""
-    found = ctx.facts["completion"].get("usage")
     if not isinstance(found, dict):
         raise CheckFailed("the completion has no usage object")
     fields = ("prompt_tokens", "completion_tokens", "total_tokens", "denoising_steps")
