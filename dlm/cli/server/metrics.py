@@ -9,6 +9,9 @@ own registry (several apps may live in one test process). Counters get prometheu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from math import nan
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -99,12 +102,33 @@ class ServerMetrics:
         """Export the engine's prefix-cache counters, read at scrape time."""
         self.registry.register(PrefixCacheCollector(stats))
 
-    def watch_gpu(self, allocated: Callable[[], float]) -> None:
-        """Export the serving GPU's allocated bytes (only where there is one: no series on CPU)."""
-        gauge = Gauge(
-            "dlm_gpu_memory_allocated_bytes", "Bytes torch has allocated on the serving GPU.", registry=self.registry
-        )
-        gauge.set_function(allocated)
+    def watch_gpu(self, device: Any) -> None:
+        """Export the serving GPU's (`device`, a CUDA torch.device) memory, read at scrape time:
+        the bytes torch has allocated now and the peak since the server started (the guides size
+        headroom by the peak, which the current value misses between scrapes), and its
+        utilization where NVML can say it (torch.cuda.utilization needs pynvml, which dlm does
+        not require: without it the series is absent, not a made-up 0). Only where there is a
+        GPU: no series on CPU. Tensor-parallel ranks beyond the serving one are other processes,
+        whose GPUs this process cannot read."""
+        import torch
+
+        cuda = torch.cuda
+        for name, what, read in (
+            ("dlm_gpu_memory_allocated_bytes", "Bytes torch has allocated on the serving GPU.", cuda.memory_allocated),
+            (
+                "dlm_gpu_memory_max_allocated_bytes",
+                "Peak bytes torch has allocated on the serving GPU since the server started.",
+                cuda.max_memory_allocated,
+            ),
+        ):
+            Gauge(name, what, registry=self.registry).set_function(partial(read, device))
+        if gpu_utilization(device) is not None:
+            gauge = Gauge(
+                "dlm_gpu_utilization_ratio",
+                "Share of the last sample period the serving GPU was busy (NVML, 0-1).",
+                registry=self.registry,
+            )
+            gauge.set_function(lambda: nan if (busy := gpu_utilization(device)) is None else busy)
 
     def serving(self, model: str, version: str | None, deployment: str | None) -> None:
         """The one `dlm_model_info` series: the model served now (after a load or a hot swap)."""
@@ -119,6 +143,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def gpu_utilization(device: Any) -> float | None:
+    """`device`'s utilization (0-1) as NVML reports it through torch, or None where it cannot:
+    no pynvml installed (torch raises ModuleNotFoundError), or NVML failing (no driver
+    library, a device it does not know)."""
+    import torch
+
+    try:
+        return float(torch.cuda.utilization(device)) / 100
+    except Exception:  # noqa: BLE001 - pynvml's NVMLError and torch's own: "cannot say", not a failed scrape
+        return None
 
 
 class PrefixCacheCollector(Collector):

@@ -189,10 +189,7 @@ class Service:
 
         self._check_kernels(llm)
         if llm.device.type == "cuda" and self.served is None:  # the first load (a hot swap keeps the GPU)
-            import torch
-
-            device = llm.device
-            self.metrics.watch_gpu(lambda: torch.cuda.memory_allocated(device))
+            self.metrics.watch_gpu(llm.device)
         cfg = self.config
         max_model_len = cfg.model_len(llm.config.max_position_embeddings)
         # Checked from config.json before `dlm serve` loads a MODEL; here again for what it
