@@ -343,10 +343,16 @@ def test_a_damaged_config_in_the_store_is_a_failed_operation(
     """The config.json every command reads first is checked against the manifest when a store
     name is resolved: damage is exit 1 pointing at `dlm verify`, not exit 2 for bad JSON."""
     store, ref, files = stored
-    (files / "config.json").write_text('{"broken')
+    config = files / "config.json"
+    size = config.stat().st_size
+    config.write_text('{"broken'.ljust(size))  # the same size: only its sha256 tells
     monkeypatch.setenv("DLM_STORE", str(store.root))
     code, _, err = cli("estimate", ref)
     assert code == 1 and err.startswith(f"error: {ref}'s config.json does not match the sha256"), err
+    assert f"dlm verify {ref}" in err
+    config.write_text('{"broken')  # another size: the stat every use of a version makes says so first
+    code, _, err = cli("estimate", ref)
+    assert code == 1 and err.startswith(f"error: {ref}: config.json is missing or changed size"), err
     assert f"dlm verify {ref}" in err
 
 
