@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dlm.cli.server import errors, heap, openapi
@@ -102,12 +103,6 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
         if not service.ready or not service.alive:
             return APIError(503, "the model is not ready", type="unavailable", code="not_ready").response()
         return JSONResponse({"status": "ready", "model": service.model_name})
-
-    # The probes answer HEAD too (status and headers, no body): `curl -I`, and load balancers
-    # probing with HEAD, got a 405 from a healthy server. (Out of the OpenAPI document: one
-    # operation per route and method there, and HEAD is GET's.)
-    for path, probe in (("/health", health), ("/ready", ready)):
-        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -236,7 +231,20 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await generate(request, Job(ENDPOINTS["/v1/chat/completions"]), ChatRequest)
 
+    answer_head(app)
     return app
+
+
+def answer_head(app: FastAPI) -> None:
+    """Every GET route answers HEAD too, as HTTP requires (RFC 9110 9.3.2): the same handler,
+    status and headers, the body dropped by the server. Starlette's own routes (`/docs`,
+    `/openapi.json`) do; FastAPI's do not, so `curl -I` and load balancers probing with HEAD
+    got a 405 from a healthy server. One rule, applied once every route exists: each GET route
+    gets a HEAD twin (out of the OpenAPI document: one operation per route and method there,
+    and HEAD is GET's)."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in (route.methods or ()):
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
 
 
 async def _refuse(service: Service, error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
