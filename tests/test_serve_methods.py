@@ -33,3 +33,23 @@ def test_every_get_route_answers_head(client: TestClient) -> None:
         assert head.status_code == get.status_code == 200, (path, head.status_code, head.text)
         assert head.headers["content-type"] == get.headers["content-type"], path
         assert head.content == b"", path
+
+
+@pytest.mark.parametrize(
+    "method, path, allow",
+    [
+        ("GET", "/v1/completions", {"POST"}),
+        ("PUT", "/v1/chat/completions", {"POST"}),
+        ("POST", "/health", {"GET", "HEAD"}),  # a GET route's HEAD twin is named too
+        ("DELETE", "/v1/models", {"GET", "HEAD"}),
+    ],
+)
+def test_a_method_not_allowed_is_a_405_with_its_code_and_allow(
+    client: TestClient, method: str, path: str, allow: set[str]
+) -> None:
+    response = client.request(method, path)
+    assert response.status_code == 405
+    assert set(response.headers["allow"].split(", ")) == allow
+    error = response.json()["error"]
+    assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
+    assert method in error["message"] and path in error["message"]

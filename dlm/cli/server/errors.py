@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from dlm.engine.errors import UnknownKey, Unsupported, UsageError
 
@@ -89,6 +90,23 @@ def validation_error(errors: list[Any]) -> APIError:
     return bad_request(message, param=param, code="invalid_value")
 
 
+def method_not_allowed(request: Request) -> APIError:
+    """405 `method_not_allowed` with the `Allow` header HTTP requires (RFC 9110 15.5.6), read
+    from the routing table: every method of every route on the path. Starlette's header names
+    the first such route's only, which left out the HEAD twins of GET routes (app.py)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    allow = ", ".join(sorted(methods))
+    return APIError(
+        405,
+        f"{request.method} is not allowed on {request.url.path}: it takes {allow}",
+        code="method_not_allowed",
+        headers={"Allow": allow},
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -99,7 +117,9 @@ def install(app: FastAPI) -> None:
         return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return method_not_allowed(request).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 
