@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dlm.cli.jsonl import NotJSON, json_object
 from dlm.cli.server.body import MAX_DEPTH, MAX_NUMBER_CHARS, parse_json
 from dlm.cli.server.errors import APIError
 
@@ -45,6 +46,9 @@ def tool_nested(depth: int) -> bytes:
         ('{"prompt": "x"}'.encode("utf-16-le"), "invalid_json", None),
         ('{"prompt": "x"}'.encode("utf-32"), "invalid_json", None),
         (b'{"prompt": "x", ', "invalid_json", None),
+        (b'{"prompt": "x", "max_tokens": 4, "max_tokens": 8}', "invalid_json", None),  # never the last one wins
+        (b'{"messages": [{"role": "user", "content": "a", "content": "b"}]}', "invalid_json", None),
+        (b'{"prompt": "x", "deep": [[{"k": 1, "k": 1}]]}', "invalid_json", None),  # at any depth
         (b"[1, 2]", "invalid_json", None),
         (b"", "invalid_json", None),
     ],
@@ -57,6 +61,13 @@ def test_malformed_bodies_are_400s(raw: bytes, code: str, param: str | None) -> 
     assert caught.value.param == param
 
 
+def test_a_key_twice_is_refused_by_name() -> None:
+    with pytest.raises(APIError) as caught:
+        parse_json(b'{"prompt": "x", "max_tokens": 4, "max_tokens": 8}')
+    assert "'max_tokens'" in caught.value.message
+    assert parse_json(b'{"a": {"k": 1}, "b": {"k": 2}}') == {"a": {"k": 1}, "b": {"k": 2}}  # once per object
+
+
 def test_bodies_within_the_limits_parse() -> None:
     body = {
         "prompt": "emoji \U0001f600 and a surrogate pair escaped",
@@ -67,3 +78,10 @@ def test_bodies_within_the_limits_parse() -> None:
     raw = json.dumps(body).encode()  # ensure_ascii: the emoji travels as a \\ud83d\\ude00 pair
     assert parse_json(raw) == body
     assert parse_json(b"\xef\xbb\xbf" + raw) == body  # a UTF-8 byte order mark is ignored (RFC 8259 allows it)
+
+
+def test_jsonl_refuses_a_key_twice_as_the_server_does() -> None:
+    """`dlm batch` reads its lines with the server's strictness (dlm/cli/jsonl.py): a line a
+    server would refuse is refused before anything runs."""
+    with pytest.raises(NotJSON, match="'max_tokens' appears twice"):
+        json_object('{"body": {"max_tokens": 4, "max_tokens": 8}}')

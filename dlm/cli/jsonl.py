@@ -47,6 +47,18 @@ def finite_float(text: str) -> float:
     return value
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`'s `object_pairs_hook`: an object that names a key twice is not taken.
+    Python's `json` keeps the last value, another parser (a proxy's, a gateway's) may keep
+    the first, so the two would read different requests from the same text."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise NotJSON(f"the key {key!r} appears twice in one JSON object")
+        data[key] = value
+    return data
+
+
 def json_object(text: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; ValueError saying what it is not ("not JSON", "not a
     JSON object", too deep), for the caller to place (a file's line, a stream's event).
@@ -54,9 +66,10 @@ def json_object(text: str) -> dict[str, Any]:
     Strict JSON, as `dlm serve` reads a body (dlm/cli/server/body.py, through the same hooks):
     Python's `json` also reads `NaN`, `Infinity` and `-Infinity`, and a number like 1e999 as
     inf, none of which JSON has or any request can carry on (`dlm batch` would send its body
-    on and fail on it), so each is refused as not JSON."""
+    on and fail on it), and an object with a key twice (the last value kept), so each is
+    refused as not JSON."""
     try:
-        item = json.loads(text, parse_constant=no_constant, parse_float=finite_float)
+        item = json.loads(text, parse_constant=no_constant, parse_float=finite_float, object_pairs_hook=unique_keys)
     except json.JSONDecodeError:  # a NotJSON from a hook goes on as it is
         raise ValueError("not JSON") from None
     except RecursionError:  # the parser recurses once per level of nesting

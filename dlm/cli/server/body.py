@@ -3,8 +3,9 @@
 Python's `json` accepts what the rest of the server cannot handle: nesting deep enough to
 exhaust the recursion limit (in the parser, in pydantic or in a chat template), integers
 past `int()`'s 4,300-digit limit, `NaN`, and lone UTF-16 surrogates (`"\\ud800"`), which no
-tokenizer or log line can encode. Each is refused here with a 400 naming what and where, so
-every malformed body is a counted client error and never a 500.
+tokenizer or log line can encode; and an object with a key twice, keeping the last value
+(dlm/cli/jsonl.py's `unique_keys` says why that is refused). Each is refused here with a 400
+naming what and where, so every malformed body is a counted client error and never a 500.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from dlm.cli.jsonl import NotJSON, finite_float, no_constant
+from dlm.cli.jsonl import NotJSON, finite_float, no_constant, unique_keys
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError, bad_request
 
 MAX_DEPTH = 64  # nested objects/arrays; a JSON schema of a tool stays far below
@@ -65,13 +66,16 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, within the limits above; a 400 `invalid_json` (malformed
-    or over a limit) or `invalid_value` (a lone surrogate, naming the field) otherwise."""
+    """The body as a JSON object, within the limits above; a 400 `invalid_json` (malformed, a
+    key twice in one object, or over a limit) or `invalid_value` (a lone surrogate, naming the
+    field) otherwise."""
     try:
         # UTF-8 only (RFC 8259), a leading byte order mark ignored as it allows: given bytes,
         # `json.loads` guessed UTF-16 and UTF-32 as well, and took bodies in them.
         text = raw.decode("utf-8").removeprefix("\ufeff")
-        data: Any = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        data: Any = json.loads(
+            text, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object
+        )
     except _Refused as exc:
         raise exc.error from None
     except RecursionError:
@@ -136,6 +140,13 @@ def _float(text: str) -> float:
 def _constant(name: str) -> Any:
     try:
         return no_constant(name)
+    except NotJSON as exc:
+        raise _Refused(bad_request(str(exc), code="invalid_json")) from None
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    try:
+        return unique_keys(pairs)
     except NotJSON as exc:
         raise _Refused(bad_request(str(exc), code="invalid_json")) from None
 
