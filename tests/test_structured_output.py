@@ -210,6 +210,13 @@ def test_json_object_is_a_generic_object() -> None:
             "$ref",
         ),
         ({"type": "object", "properties": {}, "required": ["a"]}, "required"),
+        # Bounds: the keyword the client wrote, never the `maximum` or `minimum` it amounts to.
+        ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, "exclusiveMaximum"),
+        ({"type": "integer", "minimum": 0, "exclusiveMinimum": 5, "maximum": 3}, "maximum"),
+        ({"type": "integer", "exclusiveMinimum": 1e12}, "exclusiveMinimum"),
+        ({"type": "integer", "exclusiveMaximum": -1e12}, "exclusiveMaximum"),
+        ({"type": "number", "exclusiveMinimum": 999_999_998}, "exclusiveMinimum"),
+        ({"type": "number", "exclusiveMaximum": -999_999_998}, "exclusiveMaximum"),
     ],
 )
 def test_what_cannot_be_enforced_is_refused_naming_the_keyword(schema: dict[str, Any], keyword: str) -> None:

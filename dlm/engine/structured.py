@@ -485,21 +485,27 @@ class _Compiler:
         self.slot(StringSlot(low, top, high is not None))
 
     def number(self, schema: dict[str, Any], integer: bool) -> None:
-        lo, hi = _bounds(schema)
-        if lo is not None and hi is not None:
-            if hi < lo:
-                raise refuse("maximum", "the range is empty for the values dlm writes")
+        low, high = _bounds(schema)
+        if low is not None and high is not None:
+            if high.value < low.value:
+                raise refuse(
+                    high.keyword,
+                    f"with {low.keyword!r}, the range holds no integer (a bounded range is written as its integers)",
+                )
             # A bounded range: its integers, or ENUM_SPAN + 1 of them evenly spread over it.
-            step = max(1, -(-(hi - lo) // ENUM_SPAN))
-            self.choice(sorted({*range(lo, hi + 1, step), hi}))
+            step = max(1, -(-(high.value - low.value) // ENUM_SPAN))
+            self.choice(sorted({*range(low.value, high.value + 1, step), high.value}))
             return
+        lo, hi = (low.value if low else None), (high.value if high else None)
         positive = _side(max(lo, 0) if lo is not None else 0, hi, not integer) if hi is None or hi >= 0 else None
         negative = None
         if lo is None or lo <= -1:
             negative = _side(max(1, -hi) if hi is not None else 1, -lo if lo is not None else None, not integer)
         sides = [s for s in (positive, negative) if s is not None and (s.zero or s.nonzero)]
         if not sides:
-            raise refuse("minimum", "dlm cannot write a value inside these bounds")
+            # Reached with one bound only (two take the branch above): the refusal names it.
+            keyword = next(bound.keyword for bound in (low, high) if bound is not None)
+            raise refuse(keyword, "dlm cannot write a value inside these bounds")
         self.slot(
             NumberSlot(
                 positive if positive is not None and (positive.zero or positive.nonzero) else None,
@@ -524,27 +530,37 @@ def _side(low: int, high: int | None, fraction: bool) -> NumberSide:
     return NumberSide(low == 0, first_min, first_max, min_digits, max_digits, frac)
 
 
-def _bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The integer bounds every written value keeps (inclusive)."""
-    lo = hi = None
+@dataclass(frozen=True)
+class Bound:
+    """An inclusive integer bound every written value keeps, and the schema keyword it comes
+    from as the client wrote it (`exclusiveMaximum`, not the `maximum` it amounts to), so a
+    refusal names what the client can find in its schema."""
+
+    value: int
+    keyword: str
+
+
+def _bounds(schema: dict[str, Any]) -> tuple[Bound | None, Bound | None]:
+    """The tightest lower and upper bounds of the schema (None: unbounded on that side)."""
     for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         if key in schema:
             value = schema[key]
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise UsageError(f"response_format: {key} must be a number", field=FIELD)
+    lows, highs = [], []
     if "minimum" in schema:
-        lo = math.ceil(schema["minimum"])
+        lows.append(Bound(math.ceil(schema["minimum"]), "minimum"))
     if "exclusiveMinimum" in schema:
-        bound = math.floor(schema["exclusiveMinimum"]) + 1
-        lo = bound if lo is None else max(lo, bound)
+        lows.append(Bound(math.floor(schema["exclusiveMinimum"]) + 1, "exclusiveMinimum"))
     if "maximum" in schema:
-        hi = math.floor(schema["maximum"])
+        highs.append(Bound(math.floor(schema["maximum"]), "maximum"))
     if "exclusiveMaximum" in schema:
-        bound = math.ceil(schema["exclusiveMaximum"]) - 1
-        hi = bound if hi is None else min(hi, bound)
-    for value in (lo, hi):
-        if value is not None and abs(value) >= 10**MAX_DIGITS:
-            raise refuse("minimum" if value is lo else "maximum", f"bounds beyond {MAX_DIGITS} digits")
+        highs.append(Bound(math.ceil(schema["exclusiveMaximum"]) - 1, "exclusiveMaximum"))
+    lo = max(lows, key=lambda b: b.value, default=None)
+    hi = min(highs, key=lambda b: b.value, default=None)
+    for bound in (lo, hi):
+        if bound is not None and abs(bound.value) >= 10**MAX_DIGITS:
+            raise refuse(bound.keyword, f"bounds beyond {MAX_DIGITS} digits")
     return lo, hi
 
 
