@@ -200,6 +200,23 @@ ERROR_PATHS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "invalid_value"),
 ]
 
+# A refusal that names the length besides its own field names it as the client spelt it.
+LENGTH_MENTIONS: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"max_completion_tokens": 4, "min_tokens": 5}, "max_completion_tokens (4)"),
+    ("chat", {"max_output_tokens": 4, "min_tokens": 5}, "max_output_tokens (4)"),
+    ("chat", {"max_tokens": 4, "min_tokens": 5}, "max_tokens (4)"),
+    ("completions", {"max_tokens": 4, "min_tokens": 5}, "max_tokens (4)"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "length"), LENGTH_MENTIONS)
+def test_a_refusal_names_the_length_field_the_client_sent(
+    client: TestClient, route: str, fields: dict, length: str
+) -> None:
+    error = error_of(post(client, route, **fields))
+    assert (error["param"], error["code"]) == ("min_tokens", "invalid_value"), error
+    assert error["message"] == f"min_tokens (5) must not exceed {length}", error
+
 
 @pytest.mark.parametrize(("route", "fields", "param", "code"), ERROR_PATHS)
 def test_every_400_has_a_documented_code(client: TestClient, route: str, fields: dict, param: str, code: str) -> None:

@@ -17,13 +17,16 @@ class UsageError(DlmError):
     """The user asked for something invalid: a bad path, flag value or model.
 
     `field` names the request parameter at fault (a `GenerationParams` field, or `prompt`)
-    when there is one, so the server can answer `param` without reading the message."""
+    when there is one, so the server can answer `param` without reading the message.
+    `mentions`: the other `GenerationParams` fields the message names, each as `name (value)`,
+    so an entry point that spells a field otherwise (the server's `max_completion_tokens` for
+    `gen_length`) names it as its client wrote it."""
 
     exit_code = 2
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, mentions: tuple[str, ...] = ()) -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.mentions = field, mentions
 
 
 class Unsupported(UsageError):

@@ -519,8 +519,9 @@ class GenerationParams:
             require(family, "logprobs")
         if p.min_tokens > p.gen_length:
             raise UsageError(
-                f"min_tokens ({p.min_tokens}) must not exceed gen_length (max_tokens, {p.gen_length})",
+                f"min_tokens ({p.min_tokens}) must not exceed gen_length ({p.gen_length})",
                 field="min_tokens",
+                mentions=("gen_length",),
             )
         if p.seed is not None and p.seed + p.n > SEED_LIMIT:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")

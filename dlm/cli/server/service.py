@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -571,20 +572,27 @@ def _length_field(body: GenerationRequest) -> str:
 
 def _refused(exc: UsageError, job: Job) -> APIError:
     """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
-    GenerationParams field or `prompt`), in the API's name for it."""
+    GenerationParams field or `prompt`), in the API's name for it; so does its message, for
+    that field and every other it mentions (`exc.mentions`)."""
     field = exc.field
-    if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
-        param: str | None = "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
-    elif field == "gen_length":
-        param = job.length_field
-    elif field in PARAMS and http_name(field) is not None:
-        param = http_name(field)
-    else:
-        param = _prompt_param(job) if field == "prompt" else field
+    param = _api_name(field, job) if field is not None else None
     message = str(exc)
     if field is not None and param is not None and param != field and message.startswith(f"{field} "):
         message = param + message[len(field) :]  # "logprobs must be in [0, 20]" of chat's top_logprobs
+    for mention in exc.mentions:  # "... must not exceed gen_length (4)" of chat's max_completion_tokens
+        message = re.sub(rf"\b{re.escape(mention)} \(", f"{_api_name(mention, job)} (", message)
     return bad_request(message, param=param, code=refusal_code(exc))
+
+
+def _api_name(field: str, job: Job) -> str:
+    """GenerationParams field `field` (or `prompt`) as this request's body spells it."""
+    if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
+        return "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
+    if field == "gen_length":
+        return job.length_field
+    if field in PARAMS and (name := http_name(field)) is not None:
+        return name
+    return _prompt_param(job) if field == "prompt" else field
 
 
 def _submit_refused(engine: AsyncEngine, exc: Exception, job: Job) -> APIError:
