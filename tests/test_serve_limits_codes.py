@@ -394,3 +394,27 @@ def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(client: TestClient, 
     response = client.post(path, json={"prompt": "hi"}, headers={"Host": "evil.example"}, follow_redirects=False)
     assert response.status_code in (404, 405) and "location" not in response.headers
     assert response.json()["error"]["type"] in ("not_found_error", "invalid_request_error")
+
+
+# ---- draining: every route that reads a body answers as generation does ---------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+        ("/tokenize", {"prompt": "hi", "max_tokens": 4}),
+        ("/detokenize", {"tokens": [5]}),
+    ],
+)
+def test_a_draining_server_refuses_every_body_route_alike(client: TestClient, path: str, body: dict) -> None:
+    """A load balancer sees one state: /tokenize and /detokenize answered 200 while the
+    generation routes answered 503 `draining`."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    assert client.post(path, json=body).status_code == 200
+    service.draining = True
+    try:
+        error = error_of(client.post(path, json=body), 503)
+    finally:
+        service.draining = False
+    assert (error["type"], error["code"]) == ("unavailable", "draining"), error

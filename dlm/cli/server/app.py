@@ -127,10 +127,10 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
         return JSONResponse({"version": dlm_version()})
 
     async def utility(request: Request) -> tuple[str, bytes]:
-        """The preamble of `/tokenize` and `/detokenize`: key, readiness, request rate, body."""
+        """The preamble of `/tokenize` and `/detokenize`: key, readiness (as generation's),
+        request rate, body."""
         key = service.keys.identify(authorization(request))
-        if not service.ready:
-            raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+        service.check_serving()
         service.charge_request(key)  # their bodies cost the preparation thread as a generation's do
         return key, await read_body(request, config.max_body_bytes, config.read_timeout)
 

@@ -298,17 +298,25 @@ class Service:
 
     def admit(self, job: Job) -> None:
         """Check readiness, the authenticated key's request rate and the queue."""
+        self.check_serving()
+        assert self.engine is not None  # check_serving: loaded
+        self.charge_request(job.key)
+        try:  # refuse overload before reading the body or tokenizing
+            self.engine.check_room(job.key)
+        except QueueFull as exc:
+            raise _queue_full(self.engine, exc) from None
+
+    def check_serving(self) -> None:
+        """503 unless the server takes work: `draining` (shutting down), `not_ready` (loading)
+        or the engine failed. Every route that reads a body (generation, /tokenize,
+        /detokenize) asks this one question, so a load balancer sees one state across them:
+        a draining server that still answered /tokenize looked alive on that route."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type="unavailable", code="draining")
         if not self.ready or self.engine is None:
             raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
         if self.engine_failure is not None:
             raise _engine_failed(self.engine_failure)
-        self.charge_request(job.key)
-        try:  # refuse overload before reading the body or tokenizing
-            self.engine.check_room(job.key)
-        except QueueFull as exc:
-            raise _queue_full(self.engine, exc) from None
 
     def charge_request(self, key: str) -> None:
         """One request against `key`'s request rate (429 with Retry-After beyond it): every
