@@ -65,7 +65,8 @@ class ServerMetrics:
         self.batch_size = histogram("dlm_batch_size", "Sequences sharing one denoising forward.", POWERS[:10])
         self.prompt_tokens = counter("dlm_prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter(
-            "dlm_generation_tokens", "Generated tokens returned (up to and including EOS)."
+            "dlm_generation_tokens",
+            "Generated tokens (up to and including EOS), a request ended early counting its own.",
         )
         self.success = counter("dlm_request_success", "Finished requests by finish reason.", "finish_reason")
         self.rejections = counter("dlm_request_rejections", "Refused requests by reason.", "reason")

@@ -493,6 +493,7 @@ class Service:
             if req.admitted is not None:
                 m.queue_time.observe(req.admitted - req.arrival)
         m.steps.observe(job.steps)
+        m.generation_tokens.inc(len(job.completion_ids))  # generated, whatever became of them
         if outcome == "undelivered":
             m.undelivered.inc()
         elif finish_reason == "timeout":
@@ -503,7 +504,6 @@ class Service:
             m.failures.labels(finish_reason).inc()
         else:
             m.success.labels(finish_reason).inc()
-            m.generation_tokens.inc(len(job.completion_ids))
             m.e2e.observe((job.written or time.monotonic()) - job.arrival)
         self.record(job)
 
