@@ -1,7 +1,8 @@
 """One request, four entry points: `dlm generate --json`, `engine.LLM`, `/v1/completions`
 (`return_token_ids`) and a `dlm batch` line give the same ids and spend the same forwards, for
 every family the registry decodes (`tiny_names`: a family added there joins by itself, on its
-`tiny:` checkpoint, with the default request, until it is given one of its own below).
+`tiny:` checkpoint, with the default request, until it is given one of its own below). So do
+they with a stop string (dlm/engine/stops.py: one rule, once offered over HTTP only).
 
 The request ends by the sequence's own rule whatever runs it (an EOS ends it at block
 granularity, dlm/engine/runtime/request.py). Random tiny weights never emit EOS on cue, so each
@@ -24,7 +25,9 @@ from typer.testing import CliRunner
 from dlm.cli.main import app
 from dlm.engine.llm import LLM
 from tests.conftest import session_home
-from tests.serving import ServerProcess
+from tests.serving import ServerProcess, in_process_server
+from tests.test_stop_string_forwards import LENGTH, late_stop
+from tests.test_stop_string_forwards import PROMPT as TEXT
 from tests.tiny_families import tiny_names
 from tests.tp_checkpoints import PROMPT, write_family
 
@@ -131,3 +134,41 @@ def test_same_ids_and_forwards_through_cli_python_http_and_batch(
     assert cli["completion_ids"] == python.completion_ids == http["choices"][0]["token_ids"]
     assert cli["nfe"] == python.nfe == http["usage"]["denoising_steps"]
     assert cli["finish_reason"] == "stop" == http["choices"][0]["finish_reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", tiny_names())
+def test_a_stop_string_gives_the_same_answer_through_cli_python_http_and_batch(tmp_path: Path, family: str) -> None:
+    """`dlm generate --stop`, `LLM.generate(stop=...)`, `stop` over HTTP and in a batch line:
+    the same text, ids and finish reason, and the forwards up to the step whose committed
+    text first holds the stop string."""
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    directory = ensure_tiny_model(f"tiny:{family}")
+    with LLM(directory, dtype="float32", device="cpu") as llm:
+        stop, forwards = late_stop(llm)
+        python = llm.generate(TEXT, gen_length=LENGTH, stop=[stop, "\x00never"])[0]
+    assert python.text is not None and stop not in python.text
+    assert python.finish_reason == "stop" and python.nfe == forwards
+
+    args = ["generate", str(directory), "--prompt", TEXT, "--gen-length", str(LENGTH), "--json"]
+    result = CliRunner().invoke(
+        app, [*args, "--stop", stop, "--stop", "\x00never", "--dtype", "float32", "--device", "cpu"]
+    )
+    assert result.exit_code == 0, result.output
+    cli = json.loads(result.stdout)
+
+    body = {"prompt": TEXT, "max_tokens": LENGTH, "stop": [stop, "\x00never"], "return_token_ids": True}
+    with in_process_server(model=str(directory), dtype="float32", device="cpu", warmup=False) as client:
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    http = response.json()
+    batch = _batch_line(directory, body, tmp_path)
+    assert batch["choices"] == http["choices"] and batch["usage"] == http["usage"]
+
+    choice = http["choices"][0]
+    assert cli["text"] == python.text == choice["text"]
+    assert cli["completion_ids"] == python.completion_ids == choice["token_ids"]
+    assert cli["finish_reason"] == python.finish_reason == choice["finish_reason"]
+    assert cli["nfe"] == python.nfe == http["usage"]["denoising_steps"]

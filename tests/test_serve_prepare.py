@@ -13,7 +13,8 @@ import pytest
 from dlm.cli.server import prepare
 from dlm.cli.server.errors import APIError
 from dlm.cli.server.prepare import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Preparer
-from dlm.cli.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatRequest, CompletionRequest
+from dlm.cli.server.protocol import ChatRequest, CompletionRequest
+from dlm.engine.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 class CountingTokenizer:

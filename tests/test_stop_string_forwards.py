@@ -30,7 +30,7 @@ PROMPT = "The quick brown fox"
 LENGTH = 48
 
 
-def _stop_and_forwards(llm: LLM) -> tuple[str, int]:
+def late_stop(llm: LLM) -> tuple[str, int]:
     """A stop string the greedy answer holds past its first steps, and the forwards spent by
     the step whose committed prefix first spells it: what the request must spend."""
     seen: list[tuple[int, str]] = []
@@ -57,7 +57,7 @@ def test_a_stop_string_spends_the_same_forwards_however_busy_the_event_loop(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with LLM(f"tiny:{name}", dtype="float32", device="cpu") as llm:
-        stop, forwards = _stop_and_forwards(llm)
+        stop, forwards = late_stop(llm)
     text = generation.Responder.text
 
     def slow(self: Any, choice: Any, out: Any) -> Any:

@@ -12,6 +12,9 @@ from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, sav
 from dlm.engine.llm import LLM
 from dlm.engine.parallel.distributed import ParallelConfig
 from dlm.engine.params import GenerationParams
+from tests.test_stop_string_forwards import LENGTH, late_stop
+from tests.test_stop_string_forwards import PROMPT as TEXT
+from tests.tiny_families import tiny_names
 from tests.tp_checkpoints import PARAMS, PROMPT, write_family
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -100,3 +103,33 @@ def test_two_ranks_with_packed_bf16_weights_decode_the_plain_weights_ids(
             out = llm.generate(PROMPT, **PARAMS["llada"])[0]
         ids[kernels] = (out.output_ids, out.nfe)
     assert ids["auto"] == ids["torch"]
+
+
+def _stopped(name: str, stop: str, parallel: ParallelConfig | None = None) -> tuple[str | None, list[int], str, int]:
+    with LLM(f"tiny:{name}", dtype="float32", device="cpu", parallel=parallel) as llm:
+        out = llm.generate(TEXT, gen_length=LENGTH, stop=stop)[0]
+    return out.text, out.completion_ids, out.finish_reason, out.nfe
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True, reason="tiny:diffusion_gemma's ids at 2 ranks differ from one process's, stop or not"
+            ),
+        )
+        if name == "diffusion_gemma"
+        else name
+        for name in tiny_names()
+    ],
+)
+def test_two_ranks_end_at_a_stop_string_as_one_process(name: str) -> None:
+    """A stop string ends a tensor-parallel request where it ends a single process's
+    (dlm/engine/stops.py): the same text, ids, finish reason and forwards."""
+    with LLM(f"tiny:{name}", dtype="float32", device="cpu") as llm:
+        stop, forwards = late_stop(llm)
+    single = _stopped(name, stop)
+    assert single[2:] == ("stop", forwards)
+    assert _stopped(name, stop, ParallelConfig(tensor_parallel_size=2)) == single

@@ -23,6 +23,7 @@ from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import forward_tokens
 from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan, why_no_governor
+from dlm.engine.stops import TextOf, covering, ends_at_stop, stop_cut
 from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class GenerationOutput:
     nfe: int  # model forwards spent on this request
     seconds: float
     tokens_per_second: float
-    finish_reason: str  # "stop" (EOS generated) or "length"
+    finish_reason: str  # "stop" (EOS, a stop id or a stop string generated) or "length"
     query_lengths: list[int]  # tokens fed to each forward
     cache: str = "none"  # approximate K/V cache used: its cost shows in nfe and query_lengths
     index: int = 0  # which of the prompt's `n` samples (seed + index)
@@ -169,10 +170,11 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Decode one prompt or a list of prompts (text or token ids) together. `suffix`
         (text or ids) is infilled after the answer; `n` samples per prompt come back prompt
-        by prompt (`GenerationOutput.index`). `on_step` is called after every denoising step
-        with the sequences; `seq.canvas_view()` is the canvas then (committed, provisional and
-        masked positions), as the server streams it to clients that ask (docs/serve.md,
-        "Canvas streaming")."""
+        by prompt (`GenerationOutput.index`). `stop` (a string or a list) ends an answer where
+        its first stop string starts (dlm/engine/stops.py: the rule a server applies).
+        `on_step` is called after every denoising step with the sequences; `seq.canvas_view()`
+        is the canvas then (committed, provisional and masked positions), as the server
+        streams it to clients that ask (docs/serve.md, "Canvas streaming")."""
         batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
@@ -184,29 +186,53 @@ class LLM:
             given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
             params = GenerationParams(**{**given, **overrides})
         ids = [self.encode(p, chat=chat) for p in batch]
+        decodable = has_tokenizer(self.model_dir)
+        if params.stop and not decodable:
+            raise UsageError("stop strings need the checkpoint's tokenizer, which this model lacks", field="stop")
         if self.thread_governor is not None:
             on_step = governed(self.thread_governor, self.engine, on_step)
+        # Stop strings end a sequence at the step whose committed text first holds one, as a
+        # server's engine thread ends it: the same forwards through every entry point.
+        ends = ends_at_stop(self._text_of) if params.stop else None
         start = time.perf_counter()
-        seqs = self.engine.generate(ids, params, on_step=on_step)
+        seqs = self.engine.generate(ids, params, on_step=on_step, ends=ends)
         seconds = time.perf_counter() - start
-        decodable = has_tokenizer(self.model_dir)
-        return [
-            GenerationOutput(
-                prompt_ids=s.prompt_ids,
-                output_ids=s.output_ids,
-                completion_ids=s.completion_ids,
-                text=decode(self.tokenizer, s.output_ids, s.stop_ids) if decodable else None,
-                nfe=s.nfe,
-                seconds=seconds,
-                tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,
-                finish_reason=s.finish_reason or "length",
-                query_lengths=s.query_lengths,
-                cache=s.params.cache,
-                index=i % params.n,
-                logprobs=s.token_logprobs(s.completion_ids),
+        outputs = []
+        for i, s in enumerate(seqs):
+            text, completion_ids, finish_reason = self._answer(s) if decodable else (None, s.completion_ids, None)
+            outputs.append(
+                GenerationOutput(
+                    prompt_ids=s.prompt_ids,
+                    output_ids=s.output_ids,
+                    completion_ids=completion_ids,
+                    text=text,
+                    nfe=s.nfe,
+                    seconds=seconds,
+                    tokens_per_second=len(s.output_ids) / seconds if seconds > 0 else 0.0,
+                    finish_reason=finish_reason or s.finish_reason or "length",
+                    query_lengths=s.query_lengths,
+                    cache=s.params.cache,
+                    index=i % params.n,
+                    logprobs=s.token_logprobs(completion_ids),
+                )
             )
-            for i, s in enumerate(seqs)
-        ]
+        return outputs
+
+    def _text_of(self, seq: RequestState) -> TextOf:
+        """The text of `seq`'s generated ids, up to its first stop id."""
+        return lambda ids: decode(self.tokenizer, ids, seq.stop_ids)
+
+    def _answer(self, seq: RequestState) -> tuple[str, list[int], str | None]:
+        """A finished sequence's text, completion ids and finish reason (None: its own): cut
+        where its first stop string starts, to the ids that spell what is kept, as a server
+        answers (dlm/engine/stops.py)."""
+        text_of = self._text_of(seq)
+        completion_ids = seq.completion_ids
+        if seq.params.stop:
+            text, cut = stop_cut(text_of, seq.committed_prefix, seq.params)
+            if cut is not None:
+                return text[:cut], completion_ids[: covering(text_of, completion_ids, cut)], "stop"
+        return text_of(seq.output_ids), completion_ids, None
 
 
 def governed(

@@ -46,6 +46,7 @@ from dlm.engine.capabilities import BY_NAME as CAPABILITIES
 from dlm.engine.capabilities import require
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.registry import FAMILIES, Family
+from dlm.engine.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_strings
 from dlm.engine.structured import FIELD, Skeleton, asks_structure, compile_response_format
 
 P = TypeVar("P", bound="GenerationParams")
@@ -298,6 +299,14 @@ class GenerationParams:
         cli="--stop-token-ids",
         shown="none",
     )
+    stop: tuple[str, ...] | None = _param(
+        None,
+        "Stop strings: the answer is cut where the first one starts (finish_reason stop) and decoding ends at "
+        f"the step whose committed text first holds one; at most {MAX_STOP_STRINGS} strings of at most "
+        f"{MAX_STOP_CHARS} characters (on the command line, the flag repeated).",
+        shown="none",
+        http=None,  # OpenAI's `stop`, a string or a list: the request layer maps it (dlm/cli/server/protocol.py)
+    )
     early_stop: bool = _param(
         True,
         "Stop once a finished block holds EOS (the rest is filled with EOS).",
@@ -441,6 +450,7 @@ class GenerationParams:
         for name, spec in PARAMS.items():
             spec.check(name, getattr(self, name))
         _validate_stop_token_ids(self.stop_token_ids, vocab)
+        stop_strings(self.stop)
 
     @property
     def edits(self) -> bool:
@@ -595,6 +605,7 @@ class GenerationParams:
             values["response_format"] = json.dumps(self.response_format)
         if self.stop_token_ids is not None:  # a list from a client: one immutable, ordered form
             values["stop_token_ids"] = tuple(self.stop_token_ids)
+        values["stop"] = stop_strings(self.stop)  # one string or a list: a tuple, the empty ones dropped
         per_block += forwards.per_block
         if quota:
             # Fast-dLLM's whole-sequence rule adds steps until every position clears the
@@ -833,8 +844,9 @@ def _validate_structured(p: GenerationParams, family: Family) -> None:
             "response_format and suffix cannot be combined: the skeleton fills the answer", field="suffix"
         )
     # stop_token_ids would cut the JSON wherever such a token falls (70 of 84 seeded answers
-    # did not parse); the server's `stop` strings are refused alike (dlm/cli/server/prepare.py).
-    given = [name for name in ("ignore_eos", "min_tokens", "stop_token_ids") if getattr(p, name)]
+    # did not parse); stop strings alike.
+    asked = {name: getattr(p, name) for name in ("ignore_eos", "min_tokens", "stop_token_ids")}
+    given = [name for name, value in {**asked, "stop": stop_strings(p.stop)}.items() if value]
     if given:
         raise ends_the_answer(given[0])
     require(family, FIELD)

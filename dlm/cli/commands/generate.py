@@ -113,6 +113,7 @@ def generate(
     edit_mode: str | None = dp.option("edit_mode"),
     max_post_edit_steps: int | None = dp.option("max_post_edit_steps"),
     stop_token_ids: list[str] | None = dp.option("stop_token_ids"),
+    stop: list[str] | None = dp.option("stop"),
     early_stop: bool = dp.option("early_stop"),
     ignore_eos: bool = dp.option("ignore_eos"),
     min_tokens: int = dp.option("min_tokens"),

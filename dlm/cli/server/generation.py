@@ -49,6 +49,7 @@ from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
 from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
 from dlm.engine.runtime.request import canvas_json
+from dlm.engine.stops import covering
 
 log = logging.getLogger("dlm.server")
 
@@ -148,7 +149,7 @@ class Responder:
         """Decoded prefix cut at the first stop string, and whether a stop string was hit
         (`LoadedModel.stop_cut`). The engine thread ends the request at the step whose prefix
         first holds one (`Service.submit`), so its forwards never depend on when this runs."""
-        text, cut = self.served.stop_cut(out.prefix_ids, choice.stream.seq, self.job.stops)
+        text, cut = self.served.stop_cut(out.prefix_ids, choice.stream.seq)
         if cut is None:
             return text, False
         if not out.finished:  # ended by the engine already; a snapshot that saw it first changes nothing
@@ -172,19 +173,8 @@ class Responder:
         return self._covering(choice, ids, len(text)) if stopped else len(ids)
 
     def _covering(self, choice: Choice, ids: list[int], chars: int, start: int = 0) -> int:
-        """The fewest of `ids` (at least `start`) that spell `chars` characters, a partial
-        UTF-8 character at their end not counted: the tokens of a text that long (the last may
-        run past it); all of them if theirs is shorter. That length only grows with the
-        tokens, so a binary search finds it in log2(len(ids)) decodings."""
-        stops = choice.stream.seq.stop_ids
-        low, high = start, len(ids)
-        while low < high:
-            mid = (low + high) // 2
-            if len(self.served.decode(ids[:mid], stops).rstrip("\ufffd")) < chars:
-                low = mid + 1
-            else:
-                high = mid
-        return low
+        """The fewest of `ids` (at least `start`) that spell `chars` characters (`covering`)."""
+        return covering(self.served.text_of(choice.stream.seq), ids, chars, start)
 
     def account(self, texts: list[str], reasons: list[str]) -> None:
         """The answer is complete (every choice finished): what its log line will say once

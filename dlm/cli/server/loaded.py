@@ -16,12 +16,7 @@ from typing import Any
 from dlm.cli.server.logprobs import token_bytes
 from dlm.engine.runtime.async_engine import AsyncEngine
 from dlm.engine.runtime.request import RequestState, completion
-
-
-def find_stop(text: str, stops: list[str], after: int = 0) -> int | None:
-    """Where the first stop string starts among those ending past `after` characters."""
-    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+from dlm.engine.stops import TextOf, stop_cut
 
 
 @dataclass(eq=False)
@@ -63,18 +58,17 @@ class LoadedModel:
             raw = self._bytes[token] = token_bytes(self.tokenizer, token, self.token_text(token))
         return raw
 
-    def stop_cut(self, prefix: list[int], seq: RequestState, strings: list[str]) -> tuple[str, int | None]:
+    def text_of(self, seq: RequestState) -> TextOf:
+        """The text of `seq`'s generated ids with this model's tokenizer (up to a stop id): what
+        its stop strings are searched in (dlm/engine/stops.py)."""
+        return lambda ids: self.decode(ids, seq.stop_ids)
+
+    def stop_cut(self, prefix: list[int], seq: RequestState) -> tuple[str, int | None]:
         """The text of `seq`'s committed `prefix` and where its first stop string starts (None:
-        none yet). As in vLLM, a stop string ends the answer only once it has `min_tokens`
-        tokens, and only where it ends after them. The one rule both the engine thread (which
-        ends the request at the step that commits it, `RequestStream.ends`) and the answer's
-        text (`Responder.text`) apply."""
-        text = self.decode(prefix, seq.stop_ids)
-        least = seq.params.min_tokens
-        if not strings or (least and len(prefix) < least):
-            return text, None
-        after = len(self.decode(prefix[:least], seq.stop_ids)) if least else 0
-        return text, find_stop(text, strings, after)
+        none yet): the engine's rule (`dlm.engine.stops.stop_cut`), which the engine thread
+        (ending the request at the step that commits it, `RequestStream.ends`) and the answer's
+        text (`Responder.text`) both apply."""
+        return stop_cut(self.text_of(seq), prefix, seq.params)
 
     def completion_ids(self, prefix: list[int], stops: Collection[int]) -> list[int]:
         """Generated ids that count as the completion: up to and including the first stop id."""

@@ -29,8 +29,7 @@ from dlm.cli.server.errors import APIError, bad_request, refusal_code
 from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.engine.errors import UsageError
-from dlm.engine.params import ends_the_answer
-from dlm.engine.structured import asks_structure, format_object
+from dlm.engine.structured import format_object
 
 if TYPE_CHECKING:
     from dlm.cli.server.service import Job, Service
@@ -169,9 +168,7 @@ def _prepare(
 
 
 def _options(job: Job, body: Body) -> None:
-    job.stops = body.stop_strings()
-    if job.stops and asks_structure(body.response_format):  # as the engine refuses stop_token_ids
-        raise bad_request(str(ends_the_answer("stop")), param="stop", code="unsupported")
+    job.stops = body.stop_strings()  # GenerationParams.stop too (`Service.params`), which the engine validates
     job.stream = bool(body.stream)  # null: the default, false
     job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
     job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)

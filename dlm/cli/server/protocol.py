@@ -45,7 +45,9 @@ from pydantic import (
     model_validator,
 )
 
+from dlm.engine.errors import UsageError
 from dlm.engine.params import DEFAULTS, PARAMS, http_name
+from dlm.engine.stops import stop_strings
 
 # `response_format`: any JSON value is taken here and the engine's rule decides
 # (`format_object`, dlm/engine/structured.py), so a value that is not an object is refused in
@@ -53,13 +55,6 @@ from dlm.engine.params import DEFAULTS, PARAMS, http_name
 ResponseFormat = Annotated[
     Any, WithJsonSchema({"anyOf": [{"additionalProperties": True, "type": "object"}, {"type": "null"}]})
 ]
-
-# `stop`: how many strings, and how long each. Every output of a request with stops is
-# searched for each of them, and its end checked against each one's prefixes, on the event
-# loop (dlm/cli/server/generation.py): 50,000 strings in a 1 MB body held /health for up to
-# a second per request. OpenAI takes 4; vLLM's clients send a few more.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 
 # Body field -> GenerationParams field, for every decoding parameter offered over HTTP.
 PARAM_FIELDS: dict[str, str] = {name: n for n in PARAMS if (name := http_name(n)) is not None}
@@ -210,13 +205,13 @@ class GenerationRequest(DiffusionFields):
     @field_validator("stop")
     @classmethod
     def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        """At most `MAX_STOP_STRINGS` strings of at most `MAX_STOP_CHARS` characters."""
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        longest = max(map(len, stops), default=0)
-        if longest > MAX_STOP_CHARS:
-            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}")
+        """The engine's bounds on stop strings (dlm/engine/stops.py), checked before the prompt
+        is tokenised; `Service.params` hands them to GenerationParams, whose validation the
+        other entry points share."""
+        try:
+            stop_strings(value)
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @model_validator(mode="after")

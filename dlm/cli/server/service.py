@@ -19,7 +19,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +35,7 @@ from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.scheduler import QueueFull, SchedulerLimits
+from dlm.engine.stops import ends_at_stop
 
 if TYPE_CHECKING:
     from dlm.engine.llm import LLM
@@ -373,7 +373,7 @@ class Service:
         response_format = given.pop("response_format", None)
         if response_format is not None and response_format.get("type") != "text":  # text: nothing to enforce
             given["response_format"] = json.dumps(response_format, ensure_ascii=False)
-        given.update(gen_length=gen, suffix=job.suffix_ids)
+        given.update(gen_length=gen, suffix=job.suffix_ids, stop=tuple(job.stops) or None)
         if not cfg.prefix_cache_shared:
             given["prefix_cache_partition"] = job.key
         top = body.top_logprobs_count()
@@ -454,7 +454,9 @@ class Service:
                     updates=job.stream,
                     canvas=job.include_canvas,
                     tenant=job.key,
-                    ends=_stop_rule(self.served, job.stops) if job.stops else None,
+                    # Its stop strings end it on the engine thread, at the step whose committed
+                    # prefix first holds one: its forwards never depend on the event loop.
+                    ends=ends_at_stop(self.served.text_of) if params.stop else None,
                 )
             except (QueueFull, Draining, EngineFailed, UsageError) as exc:
                 raise _submit_refused(engine, exc, job) from None
@@ -543,18 +545,6 @@ def _prepare_structured(llm: LLM, tokenizer: Any) -> None:
             engine.vocabulary()
         except UsageError as exc:  # e.g. no single digit tokens: structured requests get this 400
             log.info("structured output unavailable: %s", exc)
-
-
-def _stop_rule(served: LoadedModel, strings: list[str]) -> Callable[[RequestState], Callable[[list[int]], bool]]:
-    """The rule by which a request's stop strings end each of its sequences, asked on the
-    engine thread after every step that extends the committed prefix: the request leaves the
-    batch before the next forward, so its `usage.denoising_steps` is the same whether the
-    event loop reads its snapshots at once or late (a batch's other lines, a slow client)."""
-
-    def rule(seq: RequestState) -> Callable[[list[int]], bool]:
-        return lambda prefix: served.stop_cut(prefix, seq, strings)[1] is not None
-
-    return rule
 
 
 def charge(gen: int, n: int) -> int:

@@ -119,17 +119,31 @@ class Engine(Protocol):
         prompts: list[list[int]],
         params: GenerationParams,
         on_step: Callable[[list[RequestState]], None] | None = None,
+        ends: Callable[[RequestState], Callable[[list[int]], bool]] | None = None,
     ) -> list[RequestState]:
         """Add `prompts` and step until each has ended (others in the running set take part
         in the same steps). Returns `params.n` sequences per prompt, prompt by prompt, sample
         i seeded `seed + i` (`GenerationParams.samples`, of the resolved parameters: the family
-        may fill the seed, as a server's request does)."""
+        may fill the seed, as a server's request does). `ends(seq)`: a rule of the caller's
+        (stop strings, dlm/engine/stops.py) asked after every step that extends `seq`'s
+        committed prefix; when it holds, `seq` ends ("stop") before the next forward, as a
+        server's engine thread ends it (`RequestStream.ends`)."""
         seqs = [seq for p in prompts for seq in self.make_sequences(p, params)]
+        rules = [ends(seq) if ends is not None else None for seq in seqs]
+        checked = [0] * len(seqs)  # the prefix length each rule was last asked about
         for seq in seqs:
             self.add(seq)
         try:
             while any(not s.finished for s in seqs):
                 self.step()
+                for i, (seq, rule) in enumerate(zip(seqs, rules)):
+                    if rule is None or seq.finished:
+                        continue
+                    prefix = seq.committed_prefix
+                    if len(prefix) > checked[i]:
+                        checked[i] = len(prefix)
+                        if rule(prefix):
+                            self.abort(seq, "stop")
                 if on_step is not None:
                     on_step(seqs)
         except BaseException:  # a failed step, an interrupt: this call's sequences leave the running set
