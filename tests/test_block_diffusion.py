@@ -159,8 +159,10 @@ def test_validation(tiny: dict[str, LLM]) -> None:
     with pytest.raises(UsageError, match="guidance"):
         engine.validate(GenerationParams(gen_length=8, cfg_scale=1.0), 5)
     assert engine.validate(GenerationParams(gen_length=8), 5).block_length == 4  # config block_size
-    ar = engine.validate(GenerationParams(gen_length=8, mode="ar", threshold=0.9), 5)
+    ar = engine.validate(GenerationParams(gen_length=8, mode="ar"), 5)
     assert (ar.block_length, ar.steps, ar.threshold) == (1, 8, None)
+    with pytest.raises(UsageError, match="threshold does not apply to mode ar"):  # was silently dropped
+        engine.validate(GenerationParams(gen_length=8, mode="ar", threshold=0.9), 5)
     with pytest.raises(UsageError, match="cache 'block'"):
         GenerationParams(gen_length=8, cache="block").validate(5, 100)  # bidirectional family
 
@@ -169,10 +171,11 @@ def test_cli_block_cache_and_ar_mode(tmp_path: Path) -> None:
     model = write_tiny(tmp_path / "sdar", "sdar")
     runner = CliRunner()
     outs = {}
-    for flags in (["--cache", "block"], ["--mode", "ar", "--cache", "block"], ["--cache", "none"]):
-        outs[" ".join(flags)] = generate_json(model, [5, 6, 7, 8, 9], "--gen-length", "8", "--threshold", "0.6", *flags)
-    assert outs["--cache block"]["output_ids"] == outs["--cache none"]["output_ids"]
-    assert outs["--mode ar --cache block"]["nfe"] == 8
-    assert outs["--mode ar --cache block"]["params"]["block_length"] == 1
+    for flags in (["--cache", "block", "--threshold", "0.6"], ["--mode", "ar", "--cache", "block"]):
+        outs[flags[1]] = generate_json(model, [5, 6, 7, 8, 9], "--gen-length", "8", *flags)
+    outs["none"] = generate_json(model, [5, 6, 7, 8, 9], "--gen-length", "8", "--cache", "none", "--threshold", "0.6")
+    assert outs["block"]["output_ids"] == outs["none"]["output_ids"]
+    assert outs["ar"]["nfe"] == 8
+    assert outs["ar"]["params"]["block_length"] == 1
     bad = runner.invoke(app, ["generate", str(model), "--prompt-ids", "5,6", "--cache", "dual"])
     assert bad.exit_code == 2 and "error:" in bad.output

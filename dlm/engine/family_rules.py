@@ -57,7 +57,8 @@ def fixed_block(config: ModelConfig) -> int | None:
 def with_defaults(params: GenerationParams, config: ModelConfig) -> GenerationParams:
     """The family's defaults: its trained block length when the request gives none; for a
     block-causal family, `mode ar` is a block of one token decoded in one step (and so one
-    token per forward); for a canvas family (DiffusionGemma), its sampler's."""
+    token per forward: `AR_FIXED`, which `check_mode` refused if the request gave them);
+    for a canvas family (DiffusionGemma), its sampler's."""
     if config.canvas is not None:
         return _canvas_defaults(params, config.canvas)
     if config.block_rules is not None and params.mode == "ar":
@@ -93,6 +94,7 @@ def validate(params: GenerationParams, prompt_length: int, config: ModelConfig) 
     """`params` resolved for a prompt of `prompt_length` tokens on the checkpoint `config`
     describes, or `UsageError` naming the field at fault."""
     params.check_ranges(config.logits_size)  # the family's defaults are derived from in-range fields
+    params.check_mode()  # and replace what mode ar fixes: refused if the request gave it
     return with_defaults(params, config).validate(
         prompt_length,
         config.max_position_embeddings,

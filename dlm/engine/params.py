@@ -56,6 +56,10 @@ CACHES = ("auto", "none", "prefix", "dual", "block")
 MODES = ("diffusion", "ar")
 # Which families take a mode beyond diffusion: the capability /v1/models lists (`decode_mode`).
 MODES_CAPABILITY = CAPABILITIES["decode_mode"]
+# What `mode ar` fixes (block-causal families, dlm/engine/family_rules.py): a block of one token,
+# decoded in one step, committed whatever its confidence. Given beside it, each is refused
+# (it was silently replaced: `--steps 3` still spent one forward per token).
+AR_FIXED = ("block_length", "steps", "refinement_steps", "threshold")
 # Dream's diffusion_generate algorithms, plus Fast-dLLM's threshold rule.
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 DREAM_ONLY = ("alg", "alg_temp", "top_p", "top_k")
@@ -267,7 +271,11 @@ class GenerationParams:
         choices=CACHES,
     )
     mode: str = _param(
-        "diffusion", "diffusion|ar (ar: one token per forward, block-causal models).", choices=MODES, http="decode_mode"
+        "diffusion",
+        "diffusion|ar (ar: one token per forward, block-causal models; steps, refinement_steps, block_length and "
+        "threshold do not apply).",
+        choices=MODES,
+        http="decode_mode",
     )
     # Draft-and-edit (LLaDA2.1; dlm/engine/decoding/draft_edit.py):
     edit_threshold: float | None = _param(
@@ -451,6 +459,18 @@ class GenerationParams:
             spec.check(name, getattr(self, name))
         _validate_stop_token_ids(self.stop_token_ids, vocab)
         stop_strings(self.stop)
+
+    def check_mode(self) -> None:
+        """Refuse what the request's mode fixes itself (`AR_FIXED` with mode ar) when the
+        request gives it: asked of the request as given, before the family's defaults fill
+        those fields (dlm/engine/family_rules.py, which every entry point validates through)."""
+        given = [name for name in AR_FIXED if getattr(self, name) is not None]
+        if self.mode == "ar" and given:
+            raise Unsupported(
+                f"{given[0]} does not apply to mode ar, which decodes one token per forward (a block of one "
+                "token, one step each, whatever its confidence)",
+                field=given[0],
+            )
 
     @property
     def edits(self) -> bool:

@@ -335,7 +335,7 @@ class ServeConfig(BaseModel):
         defaults for what it leaves out: the length, the block length, the decoding mode,
         per-block steps (unless it gives a step count), and --max-steps, which every request
         gets."""
-        from dlm.engine.params import GenerationParams
+        from dlm.engine.params import AR_FIXED, GenerationParams
 
         defaults: dict[str, Any] = {
             "gen_length": self.default_gen_length,
@@ -344,6 +344,8 @@ class ServeConfig(BaseModel):
         }
         if "steps" not in given and not GenerationParams(**given).edits:  # draft-and-edit bounds its own steps
             defaults["refinement_steps"] = self.refinement_steps
+        if given.get("mode", self.decode_mode) == "ar":  # it fixes these itself; only a request's own are refused
+            defaults = {k: v for k, v in defaults.items() if k not in AR_FIXED}
         values = {k: v for k, v in defaults.items() if v is not None} | given
         return GenerationParams(**values, max_steps=self.max_steps)
 
