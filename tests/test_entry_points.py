@@ -24,11 +24,12 @@ from typer.testing import CliRunner
 
 from dlm.cli.main import app
 from dlm.engine.llm import LLM
+from dlm.engine.registry import family_named
 from tests.conftest import session_home
 from tests.serving import ServerProcess, in_process_server
 from tests.test_stop_string_forwards import LENGTH, late_stop
 from tests.test_stop_string_forwards import PROMPT as TEXT
-from tests.tiny_families import tiny_names
+from tests.tiny_families import cannot, tiny_names
 from tests.tp_checkpoints import PROMPT, write_family
 
 # Per family, greedy (temperature 0), written once under GenerationParams' names: what each
@@ -172,3 +173,24 @@ def test_a_stop_string_gives_the_same_answer_through_cli_python_http_and_batch(t
     assert cli["completion_ids"] == python.completion_ids == choice["token_ids"]
     assert cli["finish_reason"] == python.finish_reason == choice["finish_reason"]
     assert cli["nfe"] == python.nfe == http["usage"]["denoising_steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", tiny_names())
+def test_early_stop_changes_only_the_forwards(tmp_path_factory: pytest.TempPathFactory, family: str) -> None:
+    """Why `early_stop` (`--no-early-stop`) is offered on the command line and in Python but
+    not over HTTP (docs/serve.md): turned off, decoding goes on past the block holding EOS,
+    but what follows EOS is filler no answer returns. The completion, its text and finish
+    reason are the same; only forwards are spent (a reference comparison's knob)."""
+    if "early_stop" in cannot(family_named(family)):
+        pytest.skip(f"{family} refuses early_stop")
+    request = REQUESTS.get(family, DEFAULT_REQUEST)
+    request = {**request, "gen_length": 2 * request["gen_length"]}  # a block after the one holding EOS
+    directory = _checkpoint(tmp_path_factory.mktemp(family), family)
+    _with_eos_from_answer(directory, request)
+    with LLM(directory, dtype="float32", device="cpu") as llm:
+        stopped = llm.generate(PROMPT, **request)[0]
+        full = llm.generate(PROMPT, early_stop=False, **request)[0]
+    assert stopped.finish_reason == full.finish_reason == "stop"
+    assert (stopped.completion_ids, stopped.text) == (full.completion_ids, full.text)
+    assert full.nfe > stopped.nfe

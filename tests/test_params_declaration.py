@@ -360,3 +360,13 @@ def test_another_familys_field_is_unsupported_not_invalid(family: str, field: di
     with pytest.raises(Unsupported) as refused:
         GenerationParams(gen_length=8, **field).validate(4, 4096, family_named(family))
     assert refused.value.field == next(iter(field))  # named, for the HTTP error's `param`
+
+
+def test_a_command_line_only_parameter_says_in_serve_md_why() -> None:
+    """A decoding parameter `dlm generate` offers but the HTTP body does not (neither declared
+    nor mapped by the request layer, as `stop` and `logprobs` are) is named in docs/serve.md
+    with why, so its absence over HTTP is a decision, not a gap (`early_stop` was neither)."""
+    serve = (Path(__file__).parents[1] / "docs" / "serve.md").read_text()
+    for name in PARAMS:
+        if cli_flag(name) is not None and http_name(name) is None and name not in CompletionRequest.model_fields:
+            assert f"`{name}`" in serve and "not offered over HTTP" in serve, name

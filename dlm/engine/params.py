@@ -319,6 +319,8 @@ class GenerationParams:
         True,
         "Stop once a finished block holds EOS (the rest is filled with EOS).",
         cli="--early-stop/--no-early-stop",
+        # Off, it only spends forwards on what follows EOS, which no answer returns: not a
+        # request's to ask of a server (docs/serve.md).
         http=None,
     )
     # Fixed output lengths (vLLM's names and meaning; benchmark clients send them):

@@ -197,7 +197,7 @@ class BlockSequence(RequestState):
         self.pending[positions - self.block_start] = False
         if not first_token:
             self.step_in_unit += 1
-        if self.rules.stop_mid_block and self._stop_decided():
+        if self.rules.stop_mid_block and self.params.early_stop and self._stop_decided():
             return
         if bool(self.pending.any()):
             self._sync_unit()
@@ -219,10 +219,12 @@ class BlockSequence(RequestState):
             self._end_block()
 
     def _end_block(self) -> None:
-        """The current block is final: finish on EOS or at the grid's end, else start the next
-        (`stop` only when the stop id lies within the answer, not in the grid's overhang)."""
+        """The current block is final: finish on EOS (with `early_stop`) or at the grid's end,
+        else start the next (`stop` only when the stop id lies within the answer, not in the
+        grid's overhang)."""
         self.decoded_end = self.block_end
-        if self.holds_stop(self.prompt_length, self.block_end) or self.block_end >= self.grid_end:
+        stopped = self.params.early_stop and self.holds_stop(self.prompt_length, self.block_end)
+        if stopped or self.block_end >= self.grid_end:
             self.conclude()  # SDAR's stopping_criteria_idx, or the grid's end
         else:
             self._start_block(self.block_end)

@@ -89,7 +89,7 @@ class CloverRunner:
         seq.commit(*decide(seq, positions, stats))
         if seq.block == block and not seq.finished:
             return
-        if not seq.finished and seq.holds_stop(start, end):
+        if not seq.finished and seq.params.early_stop and seq.holds_stop(start, end):
             seq.canvas = seq.canvas[:end]  # the answer ended in this block: no further blocks
             seq.conclude()
         if not seq.finished:
