@@ -215,3 +215,17 @@ def test_expert_parallel_rank_reads_only_its_experts(
         gate_up = torch.cat((ref[f"{p}{e}.gate_proj.weight"], ref[f"{p}{e}.up_proj.weight"]))
         assert torch.equal(stacked.gate_up_proj[local], gate_up)
         assert torch.equal(stacked.down_proj[local], ref[f"{p}{e}.down_proj.weight"])
+
+
+def test_the_parallelism_doc_lists_every_family_tensor_parallelism_splits() -> None:
+    """docs/parallelism.md names the families `-tp N` splits: every family the engine decodes
+    natively (DiffusionGemma was left out though it splits, with the same ids). Each is named
+    as its registry description begins (`openPangu-R-7B-Diffusion`: `openPangu`)."""
+    from dlm.engine.registry import FAMILIES
+
+    doc = (Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    listed = " ".join(doc.split("decodes natively:", 1)[1].split(";", 1)[0].split())
+    for family in FAMILIES:
+        if family.engine:
+            name = family.description.split(":")[0].split(" / ")[0]
+            assert name in listed or name.split("-")[0] in listed, f"{family.name} ({name}) is not in the list"
