@@ -59,3 +59,49 @@ def test_the_server_passes_them_to_the_template(thinking_model: Path) -> None:
         # completions have no template: the field stays unknown there
         refused = client.post("/v1/completions", json={"prompt": "x", "chat_template_kwargs": {}})
         assert refused.json()["error"]["code"] == "unknown_parameter"
+
+
+def test_every_entry_point_gives_the_template_the_same_variables(thinking_model: Path) -> None:
+    """`dlm generate --chat --chat-template-kwargs JSON`, `LLM.generate(chat=True,
+    chat_template_kwargs=...)` and a chat request's field prompt the model with the same ids
+    (only the server took them; the CLI and Python had no way to switch thinking on)."""
+    from typer.testing import CliRunner
+
+    from dlm.cli.main import app
+    from dlm.engine.llm import LLM
+
+    kwargs = {"enable_thinking": True}
+    with in_process_server(model=str(thinking_model), dtype="float32", device="cpu", warmup=False) as client:
+        served = client.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": kwargs}).json()["tokens"]
+    llm = LLM(str(thinking_model), dtype="float32", device="cpu")
+    prompt = MESSAGES[0]["content"]
+    (python,) = llm.generate(prompt, chat=True, chat_template_kwargs=kwargs, gen_length=4)
+    assert python.prompt_ids == served != llm.encode(prompt, chat=True)
+    args = ["generate", str(thinking_model), "--prompt", prompt, "--chat", "--gen-length", "4"]
+    result = CliRunner().invoke(
+        app, [*args, "--chat-template-kwargs", json.dumps(kwargs), "--dtype", "float32", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_ids"] == served
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--chat-template-kwargs", '{"enable_thinking": true}'], "--chat-template-kwargs needs --chat"),
+        (["--chat", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs: not a JSON object"),
+        (["--chat", "--chat-template-kwargs", '{"a": 1, "a": 2}'], "appears twice"),
+        (["--chat", "--chat-template-kwargs", '{"tokenize": false}'], "cannot set tokenize"),
+    ],
+)
+def test_bad_chat_template_kwargs_on_the_command_line_are_usage_errors(
+    flags: list[str], message: str, thinking_model: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from dlm.cli.main import app
+
+    args = ["generate", str(thinking_model), "--prompt", "hi", *flags, "--dtype", "float32"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and message in " ".join(result.output.split()), result.output

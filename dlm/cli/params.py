@@ -38,6 +38,24 @@ def option(name: str) -> Any:
     return typer.Option(DEFAULTS[name], flag, help=spec.help + extra, show_default=shown)
 
 
+def template_kwargs(text: str | None, chat: bool) -> dict[str, Any] | None:
+    """`--chat-template-kwargs`: a JSON object, read as strictly as a request body is (a key
+    twice, NaN: refused), and only beside --chat (a plain prompt has no template to give it)."""
+    from dlm.cli.jsonl import json_object
+    from dlm.engine.errors import UsageError
+
+    if text is None:
+        return None
+    if not chat:
+        raise UsageError("--chat-template-kwargs needs --chat")
+    try:
+        return json_object(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"--chat-template-kwargs: {exc} ({text!r}); give an object such as '{{\"enable_thinking\": true}}'"
+        ) from None
+
+
 def parse_ids(text: str, flag: str) -> list[int]:
     """Token ids given on the command line: comma-separated integers. An empty element
     (`1,,2`) is refused, not dropped: it is a typo as likely as a missing id."""

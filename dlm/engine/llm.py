@@ -152,10 +152,15 @@ class LLM:
             self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
-    def encode(self, prompt: str | Seq[int], chat: bool = False) -> list[int]:
+    def encode(
+        self, prompt: str | Seq[int], chat: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """A prompt's ids: text through the tokenizer (with `chat`, the chat template and its
+        extra variables `chat_template_kwargs`, as the server's chat requests take them), ids as
+        they are."""
         if isinstance(prompt, str):
-            return encode(self.tokenizer, prompt, chat=chat)
-        if chat:
+            return encode(self.tokenizer, prompt, chat=chat, template_kwargs=chat_template_kwargs)
+        if chat or chat_template_kwargs:
             raise UsageError("chat templates apply to text prompts, not token ids")
         return [int(t) for t in prompt]
 
@@ -165,16 +170,19 @@ class LLM:
         params: GenerationParams | None = None,
         *,
         chat: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         on_step: Callable[[list[RequestState]], None] | None = None,
         **overrides: Any,
     ) -> list[GenerationOutput]:
         """Decode one prompt or a list of prompts (text or token ids) together. `suffix`
         (text or ids) is infilled after the answer; `n` samples per prompt come back prompt
         by prompt (`GenerationOutput.index`). `stop` (a string or a list) ends an answer where
-        its first stop string starts (dlm/engine/stops.py: the rule a server applies).
-        `on_step` is called after every denoising step with the sequences; `seq.canvas_view()`
-        is the canvas then (committed, provisional and masked positions), as the server
-        streams it to clients that ask (docs/serve.md, "Canvas streaming")."""
+        its first stop string starts (dlm/engine/stops.py: the rule a server applies). With
+        `chat`, text prompts go through the chat template, given `chat_template_kwargs`' extra
+        variables (a chat request's field of that name). `on_step` is called after every
+        denoising step with the sequences; `seq.canvas_view()` is the canvas then (committed,
+        provisional and masked positions), as the server streams it to clients that ask
+        (docs/serve.md, "Canvas streaming")."""
         batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
@@ -185,7 +193,7 @@ class LLM:
         if params is None or overrides:  # resolved parameters pass through unchanged
             given = {f.name: getattr(params, f.name) for f in fields(GenerationParams)} if params else {}
             params = GenerationParams(**{**given, **overrides})
-        ids = [self.encode(p, chat=chat) for p in batch]
+        ids = [self.encode(p, chat=chat, chat_template_kwargs=chat_template_kwargs) for p in batch]
         decodable = has_tokenizer(self.model_dir)
         if params.stop and not decodable:
             raise UsageError("stop strings need the checkpoint's tokenizer, which this model lacks", field="stop")

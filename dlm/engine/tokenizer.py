@@ -52,9 +52,13 @@ def load_tokenizer(model_dir: Path) -> Any:
         ) from exc
 
 
-def encode(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
+def encode(tokenizer: Any, text: str, chat: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """`text`'s ids, or with `chat` those of one user message through the chat template, with
+    its extra variables `template_kwargs` (`enable_thinking`; see `encode_chat`)."""
     if chat:
-        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+        return encode_chat(tokenizer, [{"role": "user", "content": text}], None, template_kwargs)
+    if template_kwargs:
+        raise UsageError("chat_template_kwargs apply to a chat prompt (--chat)", field="chat_template_kwargs")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

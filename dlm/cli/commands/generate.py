@@ -83,6 +83,13 @@ def generate(
         None, "--prompt-ids", help="Prompt as comma-separated token ids.", show_default="none"
     ),
     chat: bool = typer.Option(False, "--chat", help="Wrap the text prompt in the tokenizer's chat template."),
+    chat_template_kwargs: str | None = typer.Option(
+        None,
+        "--chat-template-kwargs",
+        help="With --chat: extra chat-template variables as a JSON object ('{\"enable_thinking\": true}'), "
+        "as a chat request's chat_template_kwargs.",
+        show_default="none",
+    ),
     suffix_text: str | None = typer.Option(
         None,
         "--suffix",
@@ -162,6 +169,7 @@ def generate(
                 raise UsageError("give exactly one of --prompt or --prompt-ids")
             if suffix_text is not None and suffix_ids is not None:
                 raise UsageError("give --suffix or --suffix-ids, not both")
+            template_kwargs = dp.template_kwargs(chat_template_kwargs, chat)
             from dlm.cli.store.resolve import resolve_model
 
             checkpoint = resolve_model(model)  # fails fast; also resolves store names
@@ -204,7 +212,7 @@ def generate(
 
                     err_console.print(f"[dim]transformers backend, {path} path: {PATHS[path]}[/]")
                 # Validate before decoding so a bad flag fails fast, not after tokenizer work.
-                prompt_tokens = llm.encode(source, chat=chat)
+                prompt_tokens = llm.encode(source, chat=chat, chat_template_kwargs=template_kwargs)
                 if suffix_text:
                     params = replace(params, suffix=tuple(llm.encode(suffix_text)))
                 resolved = llm.engine.validate(params, len(prompt_tokens))
