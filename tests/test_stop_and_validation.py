@@ -148,3 +148,22 @@ def test_top_p_one_asks_for_nothing_on_every_family_and_entry_point(name: str) -
     plain = validate(GenerationParams(gen_length=8), 4, config)
     assert validate(GenerationParams(gen_length=8, top_p=1.0), 4, config) == plain
     assert validate(GenerationParams(gen_length=8, top_p=1), 4, config).top_p is None
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_alike(tmp_path: Path) -> None:
+    """A checkpoint with no tokenizer has no text to search: `LLM.generate(stop=...)` refused
+    it, a server took it and never matched (the answer ran to its length as if none were sent)."""
+    from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, save_checkpoint
+    from dlm.engine.errors import Unsupported
+    from tests.serving import in_process_server
+
+    config = llada_config(vocab_size=300, mask_token_id=299, eos_token_id=298)
+    save_checkpoint(tmp_path / "bare", config, random_llada_tensors(config, 0))  # weights and config only
+    llm = LLM(str(tmp_path / "bare"), dtype="float32", device="cpu")
+    with pytest.raises(Unsupported, match="stop strings need the checkpoint's tokenizer") as python:
+        llm.generate([5, 6, 7], gen_length=4, stop="x")
+    with in_process_server(model=str(tmp_path / "bare"), dtype="float32", device="cpu", warmup=False) as client:
+        answer = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "stop": "x"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["param"], error["code"], error["message"]) == ("stop", "unsupported", str(python.value))

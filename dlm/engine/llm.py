@@ -23,7 +23,7 @@ from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import forward_tokens
 from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan, why_no_governor
-from dlm.engine.stops import TextOf, covering, ends_at_stop, stop_cut
+from dlm.engine.stops import TextOf, covering, ends_at_stop, require_text, stop_cut
 from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -195,8 +195,7 @@ class LLM:
             params = GenerationParams(**{**given, **overrides})
         ids = [self.encode(p, chat=chat, chat_template_kwargs=chat_template_kwargs) for p in batch]
         decodable = has_tokenizer(self.model_dir)
-        if params.stop and not decodable:
-            raise UsageError("stop strings need the checkpoint's tokenizer, which this model lacks", field="stop")
+        require_text(params.stop, decodable)
         if self.thread_governor is not None:
             on_step = governed(self.thread_governor, self.engine, on_step)
         # Stop strings end a sequence at the step whose committed text first holds one, as a

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dlm.engine.errors import UsageError
+from dlm.engine.errors import Unsupported, UsageError
 
 if TYPE_CHECKING:
     from dlm.engine.params import GenerationParams
@@ -53,6 +53,13 @@ def stop_strings(value: Any) -> tuple[str, ...] | None:
     if longest > MAX_STOP_CHARS:
         raise UsageError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}", field="stop")
     return tuple(s for s in stops if s) or None
+
+
+def require_text(stop: tuple[str, ...] | None, has_tokenizer: bool) -> None:
+    """Stop strings are searched in the answer's text: a checkpoint without a tokenizer has
+    none, so a request carrying them is refused (field `stop`) rather than never matched."""
+    if stop and not has_tokenizer:
+        raise Unsupported("stop strings need the checkpoint's tokenizer, which this model lacks", field="stop")
 
 
 def find_stop(text: str, stops: Sequence[str], after: int = 0) -> int | None:

@@ -35,7 +35,7 @@ from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
 from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.scheduler import QueueFull, SchedulerLimits
-from dlm.engine.stops import ends_at_stop
+from dlm.engine.stops import ends_at_stop, require_text
 
 if TYPE_CHECKING:
     from dlm.engine.llm import LLM
@@ -381,6 +381,7 @@ class Service:
             given["logprobs"] = top
         try:  # the family's defaults and rules, as `dlm generate` applies them
             resolved = served.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
+            require_text(resolved.stop, served.tokenizer is not None)
         except UsageError as exc:
             raise _refused(exc, job) from None
         try:  # its choices are queued together or not at all: a 400 when no wait lets them in
