@@ -94,11 +94,12 @@ def validate(params: GenerationParams, prompt_length: int, config: ModelConfig) 
     """`params` resolved for a prompt of `prompt_length` tokens on the checkpoint `config`
     describes, or `UsageError` naming the field at fault."""
     params.check_ranges(config.logits_size)  # the family's defaults are derived from in-range fields
-    params.check_mode()  # and replace what mode ar fixes: refused if the request gave it
+    family = family_named(config.family)
+    params.check_mode(family)  # a mode the family lacks, and what mode ar fixes given beside it
     return with_defaults(params, config).validate(
         prompt_length,
         config.max_position_embeddings,
-        family_named(config.family),
+        family,
         fixed_block=fixed_block(config),
         forwards=forwards(config),
         vocab=config.logits_size,

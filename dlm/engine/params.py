@@ -462,10 +462,21 @@ class GenerationParams:
         _validate_stop_token_ids(self.stop_token_ids, vocab)
         stop_strings(self.stop)
 
-    def check_mode(self) -> None:
-        """Refuse what the request's mode fixes itself (`AR_FIXED` with mode ar) when the
-        request gives it: asked of the request as given, before the family's defaults fill
-        those fields (dlm/engine/family_rules.py, which every entry point validates through)."""
+    def require_mode(self, family: Family) -> None:
+        """Refuse a decoding mode `family` cannot decode (the `decode_mode` capability)."""
+        if self.mode != "diffusion" and not MODES_CAPABILITY.supports(family):
+            raise Unsupported(
+                f"mode {self.mode!r} is not available for {family.name} models: {MODES_CAPABILITY.why_not}",
+                field="mode",
+            )
+
+    def check_mode(self, family: Family) -> None:
+        """Refuse a mode `family` cannot decode, then what the request's mode fixes itself
+        (`AR_FIXED` with mode ar) when the request gives it: asked of the request as given,
+        before the family's defaults fill those fields (dlm/engine/family_rules.py, which every
+        entry point validates through). The mode first: `steps` beside ar on LLaDA was refused
+        as not applying to ar, which LLaDA cannot decode at all."""
+        self.require_mode(family)
         given = [name for name in AR_FIXED if getattr(self, name) is not None]
         if self.mode == "ar" and given:
             raise Unsupported(
@@ -540,11 +551,7 @@ class GenerationParams:
                 "commits the block's first position, which may be a fixed skeleton token); use cache none",
                 field="cache",
             )
-        if p.mode != "diffusion" and not MODES_CAPABILITY.supports(family):
-            raise Unsupported(
-                f"mode {p.mode!r} is not available for {family.name} models: {MODES_CAPABILITY.why_not}",
-                field="mode",
-            )
+        p.require_mode(family)
         if p.suffix:
             require(family, "suffix")
         if p.logprobs is not None:
