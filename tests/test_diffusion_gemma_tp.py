@@ -89,11 +89,23 @@ def test_sharded_first_forward_logits_match_transformers(checkpoint: Path, tmp_p
     assert all(size < 0.75 * whole for size in sizes)
 
 
+def _unseeded(llm: LLM) -> list[tuple[list[int], int]]:
+    """Two samples of a request that gives no seed (as `LLM.generate` and `dlm batch` send
+    it, unresolved): the family seeds it `DEFAULT_CANVAS_SEED`, sample i with that seed + i."""
+    return [(out.output_ids, out.nfe) for out in llm.generate(CASES[2][0], gen_length=24, n=2)]
+
+
 def test_two_ranks_give_the_reference_ids(checkpoint: Path, expected: list) -> None:
+    """Seeded, transformers' ids; unseeded, the single process's: the driver used to draw a
+    random seed before the family's default applied, so every 2-rank answer differed."""
+    with LLM(checkpoint, dtype="float32", device="cpu") as llm:
+        single = _unseeded(llm)
     with LLM(checkpoint, dtype="float32", device="cpu", parallel=ParallelConfig(tensor_parallel_size=2)) as llm:
         assert llm.engine.tensor_parallel_size == 2
         got = [llm.generate(case[0], params(case))[0] for case in CASES]
+        unseeded = _unseeded(llm)
     assert [(out.output_ids, out.nfe) for out in got] == expected
+    assert unseeded == single and single[0] != single[1]
 
 
 def test_cli_two_ranks(checkpoint: Path, expected: list) -> None:

@@ -9,7 +9,8 @@ the layers' collectives (`dlm/engine/parallel/state.py`), the same combined LM-h
 hence the same commits. Decisions therefore never need to be sent back; the only traffic is
 the small step messages, the layers' all-reduces and the few statistics per decided row.
 Sampling stays identical on every rank because each request carries a seed (rank 0 draws
-one when the request has none) and the noise of a token depends only on (seed, row, id).
+one when neither the request nor its family's defaults give one: DiffusionGemma's default
+seed is kept, as in a single process) and the noise of a token depends only on (seed, row, id).
 
 Launch: on one node `start_driver` spawns ranks 1..N-1 itself (torch.multiprocessing,
 spawn). Across nodes every node runs the same command with `--nnodes`, `--node-rank`,
@@ -465,10 +466,19 @@ class DistributedEngine(Engine):
         return self.engine.check_request(prompt_ids, params)  # nothing built, so nothing for the ranks
 
     def make_sequence(self, prompt_ids: list[int], params: GenerationParams) -> RequestState:
-        return self._register(prompt_ids, [self.engine.make_sequence(prompt_ids, _seeded(params))])[0]
+        return self._register(prompt_ids, [self.engine.make_sequence(prompt_ids, self._seeded(prompt_ids, params))])[0]
 
     def make_sequences(self, prompt_ids: list[int], params: GenerationParams) -> list[RequestState]:
-        return self._register(prompt_ids, self.engine.make_sequences(prompt_ids, _seeded(params)))
+        return self._register(prompt_ids, self.engine.make_sequences(prompt_ids, self._seeded(prompt_ids, params)))
+
+    def _seeded(self, prompt_ids: list[int], params: GenerationParams) -> GenerationParams:
+        """Every rank must draw the same sampling noise, so every request is seeded here;
+        resolved first, so that a seed the family fills when none is given (DiffusionGemma's
+        `DEFAULT_CANVAS_SEED`, dlm/engine/family_rules.py) is the one used, as in a single
+        process: drawing one before resolving made an unseeded DiffusionGemma request answer
+        differently at 2 ranks than at 1, and differently on every run."""
+        resolved = self.engine.validate(params, len(prompt_ids))
+        return resolved if resolved.seed is not None else replace(resolved, seed=secrets.randbits(31))
 
     def _register(self, prompt_ids: list[int], seqs: list[RequestState]) -> list[RequestState]:
         """Sequences built (and validated) here, announced to the ranks with the next step."""
@@ -571,11 +581,6 @@ class DistributedEngine(Engine):
                 self.spawned.terminate()
             leave(self.group)
             self._deadline.disarm()
-
-
-def _seeded(params: GenerationParams) -> GenerationParams:
-    """Every rank must draw the same sampling noise: an unseeded request gets a seed here."""
-    return params if params.seed is not None else replace(params, seed=secrets.randbits(31))
 
 
 def _down(death: str) -> EngineFailed:
