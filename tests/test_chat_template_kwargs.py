@@ -42,6 +42,17 @@ def test_the_template_sees_the_variables(thinking_model: Path) -> None:
         encode_chat(tokenizer, MESSAGES, template_kwargs={"add_generation_prompt": False})
 
 
+@pytest.mark.parametrize("name", ["sanitize_control_tokens", "conversations", "self", "tokenizer_kwargs"])
+def test_no_variable_can_set_an_argument_of_the_call(thinking_model: Path, name: str) -> None:
+    """Every named argument of apply_chat_template (transformers 5's `sanitize_control_tokens`
+    was taken as the call's argument, silently) and the renderer's `conversations` (a
+    TypeError blamed on the messages) is refused as the field's, as `tokenize` is."""
+    tokenizer = load_tokenizer(thinking_model)
+    with pytest.raises(UsageError, match=f"cannot set {name}") as refused:
+        encode_chat(tokenizer, MESSAGES, template_kwargs={name: True})
+    assert refused.value.field == "chat_template_kwargs"
+
+
 def test_the_server_passes_them_to_the_template(thinking_model: Path) -> None:
     with in_process_server(model=str(thinking_model), dtype="float32", device="cpu", warmup=False) as client:
         plain = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]

@@ -62,26 +62,22 @@ def encode(tokenizer: Any, text: str, chat: bool = False, template_kwargs: dict[
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-# apply_chat_template's own arguments: not template variables a caller may set.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
+# Names a caller's template variables cannot take besides `apply_chat_template`'s own
+# arguments (`reserved_template_kwargs`): the variable the conversation reaches the template
+# as, and the renderer's own argument for it, which `**kwargs` would collide with.
+TEMPLATE_OWN_NAMES = frozenset({"messages", "conversations"})
+
+
+def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+    """Names `chat_template_kwargs` cannot set: every named argument of this tokenizer's
+    `apply_chat_template` (read from its signature, so an argument a transformers release adds,
+    such as 5.x's `sanitize_control_tokens`, is one too: given as a template variable it set
+    the call's argument instead, silently) and `TEMPLATE_OWN_NAMES`."""
+    import inspect
+
+    parameters = inspect.signature(type(tokenizer).apply_chat_template).parameters.values()
+    named = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return frozenset(named) | TEMPLATE_OWN_NAMES
 
 
 def encode_chat(
@@ -93,7 +89,7 @@ def encode_chat(
     """Prompt ids of a conversation through the checkpoint's own chat template (which also
     decides how `tools` are shown to the model). `template_kwargs` are extra template
     variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`)."""
-    clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    clash = sorted(set(template_kwargs) & reserved_template_kwargs(tokenizer)) if template_kwargs else []
     if clash:
         raise UsageError(
             f"chat_template_kwargs cannot set {', '.join(clash)}: the server sets it", field="chat_template_kwargs"
