@@ -862,3 +862,28 @@ def test_loadtest_refuses_a_dllm_value_every_request_would_be_refused_for(fields
     with pytest.raises(UsageError, match=refused):
         check_dllm_fields(fields)
     check_dllm_fields({"cache": "dual", "remasking": "random", "decode_mode": "ar", "threshold": 0.9, "steps": 8})
+
+
+def test_a_yaml_file_naming_a_key_twice_is_refused_as_json_and_toml_are(tmp_path: Path) -> None:
+    """PyYAML keeps a key's last value: a settings file's second `host:` silently replaced the
+    first (0.0.0.0 served), a suite's second `expect` dropped the first, where a TOML file, a
+    JSON body and a batch line with a key twice are refused. A merge key (`<<`) still overrides."""
+    from dlm.cli.checks.suite import load_suite
+    from dlm.cli.server.config import load_config
+    from dlm.engine.errors import UsageError
+
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("host: 127.0.0.1\nmax_tokens: 64\nhost: 0.0.0.0\n")
+    with pytest.raises(UsageError, match="at line 3, column 1: the key 'host' appears twice"):
+        load_config(settings, environ={})
+    code, stdout, stderr = cli("serve", "tiny:llada", "--config", str(settings))
+    _assert_one_error(code, stdout, stderr, 2)
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("prompts:\n  - prompt: hi\n    expect: {contains: a}\n    expect: {contains: b}\n")
+    with pytest.raises(UsageError, match="the key 'expect' appears twice"):
+        load_suite(suite)
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &b {max_tokens: 8, host: 127.0.0.1}\nserve:\n  <<: *b\n  max_tokens: 16\n")
+    from dlm.cli.text_files import load_yaml
+
+    assert load_yaml(merged.read_text(), "x")["serve"] == {"max_tokens": 16, "host": "127.0.0.1"}

@@ -30,11 +30,32 @@ def read_text(path: Path, what: str) -> str:
 
 
 def load_yaml(text: str, what: str) -> Any:
-    """`yaml.safe_load`, its error on one line: `WHAT is not valid YAML at line L, column C: ...`."""
+    """`yaml.safe_load`, its error on one line: `WHAT is not valid YAML at line L, column C: ...`.
+    A mapping that names a key twice is refused, as YAML says and as a TOML file, a JSON body
+    and a JSONL line are (dlm/cli/jsonl.py `unique_keys`): PyYAML kept the last value, so a
+    settings file's second `host:` silently replaced the first."""
     import yaml
 
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides by design
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    twice = key in seen
+                except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                    continue
+                if twice:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeys)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
