@@ -61,3 +61,16 @@ def test_the_allow_list_is_validated_and_read_from_every_source(tmp_path: Any) -
     assert load_config(file, environ={}).allowed_ips == ["172.16.0.0/12"]
     with pytest.raises(UsageError, match="invalid setting allowed_ips: '10.0.0.300' is not an IP"):
         load_config(None, {"allowed_ips": ["10.0.0.300"]}, environ={})
+
+
+@pytest.mark.parametrize("client", [("10.0.0.7", 5000), ("::ffff:10.0.0.7", 5000)])
+def test_an_entry_in_the_mapped_form_is_the_ipv4_network_it_names(client: tuple[str, int]) -> None:
+    """A client seen as ::ffff:10.0.0.7 is matched as 10.0.0.7, so an entry written in that
+    form (::ffff:10.0.0.0/104) matched no client at all: it is the IPv4 network 10.0.0.0/8."""
+    http = TestClient(app(allowed_ips=["::ffff:10.0.0.0/104"]), client=client)
+    assert http.get("/version").status_code == 200
+    assert (
+        TestClient(app(allowed_ips=["::ffff:10.0.0.0/104"]), client=("11.0.0.7", 1)).get("/version").status_code == 403
+    )
+    # ::/0 names IPv6 addresses: an IPv4 client, mapped or not, is none of them
+    assert TestClient(app(allowed_ips=["::/0"]), client=client).get("/version").status_code == 403

@@ -251,10 +251,20 @@ class ServeConfig(BaseModel):
         return out
 
     def allowed_networks(self) -> list[Any]:
-        """The allow-list as networks (empty: every address may call)."""
+        """The allow-list as networks (empty: every address may call). An IPv4 client is
+        matched by its IPv4 address, also when a dual-stack socket shows it as ::ffff:a.b.c.d
+        (app.AllowList), so an entry written in that mapped form (::ffff:10.0.0.0/104) is the
+        IPv4 network it names: kept as IPv6, it admitted none of its clients."""
         import ipaddress
 
-        return [ipaddress.ip_network(n, strict=False) for n in self.allowed_ips]
+        mapped = ipaddress.IPv6Network("::ffff:0:0/96")
+        networks = []
+        for entry in self.allowed_ips:
+            network = ipaddress.ip_network(entry, strict=False)
+            if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(mapped):
+                network = ipaddress.ip_network(f"{network.network_address.ipv4_mapped}/{network.prefixlen - 96}")
+            networks.append(network)
+        return networks
 
     @field_validator("decode_mode")
     @classmethod
