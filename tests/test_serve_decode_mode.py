@@ -120,3 +120,22 @@ def test_validate_compares_the_modes_where_the_family_takes_both(name: str) -> N
         assert "; ar 16 tokens in " in check.detail
     else:
         assert (check.status, check.detail) == (SKIPPED, "the server does not advertise decode_mode")
+
+
+@pytest.mark.parametrize("name", [f"tiny:{n}" for n in tiny_names() if takes_ar(f"tiny:{n}")][:1])
+def test_validate_checks_the_diffusion_fields_of_a_server_whose_default_is_ar(name: str) -> None:
+    """`dlm serve tiny:sdar --decode-mode ar` refuses steps, threshold and block_length sent
+    without a mode; validate's checks of them were skipped, saying 'the server refuses steps as
+    unsupported', though it takes them beside decode_mode diffusion, which it advertises."""
+    from dlm.cli.checks.runner import PASSED, Context, ValidateOptions, run_checks
+    from dlm.cli.checks.validate import validation_checks
+    from dlm.cli.client.api import ApiClient
+
+    wanted = ("models", "completion", "steps", "threshold", "block_length")
+    with in_process_server(model=name, warmup=False, decode_mode="ar") as http:
+        api = ApiClient("http://dlm")
+        api.http = http
+        checks = [c for c in validation_checks() if c.name in wanted]
+        results = {r.name: r for r in run_checks(Context(api, ValidateOptions()), checks)}
+    for check in ("steps", "threshold", "block_length"):
+        assert results[check].status == PASSED, (check, results[check].detail)

@@ -22,6 +22,7 @@ import jsonschema
 
 from dlm.cli.checks.contract import (
     FINISH_REASONS,
+    advertised,
     chat_body,
     choices_body,
     completion_body,
@@ -29,23 +30,13 @@ from dlm.cli.checks.contract import (
     post_ok,
     refused_field,
 )
-from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context, json_body
+from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context
 from dlm.cli.client.api import error_message
 from dlm.engine.params import MODES
 
 LOGPROBS_TOP = 2
 N = 2
 SEED = 1234
-
-
-def advertised(ctx: Context) -> list[str]:
-    """The capabilities /v1/models lists for the model under test (cached in the context)."""
-    if "capabilities" not in ctx.facts:
-        body = json_body(ctx.client.get("/v1/models"), "/v1/models")
-        entry = next((m for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == ctx.model), {})
-        found = entry.get("capabilities")
-        ctx.facts["capabilities"] = [c for c in found if isinstance(c, str)] if isinstance(found, list) else []
-    return list(ctx.facts["capabilities"])
 
 
 def capabilities(ctx: Context) -> str:

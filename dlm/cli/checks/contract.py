@@ -228,6 +228,16 @@ def determinism(ctx: Context) -> str:
     return "3 identical answers at temperature 0"
 
 
+def advertised(ctx: Context) -> list[str]:
+    """The capabilities /v1/models lists for the model under test (cached in the context)."""
+    if "capabilities" not in ctx.facts:
+        body = json_body(ctx.client.get("/v1/models"), "/v1/models")
+        entry = next((m for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == ctx.model), {})
+        found = entry.get("capabilities")
+        ctx.facts["capabilities"] = [c for c in found if isinstance(c, str)] if isinstance(found, list) else []
+    return list(ctx.facts["capabilities"])
+
+
 def refused_field(response: httpx.Response, fields: dict[str, Any]) -> str | None:
     """The field a 400 `unsupported` error names, when it is one of `fields`: the server says
     it cannot honour it (e.g. a model decoding with its own generate method), rather than
@@ -249,7 +259,11 @@ def denoising(ctx: Context, **fields: Any) -> tuple[int, str]:
     key = tuple(sorted(fields.items()))
     cache = ctx.facts.setdefault("denoising", {})
     if key not in cache:
-        response = ctx.client.post("/v1/completions", completion_body(ctx, max_tokens=DLLM_TOKENS, **fields))
+        # A model that decodes either way may be served with --decode-mode ar, which refuses
+        # these fields: they are asked of its diffusion mode, which takes them.
+        mode = {"decode_mode": "diffusion"} if "decode_mode" in advertised(ctx) else {}
+        body = completion_body(ctx, max_tokens=DLLM_TOKENS, **mode, **fields)
+        response = ctx.client.post("/v1/completions", body)
         refused = refused_field(response, fields)
         if refused is not None:
             raise CheckSkipped(f"the server refuses {refused} as unsupported: {error_message(response)}")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from dlm.cli.checks.capabilities import advertised
-from dlm.cli.checks.contract import choices_body, completion_body
+from dlm.cli.checks.contract import advertised, choices_body, completion_body
 from dlm.cli.checks.runner import Check, CheckFailed, CheckSkipped, Context
 
 # Prompts of other lengths sent beside the checked one, so a batching server batches them.
