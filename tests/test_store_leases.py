@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dlm.cli.store import leases
+from dlm.cli.store.admin import process_start
 from dlm.cli.store.fetch import fetch
 from dlm.cli.store.records import Lease
 from dlm.cli.store.releases import protected_versions, remove_versions, transaction
@@ -68,6 +69,14 @@ def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tupl
     alive = record.model_copy(update={"pid": os.getpid()})
     (lease_dir / "live.json").write_text(json.dumps(alive.to_json()))
     assert protected_versions(store) == {("c", v1): f"served by pid {alive.pid} (dlm serve)"}
+    # ... written by this very process (its start time), but not by an earlier one that had this
+    # pid (a container restarted in its pod runs its server as pid 1 again): that one is dead
+    started = process_start(os.getpid())
+    assert started is not None  # Linux: /proc
+    (lease_dir / "live.json").write_text(json.dumps(alive.model_copy(update={"started": started}).to_json()))
+    assert protected_versions(store) == {("c", v1): f"served by pid {alive.pid} (dlm serve)"}
+    (lease_dir / "live.json").write_text(json.dumps(alive.model_copy(update={"started": started - 1}).to_json()))
+    assert protected_versions(store) == {}
     foreign = record.model_copy(update={"host": "elsewhere"})  # its pid cannot be checked from here
     (lease_dir / "live.json").write_text(json.dumps(foreign.to_json()))
     with pytest.raises(DlmError, match=f"served by pid {dead.pid} on elsewhere") as refused:

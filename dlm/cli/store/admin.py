@@ -126,6 +126,17 @@ def unregister_server(store: Store, deployment: str) -> None:
             path.unlink(missing_ok=True)
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot: /proc/PID/stat's field 22), which
+    tells the process that wrote a record from a later one given the same pid (a container
+    restarted in its pod runs its server as pid 1 again); None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # after the command, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

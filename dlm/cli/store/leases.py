@@ -10,7 +10,8 @@ pid, host, command), under the store-wide lock and only once it has found the ve
 removed first (the resolver then finds none) or `rm` sees the lease and refuses.
 
 A lease counts while its process lives. A process that dies leaves its lease behind (a
-command ends with `os._exit`, a SIGKILL): one whose pid is dead is ignored, and removed by the
+command ends with `os._exit`, a SIGKILL): one whose pid is dead, or now runs a later process
+(its start time, where /proc gives it, is not the lease's), is ignored, and removed by the
 next store transaction. A lease written on another host (a store shared between machines)
 cannot be checked and counts as live until it is deleted. A command drops its leases when it
 ends (`holding`); a Python program keeps its leases until it exits.
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from dlm.cli.store.admin import alive
+from dlm.cli.store.admin import alive, process_start
 from dlm.cli.store.atomic import write_json_atomic
 from dlm.cli.store.records import CorruptRecord, Lease, Manifest, read_record
 from dlm.cli.store.store import Store, now
@@ -68,6 +69,7 @@ def take(store: Store, manifest: Manifest) -> None:
         command=command,
         use=use,
         since=now(),
+        started=process_start(os.getpid()),
     )
     path = lease_dir(store) / f"{os.getpid()}-{secrets.token_hex(6)}.json"
     write_json_atomic(path, lease.to_json())
@@ -102,7 +104,13 @@ def _records(store: Store) -> Iterator[tuple[Path, Lease | None]]:
 
 
 def _live(lease: Lease) -> bool:
-    return lease.host != HOST or alive(lease.pid)
+    """Its process may still run: another host's cannot be checked; here, its pid must be
+    alive and (where /proc says) the same process, not a later one given that pid."""
+    if lease.host != HOST:
+        return True
+    if not alive(lease.pid):
+        return False
+    return lease.started is None or process_start(lease.pid) in (None, lease.started)
 
 
 def live_leases(store: Store) -> list[tuple[Path, Lease]]:

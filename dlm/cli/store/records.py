@@ -253,3 +253,4 @@ class Lease(Ref):
     command: str  # `dlm serve`, `dlm generate`, ...; or the program that called resolve_model
     use: Literal["served", "loaded"]
     since: str
+    started: int | None = None  # `pid`'s start (admin.process_start): a later process of that pid holds nothing
