@@ -44,7 +44,18 @@ def test_validate_passes_against_dlm_serve(server: ServerProcess, tmp_path: Path
     )  # fmt: skip
     statuses = checks(result)
     assert result.returncode == 0, json.loads(result.stdout)["checks"]
-    assert set(statuses.values()) == {"passed"}  # key checks included: none skipped
+    # key checks included: none skipped but the capability checks of what the default model's
+    # family lacks (the registry's record: LLaDA decodes no decode_mode ar)
+    from dlm.cli.checks.capabilities import PROBES
+    from dlm.engine.capabilities import supported
+    from dlm.engine.config import load_config
+    from dlm.engine.default_model import default_model_dir
+    from dlm.engine.registry import family_named
+
+    family = family_named(load_config(default_model_dir()).family)
+    lacking = {f"capability_{name}" for name in PROBES if name not in supported(family)}
+    assert {name for name, status in statuses.items() if status != "passed"} == lacking, statuses
+    assert {statuses[name] for name in lacking} <= {"skipped"}
     assert "suite.pass_rate" in statuses  # the embedded model's known answers
     assert len(ET.parse(junit).getroot().findall("testsuite/testcase")) == len(statuses)
 
