@@ -157,6 +157,21 @@ def test_thresholds_and_quantities() -> None:
     assert parse_levels("1, 2,8") == [1, 2, 8]
 
 
+@pytest.mark.parametrize("number", [".", "1.2.3", "..5", "1e999"])
+def test_a_malformed_number_is_bad_usage_not_a_traceback(number: str) -> None:
+    """Before: `-t .`, `-t 1.2.3s` and `--fail-on "p95_e2e>1.2.3s"` matched the number pattern
+    and float() raised a ValueError traceback (exit 1). An exponent is a number, but a duration
+    that overflows to infinity is none."""
+    with pytest.raises(UsageError, match="-t"):
+        parse_seconds(f"{number}s", "-t")
+    if number != "1e999":
+        for flag in ("--fail-on", "--slo"):
+            with pytest.raises(UsageError, match=flag):
+                parse_conditions(f"e2e<{number}s", ("e2e",), flag)
+    assert parse_seconds(".5s", "-t") == 0.5 and parse_seconds("5.", "-t") == 5
+    assert parse_conditions("e2e<1e-3,e2e<.5s", ("e2e",), "--slo")[0].value == 0.001
+
+
 def test_jsonl_prompts(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "max_tokens": 4}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')

@@ -6,6 +6,7 @@ is parsed in one place. Quantities are normalised to seconds and fractions.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -20,7 +21,9 @@ OPERATORS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt,
     "<": operator.lt,
 }
-CONDITION = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([0-9.]+(?:e-?[0-9]+)?)\s*(ms|us|s|%)?\s*$")
+# A decimal number (`5`, `0.5`, `.5`, `5.`, `1e-3`): no lone `.` nor `1.2.3`, which float() refuses.
+NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e-?[0-9]+)?"
+CONDITION = re.compile(rf"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*({NUMBER})\s*(ms|us|s|%)?\s*$")
 # Per-request quantities an SLO may bound (seconds).
 SLO_METRICS = ("ttft", "tpot", "e2e")
 
@@ -37,16 +40,17 @@ class Condition:
         return OPERATORS[self.op](measured, self.value)
 
 
-DURATION = re.compile(r"^\s*([0-9.]+)\s*(ms|s|m|h)?\s*$")
+DURATION = re.compile(rf"^\s*({NUMBER})\s*(ms|s|m|h)?\s*$")
 DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_seconds(text: str, flag: str) -> float:
     """`30`, `30s`, `2m`, `500ms` -> seconds (locust's -t style)."""
     match = DURATION.match(text)
-    if not match or float(match.group(1)) <= 0:
+    seconds = float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"] if match else 0.0
+    if not 0 < seconds < math.inf:
         raise UsageError(f"{flag}: expected a positive duration such as 30s or 2m, got {text!r}")
-    return float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+    return seconds
 
 
 def parse_conditions(text: str, known: tuple[str, ...], flag: str) -> list[Condition]:
