@@ -172,6 +172,33 @@ def test_a_malformed_number_is_bad_usage_not_a_traceback(number: str) -> None:
     assert parse_conditions("e2e<1e-3,e2e<.5s", ("e2e",), "--slo")[0].value == 0.001
 
 
+@pytest.mark.parametrize(
+    "condition",
+    [
+        "p95_e2e>5%",
+        "p50_ttft>1%",
+        "rps<5s",
+        "error_rate>5ms",
+        "tokens_per_step<2%",
+        "error_rate>5",
+        "goodput_fraction<90",
+    ],
+)
+def test_a_unit_of_the_wrong_kind_is_bad_usage(condition: str) -> None:
+    """Before: `p95_e2e>5%` was a 50 ms gate, `rps<5s` one of 5 requests/s, and `error_rate>5`
+    (500%) one that never fires: each silently another gate than the one written."""
+    with pytest.raises(UsageError, match=re.escape(condition)):
+        parse_conditions(condition, GATE_METRICS, "--fail-on")
+
+
+def test_units_of_the_right_kind_are_read() -> None:
+    conditions = "p95_e2e>5,p50_tpot>20ms,mean_ttft>=300us,error_rate>0.5,tokens_mismatch>150%,rps<2,error_rate>=1"
+    values = [c.value for c in parse_conditions(conditions, GATE_METRICS, "--fail-on")]
+    assert values == pytest.approx([5, 0.02, 0.0003, 0.5, 1.5, 2, 1])
+    with pytest.raises(UsageError, match="ttft"):
+        parse_slo("ttft<=50%")
+
+
 def test_jsonl_prompts(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "max_tokens": 4}\n\n{"messages": [{"role": "user", "content": "b"}]}\n')

@@ -26,6 +26,28 @@ NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e-?[0-9]+)?"
 CONDITION = re.compile(rf"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*({NUMBER})\s*(ms|us|s|%)?\s*$")
 # Per-request quantities an SLO may bound (seconds).
 SLO_METRICS = ("ttft", "tpot", "e2e")
+# Metrics that are shares: `%` applies, and error_rate and goodput_fraction are at most 1.
+FRACTIONS = ("error_rate", "goodput_fraction", "requests_mismatch", "tokens_mismatch")
+AT_MOST_ONE = ("error_rate", "goodput_fraction")
+TIME_UNITS = ("s", "ms", "us")
+
+
+def check_unit(metric: str, number: float, unit: str, part: str, flag: str) -> None:
+    """Refuse a quantity whose unit is not of its metric's kind (`p95_e2e>5%` read as 50 ms,
+    `rps>5s` as 5 requests/s) and a bare share above 1 (`error_rate>5` never holds: 5 is 500%;
+    5% was meant): each would be a gate other than the one written, silently."""
+    allowed: tuple[str, ...]
+    if metric.rsplit("_", 1)[-1] in SLO_METRICS:
+        kind, allowed = "a time", TIME_UNITS
+    elif metric in FRACTIONS:
+        kind, allowed = "a share", ("%",)
+    else:
+        kind, allowed = "a count per request or second", ()
+    if unit and unit not in allowed:
+        takes = f"give {', '.join(allowed)} or no unit" if allowed else "give a bare number"
+        raise UsageError(f"{flag}: {part!r}: {metric} is {kind}, not in {unit!r}; {takes}")
+    if metric in AT_MOST_ONE and not unit and number > 1:
+        raise UsageError(f"{flag}: {part!r}: {metric} is a share of at most 1; write {number:g}% for percent")
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,7 @@ def parse_conditions(text: str, known: tuple[str, ...], flag: str) -> list[Condi
         metric, op, number, unit = match.groups()
         if metric not in known:
             raise UsageError(f"{flag}: unknown metric {metric!r}; known: {', '.join(known)}")
+        check_unit(metric, float(number), unit or "", part, flag)
         conditions.append(Condition(metric, op, float(number) * UNITS[unit or ""], part, unit or ""))
     return conditions
 
