@@ -17,7 +17,7 @@ from rich.console import Console
 
 from dlm.cli.loadtest.report import finalize, level_row, levels_table
 from dlm.cli.loadtest.stats import GATE_METRICS, RequestRecord, summarize
-from dlm.cli.loadtest.sweep import find_knee, parse_levels
+from dlm.cli.loadtest.sweep import check_ramps, find_knee, parse_levels
 from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo, violations
 from dlm.cli.loadtest.vllm_format import VLLM_KEYS
 from dlm.cli.loadtest.workload import from_prompts, load_jsonl, model_card, named
@@ -155,6 +155,18 @@ def test_thresholds_and_quantities() -> None:
     with pytest.raises(UsageError):
         parse_levels("4,2")
     assert parse_levels("1, 2,8") == [1, 2, 8]
+
+
+def test_every_sweep_level_must_outlast_its_ramp_up() -> None:
+    """Before: only the first level's ramp was checked, so `--sweep 1,20 -r 2 -t 3s` ran a
+    20-user level whose steady window began 6.5 s after it ended: 0 requests measured over
+    -6.5 seconds, and a knee 'not measured' that advised lowering --min-samples."""
+    with pytest.raises(UsageError, match="from 1 to 20 users"):
+        check_ramps([1, 20], 2.0, 3.0)
+    with pytest.raises(UsageError, match="from 0 to 8 users"):
+        check_ramps([8], 2.0, 4.0)
+    check_ramps([1, 2, 4, 8], 2.0, 3.0)  # each level ramps from the one before: at most 2 s
+    check_ramps([1, 1000], None, 1.0)  # all at once
 
 
 @pytest.mark.parametrize("number", [".", "1.2.3", "..5", "1e999"])

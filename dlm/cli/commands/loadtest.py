@@ -97,7 +97,7 @@ def loadtest(
         from dlm.cli.loadtest.report import finalize, live_table, render_summary, write_summary
         from dlm.cli.loadtest.run import LoadPlan, run_loadtest
         from dlm.cli.loadtest.stats import GATE_METRICS
-        from dlm.cli.loadtest.sweep import parse_levels
+        from dlm.cli.loadtest.sweep import check_ramps, parse_levels
         from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
         from dlm.cli.loadtest.workload import check_dllm_fields, from_prompts
         from dlm.engine.errors import DlmError, UsageError
@@ -114,6 +114,7 @@ def loadtest(
         url = checked_url(url)
         levels = parse_levels(sweep) if sweep is not None else [users]  # "" is no sweep: refused
         seconds = parse_seconds(duration, "--duration")
+        check_ramps(levels, spawn_rate, seconds)
         slo_bounds = parse_slo(slo or "")
         thresholds = parse_conditions(fail_on or "", GATE_METRICS, "--fail-on")
         # An empty value ('', ',', an unset "$VAR") is no request for the default: a gate that
@@ -143,8 +144,6 @@ def loadtest(
         plan = LoadPlan(
             url, levels, seconds, spawn_rate, workload, directory, api_key, timeout, tuple(slo_bounds), verify
         )
-        if plan.ramp(0, levels[0]) >= seconds:
-            raise UsageError("--duration must exceed the ramp-up (users / spawn-rate)")
 
         from rich.live import Live
 

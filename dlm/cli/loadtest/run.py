@@ -25,6 +25,7 @@ from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_histor
 from dlm.cli.client.api import ApiClient, Verify
 from dlm.cli.client.metrics import GENERATION_TOKENS, REQUEST_SUCCESS, MetricsFormatError, parse_samples
 from dlm.cli.loadtest.stats import RequestRecord, summarize
+from dlm.cli.loadtest.sweep import ramp
 from dlm.cli.loadtest.thresholds import Condition
 from dlm.cli.loadtest.users import Recorder, user_class
 from dlm.cli.loadtest.vllm_format import level_result
@@ -52,7 +53,7 @@ class LoadPlan:
     verify: Verify = True  # TLS check of an https:// server (dlm.cli.client.api.tls_verify)
 
     def ramp(self, before: int, users: int) -> float:
-        return max(0.0, (users - before) / self.spawn_rate) if self.spawn_rate else 0.0
+        return ramp(before, users, self.spawn_rate)
 
 
 def scrape(client: ApiClient) -> dict[str, float] | None:

@@ -30,6 +30,24 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def ramp(before: int, users: int, spawn_rate: float | None) -> float:
+    """Seconds locust takes to go from `before` to `users` users at `spawn_rate` per second
+    (None: all at once)."""
+    return max(0.0, (users - before) / spawn_rate) if spawn_rate else 0.0
+
+
+def check_ramps(levels: list[int], spawn_rate: float | None, duration: float) -> None:
+    """Every level must outlast its ramp-up, or its steady window, where its statistics are
+    measured, is empty: in a sweep each level ramps from the one before, so a later level's
+    ramp can be the longest."""
+    for before, users in zip([0, *levels], levels):
+        if ramp(before, users, spawn_rate) >= duration:
+            raise UsageError(
+                f"--duration must exceed the ramp-up of every level: from {before} to {users} users at "
+                f"--spawn-rate {spawn_rate:g} takes {ramp(before, users, spawn_rate):g}s"
+            )
+
+
 def throughput(level: dict[str, Any]) -> float:
     """Output tokens/s where the server reports usage, else requests/s."""
     return level["output_tokens_per_s"] if level["output_tokens"] else level["rps"]
