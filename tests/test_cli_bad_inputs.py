@@ -856,12 +856,12 @@ def test_an_empty_master_address_is_refused(nnodes: int, address: str, monkeypat
 def test_loadtest_refuses_a_dllm_value_every_request_would_be_refused_for(fields: dict, refused: str) -> None:
     """`loadtest --cache ''` ran the whole load, every request a 400, then exit 1. (Checked
     on the reader the command calls before the load: in process the command imports locust.)"""
-    from dlm.cli.loadtest.workload import check_dllm_fields
+    from dlm.cli.loadtest.workload import check_request_fields
     from dlm.engine.errors import UsageError
 
     with pytest.raises(UsageError, match=refused):
-        check_dllm_fields(fields)
-    check_dllm_fields({"cache": "dual", "remasking": "random", "decode_mode": "ar", "threshold": 0.9, "steps": 8})
+        check_request_fields(fields)
+    check_request_fields({"cache": "dual", "remasking": "random", "decode_mode": "ar", "threshold": 0.9, "steps": 8})
 
 
 def test_a_yaml_file_naming_a_key_twice_is_refused_as_json_and_toml_are(tmp_path: Path) -> None:

@@ -322,6 +322,42 @@ def test_unreachable_server_is_a_failed_operation(tmp_path: Path) -> None:
     assert result.returncode == 1 and "error:" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"max_tokens": 0}, "max_tokens must be"),
+    ],
+)
+def test_loadtest_refuses_a_temperature_every_request_would_be_refused_for(fields: dict, refused: str) -> None:
+    """Before: `--temperature -1` ran the whole load, 1363 requests each a 400 'temperature
+    must be >= 0', then exit 1: only the dLLM flags were checked before the load."""
+    from dlm.cli.loadtest.workload import check_request_fields
+
+    with pytest.raises(UsageError, match=refused):
+        check_request_fields({"prompt": "a", **fields})
+    check_request_fields({"prompt": "a", "max_tokens": 64, "temperature": 0.7})
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [
+        ('{"prompt": "a", "steps": 0}', ":1: steps must be"),
+        ('{"prompt": "a", "temperature": "hot"}', ":1: temperature must be a number"),
+        ('{"prompt": "a", "cache": "all"}', ":1: cache must be one of"),
+    ],
+)
+def test_a_prompts_line_with_a_value_every_request_would_be_refused_for_is_bad_usage(
+    tmp_path: Path, line: str, refused: str
+) -> None:
+    """Before: the line was sent as it was, and the load was a run of 400s."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(UsageError, match=re.escape(refused)):
+        load_jsonl(path)
+
+
 def test_jsonl_lines_may_fix_the_answer_length(tmp_path: Path) -> None:
     path = tmp_path / "fixed.jsonl"
     path.write_text('{"prompt": "a", "max_tokens": 8, "ignore_eos": true, "min_tokens": 8}\n')

@@ -99,7 +99,7 @@ def loadtest(
         from dlm.cli.loadtest.stats import GATE_METRICS
         from dlm.cli.loadtest.sweep import check_ramps, parse_levels
         from dlm.cli.loadtest.thresholds import parse_conditions, parse_seconds, parse_slo
-        from dlm.cli.loadtest.workload import check_dllm_fields, from_prompts
+        from dlm.cli.loadtest.workload import check_request_fields, from_prompts
         from dlm.engine.errors import DlmError, UsageError
 
         if result_format not in ("dlm", "vllm"):
@@ -131,12 +131,12 @@ def loadtest(
             "cache": cache,
             "decode_mode": decode_mode,
         }
-        check_dllm_fields(dllm)  # before the load: a value every request would be refused for
         fields = {
             "max_tokens": max_tokens,
             "temperature": temperature,
             **{k: v for k, v in dllm.items() if v is not None},
         }
+        check_request_fields(fields)  # before the load: a value every request would be refused for
         workload = from_prompts(prompts, fields, model, fixed_length=fixed_length)
         directory = out or dlm_home() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
         writable_dir("--out", directory)  # before the load: its results would have nowhere to go

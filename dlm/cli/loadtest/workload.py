@@ -79,15 +79,22 @@ BUILTIN_PROMPT_SET = "builtin"
 AUTO_PROMPTS = "auto"  # tasks for the default model, else builtin
 
 
-def check_dllm_fields(fields: dict[str, Any]) -> None:
-    """The dLLM request fields the command sends (body names: `decode_mode`, ...), each held to
-    its declared range or choices (dlm/engine/params.py), so a value every request would be
-    refused for (`--cache ''`) is bad usage before the load, not a run of 400s. None: not sent."""
+def check_request_fields(fields: dict[str, Any], where: str = "") -> None:
+    """The generation fields of a request body (body names: `max_tokens`, `temperature`,
+    `decode_mode`, ...; others, such as `prompt`, are left alone), each held to its declared
+    range or choices (dlm/engine/params.py), so a value every request would be refused for
+    (`--cache ''`, `--temperature -1`, a prompts line's `"steps": 0`) is bad usage before the
+    load, not a run of 400s. None: not sent. `where` prefixes the message (a file's line)."""
     from dlm.engine.params import PARAMS, http_name
 
-    names = {http_name(name): name for name in PARAMS}
+    names = {http: name for name in PARAMS if (http := http_name(name)) is not None}
     for body_field, value in fields.items():
-        PARAMS[names[body_field]].check(body_field, value)
+        if body_field not in names:
+            continue
+        try:
+            PARAMS[names[body_field]].check(f"{where}{body_field}", value)
+        except TypeError:  # a string where a number goes: no range compares with it
+            raise UsageError(f"{where}{body_field} must be a number, got {value!r}") from None
 
 
 def model_card(body: Any, model: str | None, where: str) -> dict[str, Any]:
@@ -160,6 +167,7 @@ def load_jsonl(path: str | Path) -> Requests:
         unknown = set(item) - {"prompt", "messages", *LINE_FIELDS}
         if unknown:
             raise UsageError(f"{path}:{number}: unknown field(s) {', '.join(sorted(unknown))}")
+        check_request_fields(item, f"{path}:{number}: ")
         route = "/v1/completions" if "prompt" in item else "/v1/chat/completions"
         requests.append((route, item))
     return tuple(requests)
