@@ -317,6 +317,44 @@ def test_fixed_run_with_chat_prompts_and_a_failing_threshold(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+def test_ctrl_c_mid_load_keeps_the_results_so_far_and_exits_130(tmp_path: Path) -> None:
+    """Before: exit 130 with a gevent traceback of the KeyboardInterrupt on stderr, and only
+    locust's CSV files in --out: no summary.json, requests.jsonl or vllm_result.json of the
+    levels that had run (a long sweep's results thrown away)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    with serve(Behaviour(step_delay=0.002)) as url:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dlm", "loadtest", url, "--sweep", "1,2", "-t", "60s", "--out", str(out)],
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DLM_HOME": str(tmp_path / "home")},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as in a terminal
+        )
+        deadline = time.monotonic() + 120
+        while not (out / "locust_stats.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)  # into the first level's load
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == ["error: interrupted"], stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and [level["users"] for level in summary["levels"]] == [1]
+    assert summary["levels"][0]["ok"] > 0 and summary["warnings"][0].startswith("interrupted (Ctrl-C) at level 1")
+    assert len((out / "requests.jsonl").read_text().splitlines()) >= summary["levels"][0]["ok"]
+    assert json.loads((out / "vllm_result.json").read_text())["completed"] == summary["levels"][0]["ok"]
+    assert f"results so far in {out}/\n" in stderr  # on one line, to copy
+
+
+@pytest.mark.slow
 def test_unreachable_server_is_a_failed_operation(tmp_path: Path) -> None:
     result = loadtest("http://127.0.0.1:9", "-t", "1s", "--out", str(tmp_path / "x"))
     assert result.returncode == 1 and "error:" in result.stderr

@@ -154,6 +154,10 @@ def loadtest(
         plots = [p.name for p in plot_levels(summary["levels"], knee, directory)]
         summary["files"] = sorted({*(p.name for p in directory.iterdir()), *plots, "summary.json"})
         write_summary(summary, directory)
+        if summary["interrupted"]:  # Ctrl-C: what was measured, where it is, then exit 130
+            render_summary(summary, err_console)
+            err_console.print(f"results so far in {escape(str(directory))}/", highlight=False, soft_wrap=True)
+            raise KeyboardInterrupt
         if summary["totals"]["ok"] == 0:
             if not summary["totals"]["requests"]:
                 raise DlmError(

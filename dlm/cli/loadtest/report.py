@@ -43,6 +43,13 @@ def finalize(
             "are blank and the knee is that of empty answers; send prompts this model answers "
             "(--prompts tasks for the default model, or a JSONL file)",
         )
+    if result.get("interrupted"):
+        last = levels[-1]
+        warnings.insert(
+            0,
+            f"interrupted (Ctrl-C) at level {len(levels)}, {last['users']} users, after {last['seconds']:.0f}s of "
+            "its steady window: its numbers are partial, and levels after it were not run",
+        )
     gate = dict(gate_level(levels, knee))
     agreement = result["server_metrics"]
     for key, name in (("requests", "requests_mismatch"), ("output_tokens", "tokens_mismatch")):

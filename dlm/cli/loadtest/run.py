@@ -163,38 +163,53 @@ def run_loadtest(
             host=plan.url,
             stop_timeout=plan.timeout,
         )
+        # A Ctrl-C's KeyboardInterrupt may land in gevent's hub or in a user's greenlet: it reaches
+        # this greenlet either way, and is no error for the hub to print a traceback of.
+        hub = gevent.get_hub()
+        hub.NOT_ERROR = (*hub.NOT_ERROR, KeyboardInterrupt)
         runner = env.create_local_runner()
         writer = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, str(plan.out / LOCUST_PREFIX), full_history=True)
         greenlets = [gevent.spawn(stats_history, runner), gevent.spawn(writer.stats_writer)]
         windows: list[tuple[float, float]] = []
         previous = 0
         started = time.perf_counter()
-        for index, users in enumerate(plan.levels):
-            recorder.level = index
-            begin = time.perf_counter()
-            runner.start(users, plan.spawn_rate or users)
-            steady = begin + plan.ramp(previous, users)
-            end = begin + plan.duration
-            while (now := time.perf_counter()) < end:
-                gevent.sleep(min(1.0, end - now))
-                if on_tick:
-                    current = [r for r in recorder.records if r.level == index and r.start >= steady]
-                    on_tick(
-                        {
-                            "level": index,
-                            "users": users,
-                            "levels": len(plan.levels),
-                            "elapsed": time.perf_counter() - begin,
-                            "duration": plan.duration,
-                            **summarize(current, max(time.perf_counter() - steady, 1e-9), list(plan.slo)),
-                        }
-                    )
-            windows.append((steady, time.perf_counter()))
-            previous = users
+        interrupted = False
+        try:
+            for index, users in enumerate(plan.levels):
+                begin = time.perf_counter()
+                steady = begin + plan.ramp(previous, users)
+                windows.append((steady, steady))  # its end is set as it runs: a Ctrl-C keeps what it measured
+                recorder.level = index
+                runner.start(users, plan.spawn_rate or users)
+                end = begin + plan.duration
+                while (now := time.perf_counter()) < end:
+                    gevent.sleep(min(1.0, end - now))
+                    windows[-1] = (steady, max(steady, time.perf_counter()))
+                    if on_tick:
+                        current = [r for r in recorder.records if r.level == index and r.start >= steady]
+                        on_tick(
+                            {
+                                "level": index,
+                                "users": users,
+                                "levels": len(plan.levels),
+                                "elapsed": time.perf_counter() - begin,
+                                "duration": plan.duration,
+                                **summarize(current, max(time.perf_counter() - steady, 1e-9), list(plan.slo)),
+                            }
+                        )
+                windows[-1] = (steady, time.perf_counter())
+                previous = users
+        except KeyboardInterrupt:
+            # Ctrl-C: the levels so far are results too (a long sweep's hour is not thrown away);
+            # the users leave at once rather than finish their requests, the caller exits 130.
+            interrupted = True
+            env.stop_timeout = 0
         runner.quit()  # users finish the request in flight (stop_timeout), start no other
         for greenlet in greenlets:
             greenlet.kill()
         after = settled_scrape(client, before, sum(1 for r in recorder.records if r.ok))
+    if not windows:  # interrupted before the first level began: nothing was measured
+        raise KeyboardInterrupt
     write_locust_reports(env, writer, plan.out)
     records = recorder.records
     levels, vllm = [], []
@@ -208,11 +223,12 @@ def run_loadtest(
         for record in records:
             handle.write(json.dumps(record.to_dict()) + "\n")
     return {
+        "interrupted": interrupted,
         "url": plan.url,
         "model": workload.model,
         "prompts": workload.prompts,
         "levels": levels,
-        "totals": summarize(records, windows[-1][1] - started, list(plan.slo)),
+        "totals": summarize(records, (windows[-1][1] if windows else started) - started, list(plan.slo)),
         "server_metrics": agreement(before, after, records),
         "top_errors": top_errors(records),
     }, vllm
