@@ -232,6 +232,24 @@ def test_a_junit_path_no_report_can_take_is_refused_before_any_check(tmp_path: P
     assert not Path("/proc/r.xml").exists()
 
 
+def test_junit_xml_stays_well_formed_whatever_the_server_said(tmp_path: Path) -> None:
+    """Before: a detail quoting a server's words with an ANSI colour code or a NUL went into
+    the file raw (XML no parser reads: CI lost every result), and a lone surrogate (a JSON
+    "\\ud800" decodes to one) was a UnicodeEncodeError traceback."""
+    from dlm.cli.checks.report import write_junit
+
+    path = tmp_path / "v.xml"
+    said = "answer \x1b[31mred\x00 \x0c \ud800 café\ttab"
+    write_junit(
+        [CheckResult("completion", FAILED, 0.1, said), CheckResult("chat", SKIPPED, 0.1, said)], "http://h", path
+    )
+    root = ET.parse(path).getroot()
+    failure, skipped = root.find(".//failure"), root.find(".//skipped")
+    assert failure is not None and skipped is not None
+    expected = "answer \\x1b[31mred\\x00 \\x0c \\ud800 café\ttab"
+    assert failure.text == failure.get("message") == skipped.get("message") == expected
+
+
 def test_cli_json_junit_and_exit_codes(tmp_path: Path) -> None:
     junit = tmp_path / "validate.xml"
     with serve(Behaviour()) as url:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,17 @@ def to_json(results: list[CheckResult], url: str) -> dict[str, Any]:
     return {"url": url, "passed": c[FAILED] == 0, "counts": c, "checks": [r.to_dict() for r in results]}
 
 
+# What XML 1.0 cannot hold, escaped or not: control characters but tab, newline and carriage
+# return, lone surrogates (a JSON "\\ud800" decodes to one), U+FFFE and U+FFFF.
+NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text: str) -> str:
+    """`text` as XML can carry it: each character it cannot, as a visible `\\x1b`-style escape
+    (a server's or a model's words may hold an ANSI colour code or a NUL)."""
+    return NOT_XML.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
+
+
 def write_junit(results: list[CheckResult], url: str, path: str | Path) -> None:
     """One <testcase> per check: CI systems show failures and skips by check name."""
     c = counts(results)
@@ -50,14 +62,18 @@ def write_junit(results: list[CheckResult], url: str, path: str | Path) -> None:
         errors="0",
         time=f"{sum(r.seconds for r in results):.3f}",
     )
-    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="url", value=url)
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="url", value=xml_text(url))
     for r in results:
-        case = ET.SubElement(suite, "testcase", classname="dlm.validate", name=r.name, time=f"{r.seconds:.3f}")
+        case = ET.SubElement(
+            suite, "testcase", classname="dlm.validate", name=xml_text(r.name), time=f"{r.seconds:.3f}"
+        )
+        detail = xml_text(r.detail)
         if r.status == FAILED:
-            ET.SubElement(case, "failure", message=r.detail).text = r.detail
+            ET.SubElement(case, "failure", message=detail).text = detail
         elif r.status == SKIPPED:
-            ET.SubElement(case, "skipped", message=r.detail)
+            ET.SubElement(case, "skipped", message=detail)
     root = ET.Element("testsuites")
     root.append(suite)
     ET.indent(root)
-    Path(path).write_text(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")
+    # UTF-8 as the declaration says, whatever the locale's encoding
+    Path(path).write_text(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n", encoding="utf-8")
