@@ -232,6 +232,17 @@ def test_a_junit_path_no_report_can_take_is_refused_before_any_check(tmp_path: P
     assert not Path("/proc/r.xml").exists()
 
 
+def test_skipping_every_check_is_bad_usage_not_a_pass() -> None:
+    """Before: `--skip` of every check ran none and passed (exit 0, "PASSED: 0 passed"), even
+    against a URL where nothing listens: a CI gate that passed any server."""
+    from dlm.cli.checks.validate import validation_checks
+
+    names = [c.name for c in validation_checks()]
+    with pytest.raises(UsageError, match="--skip leaves no check"):
+        validation_checks(skip=tuple(names))
+    assert [c.name for c in validation_checks(skip=tuple(names[1:]))] == names[:1]
+
+
 def test_junit_xml_stays_well_formed_whatever_the_server_said(tmp_path: Path) -> None:
     """Before: a detail quoting a server's words with an ANSI colour code or a NUL went into
     the file raw (XML no parser reads: CI lost every result), and a lone surrogate (a JSON

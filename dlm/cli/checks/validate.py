@@ -23,7 +23,10 @@ def validation_checks(suite: Suite | None = None, skip: tuple[str, ...] = ()) ->
     unknown = sorted(set(skip) - {c.name for c in checks})
     if unknown:
         raise UsageError(f"--skip names no check: {', '.join(unknown)}")
-    return [c for c in checks if c.name not in skip]
+    kept = [c for c in checks if c.name not in skip]
+    if not kept:  # a run that checks nothing would pass: a gate that passes any server, none at all too
+        raise UsageError("--skip leaves no check to run")
+    return kept
 
 
 def run_validation(
