@@ -232,6 +232,14 @@ def test_a_junit_path_no_report_can_take_is_refused_before_any_check(tmp_path: P
     assert not Path("/proc/r.xml").exists()
 
 
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_a_min_context_below_one_is_bad_usage(tokens: str) -> None:
+    """Before: `--min-context -5` passed context_window with a 1-token prompt ("context -5"),
+    and `--min-context 0` was read as not given: each a requirement that required nothing."""
+    result = run_cli("http://127.0.0.1:9", "--ready-timeout", "30", "--min-context", tokens)
+    assert result.exit_code == 2 and "--min-context must be >= 1" in result.stderr, result.stderr
+
+
 def test_skipping_every_check_is_bad_usage_not_a_pass() -> None:
     """Before: `--skip` of every check ran none and passed (exit 0, "PASSED: 0 passed"), even
     against a URL where nothing listens: a CI gate that passed any server."""

@@ -57,6 +57,8 @@ def validate(
 
         if max_tokens < 1 or burst < 1:
             raise UsageError("--max-tokens and --burst must be >= 1")
+        if min_context is not None and min_context < 1:  # 0 read as "not given", -5 checked a 1-token prompt
+            raise UsageError(f"--min-context must be >= 1, got {min_context}")
         check_model_id(model)
         finite_seconds(timeout, "--timeout")
         finite_seconds(ready_timeout, "--ready-timeout", allow_zero=True)
