@@ -112,3 +112,27 @@ def test_rm_refuses_the_version_a_plain_server_serves(tmp_path: Path) -> None:
     removed = subprocess.run(rm, capture_output=True, text=True, env=env, timeout=120)
     assert removed.returncode == 0, removed.stderr
     assert not store.version_dir("c", version).exists()
+
+
+def test_a_lease_of_a_killed_process_not_yet_reaped_protects_nothing(stocked: tuple[Store, list[str]]) -> None:
+    """A server SIGKILLed under a supervisor that has not reaped it is a zombie: its pid still
+    answers kill(pid, 0), but it serves nothing, and rm refused its version until the reaping."""
+    store, (v1, _) = stocked
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        started = process_start(holder.pid)
+        record = Lease(
+            model="c", version=v1, pid=holder.pid, host=leases.HOST, command="dlm serve", use="served",
+            since=now(), started=started,
+        )  # fmt: skip
+        leases.lease_dir(store).mkdir()
+        (leases.lease_dir(store) / f"{holder.pid}-0.json").write_text(json.dumps(record.to_json()))
+        assert protected_versions(store) == {("c", v1): f"served by pid {holder.pid} (dlm serve)"}
+        holder.kill()
+        while Path(f"/proc/{holder.pid}/stat").read_text().split()[2] != "Z":  # dead, not reaped
+            pass
+        assert protected_versions(store) == {}
+        assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
+    finally:
+        holder.kill()
+        holder.wait()

@@ -126,25 +126,39 @@ def unregister_server(store: Store, deployment: str) -> None:
             path.unlink(missing_ok=True)
 
 
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields from the third on (state, ppid, ...: after the command, which
+    may hold spaces); None where /proc cannot say (no such process, not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot: /proc/PID/stat's field 22), which
     tells the process that wrote a record from a later one given the same pid (a container
     restarted in its pod runs its server as pid 1 again); None where /proc cannot say."""
+    fields = _stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # after the command, which may hold spaces
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 
 def alive(pid: int) -> bool:
+    """Whether process `pid` still runs. A zombie does not: a server SIGKILLed under a
+    supervisor that has not reaped it yet (or never does) still answers `kill(pid, 0)`, and
+    its lease or server record kept `rm` refusing its version, served by nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    fields = _stat(pid)
+    return fields is None or fields[:1] not in ([b"Z"], [b"X"])
 
 
 def running_server(store: Store, deployment: str) -> ServerRecord | None:
