@@ -136,3 +136,37 @@ def test_a_lease_of_a_killed_process_not_yet_reaped_protects_nothing(stocked: tu
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_resolving_says_it_waits_for_the_store_lock(
+    stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release holds the store lock for its whole hot swap (minutes): `dlm generate c@V`
+    waited on it saying nothing, like a hang."""
+    import threading
+
+    from dlm.cli.store import atomic
+
+    store, (v1, _) = stocked
+    monkeypatch.setattr(atomic, "WAIT_NOTICE_S", 0.2, raising=False)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.lock():
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    threading.Timer(1.0, release.set).start()
+    with leases.holding("dlm generate"):
+        assert resolve_model(f"c@{v1}") == store.files_dir("c", v1)
+    holder.join()
+    assert capsys.readouterr().err == (
+        f"note: waiting for the store lock {store.root / '.lock'}: another dlm command is changing the store "
+        "(a release holds it for its whole hot swap)\n"
+    )
+    with store.lock():  # taken at once: no note
+        pass
+    assert capsys.readouterr().err == ""

@@ -10,7 +10,9 @@ import fcntl
 import itertools
 import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,10 +58,16 @@ class Busy(Exception):
     """A non-blocking `locked` found the lock held."""
 
 
+WAIT_NOTICE_S = 1.0  # a lock held longer than a store transaction takes: say what is awaited
+
+
 @contextmanager
-def locked(path: Path, blocking: bool = True, make_parents: bool = True) -> Iterator[None]:
+def locked(path: Path, blocking: bool = True, make_parents: bool = True, waiting: str | None = None) -> Iterator[None]:
     """Hold an exclusive advisory lock on `path` (created if needed) for the block; with
-    `blocking=False`, raise Busy at once when another process holds it. With
+    `blocking=False`, raise Busy at once when another process holds it. A blocking wait that
+    lasts more than a moment prints `note: waiting for <waiting>` on stderr once: a release
+    holds the store lock for its whole hot swap (minutes), a fetch its model's for the whole
+    transfer, and a command that waits on one said nothing. With
     `make_parents=False`, a directory of `path` that does not exist (or no longer does) is
     FileNotFoundError, not made: for a lock taken only to tidy what is in that directory.
 
@@ -78,10 +86,16 @@ def locked(path: Path, blocking: bool = True, make_parents: bool = True) -> Iter
             _make_parents(path, attempt)
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise Busy(str(path)) from None
+            if not blocking:
+                os.close(fd)
+                raise Busy(str(path)) from None
+            try:
+                _wait(fd, waiting or f"the lock {path}")
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
             os.close(fd)
             raise
@@ -92,6 +106,20 @@ def locked(path: Path, blocking: bool = True, make_parents: bool = True) -> Iter
         yield
     finally:
         os.close(fd)
+
+
+def _wait(fd: int, waiting: str) -> None:
+    """Take the lock on `fd` that another process holds, saying so once it takes a while."""
+    deadline = time.monotonic() + WAIT_NOTICE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            continue
+    print(f"note: waiting for {waiting}", file=sys.stderr, flush=True)
+    fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _make_parents(path: Path, attempt: int) -> None:

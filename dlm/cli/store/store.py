@@ -255,12 +255,19 @@ class Store:
         Taking it creates no store (`require`): a fetch has made its staging copy, and so
         the store, before it publishes under the lock."""
         self.require()
-        return locked(self.root / ".lock", blocking)
+        return locked(
+            self.root / ".lock",
+            blocking,
+            waiting=f"the store lock {self.root / '.lock'}: another dlm command is changing the store "
+            "(a release holds it for its whole hot swap)",
+        )
 
     def staging_lock(self, name: str, blocking: bool = True) -> Any:
         """Serialises the (long) transfers of one model's fetches into its staging area;
         taken before, never inside, the store-wide lock (inside it only without blocking)."""
-        return locked(self.model_dir(name) / ".lock", blocking)
+        return locked(
+            self.model_dir(name) / ".lock", blocking, waiting=f"another fetch of {name} to finish its transfer"
+        )
 
     # -- reading ------------------------------------------------------------------------
     def model_directories(self) -> list[str]:
