@@ -440,6 +440,25 @@ def test_a_release_damaged_after_it_was_released_is_not_served(
     assert code == 1 and "failed verification" in err and "run `dlm verify" not in err, err
 
 
+def test_a_release_truncated_after_it_was_released_is_not_served(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dlm serve --deployment prod` of a release whose shard was truncated since started the
+    server and failed in the loader (an unreadable safetensors header), naming no fix, though
+    `dlm serve NAME@VERSION` refuses it up front (Store.size_damage)."""
+    from dlm.cli.store.releases import current_checkpoint
+    from dlm.engine.errors import DlmError
+
+    store, ref, files = stored
+    monkeypatch.setenv("DLM_STORE", str(store.root))
+    assert cli("release", ref, "--deployment", "prod")[0] == 0
+    os.truncate(files / SHARD1, 100)
+    with pytest.raises(DlmError, match=f"{SHARD1} is missing or changed size.*dlm rollback -d prod"):
+        current_checkpoint(store, "prod")
+    code, _, err = cli("serve", "--deployment", "prod")
+    assert code == 1 and err.startswith("error: the current release of deployment 'prod'") and err.count("\n") == 1
+
+
 def _within(seconds: float, call: Any) -> Any:
     """`call()`'s result, failing (not hanging) if it takes longer: a FIFO read blocks forever."""
     import threading

@@ -205,7 +205,9 @@ def current_checkpoint(store: Store, deployment: str = DEFAULT_DEPLOYMENT) -> tu
     if current is None:
         raise UsageError(f"deployment {deployment!r} has no release; run `dlm release MODEL@VERSION`")
     manifest = store.manifest(current.model, current.version)
-    if (failure := manifest.failure()) is not None:  # damaged since it was released
+    # Damaged since it was released: its last verification failed, or a file has gone or
+    # changed size since (a truncated shard failed in the loader once the server had started).
+    if (failure := manifest.failure() or store.size_damage(manifest)) is not None:
         raise DlmError(
             f"the current release of deployment {deployment!r}, {failure}; or `dlm rollback -d {deployment}`"
         )
