@@ -15,7 +15,7 @@ import pytest
 from dlm.cli.store import leases
 from dlm.cli.store.admin import process_start
 from dlm.cli.store.fetch import fetch
-from dlm.cli.store.records import Lease
+from dlm.cli.store.records import Lease, read_record
 from dlm.cli.store.releases import protected_versions, remove_versions, transaction
 from dlm.cli.store.resolve import resolve_model
 from dlm.cli.store.store import Store, now
@@ -170,3 +170,18 @@ def test_resolving_says_it_waits_for_the_store_lock(
     with store.lock():  # taken at once: no note
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_lease_held_from_another_pid_namespace_protects_its_version(stocked: tuple[Store, list[str]]) -> None:
+    """A process in another pid namespace on this host (a container beside the server's in one
+    pod, sharing the store) records a pid that means another process here: rm took its lease
+    for a dead one and removed the version it loaded. Its lease file stays locked while it runs."""
+    store, (v1, _) = stocked
+    with leases.holding("dlm serve", "served"):
+        resolve_model(f"c@{v1}")
+        (path,) = leases.lease_dir(store).glob("*.json")
+        lease = read_record(path, Lease)
+        path.write_text(json.dumps(lease.model_copy(update={"pid": 1, "started": -1}).to_json()))  # same file
+        with pytest.raises(DlmError, match=f"refusing to remove c@{v1}: it is served by pid 1"):
+            remove_versions(store, "c", v1, None)
+    assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})  # the holder ended

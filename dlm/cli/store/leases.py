@@ -9,16 +9,21 @@ pid, host, command), under the store-wide lock and only once it has found the ve
 `rm` decides under the same lock (`releases.protected_versions`), so either the version was
 removed first (the resolver then finds none) or `rm` sees the lease and refuses.
 
-A lease counts while its process lives. A process that dies leaves its lease behind (a
-command ends with `os._exit`, a SIGKILL): one whose pid is dead, or now runs a later process
-(its start time, where /proc gives it, is not the lease's), is ignored, and removed by the
-next store transaction. A lease written on another host (a store shared between machines)
-cannot be checked and counts as live until it is deleted. A command drops its leases when it
-ends (`holding`); a Python program keeps its leases until it exits.
+A lease counts while its process lives. The holder keeps its lease file flock-ed for as long
+as it runs (the kernel drops the lock when it dies, however): a locked lease is live, also
+when its pid means nothing here (a process in another pid namespace, a container of the same
+pod, same host name: its pid 1 is not ours, and rm removed the version it loaded). A process
+that dies leaves its lease behind, unlocked (a command ends with `os._exit`, a SIGKILL): one
+whose pid is dead, or now runs a later process (its start time, where /proc gives it, is not
+the lease's), is ignored, and removed by the next store transaction. A lease written on
+another host (a store shared between machines) cannot be checked and counts as live until it
+is deleted. A command drops its leases when it ends (`holding`); a Python program keeps its
+leases until it exits.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import socket
@@ -37,9 +42,10 @@ LEASES = ".leases"
 HOST = socket.gethostname()
 
 Use = Literal["served", "loaded"]
-# This process's leases, (store root, NAME@VERSION) -> its file: one lease per version, however
-# often the name is resolved (`dlm serve` resolves MODEL before it starts and as it loads).
-_taken: dict[tuple[Path, str], Path] = {}
+# This process's leases, (store root, NAME@VERSION) -> its file and the descriptor holding its
+# lock: one lease per version, however often the name is resolved (`dlm serve` resolves MODEL
+# before it starts and as it loads).
+_taken: dict[tuple[Path, str], tuple[Path, int]] = {}
 _holder: tuple[str, Use] | None = None  # set by `holding`; None: a Python program
 
 
@@ -58,8 +64,10 @@ def take(store: Store, manifest: Manifest) -> None:
     """Lease `manifest`'s version for this process (the caller holds the store lock and has
     just found the version under it)."""
     key = (store.root, manifest.ref)
-    if key in _taken and _taken[key].exists():
-        return
+    if key in _taken:
+        if _taken[key][0].exists():
+            return
+        os.close(_taken.pop(key)[1])  # deleted by hand: lease it again
     command, use = _holder or (_program(), "loaded")
     lease = Lease(
         model=manifest.name,
@@ -73,7 +81,10 @@ def take(store: Store, manifest: Manifest) -> None:
     )
     path = lease_dir(store) / f"{os.getpid()}-{secrets.token_hex(6)}.json"
     write_json_atomic(path, lease.to_json())
-    _taken[key] = path
+    # Locked before the store lock is released: no transaction sees it unlocked while we run.
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _taken[key] = (path, fd)
 
 
 @contextmanager
@@ -88,7 +99,9 @@ def holding(command: str, use: Use = "loaded") -> Iterator[None]:
     finally:
         _holder = earlier
         for key in set(_taken) - before:
-            _taken.pop(key).unlink(missing_ok=True)
+            path, fd = _taken.pop(key)
+            path.unlink(missing_ok=True)
+            os.close(fd)
 
 
 def _records(store: Store) -> Iterator[tuple[Path, Lease | None]]:
@@ -103,10 +116,29 @@ def _records(store: Store) -> Iterator[tuple[Path, Lease | None]]:
             yield path, None
 
 
-def _live(lease: Lease) -> bool:
-    """Its process may still run: another host's cannot be checked; here, its pid must be
-    alive and (where /proc says) the same process, not a later one given that pid."""
-    if lease.host != HOST:
+def _locked(path: Path) -> bool:
+    """Whether a process holds `path`'s lock: its holder runs (False also where that cannot be
+    told: the pid checks decide)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _live(path: Path, lease: Lease) -> bool:
+    """Its process may still run: its file is locked (`take`), also by a process of another pid
+    namespace; another host's cannot be checked; here, its pid must be alive and (where /proc
+    says) the same process, not a later one given that pid."""
+    if lease.host != HOST or _locked(path):
         return True
     if not alive(lease.pid):
         return False
@@ -116,7 +148,7 @@ def _live(lease: Lease) -> bool:
 def live_leases(store: Store) -> list[tuple[Path, Lease]]:
     """The leases whose process may still run, with their files (a corrupt one counts as none:
     only a process that resolved a version writes one, atomically)."""
-    return [(path, lease) for path, lease in _records(store) if lease is not None and _live(lease)]
+    return [(path, lease) for path, lease in _records(store) if lease is not None and _live(path, lease)]
 
 
 def holder(path: Path, lease: Lease) -> str:
@@ -137,5 +169,5 @@ def clear_stale(store: Store) -> None:
     for torn in directory.glob(".*.tmp"):
         torn.unlink(missing_ok=True)
     for path, lease in _records(store):
-        if lease is None or not _live(lease):
+        if lease is None or not _live(path, lease):
             path.unlink(missing_ok=True)
