@@ -159,3 +159,43 @@ def test_help_written_to_a_pipe_cuts_no_option_name(
         for name in [*param.opts, *param.secondary_opts]:
             if name.startswith("--"):
                 assert name in words, f"dlm {' '.join(path)}: {name} not whole in piped help"
+
+
+def usage_lines() -> dict[tuple[str, ...], str]:
+    """docs/cli.md's usage block: each command's lines (from `dlm COMMAND` to the next `dlm`)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    block = doc.split("## Commands\n\n```\n", 1)[1].split("```", 1)[0]
+    usage: dict[tuple[str, ...], str] = {}
+    for line in block.splitlines():
+        if line.startswith("dlm "):
+            words = line.split()[1:]
+            path = tuple(w for w in words[: next(i for i, w in enumerate(words) if not w.isalpha() or w != w.lower())])
+            usage[path] = line
+        else:
+            usage[path] += "\n" + line
+    return usage
+
+
+OPTION = re.compile(r"(?<![\w-])(--?[a-z][a-z0-9-]*)(?: ([^\s\[\]()|]+(?:\|[^\s\[\]()|]+)*))?")
+
+
+def test_the_usage_lines_of_docs_cli_name_every_option_and_its_default() -> None:
+    """docs/cli.md's usage block names every option of every command (but --json and --help,
+    which every command takes) and no option a command lacks, so a new flag without docs fails
+    here; a literal value after an option (`--gen-length 128`, not `N` or `a|b`) is its default."""
+    usage = usage_lines()
+    assert sorted(usage) == sorted(COMMANDS)
+    for path, cmd in COMMANDS.items():
+        params = {o: p for p in cmd.params if p.param_type_name == "option" for o in [*p.opts, *p.secondary_opts]}
+        assert "--json" in params, f"dlm {' '.join(path)} takes no --json"
+        written = dict(OPTION.findall(usage[path]))
+        assert sorted(written) == sorted(set(params) - {"--json", "--help"}), f"dlm {' '.join(path)}"
+        for opt, value in written.items():
+            if value and "|" not in value and (re.search("[a-z]", value) or re.fullmatch(r"[\d.:]+", value)):
+                declared = params[opt].default
+                same = str(declared) == value or (
+                    isinstance(declared, int | float) and not isinstance(declared, bool) and float(value) == declared
+                )
+                assert same, f"docs/cli.md: dlm {' '.join(path)} {opt} {value}, but the default is {declared!r}"
