@@ -128,3 +128,17 @@ def test_every_route_is_in_the_endpoints_table() -> None:
     for method, path in routes:
         path = re.sub(r"\{(\w+):\w+\}", r"{\1}", path)  # {model:path}: the doc writes {model}
         assert f"`{method} {path}`" in rows, f"docs/serve.md's endpoints: no row for {method} {path}"
+
+
+def test_the_usage_block_names_every_option() -> None:
+    """The page's usage lines name each `dlm serve` option (one spelling of it) and no other."""
+    from tests.test_cli_help import COMMANDS, OPTION
+
+    block = DOC.split("\n\n", 2)[2].split("\n\n", 1)[0]
+    assert block.lstrip().startswith("dlm serve")
+    written = {opt for opt, _ in OPTION.findall(block)}
+    params = [p for p in COMMANDS[("serve",)].params if p.param_type_name == "option" and p.name != "help"]
+    spellings = {o for p in params for o in [*p.opts, *p.secondary_opts]}
+    assert written <= spellings, written - spellings
+    for param in params:
+        assert written & {*param.opts, *param.secondary_opts}, f"docs/serve.md's usage lacks {param.opts[0]}"
