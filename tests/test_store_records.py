@@ -236,6 +236,7 @@ def test_a_corrupt_deployment_file_affects_only_its_deployment(content: str, sto
     for rm in (["rm", f"m@{v1}"], ["rm", "m", "--keep", "0"]):
         code, _, stderr = cli(*rm, "--store", root)
         assert code == 1 and "other.json is corrupt" in " ".join(stderr.split()), (rm, stderr)
+        assert " ".join(stderr.split()).count("delete") == 1, stderr  # the fix, said once
         assert store.version_dir("m", v1).is_dir()
     for args in (["release", f"m@{v3}", "-d", "other"], ["rollback", "-d", "other"]):
         code, _, stderr = cli(*args, "--store", root)

@@ -59,6 +59,9 @@ def state_path(store: Store, deployment: str) -> Path:
     return store.deployments_dir / f"{check_name(deployment, 'deployment name')}.json"
 
 
+CORRUPT_STATE_FIX = " (restore it, or delete it to start the deployment afresh)"
+
+
 def load_state(store: Store, deployment: str) -> DeploymentState:
     """The deployment's record (an empty one if it has none); CorruptRecord (exit 1) when
     its file cannot be read: a release or rollback of that deployment refuses to overwrite
@@ -69,7 +72,7 @@ def load_state(store: Store, deployment: str) -> DeploymentState:
     except FileNotFoundError:
         return DeploymentState(deployment=deployment, current=None, history=[])
     except CorruptRecord as exc:
-        raise CorruptRecord(path, f"{exc.reason} (restore it, or delete it to start the deployment afresh)") from None
+        raise CorruptRecord(path, f"{exc.reason}{CORRUPT_STATE_FIX}") from None
     if state.deployment != deployment:
         raise CorruptRecord(path, f"it is the record of deployment {state.deployment!r}")
     return state
@@ -380,6 +383,7 @@ def _releases_knowable(store: Store) -> None:
     corrupt = readable_states(store)[1]
     if corrupt:
         deployment, why = next(iter(corrupt.items()))
+        why = why.removesuffix(CORRUPT_STATE_FIX)  # the fix is said once, below
         raise DlmError(
             f"deployment {deployment}'s record {state_path(store, deployment)} is corrupt ({why}): the versions "
             "it releases cannot be known, so rm removes none until it is restored (or deleted, to start "
