@@ -185,3 +185,33 @@ def test_a_lease_held_from_another_pid_namespace_protects_its_version(stocked: t
         with pytest.raises(DlmError, match=f"refusing to remove c@{v1}: it is served by pid 1"):
             remove_versions(store, "c", v1, None)
     assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})  # the holder ended
+
+
+def test_a_stale_lease_this_user_may_not_remove_fails_no_command(
+    stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's lease on a shared store, its process gone: this user cannot delete it,
+    and every store transaction (rm, release, fetch) failed with PermissionError. It is left,
+    protecting nothing."""
+    from pathlib import Path
+
+    store, (v1, _) = stocked
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lease_dir = leases.lease_dir(store)
+    lease_dir.mkdir()
+    record = Lease(
+        model="c", version=v1, pid=dead.pid, host=leases.HOST, command="dlm serve", use="served", since=now()
+    )
+    theirs = lease_dir / f"{dead.pid}-0.json"
+    theirs.write_text(json.dumps(record.to_json()))
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path == theirs:
+            raise PermissionError(13, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
+    assert theirs.exists()

@@ -29,7 +29,7 @@ import secrets
 import socket
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Literal
 
@@ -162,12 +162,16 @@ def holder(path: Path, lease: Lease) -> str:
 
 def clear_stale(store: Store) -> None:
     """Remove the leases of dead processes, corrupt ones and torn temporaries (the caller
-    holds the store lock, under which every lease is written)."""
+    holds the store lock, under which every lease is written). One this user may not remove
+    (another user's, on a store they share) is left: it protects nothing already, and a
+    refusal here would fail every store command of this user."""
     directory = lease_dir(store)
     if not directory.is_dir():
         return
-    for torn in directory.glob(".*.tmp"):
-        torn.unlink(missing_ok=True)
-    for path, lease in _records(store):
-        if lease is None or not _live(path, lease):
+    stale = [
+        *directory.glob(".*.tmp"),
+        *(path for path, lease in _records(store) if lease is None or not _live(path, lease)),
+    ]
+    for path in stale:
+        with suppress(PermissionError):
             path.unlink(missing_ok=True)
