@@ -50,16 +50,23 @@ def test_a_resolved_version_is_kept_by_rm_while_its_holder_runs(stocked: tuple[S
     assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
 
 
-def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tuple[Store, list[str]]) -> None:
-    store, (v1, _) = stocked
+def _dead_lease(store: Store, version: str) -> tuple[Path, Lease]:
+    """The store's lease folder, made, and a lease of c@`version` by a process that has ended."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lease_dir = leases.lease_dir(store)
     lease_dir.mkdir()
     record = Lease(
-        model="c", version=v1, pid=dead.pid, host=leases.HOST, command="dlm serve", use="served", since=now()
+        model="c", version=version, pid=dead.pid, host=leases.HOST, command="dlm serve", use="served", since=now()
     )
-    (lease_dir / f"{dead.pid}-0.json").write_text(json.dumps(record.to_json()))
+    return lease_dir, record
+
+
+def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tuple[Store, list[str]]) -> None:
+    store, (v1, _) = stocked
+    lease_dir, record = _dead_lease(store, v1)
+    dead_pid = record.pid
+    (lease_dir / f"{dead_pid}-0.json").write_text(json.dumps(record.to_json()))
     (lease_dir / "1-corrupt.json").write_text("{")  # only a dlm process writes one, atomically: counts as none
     assert protected_versions(store) == {}
     with transaction(store):
@@ -79,7 +86,7 @@ def test_a_lease_of_a_dead_process_protects_nothing_and_is_cleared(stocked: tupl
     assert protected_versions(store) == {}
     foreign = record.model_copy(update={"host": "elsewhere"})  # its pid cannot be checked from here
     (lease_dir / "live.json").write_text(json.dumps(foreign.to_json()))
-    with pytest.raises(DlmError, match=f"served by pid {dead.pid} on elsewhere") as refused:
+    with pytest.raises(DlmError, match=f"served by pid {dead_pid} on elsewhere") as refused:
         remove_versions(store, "c", v1, None)
     assert f"if it runs no more, delete {lease_dir / 'live.json'}" in str(refused.value)  # how to clear it
 
@@ -193,17 +200,10 @@ def test_a_stale_lease_this_user_may_not_remove_fails_no_command(
     """Another user's lease on a shared store, its process gone: this user cannot delete it,
     and every store transaction (rm, release, fetch) failed with PermissionError. It is left,
     protecting nothing."""
-    from pathlib import Path
-
     store, (v1, _) = stocked
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    lease_dir = leases.lease_dir(store)
-    lease_dir.mkdir()
-    record = Lease(
-        model="c", version=v1, pid=dead.pid, host=leases.HOST, command="dlm serve", use="served", since=now()
-    )
-    theirs = lease_dir / f"{dead.pid}-0.json"
+    lease_dir, record = _dead_lease(store, v1)
+    dead_pid = record.pid
+    theirs = lease_dir / f"{dead_pid}-0.json"
     theirs.write_text(json.dumps(record.to_json()))
     unlink = Path.unlink
 
