@@ -215,3 +215,27 @@ def test_a_stale_lease_this_user_may_not_remove_fails_no_command(
     monkeypatch.setattr(Path, "unlink", refused)
     assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
     assert theirs.exists()
+
+
+def test_a_server_of_a_bare_name_loads_the_version_it_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dlm serve NAME` (and `dlm batch --model NAME`) checks its settings against NAME's newest
+    verified version, then loads MODEL again: a fetch in between made it load the newer one,
+    unchecked. The command pins the version it resolved (ServeConfig.pinned), served as NAME."""
+    from dlm.cli.server.config import load_config
+    from dlm.cli.server.service import Service
+    from dlm.cli.store.resolve import resolve_version
+
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DLM_STORE", raising=False)
+    store = Store()
+    first, second = make_checkpoints(tmp_path / "src", count=2)
+    v1 = fetch(str(first), store, name="c").manifest.version
+    config = load_config(None, {"model": "c"}, environ={})
+    checked, ref = resolve_version(config.model)
+    pinned = config.pinned(ref)
+    assert (checked, pinned.model, pinned.served_model_name) == (store.files_dir("c", v1), f"c@{v1}", "c")
+    v2 = fetch(str(second), store, name="c").manifest.version  # published between the check and the load
+    assert resolve_model("c") == store.files_dir("c", v2)
+    assert Service(pinned).initial_checkpoint() == (str(store.files_dir("c", v1)), None)
+    assert Service(pinned).model_name == Service(config).model_name == "c"
+    assert config.pinned(None) is config and resolve_version(str(first)) == (first, None)

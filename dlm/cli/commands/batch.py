@@ -48,7 +48,7 @@ def batch(
 
             from dlm.cli.batch import claim_output, read_requests, run_batch
             from dlm.cli.server.config import load_config
-            from dlm.cli.store.resolve import resolve_model
+            from dlm.cli.store.resolve import resolve_version
             from dlm.engine.errors import UsageError
 
             if max_concurrency < 1:
@@ -69,7 +69,9 @@ def batch(
             config = load_config(config_file, flags)
             if config.deployment is not None:  # a deployment has one server, the one releases swap
                 raise UsageError("dlm batch answers with --model, not a deployment")
-            model_dir = resolve_model(config.model)  # a wrong path is a usage error before anything starts
+            # A wrong path is a usage error before anything starts; a store NAME, the version checked.
+            model_dir, ref = resolve_version(config.model)
+            config = config.pinned(ref)
             if config.backend == "native":  # settings the checkpoint refuses fail before it loads
                 from dlm.engine.config import load_config as model_config
 

@@ -50,7 +50,7 @@ def serve(
                     raise UsageError(f"MODEL ({model}) and --model-path ({model_path}) disagree: give one")
                 flags["model"] = model_path
             from dlm.cli.server.config import load_config
-            from dlm.cli.store.resolve import resolve_model
+            from dlm.cli.store.resolve import resolve_version
 
             config = load_config(config_file, flags)
             if config.deployment is not None:
@@ -67,12 +67,13 @@ def serve(
                         f"deployment {config.deployment} is already served by process {other.pid} "
                         f"(admin endpoint {other.admin_url}); one server per deployment and store"
                     )
-            elif config.backend == "native":  # settings the checkpoint refuses fail before it loads
-                from dlm.engine.config import load_config as model_config
+            else:  # a wrong path is a usage error before anything starts; a store NAME, the version checked
+                checkpoint, ref = resolve_version(config.model)
+                config = config.pinned(ref)
+                if config.backend == "native":  # settings the checkpoint refuses fail before it loads
+                    from dlm.engine.config import load_config as model_config
 
-                config.check_model(model_config(resolve_model(config.model)))
-            else:
-                resolve_model(config.model)  # a wrong path is a usage error before anything starts
+                    config.check_model(model_config(checkpoint))
             parallel = config.parallel()
             if json_out:
                 emit_json(config.public())

@@ -340,6 +340,15 @@ class ServeConfig(BaseModel):
         takes it, answered such a request with max_tokens, 1024 tokens)."""
         return self.default_max_tokens or min(GEN_LENGTH, self.max_tokens)
 
+    def pinned(self, ref: str | None) -> ServeConfig:
+        """This config with MODEL pinned to the store version `ref` it was checked as (a bare
+        NAME is its newest verified version whenever it is read: a fetch between the check of
+        the checkpoint and its load made the server load another version, unchecked), served
+        under the name given."""
+        if ref is None or ref == self.model:
+            return self
+        return self.model_copy(update={"model": ref, "served_model_name": self.served_model_name or self.model})
+
     def decoding_params(self, given: dict[str, Any]) -> GenerationParams:
         """A request's decoding fields (`given`, by GenerationParams name) with this server's
         defaults for what it leaves out: the length, the block length, the decoding mode,

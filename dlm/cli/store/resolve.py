@@ -18,9 +18,17 @@ def resolve_model(spec: str | Path | None) -> Path:
     """None -> the embedded default model; an existing checkpoint directory; or a store
     name, `NAME` (its newest verified version) or `NAME@VERSION`, leased to this process
     (dlm/cli/store/leases.py) so that `dlm rm` keeps it while the process runs."""
+    return resolve_version(spec)[0]
+
+
+def resolve_version(spec: str | Path | None) -> tuple[Path, str | None]:
+    """`resolve_model`'s directory, and the `NAME@VERSION` a store name resolved to (None for
+    a directory or the default model): a command that reads MODEL again later (a server checks
+    the checkpoint, then loads it) pins that version, since a bare NAME read later may be a
+    version fetched in between."""
     path = checkpoint_dir(spec)
     if path is not None:
-        return path
+        return path, None
     name = str(spec).partition("@")[0]
     store = Store()
     if NAME_RE.match(name) and store.model_dir(name).is_dir():
@@ -36,7 +44,7 @@ def resolve_model(spec: str | Path | None) -> Path:
             manifest = _loadable(store, str(spec))  # a store this process may not write: no lease
         directory = store.files_dir(manifest.name, manifest.version)
         check_config(manifest, directory)
-        return directory
+        return directory, manifest.ref
     raise UsageError(f"no model at {spec!r}: not a directory, nor a model in the store at {store.root}")
 
 
