@@ -198,6 +198,7 @@ ERROR_PATHS: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"logit_bias": {"5": 1}}, "logit_bias", "unsupported"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ("chat", {"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "invalid_value"),
+    ("chat", {"stream_options": {"continuous_usage_stats": True}}, "stream_options", "invalid_value"),
 ]
 
 # A refusal that names the length besides its own field names it as the client spelt it.
@@ -349,6 +350,22 @@ def test_stream_options_with_a_stream_and_neutral_ones_without_are_taken(client:
     assert '"usage"' in streamed.text
     plain = post(client, route, max_tokens=8, stream_options={"include_usage": False, "include_canvas": None})
     assert plain.status_code == 200, plain.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client: TestClient, route: str) -> None:
+    """vLLM's option, which benchmark clients send beside include_usage: each chunk's usage
+    counts its choice's tokens streamed so far; the last reaches the final usage chunk's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    response = post(client, route, max_tokens=8, stream=True, ignore_eos=True, stream_options=options)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    chunks, final = events[:-1], events[-1]
+    assert chunks and all("usage" in chunk for chunk in chunks), events
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == final["usage"]["completion_tokens"] == 8
+    assert {chunk["usage"]["prompt_tokens"] for chunk in chunks} == {final["usage"]["prompt_tokens"]}
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in (c["usage"] for c in chunks))
 
 
 # ---- 6: null is the default for OpenAI's "boolean or null" fields -------------------------

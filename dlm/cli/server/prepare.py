@@ -172,8 +172,11 @@ def _options(job: Job, body: Body) -> None:
     job.stream = bool(body.stream)  # null: the default, false
     job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
     job.include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
-    for name in ("include_usage", "include_canvas"):  # as OpenAI: stream options need a stream
-        if getattr(job, name) and not job.stream:
+    job.continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    options = {"include_usage": job.include_usage, "include_canvas": job.include_canvas}
+    options["continuous_usage_stats"] = job.continuous_usage
+    for name, asked in options.items():  # as OpenAI: stream options need a stream
+        if asked and not job.stream:
             raise bad_request(f"stream_options.{name} needs stream: true", param="stream_options", code="invalid_value")
     job.return_token_ids = bool(body.return_token_ids)
     if isinstance(body, ChatRequest) and body.parallel_tool_calls is False:

@@ -116,6 +116,10 @@ class StreamOptions(_Body):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = False
+    # vLLM's and SGLang's: the usage so far on every chunk, which benchmark clients (vLLM's
+    # bench, aiperf-style harnesses) send to count tokens exactly as they arrive; refusing
+    # it as unknown failed those clients outright.
+    continuous_usage_stats: StrictBool | None = False
     # dlm: also send the canvas (committed, provisional and masked positions) after every
     # denoising step, as `*.canvas` events (docs/serve.md, "Canvas streaming").
     include_canvas: StrictBool | None = False

@@ -71,6 +71,7 @@ class Job:
     most_tool_calls: int | None = None  # 1 for `parallel_tool_calls: false`; None: every call
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     include_canvas: bool = False  # stream_options.include_canvas: canvas events after every step
     return_token_ids: bool = False
     echo: str | None = None  # completions with `echo`: the prompt's text, sent before the answer
