@@ -413,6 +413,14 @@ def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(client: TestClient, 
     assert response.json()["error"]["type"] in ("not_found_error", "invalid_request_error")
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/embeddings"])
+def test_an_unknown_route_names_itself(client: TestClient, path: str) -> None:
+    """OpenAI SDKs (`client.responses.create`) show only the message: "Not Found" alone did
+    not say the route, not the model, was missing."""
+    error = error_of(client.post(path, json={"model": "m", "input": "hi"}), 404)
+    assert error["type"] == "not_found_error" and f"no route POST {path}" in error["message"]
+
+
 # ---- draining: every route that reads a body answers as generation does ---------------------
 
 

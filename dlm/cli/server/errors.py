@@ -120,6 +120,11 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 405:
             return method_not_allowed(request).response()
+        if exc.status_code == 404 and exc.detail == "Not Found":  # the router's: no such path
+            # OpenAI SDKs show only the message: a bare "Not Found" for `client.responses` or
+            # `client.embeddings` left a user guessing whether the model or the route was missing.
+            message = f"no route {request.method} {request.url.path} (the routes served: docs/serve.md, Endpoints)"
+            return APIError(404, message, type="not_found_error", headers=exc.headers).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 
