@@ -90,3 +90,13 @@ def test_it_can_be_turned_off() -> None:
         response = off.get(path)
         assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
     assert load_config(environ={"DLM_OPENAPI": "false"}).openapi is False
+
+
+def test_the_answers_media_types_are_the_real_ones(spec: dict[str, Any]) -> None:
+    """/metrics answers Prometheus' text, not JSON; a generation route with `stream: true`
+    answers server-sent events (the same 200) besides its JSON body."""
+    paths = spec["paths"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(paths[path]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(paths["/version"]["get"]["responses"]["200"]["content"]) == {"application/json"}

@@ -60,6 +60,24 @@ def body(*models: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+# What a route answers that is not JSON: /metrics is Prometheus' text format, and a generation
+# route with `stream: true` answers server-sent events (the same 200).
+PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+MEDIA_TYPES: dict[str, dict[str, Any]] = {
+    "/metrics": PLAIN_TEXT,
+    "/v1/completions": {"application/json": {"schema": {}}, **EVENT_STREAM},
+    "/v1/chat/completions": {"application/json": {"schema": {}}, **EVENT_STREAM},
+}
+
+
+def _media_types(paths: dict[str, Any]) -> None:
+    """The 200's media types of the routes whose answer is not (only) JSON, FastAPI's guess."""
+    for path, content in MEDIA_TYPES.items():
+        for operation in paths.get(path, {}).values():
+            operation["responses"]["200"]["content"] = content
+
+
 def install(app: FastAPI, config: ServeConfig) -> None:
     """Build the description on first request, with the request models' schemas."""
 
@@ -76,6 +94,7 @@ def install(app: FastAPI, config: ServeConfig) -> None:
                 length["default"] = config.default_gen_length
                 length["anyOf"][0]["maximum"] = config.max_tokens
             components["ErrorResponse"] = ERROR
+            _media_types(schema["paths"])
             app.openapi_schema = schema
         return app.openapi_schema
 
