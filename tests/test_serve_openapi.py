@@ -100,3 +100,21 @@ def test_the_answers_media_types_are_the_real_ones(spec: dict[str, Any]) -> None
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert set(paths[path]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert set(paths["/version"]["get"]["responses"]["200"]["content"]) == {"application/json"}
+
+
+def test_every_route_documents_its_error_answers(spec: dict[str, Any]) -> None:
+    """Each route answers OpenAI's error body (a 404 for another model, 401, 403, 431, 503 from
+    the probes, 500), never FastAPI's 422, which the document listed for /v1/models/{model}."""
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (path, method)
+            for code in ("4XX", "5XX"):
+                assert responses[code]["content"]["application/json"]["schema"] == error, (path, method, code)
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+
+def test_a_model_not_served_is_the_documented_404() -> None:
+    response = client().get("/v1/models/another")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"

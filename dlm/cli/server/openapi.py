@@ -51,13 +51,9 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def body(*models: type[BaseModel]) -> dict[str, Any]:
-    """A route's `openapi_extra`: its JSON body (one of `models`) and OpenAI-shaped errors."""
+    """A route's `openapi_extra`: its JSON body (one of `models`); its errors are every route's (`_errors`)."""
     schema = _ref(models[0].__name__) if len(models) == 1 else {"oneOf": [_ref(m.__name__) for m in models]}
-    error = {"description": "an OpenAI error body", "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
-    return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-        "responses": {"4XX": error, "5XX": error},
-    }
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 # What a route answers that is not JSON: /metrics is Prometheus' text format, and a generation
@@ -78,6 +74,22 @@ def _media_types(paths: dict[str, Any]) -> None:
             operation["responses"]["200"]["content"] = content
 
 
+def _errors(schema: dict[str, Any]) -> None:
+    """Every route may answer an OpenAI error: 431 (an oversized head) and 500 on all, 403 off
+    the allow-list, 401 without the key, 404 for another model, 503 from the probes. FastAPI's
+    422 (`HTTPValidationError`) is never answered: a request it would refuse is a 400 in
+    OpenAI's shape (dlm/cli/server/errors.py), so it and its schemas go."""
+    error = {"description": "an OpenAI error body", "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            responses.setdefault("4XX", error)
+            responses.setdefault("5XX", error)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(name, None)
+
+
 def install(app: FastAPI, config: ServeConfig) -> None:
     """Build the description on first request, with the request models' schemas."""
 
@@ -95,6 +107,7 @@ def install(app: FastAPI, config: ServeConfig) -> None:
                 length["anyOf"][0]["maximum"] = config.max_tokens
             components["ErrorResponse"] = ERROR
             _media_types(schema["paths"])
+            _errors(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
