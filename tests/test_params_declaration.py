@@ -370,3 +370,29 @@ def test_a_command_line_only_parameter_says_in_serve_md_why() -> None:
     for name in PARAMS:
         if cli_flag(name) is not None and http_name(name) is None and name not in CompletionRequest.model_fields:
             assert f"`{name}`" in serve and "not offered over HTTP" in serve, name
+
+
+@pytest.mark.parametrize(
+    ("lengths", "refused"),
+    [
+        ({"max_completion_tokens": 3, "max_tokens": 5}, "max_tokens (5) disagrees with it (3)"),
+        ({"max_completion_tokens": 3, "max_output_tokens": 5}, "max_output_tokens (5) disagrees with it (3)"),
+        ({"max_completion_tokens": 3, "max_tokens": 3}, None),
+        ({"max_completion_tokens": 3}, None),
+    ],
+)
+def test_chat_lengths_given_twice_must_agree(lengths: dict[str, int], refused: str | None) -> None:
+    """max_completion_tokens 3 beside max_tokens 5 was answered with 3 tokens, max_tokens
+    dropped without a word (max_output_tokens beside max_tokens was already refused)."""
+    from pydantic import ValidationError
+
+    from dlm.cli.server.errors import validation_error
+
+    body = {"messages": [{"role": "user", "content": "hi"}], **lengths}
+    if refused is None:
+        assert ChatRequest.model_validate(body).max_completion_tokens == 3
+        return
+    with pytest.raises(ValidationError) as caught:
+        ChatRequest.model_validate(body)
+    error = validation_error(list(caught.value.errors()))
+    assert (error.status, error.param) == (400, "max_completion_tokens") and refused in error.message

@@ -318,6 +318,19 @@ class ChatRequest(GenerationRequest):
     # template has a thinking switch); a template that does not read one ignores it.
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_completion_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """`max_completion_tokens` (OpenAI's current name) beside `max_tokens` or
+        `max_output_tokens` (SDKs and frameworks that fill both) only equal: servers differ on
+        which one wins (vLLM takes max_completion_tokens), so two lengths are refused rather
+        than one silently dropped."""
+        for name in ("max_tokens", "max_output_tokens"):
+            other = info.data.get(name)
+            if value is not None and other is not None and other != value:
+                raise ValueError(f"{name} ({other}) disagrees with it ({value}): give one length")
+        return value
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
             return "tool_choice", "forcing a tool call is not supported; use auto or none"

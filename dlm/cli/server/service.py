@@ -561,8 +561,8 @@ def _prompt_param(job: Job) -> str:
 
 def _length_field(body: GenerationRequest) -> str:
     """The body field that set the answer's length, as the client spelt it (chat's
-    `max_completion_tokens` wins over `max_tokens`; `max_output_tokens` is read as it, and
-    the two may only be given equal)."""
+    `max_completion_tokens`, `max_output_tokens` and `max_tokens` may only be given equal:
+    the first of them named here)."""
     if getattr(body, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
     if body.max_output_tokens is not None:
