@@ -99,11 +99,21 @@ def ends_at_stop(
     text_of: Callable[[RequestState], TextOf],
 ) -> Callable[[RequestState], Callable[[list[int]], bool]]:
     """The rule by which a sequence's stop strings end it (`text_of(seq)`: the text of its
-    ids), asked by the loop stepping the engine after every step that extends the committed
-    prefix: the sequence then leaves the batch before the next forward."""
+    ids), asked by the loop stepping the engine after every step: it reads the text only when
+    the committed prefix has grown since it was last asked (a step that commits nothing
+    cannot add a stop string), and the sequence then leaves the batch before the next forward."""
 
     def rule(seq: RequestState) -> Callable[[list[int]], bool]:
         text = text_of(seq)
-        return lambda prefix: stop_cut(text, prefix, seq.params)[1] is not None
+        seen = 0  # the prefix length last asked about
+
+        def holds(prefix: list[int]) -> bool:
+            nonlocal seen
+            if len(prefix) <= seen:
+                return False
+            seen = len(prefix)
+            return stop_cut(text, prefix, seq.params)[1] is not None
+
+        return holds
 
     return rule

@@ -109,7 +109,6 @@ class RequestStream:
     # strings): asked on the engine thread after every step that extends the prefix, so the
     # request leaves the batch before the next forward, however busy its reader is.
     ends: Callable[[list[int]], bool] | None = None
-    checked_prefix: int = 0  # length of the last prefix `ends` was asked about (loop-thread side)
 
     @property
     def request_id(self) -> str:
@@ -437,11 +436,10 @@ class AsyncEngine:
 
     def _ended(self, stream: RequestStream, prefix: list[int]) -> bool:
         """Whether the caller's rule (`RequestStream.ends`) ends the request at this committed
-        prefix, asked once per prefix that grew. A rule that fails is dropped (logged), never
-        the engine thread: the request then ends by its own rule."""
-        if stream.ends is None or len(prefix) <= stream.checked_prefix:
+        prefix (it reads the text only when the prefix grew: `stops.ends_at_stop`). A rule that
+        fails is dropped (logged), never the engine thread: the request then ends by its own rule."""
+        if stream.ends is None:
             return False
-        stream.checked_prefix = len(prefix)
         try:
             return stream.ends(prefix)
         except Exception:  # noqa: BLE001 - a caller's rule never stops the loop

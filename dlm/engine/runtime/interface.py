@@ -129,21 +129,15 @@ class Engine(Protocol):
         committed prefix; when it holds, `seq` ends ("stop") before the next forward, as a
         server's engine thread ends it (`RequestStream.ends`)."""
         seqs = [seq for p in prompts for seq in self.make_sequences(p, params)]
-        rules = [ends(seq) if ends is not None else None for seq in seqs]
-        checked = [0] * len(seqs)  # the prefix length each rule was last asked about
+        rules = [(seq, ends(seq)) for seq in seqs] if ends is not None else []
         for seq in seqs:
             self.add(seq)
         try:
             while any(not s.finished for s in seqs):
                 self.step()
-                for i, (seq, rule) in enumerate(zip(seqs, rules)):
-                    if rule is None or seq.finished:
-                        continue
-                    prefix = seq.committed_prefix
-                    if len(prefix) > checked[i]:
-                        checked[i] = len(prefix)
-                        if rule(prefix):
-                            self.abort(seq, "stop")
+                for seq, rule in rules:
+                    if not seq.finished and rule(seq.committed_prefix):
+                        self.abort(seq, "stop")
                 if on_step is not None:
                     on_step(seqs)
         except BaseException:  # a failed step, an interrupt: this call's sequences leave the running set
