@@ -209,6 +209,25 @@ LENGTH_MENTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"max_tokens": 4, "min_tokens": 5}, "max_tokens (4)"),
 ]
 
+# Every field a refusal names is spelt as the API spells it (the engine's `mode` is `decode_mode`).
+SPELT: list[tuple[str, dict[str, Any], str, str]] = [
+    ("chat", {"max_tokens": 4, "decode_mode": "ar", "steps": 4}, "steps", "steps does not apply to decode_mode ar"),
+    (
+        "completions",
+        {"max_tokens": 4, "decode_mode": "ar", "threshold": 0.9},
+        "threshold",
+        "threshold does not apply to decode_mode ar",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "param", "start"), SPELT)
+def test_a_refusal_spells_every_field_it_names_as_the_api_does(
+    client: TestClient, route: str, fields: dict, param: str, start: str
+) -> None:
+    error = error_of(post(client, route, **fields))
+    assert error["param"] == param and error["message"].startswith(start), error
+
 
 @pytest.mark.parametrize(("route", "fields", "length"), LENGTH_MENTIONS)
 def test_a_refusal_names_the_length_field_the_client_sent(

@@ -80,11 +80,17 @@ def test_unenforceable_schemas_are_a_400_naming_the_keyword(
     assert error["param"] == "response_format" and needle in error["message"]
 
 
-def test_a_skeleton_beyond_max_tokens_names_max_tokens(client: TestClient) -> None:
+@pytest.mark.parametrize("length", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+def test_a_skeleton_beyond_the_length_names_the_length_field_sent(client: TestClient, length: str) -> None:
+    """Its param and its message both name the field the client sent (the message said
+    `max_tokens` whatever the client wrote)."""
     big = {"type": "array", "items": {"type": "string", "minLength": 20}, "minItems": 6}
     fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}
-    refused = client.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}, headers=AUTH)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    body = {"messages": CHAT["messages"], length: 64, "response_format": fmt}
+    refused = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == length and f"than {length} (64)" in error["message"], error
 
 
 def test_canvas_events_show_provisional_tokens_becoming_committed(client: TestClient) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlm.engine.errors import Unsupported
+from dlm.engine.errors import Name, Unsupported
 from dlm.engine.registry import Family
 from dlm.engine.structured import supported as decodes_skeletons
 
@@ -93,4 +93,4 @@ def require(family: Family, name: str) -> None:
     """Refuse capability `name` when `family` lacks it (`Unsupported`, field = its name)."""
     capability = BY_NAME[name]
     if not capability.supports(family):
-        raise Unsupported(f"{name} is not available for {family.name} models: {capability.why_not}", field=name)
+        raise Unsupported((Name(name), f" is not available for {family.name} models: {capability.why_not}"), field=name)

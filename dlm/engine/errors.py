@@ -6,6 +6,9 @@ The CLI turns these into one line on stderr and the exit code of the design cont
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 
 class DlmError(Exception):
     """An operation failed for a reason the user can act on."""
@@ -13,20 +16,34 @@ class DlmError(Exception):
     exit_code = 1
 
 
+@dataclass(frozen=True)
+class Name:
+    """A request field named inside a refusal's message (`GenerationParams.gen_length`):
+    kept apart from the words around it so that each entry point spells it as its users
+    write it (the server's `max_completion_tokens`, chat's `top_logprobs`) without
+    reading the message back."""
+
+    field: str
+
+
 class UsageError(DlmError):
     """The user asked for something invalid: a bad path, flag value or model.
 
     `field` names the request parameter at fault (a `GenerationParams` field, or `prompt`)
     when there is one, so the server can answer `param` without reading the message.
-    `mentions`: the other `GenerationParams` fields the message names, each as `name (value)`,
-    so an entry point that spells a field otherwise (the server's `max_completion_tokens` for
-    `gen_length`) names it as its client wrote it."""
+    `message` is text, or parts of text and `Name`s: `str(exc)` spells each name as the
+    engine does, `spelt` as the caller's entry point does."""
 
     exit_code = 2
 
-    def __init__(self, message: str, field: str | None = None, mentions: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.field, self.mentions = field, mentions
+    def __init__(self, message: str | tuple[str | Name, ...], field: str | None = None) -> None:
+        self.parts = (message,) if isinstance(message, str) else message
+        super().__init__(self.spelt(lambda name: name))
+        self.field = field
+
+    def spelt(self, name_of: Callable[[str], str]) -> str:
+        """The message with each field it names written `name_of(field)`."""
+        return "".join(name_of(part.field) if isinstance(part, Name) else part for part in self.parts)
 
 
 class Unsupported(UsageError):

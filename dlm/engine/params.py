@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from dlm.engine.capabilities import BY_NAME as CAPABILITIES
 from dlm.engine.capabilities import require
-from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.errors import Name, Unsupported, UsageError
 from dlm.engine.registry import FAMILIES, Family
 from dlm.engine.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_strings
 from dlm.engine.structured import FIELD, Skeleton, asks_structure, compile_response_format
@@ -130,16 +130,16 @@ class Param:
             return
         if self.choices is not None:
             if value not in self.choices:
-                raise UsageError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}", field=name)
+                raise UsageError((Name(name), f" must be one of {', '.join(self.choices)}, got {value!r}"), field=name)
             return
         # NaN fails every comparison and so would pass any range; no parameter gives inf a
         # meaning, so a non-finite float (nan, inf, -inf) is refused for all of them.
         if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{name} must be a finite number, got {value}", field=name)
+            raise UsageError((Name(name), f" must be a finite number, got {value}"), field=name)
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if too_low or too_high:
-            raise UsageError(f"{name} must be {self.range()}, got {value}", field=name)
+            raise UsageError((Name(name), f" must be {self.range()}, got {value}"), field=name)
 
     def range(self) -> str:
         """The accepted range in words: `at least 1`, `positive`, `in (0, 1]`."""
@@ -466,7 +466,7 @@ class GenerationParams:
         """Refuse a decoding mode `family` cannot decode (the `decode_mode` capability)."""
         if self.mode != "diffusion" and not MODES_CAPABILITY.supports(family):
             raise Unsupported(
-                f"mode {self.mode!r} is not available for {family.name} models: {MODES_CAPABILITY.why_not}",
+                (Name("mode"), f" {self.mode!r} is not available for {family.name} models: {MODES_CAPABILITY.why_not}"),
                 field="mode",
             )
 
@@ -480,8 +480,13 @@ class GenerationParams:
         given = [name for name in AR_FIXED if getattr(self, name) is not None]
         if self.mode == "ar" and given:
             raise Unsupported(
-                f"{given[0]} does not apply to mode ar, which decodes one token per forward (a block of one "
-                "token, one step each, whatever its confidence)",
+                (
+                    Name(given[0]),
+                    " does not apply to ",
+                    Name("mode"),
+                    " ar, which decodes one token per forward (a block of one token, one step each, "
+                    "whatever its confidence)",
+                ),
                 field=given[0],
             )
 
@@ -558,9 +563,8 @@ class GenerationParams:
             require(family, "logprobs")
         if p.min_tokens > p.gen_length:
             raise UsageError(
-                f"min_tokens ({p.min_tokens}) must not exceed gen_length ({p.gen_length})",
+                (Name("min_tokens"), f" ({p.min_tokens}) must not exceed ", Name("gen_length"), f" ({p.gen_length})"),
                 field="min_tokens",
-                mentions=("gen_length",),
             )
         if p.seed is not None and p.seed + p.n > SEED_LIMIT:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
@@ -574,8 +578,12 @@ class GenerationParams:
         if prompt_length + p.gen_length + len(p.suffix) > max_length:
             suffix = f" + suffix ({len(p.suffix)})" if p.suffix else ""
             raise UsageError(
-                f"prompt ({prompt_length} tokens) + gen_length ({p.gen_length}){suffix} exceeds "
-                f"the model's maximum length of {max_length} tokens",
+                (
+                    Name("prompt"),
+                    f" ({prompt_length} tokens) + ",
+                    Name("gen_length"),
+                    f" ({p.gen_length}){suffix} exceeds the model's maximum length of {max_length} tokens",
+                ),
                 field="prompt",
             )
         # After the checks, which judge the values sent: temperatures into what samplers divide by.
@@ -767,11 +775,11 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
         return
     given = [name for name in ENTROPY_BOUND_FIELDS if getattr(p, name) is not None]
     if given:
-        raise Unsupported(f"{given[0]} applies to DiffusionGemma models, not {family.name}", field=given[0])
+        raise Unsupported((Name(given[0]), f" applies to DiffusionGemma models, not {family.name}"), field=given[0])
     if family.sampler != "dream":
         given = [name for name in DREAM_ONLY if getattr(p, name) is not None]
         if given:
-            raise Unsupported(f"{given[0]} applies to Dream-family models, not {family.name}", field=given[0])
+            raise Unsupported((Name(given[0]), f" applies to Dream-family models, not {family.name}"), field=given[0])
         return
     if p.remasking != "low_confidence":
         raise Unsupported(
@@ -805,10 +813,14 @@ def _validate_edits(asked: GenerationParams, p: ResolvedParams, family: Family) 
     if family.block_rules is None or not family.block_rules.token_edits:
         editing = ", ".join(f.name for f in FAMILIES if f.block_rules is not None and f.block_rules.token_edits)
         raise Unsupported(
-            f"{given[0]} (draft-and-edit decoding) applies to {editing} models, not {family.name}", field=given[0]
+            (Name(given[0]), f" (draft-and-edit decoding) applies to {editing} models, not {family.name}"),
+            field=given[0],
         )
     if p.mode != "diffusion":
-        raise UsageError(f"{given[0]} (draft-and-edit decoding) needs mode diffusion, not {p.mode!r}", field="mode")
+        raise UsageError(
+            (Name(given[0]), " (draft-and-edit decoding) needs ", Name("mode"), f" diffusion, not {p.mode!r}"),
+            field="mode",
+        )
     if p.temperature > 0:
         raise UsageError("draft-and-edit decoding is greedy: temperature must be 0", field="temperature")
     for name in ("steps", "refinement_steps"):
@@ -842,8 +854,11 @@ def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
     given = [n for n in (*NOT_ENTROPY_BOUND, *DREAM_ONLY) if getattr(p, n) != DEFAULTS[n]]
     if given:  # well-formed fields this sampler cannot honour: refused as unsupported, named
         raise Unsupported(
-            f"{given[0]} does not apply to {family.name} models (entropy-bound sampler: "
-            f"use {', '.join(ENTROPY_BOUND_FIELDS)})",
+            (
+                Name(given[0]),
+                f" does not apply to {family.name} models (entropy-bound sampler: "
+                f"use {', '.join(ENTROPY_BOUND_FIELDS)})",
+            ),
             field=given[0],
         )
     low, high = p.min_temperature, p.max_temperature
@@ -885,7 +900,7 @@ def ends_the_answer(field: str) -> Unsupported:
     """The refusal of `field` beside a response format: only the schema's skeleton may
     decide where a structured answer ends."""
     return Unsupported(
-        f"{field} cannot be combined with response_format: the schema's skeleton decides where the answer ends",
+        (Name(field), " cannot be combined with response_format: the schema's skeleton decides where the answer ends"),
         field=field,
     )  # bidirectional families only (dlm/engine/capabilities.py)
 
@@ -900,8 +915,13 @@ def _validate_block_causal(p: ResolvedParams) -> None:
 def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
     if p.block_length != block:
         raise Unsupported(
-            f"{family.name} decodes {block}-token blocks only (any gen_length: the last block is decoded whole "
-            f"and the answer cut): leave block_length out or give {block}",
+            (
+                f"{family.name} decodes {block}-token blocks only (any ",
+                Name("gen_length"),
+                ": the last block is decoded whole and the answer cut): leave ",
+                Name("block_length"),
+                f" out or give {block}",
+            ),
             field="block_length",
         )
     if p.cfg_scale > 0:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from dlm.engine.errors import UnknownKey, Unsupported, UsageError
+from dlm.engine.errors import Name, UnknownKey, Unsupported, UsageError
 
 if TYPE_CHECKING:
     from dlm.engine.registry import Family
@@ -351,7 +351,11 @@ class _Compiler:
             )
         if self.max_tokens is not None and self.positions > self.max_tokens:
             raise UsageError(
-                f"response_format: this schema's skeleton needs more tokens than max_tokens ({self.max_tokens})",
+                (
+                    "response_format: this schema's skeleton needs more tokens than ",
+                    Name("gen_length"),
+                    f" ({self.max_tokens})",
+                ),
                 field="gen_length",
             )
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dlm.engine.config import NO_MASK, ModelConfig, read_config_json
-from dlm.engine.errors import DlmError, Unsupported, UsageError
+from dlm.engine.errors import DlmError, Name, Unsupported, UsageError
 from dlm.engine.params import GenerationParams, ResolvedParams
 from dlm.engine.registry import UNREGISTERED
 from dlm.engine.runtime.batch import ForwardBatch, gather_rows
@@ -285,8 +285,11 @@ class GenerateMethodRunner:
             if name not in self.takes and getattr(params, name) != getattr(_DEFAULTS, name):
                 taken = ", ".join(sorted(self.takes)) or "none of steps, block_length, threshold"
                 raise Unsupported(
-                    f"{name} does not apply here: this model decodes with its own {self.method_name} "
-                    f"(transformers backend, generate path), which takes {taken}",
+                    (
+                        Name(name),
+                        f" does not apply here: this model decodes with its own {self.method_name} "
+                        f"(transformers backend, generate path), which takes {taken}",
+                    ),
                     field=name,
                 )
         if params.temperature > 0 and not self.samples:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -572,16 +571,10 @@ def _length_field(body: GenerationRequest) -> str:
 
 def _refused(exc: UsageError, job: Job) -> APIError:
     """A 400 naming the body field the engine's refusal concerns (`exc.field`, a
-    GenerationParams field or `prompt`), in the API's name for it; so does its message, for
-    that field and every other it mentions (`exc.mentions`)."""
-    field = exc.field
-    param = _api_name(field, job) if field is not None else None
-    message = str(exc)
-    if field is not None and param is not None and param != field and message.startswith(f"{field} "):
-        message = param + message[len(field) :]  # "logprobs must be in [0, 20]" of chat's top_logprobs
-    for mention in exc.mentions:  # "... must not exceed gen_length (4)" of chat's max_completion_tokens
-        message = re.sub(rf"\b{re.escape(mention)} \(", f"{_api_name(mention, job)} (", message)
-    return bad_request(message, param=param, code=refusal_code(exc))
+    GenerationParams field or `prompt`) in the API's name for it, as its message does for
+    every field it names ("top_logprobs must be in [0, 20]" of chat's `logprobs`)."""
+    param = _api_name(exc.field, job) if exc.field is not None else None
+    return bad_request(exc.spelt(lambda name: _api_name(name, job)), param=param, code=refusal_code(exc))
 
 
 def _api_name(field: str, job: Job) -> str:

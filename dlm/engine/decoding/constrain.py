@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.errors import Name, Unsupported, UsageError
 from dlm.engine.structured import (
     FIELD,
     FRACTION_DIGITS,
@@ -267,7 +267,11 @@ def layout(
         ids += [mask_id] * length
     if len(ids) > gen_length:
         raise UsageError(
-            f"response_format: this schema's skeleton needs {len(ids)} tokens, more than max_tokens ({gen_length})",
+            (
+                f"response_format: this schema's skeleton needs {len(ids)} tokens, more than ",
+                Name("gen_length"),
+                f" ({gen_length})",
+            ),
             field="gen_length",
         )
     filler = eos_id if eos_id is not None else int(vocab.space.nonzero()[0, 0])  # no EOS: trailing pads

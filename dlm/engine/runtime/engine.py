@@ -18,7 +18,7 @@ from dlm.engine.capabilities import supported
 from dlm.engine.compressed_tensors import placement, read_scheme
 from dlm.engine.config import ModelConfig, check_fits_weights, load_config, read_config_json
 from dlm.engine.decoding.constrain import Constraint, Vocabulary, layout
-from dlm.engine.errors import Unsupported, UsageError
+from dlm.engine.errors import Name, Unsupported, UsageError
 from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights, stored_values
@@ -300,7 +300,8 @@ class LLMEngine(Engine):
         bad = [t for t in prompt_ids if not 0 <= t < self.config.logits_size]
         if bad:
             raise UsageError(
-                f"{field} token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})", field=field
+                (Name(field), f" token id {bad[0]} is outside the vocabulary (0..{self.config.logits_size - 1})"),
+                field=field,
             )
 
     def cache_bytes(self) -> int:
