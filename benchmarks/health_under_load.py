@@ -11,6 +11,11 @@ thread while idle, then while `--clients` threads post in a loop, one scenario a
   integers: refused once the skeleton cannot fit, after bounded work);
 - `enum-n`: a 10,000-value enum with `n` 64 (an 89 KB body: laid out once, off the loop,
   then 64 samples decoded);
+- `large-answer`: a non-streamed chat answer of n 15 x 1024 tokens with 20 log-probability
+  alternatives each (24 MB of JSON, encoded on a worker thread in slices:
+  dlm/cli/server/answer_json.py); `large-answer-one-call`, the same against a second server
+  whose answers are encoded in one `json.dumps` call (Starlette's `JSONResponse`, what the
+  slices replaced), started after the first has stopped: the slices' effect, side by side;
 - `silent-streams`: 20 canvas streams whose clients never read (a 4 KB receive buffer),
   held open, then closed (`while_closing`: /health while they close); `reading-streams`, the
   same streams read to their end, is the control for its memory;
@@ -49,6 +54,13 @@ from dlm.engine.home import dlm_home  # noqa: E402
 from tests.serving import ServerProcess  # noqa: E402
 
 KEY_A, KEY_B, ADMIN = "sk-bench-tenant-a", "sk-bench-tenant-b", "sk-bench-operator"
+ONE_CALL = "large-answer-one-call"
+# `dlm` with the answer's JSON encoded in one call, as before dlm/cli/server/answer_json.py.
+ONE_CALL_ENTRY = (
+    "import sys; from fastapi.responses import JSONResponse; import dlm.cli.server.generation as g; "
+    "g.json_response = lambda body, headers=None: JSONResponse(body, headers=headers); "
+    "from dlm.cli.main import main; sys.argv[0] = 'dlm'; main()"
+)
 
 
 def rss_mb(pid: int) -> float:
@@ -242,7 +254,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--scenarios",
-        default="900KB,at-limit,chat,exponential,enum-n,reading-streams,silent-streams,tenant-flood,429-storm",
+        default="900KB,at-limit,chat,exponential,enum-n,large-answer,reading-streams,silent-streams,tenant-flood,"
+        f"429-storm,{ONE_CALL}",
         help="comma-separated, from the list above",
     )
     ap.add_argument("--flood", type=int, default=96, help="key A's connections in tenant-flood")
@@ -266,6 +279,11 @@ def main() -> None:
             "/v1/chat/completions",
             {"messages": ask, "n": 64, "max_tokens": 32, "steps": 8, "response_format": _schema(enum)},
         ),
+        "large-answer": (
+            "/v1/chat/completions",
+            {"messages": ask, "n": 15, "max_tokens": 1024, "block_length": 1024, "steps": 4, "logprobs": True}
+            | {"top_logprobs": 20},
+        ),
     }
     canvas = {"prompt": "x", "max_tokens": 1024, "stream": True, "stream_options": {"include_canvas": True}}
     flood = {"prompt": "tenant a", "max_tokens": 256, "steps": 256}
@@ -274,6 +292,7 @@ def main() -> None:
         *("--max-model-len", str(args.max_model_len), "--request-timeout", str(args.request_timeout)),
         *("--api-key", KEY_A, "--api-key", KEY_B, "--max-queue", "128"),
     ]
+    names = args.scenarios.split(",")
     server = ServerProcess(server_args, dlm_home(), env={"DLM_ADMIN_KEY": ADMIN})
     try:
         server.wait_ready()
@@ -282,7 +301,9 @@ def main() -> None:
             "seconds": args.seconds,
             "idle": {**summary(probe(server.url, 5)), "rss_mb": round(rss_mb(server.proc.pid))},
         }
-        for name in args.scenarios.split(","):
+        for name in names:
+            if name == ONE_CALL:
+                continue  # its own server, below
             if name == "silent-streams":
                 result[name] = silent_streams(server, json.dumps(canvas).encode(), 20, args.seconds)
             elif name == "reading-streams":
@@ -297,6 +318,15 @@ def main() -> None:
             result[name]["p99_vs_idle"] = round(result[name]["p99_ms"] / result["idle"]["p99_ms"], 1)
     finally:
         server.terminate()
+    if ONE_CALL in names:
+        path, body = scenarios["large-answer"]
+        server = ServerProcess(server_args, dlm_home(), env={"DLM_ADMIN_KEY": ADMIN}, entry=("-c", ONE_CALL_ENTRY))
+        try:
+            server.wait_ready()
+            result[ONE_CALL] = load(server, path, json.dumps(body).encode(), args.clients, args.seconds)
+            result[ONE_CALL]["p99_vs_idle"] = round(result[ONE_CALL]["p99_ms"] / result["idle"]["p99_ms"], 1)
+        finally:
+            server.terminate()
     print(json.dumps(result, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))

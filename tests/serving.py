@@ -24,11 +24,19 @@ LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 class ServerProcess:
     def __init__(
-        self, args: list[str], home: Path, env: dict[str, str] | None = None, tls: bool = False, port: int = 0
+        self,
+        args: list[str],
+        home: Path,
+        env: dict[str, str] | None = None,
+        tls: bool = False,
+        port: int = 0,
+        entry: tuple[str, ...] = ("-m", "dlm"),
     ) -> None:
+        """`entry`: how Python starts the CLI (a benchmark may start it through `-c CODE` that
+        swaps one piece first, to compare it with the code as it is)."""
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, *entry, "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
