@@ -470,6 +470,29 @@ def test_a_garbage_server_fails_saying_why_without_a_traceback(
 
 
 @pytest.mark.slow
+def test_users_whose_requests_get_no_answer_pause_before_the_next(tmp_path: Path) -> None:
+    """A server that lists its model, then closes every generation's connection unanswered
+    (a server dying): before, each closed-loop user retried at once, hundreds of refused
+    requests a second; now each waits `NO_ANSWER_PAUSE_S` (1 s) after a request that got no
+    answer, so 2 users over 3 s send a handful."""
+
+    def answer(method: str, path: str) -> Iterator[bytes]:
+        if path == "/v1/models":
+            return iter([http_answer(200, b'{"data": [{"id": "m"}]}')])
+        if path == "/metrics":
+            return iter([http_answer(404, b"")])
+        return iter([])  # the connection closed, no answer
+
+    out = tmp_path / "out"
+    with raw_server(answer) as url:
+        result = loadtest(url, "-t", "3s", "-u", "2", "--timeout", "5", "--out", str(out))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert records and all(r["status"] == 0 for r in records), records[:3]
+    assert len(records) <= 2 * (3 + 2), len(records)  # a user: one request, then one a second
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [["http://127.0.0.1:99999"], ["http://[::1"], ["http://127.0.0.1:8000/v1"], ["http://h", "--timeout", "nan"]],

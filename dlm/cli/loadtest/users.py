@@ -13,11 +13,17 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from locust import User, constant, task
+from locust import User, task
 
 from dlm.cli.client.api import ApiClient, Verify
 from dlm.cli.loadtest.stats import RequestRecord
 from dlm.cli.loadtest.workload import Workload
+
+# A user whose request got no answer at all (connection refused or reset: the server died or is
+# restarting) waits this long before its next. Closed-loop users retried at once, thousands of
+# refused requests a second that report nothing more than the first few and take the CPU the
+# server needs to come back.
+NO_ANSWER_PAUSE_S = 1.0
 
 
 class RequestFailed(Exception):
@@ -39,7 +45,11 @@ def user_class(
 
     class CompletionUser(User):
         host = url
-        wait_time = constant(0)  # closed loop: the next request as soon as one finishes
+        unanswered = False  # the last request got no HTTP answer
+
+        def wait_time(self) -> float:
+            """Closed loop: the next request as soon as one finishes, unless it got no answer."""
+            return NO_ANSWER_PAUSE_S if self.unanswered else 0.0
 
         def on_start(self) -> None:
             self.api = ApiClient(url, api_key, timeout, max_connections=1, verify=verify)
@@ -52,6 +62,7 @@ def user_class(
             path, body = workload.request(next(counter))
             level = recorder.level
             start = time.perf_counter()
+            timed_out = False
             try:
                 result = self.api.stream(path, body)
                 usage = result.usage or {}
@@ -71,6 +82,7 @@ def user_class(
                 length = len(result.text)
             except httpx.HTTPError as exc:
                 record = RequestRecord(level, start, time.perf_counter() - start, 0, f"{type(exc).__name__}: {exc}")
+                timed_out = isinstance(exc, httpx.TimeoutException)
                 length = 0
             except Exception as exc:  # noqa: BLE001 - a garbled answer is a failed request, not a crashed user
                 record = RequestRecord(
@@ -78,6 +90,7 @@ def user_class(
                 )
                 length = 0
             recorder.records.append(record)
+            self.unanswered = record.status == 0 and not timed_out  # a timeout has waited already
             failure = (
                 None
                 if record.ok
