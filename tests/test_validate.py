@@ -3,6 +3,7 @@ misbehaviour fails exactly the checks that name it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import socket
@@ -21,7 +22,7 @@ from dlm.cli.checks.capabilities import PROBES
 from dlm.cli.checks.contract import completion, models
 from dlm.cli.checks.runner import FAILED, PASSED, SKIPPED, CheckFailed, CheckResult, Context, ValidateOptions
 from dlm.cli.checks.validate import run_validation
-from dlm.cli.client.api import ApiClient
+from dlm.cli.client.api import ApiClient, RequestTooLong
 from dlm.cli.client.metrics import missing_metrics, parse_samples
 from dlm.cli.client.sse import SSEError, iter_events, sse_lines
 from dlm.cli.main import app
@@ -344,6 +345,29 @@ def test_the_timeout_bounds_the_whole_answer(stream: bool) -> None:
                 client.post("/v1/completions", {"prompt": "x"})
         # The client gave up while the server was still sending: its deadline, not the answer's end.
         assert len(sent) < TRICKLE_PIECES
+
+
+def stall(method: str, path: str, stream: bool, sent: list[int]) -> Iterator[bytes]:
+    """The head and three pieces of `trickle`, then nothing for 30 s: the read that stalls
+    starts 0.2 s into the answer, well before a 1 s deadline, and httpx bounds it by a whole
+    timeout of its own."""
+    yield from itertools.islice(trickle(method, path, stream, sent), 1 + 3)
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json body"])
+def test_a_read_that_stalls_ends_at_the_deadline(stream: bool) -> None:
+    """Before: the deadline was checked between chunks only, so the stalled read ran its own
+    1 s and ended in httpx's `ReadTimeout` at 1.2 s (up to twice the timeout in all); now the
+    answer's socket is shut down at the deadline and the error is the whole answer's."""
+    sent: list[int] = []
+    answer = lambda method, path: stall(method, path, stream, sent)  # noqa: E731
+    with raw_server(answer) as url, ApiClient(url, timeout=1.0) as client:
+        with pytest.raises(RequestTooLong, match="did not end within the 1s timeout"):
+            if stream:
+                client.stream("/v1/completions", {"prompt": "x"})
+            else:
+                client.post("/v1/completions", {"prompt": "x"})
 
 
 GARBLED_CHUNKS = {

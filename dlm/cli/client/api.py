@@ -8,10 +8,12 @@ before the request is sent to the arrival of the line that carries the data.
 from __future__ import annotations
 
 import json
+import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,7 +273,7 @@ class ApiClient(AbstractContextManager["ApiClient"]):
                 result.error = f"content-type is {result.content_type!r}, not text/event-stream"
             pieces: list[str] = []
             try:
-                decoded = within(response.iter_text(), deadline, self.timeout, response.request)
+                decoded = within(response, response.iter_text(), deadline, self.timeout)
                 for event in iter_events(sse_lines(decoded)):
                     if keep_events:
                         result.events.append(event)
@@ -307,7 +309,7 @@ def read_within(response: httpx.Response, deadline: float, timeout: float) -> ht
     if response.is_stream_consumed:
         return response
     try:
-        raw = b"".join(within(response.iter_raw(), deadline, timeout, response.request))
+        raw = b"".join(within(response, response.iter_raw(), deadline, timeout))
     finally:
         response.close()
     return httpx.Response(
@@ -319,9 +321,47 @@ def read_within(response: httpx.Response, deadline: float, timeout: float) -> ht
     )
 
 
-def within(chunks: Iterator[Any], deadline: float, timeout: float, request: httpx.Request) -> Iterator[Any]:
-    """`chunks` of an answer, raising `RequestTooLong` once `deadline` has passed."""
-    for chunk in chunks:
-        if time.perf_counter() > deadline:
-            raise RequestTooLong(f"the answer did not end within the {timeout:g}s timeout", request=request)
-        yield chunk
+def within(response: httpx.Response, chunks: Iterator[Any], deadline: float, timeout: float) -> Iterator[Any]:
+    """`chunks` of `response`, raising `RequestTooLong` once `deadline` has passed: checked
+    between chunks, and by a timer that shuts the answer's socket down at the deadline, which
+    wakes a read that stalls (httpx's timeout bounds each read alone: a read that stalled just
+    before the deadline waited a whole timeout more, about twice the timeout in all)."""
+    too_long = RequestTooLong(f"the answer did not end within the {timeout:g}s timeout", request=response.request)
+    cut = _Cut(response, deadline)
+    try:
+        for chunk in chunks:
+            if time.perf_counter() > deadline:
+                raise too_long
+            yield chunk
+    except httpx.TransportError as exc:
+        if cut.done and not isinstance(exc, RequestTooLong):
+            raise too_long from None  # the read the cut ended
+        raise
+    finally:
+        cut.cancel()
+    if cut.done:  # an answer whose end is its connection's (HTTP/1.0, no length) ends at the cut
+        raise too_long
+
+
+class _Cut:
+    """A timer that shuts `response`'s socket down at `deadline`, if it has one (in-process
+    and mock transports answer whole); `done` once it has."""
+
+    def __init__(self, response: httpx.Response, deadline: float) -> None:
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        self.done = False
+        self._timer: threading.Timer | None = None
+        if isinstance(sock, socket.socket):
+            self._timer = threading.Timer(max(0.0, deadline - time.perf_counter()), self._cut, (sock,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        self.done = True
+        with suppress(OSError):  # closed meanwhile
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
