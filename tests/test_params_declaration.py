@@ -142,6 +142,46 @@ def test_misspelt_fields_are_refused_and_harmless_ones_accepted() -> None:
     assert refused.unsupported() is not None and refused.unsupported()[0] == "logit_bias"  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "code", "says"),
+    [
+        # a vision client's image part: it was "messages.0.content: Input should be a valid
+        # string", the str member's complaint, though a list of parts is accepted
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0",
+            "unsupported",
+            "content parts of type 'image_url' are not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
+            "messages.0.content.1",
+            "unsupported",
+            "'input_audio'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+            "invalid_value",
+            "required",
+        ),
+        ({"prompt": "x", "stop": ["a", 5]}, "stop.1", "invalid_value", "valid string"),  # not the whole `stop`
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_value", "valid string"),
+    ],
+)
+def test_a_union_refusal_names_the_member_that_got_furthest(body: dict, param: str, code: str, says: str) -> None:
+    """A value every member of a union refuses is named by the deepest refusal: the member
+    the client meant (a list of parts, a list of stops), not the first one tried (a string)."""
+    from pydantic import ValidationError
+
+    from dlm.cli.server.errors import validation_error
+
+    with pytest.raises(ValidationError) as caught:
+        (ChatRequest if "messages" in body else CompletionRequest).model_validate(body)
+    error = validation_error(list(caught.value.errors()))
+    assert (error.status, error.param, error.code) == (400, param, code) and says in error.message, error.message
+
+
 @pytest.mark.parametrize(("n", "best_of", "taken"), [(None, 1, True), (3, 3, True), (None, 2, False), (2, 3, False)])
 def test_best_of_equal_to_n_asks_for_nothing_more(n: int | None, best_of: int, taken: bool) -> None:
     """best_of answers, the best n returned: best_of = n (vLLM's default) is every answer

@@ -78,16 +78,23 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|[\[(]")
 
 
 def validation_error(errors: list[Any]) -> APIError:
-    """The first pydantic error, named by its field path. Pydantic adds the tried type of
-    each union member to the path (`prompt.str`); those tags are not fields and are dropped."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.search(str(p))]
-    param = ".".join(loc) or None
+    """The deepest pydantic error (the first of those), named by its field path. Pydantic adds
+    the tried type of each union member to the path (`prompt.str`); those tags are not fields
+    and are dropped. Deepest: a value that fails every member of a union fails each its own
+    way, and the member that got furthest into it names what is wrong; the first, a string's
+    "Input should be a valid string" for a content list with an image part, named a type the
+    client had not meant to send. A validator's `unsupported` error keeps that code."""
+    fields = [[str(p) for p in e.get("loc", ()) if p != "body" and not _TYPE_TAG.search(str(p))] for e in errors]
+    if not errors:
+        errors, fields = [{"msg": "invalid request"}], [[]]
+    deepest = max(range(len(errors)), key=lambda i: len(fields[i]))
+    first, param = errors[deepest], ".".join(fields[deepest]) or None
     if first.get("type") == "extra_forbidden":  # a misspelt or foreign field is refused, never ignored
         return bad_request(f"unrecognized request field {param!r}", param=param, code="unknown_parameter")
     text = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's wrapping of our ValueErrors
     message = f"{param}: {text}" if param else text
-    return bad_request(message, param=param, code="invalid_value")
+    code = "unsupported" if first.get("type") == "unsupported" else "invalid_value"
+    return bad_request(message, param=param, code=code)
 
 
 def method_not_allowed(request: Request) -> APIError:

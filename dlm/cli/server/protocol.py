@@ -44,6 +44,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from dlm.engine.errors import UsageError
 from dlm.engine.params import DEFAULTS, PARAMS, http_name
@@ -275,6 +276,20 @@ class DetokenizeRequest(_Body):
 class TextPart(_Body):
     type: Literal["text"]
     text: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """A part of another type (`image_url`, `input_audio`, `file`: what vision and audio
+        clients send) is refused as such, naming its type: the served models read text."""
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError(
+                "unsupported",
+                "content parts of type {kind} are not supported: the served model reads text (parts of type 'text')",
+                {"kind": repr(kind)},
+            )
+        return data
 
 
 class ChatMessage(_Body):
