@@ -256,6 +256,31 @@ def test_request_heads_over_16_kib_are_refused_however_they_arrive(server: Serve
     no_tracebacks(server)
 
 
+def test_a_target_in_absolute_form_is_routed_by_its_path_and_several_hosts_are_refused(
+    server: ServerProcess,
+) -> None:
+    """RFC 9112, 3.2: a server must accept `POST http://host/v1/completions HTTP/1.1` (was a
+    404 naming the URL as a route) and refuse a request with several Host headers (h11 does)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "x", "max_tokens": 2}'
+
+    def ask(target: str, hosts: tuple[str, ...] = ("x",)) -> bytes:
+        head = head_of(len(body)).replace(f"POST {COMPLETIONS} ", f"POST {target} ")
+        head = head.replace("Host: x\r\n", "".join(f"Host: {h}\r\n" for h in hosts) + "Connection: close\r\n")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + body)
+            return receive_until_closed(sock)
+
+    for target in (f"http://{host}:{port}{COMPLETIONS}", f"HTTPS://example.com{COMPLETIONS}"):
+        answer = ask(target)
+        assert answer.startswith(b"HTTP/1.1 200 ") and b'"object":"text_completion"' in answer, answer[-300:]
+    assert b"no route POST / (" in ask("http://example.com")  # no path: "/"
+    refused = ask(COMPLETIONS, hosts=("x", "y"))
+    assert refused.startswith(b"HTTP/1.1 400 "), refused[-300:]
+    assert ask(COMPLETIONS, hosts=("x",)).startswith(b"HTTP/1.1 200 ")
+    no_tracebacks(server)
+
+
 def test_a_client_leaving_mid_body_is_one_499_line(server: ServerProcess) -> None:
     host, port = server.url.removeprefix("http://").split(":")
     before = len(server.request_logs())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -84,9 +85,11 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
     app.state.admin = admin
     app.state.loading = None  # the loading task, once the lifespan starts it
     errors.install(app)
-    app.add_middleware(HeadLimit, service=service)
+    # The last added is the outermost: the head's size as it arrived, then its target's path.
     if config.allowed_ips:
         app.add_middleware(AllowList, service=service, networks=config.allowed_networks())
+    app.add_middleware(OriginForm)
+    app.add_middleware(HeadLimit, service=service)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -257,6 +260,29 @@ async def _refuse(service: Service, error: APIError, scope: Scope, receive: Rece
     else:
         service.metrics.rejections.labels(error.code).inc()
     await error.response(job.id if job is not None else None)(scope, receive, send)
+
+
+class OriginForm:
+    """A request target in absolute form (`GET http://host/v1/models HTTP/1.1`), which an
+    HTTP/1.1 server must accept (RFC 9112, 3.2.2), routed by its path: uvicorn passes the
+    whole URL on as the path, a 404 naming the URL as a route. (Several Host headers, which
+    the RFC refuses too, h11 refuses itself.)"""
+
+    SCHEME_AND_AUTHORITY = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/]*")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (found := self.SCHEME_AND_AUTHORITY.match(scope["path"])) is not None:
+            raw = scope.get("raw_path") or b""
+            authority_end = raw.find(b"/", raw.find(b"://") + 3)
+            scope = {
+                **scope,
+                "path": scope["path"][found.end() :] or "/",
+                "raw_path": raw[authority_end:] if authority_end > 0 else b"/",
+            }
+        await self.app(scope, receive, send)
 
 
 class HeadLimit:
