@@ -39,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -458,7 +460,9 @@ class GenerationParams:
         """Refuse a field outside its declared range or choices (and stop ids outside the
         vocabulary): what must hold before any default is derived from the fields."""
         for name, spec in PARAMS.items():
-            spec.check(name, getattr(self, name))
+            value = getattr(self, name)
+            _check_type(name, value)
+            spec.check(name, value)
         _validate_stop_token_ids(self.stop_token_ids, vocab)
         stop_strings(self.stop)
 
@@ -733,6 +737,45 @@ class ResolvedParams(GenerationParams):
 
 PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(GenerationParams)}
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(GenerationParams)}
+
+
+def _alternatives(hint: Any) -> tuple[Any, ...]:
+    """The types a field's annotation allows: each member of a union, else the one type."""
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+# Each scalar field's Python types, from its annotation: what `_check_type` holds a value to.
+# The command line and the HTTP schema (strict) deliver these types; the Python API takes any
+# object, and a value of another type ("4" for gen_length, 1.5 for seed, None for remasking)
+# failed deep in the engine with a torch or comparison traceback, or passed silently (a
+# truthy string for ignore_eos, a float for min_tokens).
+SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    name: _alternatives(hint)
+    for name, hint in typing.get_type_hints(GenerationParams).items()
+    if name in PARAMS
+    and name != "response_format"  # text or an object: `format_object`'s rule
+    and all(t in (int, float, str, bool, type(None)) for t in _alternatives(hint))
+}
+TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "None"}
+
+
+def _check_type(name: str, value: Any) -> None:
+    """Refuse a scalar field's value of another type than the field's: a bool is not an
+    integer or a number (though Python's bool is an int), an integer is a number. The fields
+    holding lists (stop_token_ids, stop, suffix) and response_format (text or an object) have
+    rules of their own."""
+    kinds = SCALAR_TYPES.get(name)
+    if kinds is None:
+        return
+    if isinstance(value, bool):
+        ok = bool in kinds
+    elif isinstance(value, int):
+        ok = int in kinds or float in kinds
+    else:
+        ok = any(isinstance(value, kind) for kind in kinds if kind not in (int, bool))
+    if not ok:
+        words = " or ".join(TYPE_WORDS[kind] for kind in kinds)
+        raise UsageError((Name(name), f" must be {words}, got {value!r}"), field=name)
 
 
 def cli_flag(name: str) -> str | None:

@@ -1,0 +1,63 @@
+"""The Python API misused: values of the wrong type, prompts of the wrong shape.
+
+The command line (typer) and the HTTP schema (pydantic, strict) hand the engine values of
+each field's declared type; `LLM.generate(**params)` takes any object. A value of another type
+is a `UsageError` naming the field, as an out-of-range value is: never a comparison or torch
+traceback from deep in the engine, and never silently taken (a truthy string for a flag).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dlm.engine.errors import UsageError
+from dlm.engine.params import PARAMS, SCALAR_TYPES, GenerationParams
+
+
+def _wrong_values(name: str) -> list[Any]:
+    """Values of other types than field `name` takes."""
+    kinds = SCALAR_TYPES[name]
+    wrong: list[Any] = []
+    if str not in kinds:
+        wrong.append("1")
+    if int in kinds or float in kinds:
+        wrong.append(True)  # Python's bool is an int, not a count or a number here
+    if int in kinds and float not in kinds:
+        wrong.append(1.5)
+    if bool in kinds or str in kinds:
+        wrong.append(1)
+    if type(None) not in kinds:
+        wrong.append(None)
+    return wrong
+
+
+def test_every_scalar_field_is_type_checked() -> None:
+    """Every field is held to its declared type, by this check or a rule of its own."""
+    assert set(PARAMS) - set(SCALAR_TYPES) == {"stop_token_ids", "stop", "suffix", "response_format"}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [(name, value) for name in SCALAR_TYPES for value in _wrong_values(name)], ids=repr
+)
+def test_a_value_of_the_wrong_type_is_a_usage_error_naming_its_field(name: str, value: Any) -> None:
+    with pytest.raises(UsageError) as refused:
+        GenerationParams(**{name: value}).check_ranges(vocab=100)
+    assert refused.value.field == name
+    assert str(refused.value).startswith(f"{name} must be ")
+
+
+def test_an_integer_is_a_number() -> None:
+    GenerationParams(temperature=1, cfg_scale=0, threshold=1).check_ranges()
+
+
+def test_the_python_api_refuses_a_float_seed(tiny_llada: Any) -> None:
+    """`seed=1.5` reached torch.Generator.manual_seed: a RuntimeError traceback."""
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+        with pytest.raises(UsageError, match="seed must be an integer"):
+            llm.generate([5, 6, 7], gen_length=4, seed=1.5, temperature=0.5)
+        with pytest.raises(UsageError, match="ignore_eos must be true or false"):
+            llm.generate([5, 6, 7], gen_length=4, ignore_eos="no")
