@@ -8,6 +8,7 @@ traceback from deep in the engine, and never silently taken (a truthy string for
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -61,3 +62,57 @@ def test_the_python_api_refuses_a_float_seed(tiny_llada: Any) -> None:
             llm.generate([5, 6, 7], gen_length=4, seed=1.5, temperature=0.5)
         with pytest.raises(UsageError, match="ignore_eos must be true or false"):
             llm.generate([5, 6, 7], gen_length=4, ignore_eos="no")
+
+
+@pytest.mark.parametrize(
+    ("prompts", "words"),
+    [
+        (None, "prompts must be a text, a list of token ids, or a list of those, got NoneType"),
+        (5, "got int"),
+        (b"hi", "got bytes"),  # was read as the token ids 104, 105
+        ([True, False], "got bool"),  # was read as the token ids 1, 0
+        ([[1.5, 2.0]], "prompt token ids must be integers, got 1.5"),  # was truncated to 1, 2
+        ([["12"]], "prompt token ids must be integers, got '12'"),  # was read as 12
+    ],
+    ids=repr,
+)
+def test_a_prompt_that_is_neither_text_nor_ids_is_a_usage_error(tiny_llada: Any, prompts: Any, words: str) -> None:
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+        with pytest.raises(UsageError, match=re.escape(words)) as refused:
+            llm.generate(prompts, gen_length=4)
+    assert refused.value.field == "prompt"
+
+
+def test_prompts_from_any_iterable_are_the_prompts_of_a_list(tiny_llada: Any) -> None:
+    """A generator of prompts, a tuple, a numpy array or torch tensor of ids (one prompt; a 2-D
+    array, one per row) decode as the same prompts in a list: a generator was "not
+    subscriptable", an array's truth value "ambiguous"."""
+    import numpy
+    import torch
+
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+
+        def ids(prompts: Any) -> list[list[int]]:
+            return [out.output_ids for out in llm.generate(prompts, gen_length=4)]
+
+        one, two = [5, 6, 7], [8, 9, 10]
+        expected = ids([one, two])
+        assert ids(p for p in (one, two)) == expected
+        assert ids(numpy.array([one, two])) == expected
+        assert ids(iter(one)) == ids(tuple(one)) == ids(numpy.array(one)) == ids(torch.tensor(one)) == expected[:1]
+
+
+def test_params_that_are_not_generation_params_are_a_usage_error(tiny_llada: Any) -> None:
+    """A dict of fields as `params` was an AttributeError ('dict' object has no attribute 'stop')."""
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+        with pytest.raises(UsageError, match="params must be a GenerationParams, got dict"):
+            llm.generate([5, 6], {"gen_length": 4})  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="chat_template_kwargs must be a dict, got list") as refused:
+            llm.generate("hi", chat=True, chat_template_kwargs=[1], gen_length=4)  # type: ignore[arg-type]
+        assert refused.value.field == "chat_template_kwargs"

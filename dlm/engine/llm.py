@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -158,11 +159,16 @@ class LLM:
         """A prompt's ids: text through the tokenizer (with `chat`, the chat template and its
         extra variables `chat_template_kwargs`, as the server's chat requests take them), ids as
         they are."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise UsageError(
+                f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}",
+                field="chat_template_kwargs",
+            )
         if isinstance(prompt, str):
             return encode(self.tokenizer, prompt, chat=chat, template_kwargs=chat_template_kwargs)
         if chat or chat_template_kwargs:
             raise UsageError("chat templates apply to text prompts, not token ids")
-        return [int(t) for t in prompt]
+        return token_ids(prompt)
 
     def generate(
         self,
@@ -183,11 +189,12 @@ class LLM:
         denoising step with the sequences; `seq.canvas_view()` is the canvas then (committed,
         provisional and masked positions), as the server streams it to clients that ask
         (docs/serve.md, "Canvas streaming")."""
-        batch: Seq[str | Seq[int]]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [prompts]  # type: ignore[list-item]  # one prompt: text, or ids
-        else:
-            batch = prompts  # type: ignore[assignment]  # a list of prompts
+        batch = prompt_list(prompts)
+        if params is not None and not isinstance(params, GenerationParams):
+            raise UsageError(
+                f"params must be a GenerationParams, got {type(params).__name__} (or give its fields as keyword "
+                "arguments: generate(prompt, gen_length=64))"
+            )
         if isinstance(overrides.get("suffix"), str):  # infilling text: its ids, as a completion's prompt
             overrides["suffix"] = tuple(self.encode(overrides["suffix"]))
         if params is None or overrides:  # resolved parameters pass through unchanged
@@ -240,6 +247,46 @@ class LLM:
             if cut is not None:
                 return text[:cut], completion_ids[: covering(text_of, completion_ids, cut)], "stop"
         return text_of(seq.output_ids), completion_ids, None
+
+
+PROMPTS = "a text, a list of token ids, or a list of those"
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """`LLM.generate`'s prompts as a list of prompts (each text, or token ids): one text or one
+    list of ids is one prompt; any other iterable (a generator, a tuple, an array) is a list of
+    prompts, read once. Anything else (None, a number, bytes) is a UsageError: None was
+    "'NoneType' object is not iterable", a generator "not subscriptable", a numpy array or
+    torch tensor of ids "truth value ... is ambiguous", and bytes were read as token ids."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise UsageError(f"prompts must be {PROMPTS}, got {type(prompts).__name__}", field="prompt")
+    items = list(prompts)
+    return [items] if items and is_token_id(items[0]) else items
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer (numpy's and torch's integer scalars too), not a bool."""
+    if isinstance(value, (bool, str, bytes)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def token_ids(prompt: Any) -> list[int]:
+    """A prompt of token ids as ints; a UsageError for anything that is not ids (`int(t)`
+    truncated 1.5 to 1 and read "12" as 12, and bytes were read as ids)."""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise UsageError(f"a prompt must be {PROMPTS}, got {type(prompt).__name__}", field="prompt")
+    ids = list(prompt)
+    bad = next((t for t in ids if not is_token_id(t)), None)
+    if bad is not None:
+        raise UsageError(f"prompt token ids must be integers, got {bad!r}", field="prompt")
+    return [operator.index(t) for t in ids]
 
 
 def governed(
