@@ -116,3 +116,22 @@ def test_params_that_are_not_generation_params_are_a_usage_error(tiny_llada: Any
         with pytest.raises(UsageError, match="chat_template_kwargs must be a dict, got list") as refused:
             llm.generate("hi", chat=True, chat_template_kwargs=[1], gen_length=4)  # type: ignore[arg-type]
         assert refused.value.field == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "words"),
+    [
+        (None, "suffix must be text or a list of token ids, got None"),  # was "not iterable"
+        (b"ab", "suffix must be text or a list of token ids"),  # was read as the ids 97, 98
+        ([1.5], "suffix token ids must be integers, got 1.5"),  # was truncated to 1
+        ([True], "suffix token ids must be integers, got True"),
+    ],
+    ids=repr,
+)
+def test_a_suffix_that_is_neither_text_nor_ids_is_a_usage_error(tiny_llada: Any, suffix: Any, words: str) -> None:
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+        with pytest.raises(UsageError, match=re.escape(words)) as refused:
+            llm.generate([5, 6, 7], gen_length=4, suffix=suffix)
+    assert refused.value.field == "suffix"

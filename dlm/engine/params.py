@@ -464,6 +464,7 @@ class GenerationParams:
             _check_type(name, value)
             spec.check(name, value)
         _validate_stop_token_ids(self.stop_token_ids, vocab)
+        _validate_suffix(self.suffix)
         stop_strings(self.stop)
 
     def require_mode(self, family: Family) -> None:
@@ -890,6 +891,17 @@ def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
                 f"stop_token_ids: {token} is outside the vocabulary ({bound})",
                 field="stop_token_ids",
             )
+
+
+def _validate_suffix(ids: Any) -> None:
+    """Infilling's suffix as token ids (text is encoded before it gets here: the Python API's
+    `suffix="..."`, a completion's `suffix`): `int(t)` truncated 1.5 to 1 and read b"ab" as
+    two ids, and None failed as "not iterable"."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise UsageError(f"suffix must be text or a list of token ids, got {ids!r}", field="suffix")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)), None)
+    if bad is not None:
+        raise UsageError(f"suffix token ids must be integers, got {bad!r}", field="suffix")
 
 
 def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
