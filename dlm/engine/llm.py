@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import operator
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,6 +102,9 @@ class LLM:
         )
         self.memory_capped = cap_device_memory(self.device, gpu_memory_utilization)
         self._tokenizer: Any = None
+        # One `generate` decodes at a time (`_decoding`): the engine's step is not thread-safe.
+        self._decoding = threading.Lock()
+        self._decoding_thread: int | None = None
         self.backend = backend
         self.engine: Engine
         if backend == "transformers":
@@ -208,9 +213,10 @@ class LLM:
         # Stop strings end a sequence at the step whose committed text first holds one, as a
         # server's engine thread ends it: the same forwards through every entry point.
         ends = ends_at_stop(self._text_of) if params.stop else None
-        start = time.perf_counter()
-        seqs = self.engine.generate(ids, params, on_step=on_step, ends=ends)
-        seconds = time.perf_counter() - start
+        with self._one_at_a_time():
+            start = time.perf_counter()
+            seqs = self.engine.generate(ids, params, on_step=on_step, ends=ends)
+            seconds = time.perf_counter() - start
         outputs = []
         for i, s in enumerate(seqs):
             text, completion_ids, finish_reason = self._answer(s) if decodable else (None, s.completion_ids, None)
@@ -231,6 +237,21 @@ class LLM:
                 )
             )
         return outputs
+
+    @contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """Calls from several threads decode one after another. Two at once each stepped the
+        one engine (its running set holds both calls' sequences): steps ran concurrently, so
+        answers differed from a lone call's, or a step failed with a torch index error. A call
+        from inside a running call (its `on_step`) is refused: it would wait on itself."""
+        if self._decoding_thread == threading.get_ident():
+            raise UsageError("LLM.generate was called from inside a running generate (its on_step)")
+        with self._decoding:
+            self._decoding_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._decoding_thread = None
 
     def _text_of(self, seq: RequestState) -> TextOf:
         """The text of `seq`'s generated ids, up to its first stop id."""
