@@ -135,3 +135,15 @@ def test_a_suffix_that_is_neither_text_nor_ids_is_a_usage_error(tiny_llada: Any,
         with pytest.raises(UsageError, match=re.escape(words)) as refused:
             llm.generate([5, 6, 7], gen_length=4, suffix=suffix)
     assert refused.value.field == "suffix"
+
+
+def test_generate_after_close_is_a_usage_error(tiny_llada: Any) -> None:
+    """A closed LLM answered on one process and failed as a broken group at two ranks (its
+    ranks stopped): now the same refusal at any size. `close` stays idempotent."""
+    from dlm.engine.llm import LLM
+
+    with LLM(tiny_llada, dtype="float32", device="cpu") as llm:
+        assert llm.generate([5, 6], gen_length=2)
+    with pytest.raises(UsageError, match="this LLM is closed"):
+        llm.generate([5, 6], gen_length=2)
+    llm.close()

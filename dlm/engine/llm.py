@@ -105,6 +105,10 @@ class LLM:
         # One `generate` decodes at a time (`_decoding`): the engine's step is not thread-safe.
         self._decoding = threading.Lock()
         self._decoding_thread: int | None = None
+        # After `close` (the end of a `with` block) nothing decodes: a tensor-parallel engine's
+        # ranks are gone (its next step failed as a broken group), a single process's would
+        # answer, so the same program behaved one way at one rank and another at two.
+        self.closed = False
         self.backend = backend
         self.engine: Engine
         if backend == "transformers":
@@ -143,7 +147,8 @@ class LLM:
             self.quantization = self.engine.loaded.quantization
 
     def close(self) -> None:
-        """Release the worker ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        """Release the worker ranks of a tensor-parallel engine; `generate` is refused after."""
+        self.closed = True
         self.engine.close()
 
     def __enter__(self) -> LLM:
@@ -244,6 +249,8 @@ class LLM:
         one engine (its running set holds both calls' sequences): steps ran concurrently, so
         answers differed from a lone call's, or a step failed with a torch index error. A call
         from inside a running call (its `on_step`) is refused: it would wait on itself."""
+        if self.closed:
+            raise UsageError("this LLM is closed (LLM.close, or the end of its with block)")
         if self._decoding_thread == threading.get_ident():
             raise UsageError("LLM.generate was called from inside a running generate (its on_step)")
         with self._decoding:
