@@ -15,6 +15,7 @@ import pytest
 
 from dlm.engine.errors import UsageError
 from dlm.engine.params import PARAMS, SCALAR_TYPES, GenerationParams
+from tests.tiny_families import tiny_names
 
 
 def _wrong_values(name: str) -> list[Any]:
@@ -147,3 +148,21 @@ def test_generate_after_close_is_a_usage_error(tiny_llada: Any) -> None:
     with pytest.raises(UsageError, match="this LLM is closed"):
         llm.generate([5, 6], gen_length=2)
     llm.close()
+
+
+@pytest.mark.parametrize("family", tiny_names())
+def test_a_gen_length_past_the_context_is_named_as_such(family: str) -> None:
+    """A gen_length past the model's length that 32 does not divide is one block of that
+    length (the default block): the block check, made first, named block_length, which the
+    request did not give (`dlm generate --gen-length 3001`: "block_length (3001) exceeds")."""
+    from dlm.engine.config import load_config
+    from dlm.engine.family_rules import validate
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    config = load_config(ensure_tiny_model(f"tiny:{family}"))
+    gen_length = config.max_position_embeddings + 1
+    gen_length += 1 if gen_length % 2 == 0 else 0  # no block of a power of two divides it
+    with pytest.raises(UsageError) as refused:
+        validate(GenerationParams(gen_length=gen_length), 1, config)
+    assert refused.value.field == "prompt"
+    assert f"gen_length ({gen_length}) exceeds" in str(refused.value)

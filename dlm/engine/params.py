@@ -575,11 +575,6 @@ class GenerationParams:
             raise UsageError(f"seed + n - 1 must be below {SEED_LIMIT} (sample i uses seed + i)", field="seed")
         if prompt_length < 1:
             raise UsageError("the prompt is empty", field="prompt")
-        if (p.block_length or 0) > max_length:  # a block-causal canvas runs to a block boundary past the context
-            raise UsageError(
-                f"block_length ({p.block_length}) exceeds the model's maximum length of {max_length} tokens",
-                field="block_length",
-            )
         if prompt_length + p.gen_length + len(p.suffix) > max_length:
             suffix = f" + suffix ({len(p.suffix)})" if p.suffix else ""
             raise UsageError(
@@ -590,6 +585,13 @@ class GenerationParams:
                     f" ({p.gen_length}){suffix} exceeds the model's maximum length of {max_length} tokens",
                 ),
                 field="prompt",
+            )
+        # After the length: a block_length the request does not give is gen_length's (one block),
+        # and judged first it named block_length for a max_tokens too long.
+        if (p.block_length or 0) > max_length:  # a block-causal canvas runs to a block boundary past the context
+            raise UsageError(
+                f"block_length ({p.block_length}) exceeds the model's maximum length of {max_length} tokens",
+                field="block_length",
             )
         # After the checks, which judge the values sent: temperatures into what samplers divide by.
         bounded: dict[str, Any] = {
