@@ -30,6 +30,7 @@ from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, head_bytes
 from dlm.cli.server.errors import APIError
 from dlm.cli.server.generation import Responder
+from dlm.cli.server.metrics_push import MetricsPusher
 from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.cli.server.service import Job, Service
@@ -48,6 +49,13 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
     preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
     admin = AdminEndpoint(service) if config.admin_enabled else None
     operators = KeyRing([admin.key] if admin is not None else [])
+    pusher = (
+        MetricsPusher.for_server(
+            config.metrics_push_url, config.metrics_push_interval, service.metrics.registry, config.port
+        )
+        if config.metrics_push_url is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +65,7 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
         # 200 when loading ends, and generation requests that arrive meanwhile wait for it
         # (within `ready_wait`) rather than get 503 right after the server said it listens.
         loading = app.state.loading = asyncio.create_task(asyncio.to_thread(_load_then_freeze, service))
+        pushing = asyncio.create_task(pusher.run()) if pusher is not None else None
         try:
             yield
         finally:  # also when the block raises (`dlm batch` runs the lifespan around its own work)
@@ -66,6 +75,9 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
             await loading
             service.shutdown()
             preparer.close()
+            if pusher is not None and pushing is not None:
+                pushing.cancel()
+                await asyncio.to_thread(pusher.push)  # the final counters
 
     # /openapi.json and /docs are FastAPI's, with the bodies the handlers read (openapi.py).
     app = FastAPI(

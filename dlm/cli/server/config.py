@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -121,6 +122,12 @@ class ServeConfig(BaseModel):
     public_metrics: Annotated[bool, Cli(names=("--public-metrics/--private-metrics",))] = Field(
         False, description="Serve /metrics without a key (with 2+ API keys it needs the admin key)."
     )
+    metrics_push_url: Annotated[str | None, Cli(shown="none: /metrics is scraped")] = Field(
+        None,
+        description="Prometheus Pushgateway to push the metrics to, every metrics-push-interval seconds "
+        "(job dlm, instance HOST:PORT; /metrics is served as well).",
+    )
+    metrics_push_interval: float = Field(15.0, gt=0, description="Seconds between two metrics pushes.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body cap in bytes; beyond: 413.")
     requests_per_minute: float = Field(0, ge=0, description="Per-key request rate (0: unlimited).")
     tokens_per_minute: float = Field(0, ge=0, description="Per-key generated-token rate (0: unlimited).")
@@ -265,6 +272,15 @@ class ServeConfig(BaseModel):
                 network = ipaddress.ip_network(f"{network.network_address.ipv4_mapped}/{network.prefixlen - 96}")
             networks.append(network)
         return networks
+
+    @field_validator("metrics_push_url")
+    @classmethod
+    def _push_url(cls, value: str | None) -> str | None:
+        """An http(s) URL naming a host, as prometheus-client sends to it (`host:9091` alone
+        would be read as a URL scheme `host`)."""
+        if value is not None and re.fullmatch(r"https?://[^/\s]+(/\S*)?", value) is None:
+            raise ValueError("must be the Pushgateway's http:// or https:// URL, e.g. http://pushgateway:9091")
+        return value
 
     @field_validator("decode_mode")
     @classmethod

@@ -151,7 +151,8 @@ def serve(config: ServeConfig) -> int:
     configure_logging(config.log_level)
     if not config.keys():
         log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
-    app = create_app(config)
+    # The port bound (the OS's choice for --port 0): what the metrics pushed name as instance.
+    app = create_app(config.model_copy(update={"port": sockets[0].getsockname()[1]}))
     uv_config = uvicorn.Config(
         app,
         host=config.host,

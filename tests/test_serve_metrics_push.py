@@ -1,0 +1,79 @@
+"""`--metrics-push-url`: the server's metrics pushed to a Prometheus Pushgateway (the guides'
+monitoring address), here a fake gateway that records what it receives."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from dlm.cli.main import app
+from dlm.cli.server.metrics_push import JOB
+from tests.serving import app_client, wait_until
+
+
+@contextmanager
+def gateway(status: int = 200) -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
+    """A Pushgateway stand-in answering `status`; yields its URL and the pushes received
+    (method, path, body)."""
+    pushes: list[tuple[str, str, bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            pushes.append((self.command, self.path, body))
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_PUT
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", pushes
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_metrics_are_pushed_every_interval_and_once_more_at_the_end() -> None:
+    with gateway() as (url, pushes):
+        settings = {"model": "tiny:llada", "warmup": False, "metrics_push_url": url, "metrics_push_interval": 0.2}
+        with app_client(settings) as client:
+            assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+            assert wait_until(lambda: len(pushes) >= 2)
+            during = len(pushes)
+        assert len(pushes) > during  # the last push, as the server stopped
+    method, path, body = pushes[-1]
+    assert method == "PUT" and path.startswith(f"/metrics/job/{JOB}/instance/"), path
+    text = body.decode()
+    # the final push carries the request the server answered
+    assert "dlm_request_success_total{finished_reason=" in text or "dlm_request_success_total" in text, text[:500]
+    assert "dlm_num_requests_running" in text
+
+
+def test_a_failing_gateway_is_one_warning_and_the_server_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(status=500) as (url, pushes), caplog.at_level(logging.WARNING, logger="dlm.server"):
+        settings = {"model": "tiny:llada", "warmup": False, "metrics_push_url": url, "metrics_push_interval": 0.1}
+        with app_client(settings) as client:
+            assert wait_until(lambda: len(pushes) >= 3)
+            assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "metrics push" in r.getMessage()]
+    assert len(warnings) == 1 and url in warnings[0], warnings
+
+
+@pytest.mark.parametrize("url", ["localhost:9091", "ftp://host", "http://", "http://host path"])
+def test_a_push_url_that_is_no_http_url_is_bad_usage(url: str) -> None:
+    result = CliRunner().invoke(app, ["serve", "tiny:llada", "--metrics-push-url", url])
+    assert result.exit_code == 2 and "metrics" in result.output, result.output
