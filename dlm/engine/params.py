@@ -793,6 +793,21 @@ def http_name(name: str) -> str | None:
     return http if http != "" else name
 
 
+def reproducible(p: ResolvedParams, family: Family) -> bool:
+    """Whether the answer is a function of the prompt and `p` alone: every random draw comes
+    from the request's own seeded generator, or none is made (greedy tokens, and positions
+    ranked by the model: not LLaDA's random remasking, Dream's `origin` order or a positive
+    `alg_temp`; the entropy-bound sampler draws its canvas). What a server may answer again
+    from its response cache (dlm/cli/server/response_cache.py)."""
+    if p.seed is not None:
+        return True
+    if p.temperature > 0 or family.sampler == "entropy_bound":
+        return False
+    if family.sampler == "dream":
+        return p.alg != "origin" and not p.alg_temp
+    return p.remasking != "random"
+
+
 def least_steps(family: Family, forwards: Forwards, block: int, cache: str) -> int:
     """The fewest denoising steps a block can be decoded in: one per sub-block (each is a
     forward of its own), two for Dream with a cache (its first step, the cache's refresh,

@@ -366,6 +366,10 @@ class GenerateMethodEngine(LLMEngine):
     def make_runner(self) -> GenerateMethodRunner:
         return GenerateMethodRunner(self.loaded.model, self.config, self.loaded.device)
 
+    def reproducible(self, params: ResolvedParams) -> bool:
+        """Seeded only: the method samples by its own generation config, which dlm does not read."""
+        return params.seed is not None
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The same checks as LLMEngine.validate, after refusing what the method cannot honour.
         Fields the method does not take come back as None: no dlm step count or block applies

@@ -29,7 +29,7 @@ from dlm.cli.server.body import read_body
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, head_bytes
 from dlm.cli.server.errors import APIError
-from dlm.cli.server.generation import Responder
+from dlm.cli.server.generation import Responder, cached_response
 from dlm.cli.server.metrics_push import MetricsPusher
 from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
@@ -219,6 +219,9 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
             raw = await read_body(request, config.max_body_bytes, config.read_timeout)
             prepared = await preparer.prepare(service, raw, model, job)
             assert prepared.params is not None
+            answer = service.cached(job, prepared.params, prepared.seqs)
+            if answer is not None:
+                return cached_response(service, job, answer)
             streams = service.submit(job, prepared.params, prepared.seqs)
         except APIError as exc:
             service.reject(job, exc)

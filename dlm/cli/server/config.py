@@ -198,6 +198,12 @@ class ServeConfig(BaseModel):
     prefix_cache_shared: Annotated[bool, Cli(names=("--prefix-cache-shared/--prefix-cache-per-key",))] = Field(
         False, description="Share cached prompts between API keys (only keys that trust each other); else one per key."
     )
+    response_cache_size: int = Field(
+        0,
+        ge=0,
+        description="Answers kept for identical requests of one API key (non-streamed, seeded or without random "
+        "draws; LRU), answered again without a forward; 0 turns it off.",
+    )
     request_timeout: float = Field(300.0, gt=0, description="Seconds from a request's arrival before it is stopped.")
     shutdown_grace: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     ready_wait: float = Field(

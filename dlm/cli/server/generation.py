@@ -45,6 +45,7 @@ from dlm.cli.server.answer_json import json_response
 from dlm.cli.server.connections import CONNECTION, Connection
 from dlm.cli.server.errors import CLIENT_CLOSED, REQUEST_ID, APIError
 from dlm.cli.server.logprobs import chat_logprobs, completion_logprobs
+from dlm.cli.server.response_cache import CachedAnswer
 from dlm.cli.server.service import Job, Outcome, Service
 from dlm.cli.server.tools import parse_tool_calls, streamable
 from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
@@ -114,7 +115,7 @@ class Responder:
         self.served = job.served  # the version it runs on, even after a hot swap
         self.request = request
         self.chat = job.endpoint == "chat.completions"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + job.id
+        self.id = answer_id(job)
         self.patience = service.config.request_timeout + 30
         deadlines = [s.request.deadline for s in streams if s.request.deadline is not None]
         self.cutoff = max(deadlines) + DELIVERY_GRACE_S if deadlines else math.inf
@@ -260,8 +261,7 @@ class Responder:
         }
 
     def _head(self) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.job.created, "model": self.service.model_name}
+        return body_head(self.service, self.job)
 
     def logprobs(
         self, choice: Choice, out: RequestOutput, text: str, stopped: bool, final: bool = True
@@ -354,7 +354,12 @@ class Responder:
             texts.append(text)
             reasons.append(body["finish_reason"])
         self.account(texts, reasons)
-        body = {**self._head(), "choices": bodies, "usage": self.usage()}
+        usage = self.usage()
+        if self.job.cache_key is not None:  # answered again without a forward: no steps
+            kept = {**usage, "denoising_steps": 0}
+            answer = CachedAnswer(bodies, kept, self.job.completion_ids, self.job.output_text, reasons[0])
+            self.service.response_cache.put(self.job.cache_key, answer)
+        body = {**self._head(), "choices": bodies, "usage": usage}
         return json_response(body, headers={REQUEST_ID: self.job.id})
 
     async def _finals(self) -> list[tuple[RequestOutput, str, bool]]:
@@ -537,6 +542,23 @@ class _Delivery(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.responder.deliver(self.response, scope, receive, send)
+
+
+def answer_id(job: Job) -> str:
+    return ("chatcmpl-" if job.endpoint == "chat.completions" else "cmpl-") + job.id
+
+
+def body_head(service: Service, job: Job) -> dict[str, Any]:
+    """The fields an answer's body opens with: its id, kind, time and model."""
+    kind = "chat.completion" if job.endpoint == "chat.completions" else "text_completion"
+    return {"id": answer_id(job), "object": kind, "created": job.created, "model": service.model_name}
+
+
+def cached_response(service: Service, job: Job, answer: CachedAnswer) -> Response:
+    """The answer the response cache kept, under this request's own id and time."""
+    service.finish_cached(job, answer)
+    body = {**body_head(service, job), "choices": answer.choices, "usage": answer.usage}
+    return json_response(body, headers={REQUEST_ID: job.id})
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -75,6 +75,10 @@ class ServerMetrics:
             "dlm_http_requests_client_disconnected", "Requests cancelled because the client left."
         )
         self.failures = counter("dlm_request_failures", "Requests ended by an engine error or shutdown.", "reason")
+        self.response_cache_lookups = counter(
+            "dlm_response_cache_lookups", "Requests looked up in the response cache (cacheable ones)."
+        )
+        self.response_cache_hits = counter("dlm_response_cache_hits", "Requests answered from the response cache.")
         self.undelivered = counter(
             "dlm_request_undelivered", "Answers a client did not read by the request's deadline (connection closed)."
         )

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,6 +30,7 @@ from dlm.cli.server.loaded import LoadedModel
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm.cli.server.ratelimit import RateLimiter
+from dlm.cli.server.response_cache import CachedAnswer, ResponseCache
 from dlm.engine.errors import DlmError, EngineFailed, UsageError
 from dlm.engine.params import PARAMS, ResolvedParams, http_name
 from dlm.engine.runtime.async_engine import AsyncEngine, Draining, RequestStream, start_on_engine_thread
@@ -84,12 +86,15 @@ class Job:
     served: LoadedModel | None = None  # the model version the request was submitted to
     charged_tokens: float = 0.0  # taken from its key's token budget; given back if it is refused
     length_field: str = "max_tokens"  # the body field that set its length, as the client spelt it
+    cache_key: Hashable | None = None  # its answer's key in the response cache (None: not kept)
+    cached: bool = False  # answered from the response cache
 
 
 class Service:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.metrics = ServerMetrics()
+        self.response_cache = ResponseCache(config.response_cache_size)
         self.keys = KeyRing(config.keys())
         self.tenants = len(set(config.keys()))  # API keys: each one a tenant the others must not observe
         self.queue_share = config.queue_share()  # waiting requests one key may hold
@@ -430,6 +435,47 @@ class Service:
         except UsageError as exc:
             raise _refused(exc, job) from None
 
+    def cached(self, job: Job, params: ResolvedParams, seqs: list[RequestState]) -> CachedAnswer | None:
+        """The answer the response cache keeps for `job` (dlm/cli/server/response_cache.py):
+        a non-streamed request whose decoding is reproducible, looked up by everything that
+        decides its answer (model version, API key, endpoint, prompt and suffix ids, resolved
+        parameters, answer options), which `job.cache_key` keeps for storing a miss's answer.
+        A hit ends the sequences built for it: none of them runs."""
+        served = self.served
+        if self.response_cache.size == 0 or job.stream or served is None:
+            return None
+        if not served.engine.engine.reproducible(params):
+            return None
+        job.cache_key = (
+            str(served.model_dir),
+            served.ref,
+            job.key,
+            job.endpoint,
+            tuple(job.prompt_ids),
+            job.suffix_ids,
+            params,
+            (job.tools, job.most_tool_calls, job.return_token_ids, job.echo),
+        )
+        self.metrics.response_cache_lookups.inc()
+        answer = self.response_cache.get(job.cache_key)
+        if answer is not None:
+            self.metrics.response_cache_hits.inc()
+            job.cached, job.served = True, served
+            for seq in seqs:
+                seq.finish("abort")
+        return answer
+
+    def finish_cached(self, job: Job, answer: CachedAnswer) -> None:
+        """Metrics and the log line of a request answered from the response cache."""
+        job.finish_reason, job.completion_ids, job.output_text = (
+            answer.finish_reason,
+            answer.completion_ids,
+            answer.output_text,
+        )
+        self.metrics.success.labels(answer.finish_reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - job.arrival)
+        self.record(job)
+
     def submit(self, job: Job, params: ResolvedParams, seqs: list[RequestState]) -> list[RequestStream]:
         """Charge the token rate, then queue the request's `n` sequences (built by `build` for
         the model served now) on that model, all of them or none (429 at once when the queue
@@ -526,6 +572,8 @@ class Service:
             "finish_reason": job.finish_reason,
             "stream": job.stream,
         }
+        if job.cached:
+            line["cached"] = True
         if self.config.log_prompts:
             line["prompt"] = job.prompt_text
             line["output"] = job.output_text

@@ -459,6 +459,9 @@ class DistributedEngine(Engine):
     def capabilities(self) -> tuple[str, ...]:
         return self.engine.capabilities
 
+    def reproducible(self, params: ResolvedParams) -> bool:
+        return self.engine.reproducible(params)
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         return self.engine.validate(params, prompt_length)
 

@@ -23,7 +23,7 @@ from dlm.engine.family_rules import validate
 from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights, stored_values
 from dlm.engine.parallel import state as parallel_state
-from dlm.engine.params import GenerationParams, ResolvedParams
+from dlm.engine.params import GenerationParams, ResolvedParams, reproducible
 from dlm.engine.quantization import method_named
 from dlm.engine.quantized_weights import quantizable, quantizer
 from dlm.engine.registry import family_for, family_named
@@ -208,6 +208,9 @@ class LLMEngine(Engine):
     @property
     def capabilities(self) -> tuple[str, ...]:
         return supported(self.family)
+
+    def reproducible(self, params: ResolvedParams) -> bool:
+        return reproducible(params, self.family)
 
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """Resolve the family's defaults and validate: what every entry point should call.

@@ -75,6 +75,11 @@ class Engine(Protocol):
         `/v1/models` lists."""
         ...
 
+    def reproducible(self, params: ResolvedParams) -> bool:
+        """Whether a request's answer is a function of its prompt and `params` alone (no
+        unseeded random draw): what a server may answer again from its response cache."""
+        ...
+
     def validate(self, params: GenerationParams, prompt_length: int) -> ResolvedParams:
         """The family's defaults resolved and every rule checked (`UsageError`, `Unsupported`)
         once; parameters already resolved pass as they are."""
