@@ -49,10 +49,12 @@ def serve(
 
                     raise UsageError(f"MODEL ({model}) and --model-path ({model_path}) disagree: give one")
                 flags["model"] = model_path
-            from dlm.cli.server.config import load_config
+            from dlm.cli.server.config import ServeConfig, load_config
             from dlm.cli.store.resolve import resolve_version
 
             config = load_config(config_file, flags)
+            asked = config.model  # MODEL as given (a store NAME is pinned to its version below: `ref`)
+            ref: str | None = None
             if config.deployment is not None:
                 from dlm.cli.store.admin import running_server
                 from dlm.cli.store.releases import current_checkpoint
@@ -94,5 +96,11 @@ def serve(
 
             from dlm.cli.server.run import serve as run_server
 
-            code = run_server(config)
+            def current() -> ServeConfig:
+                """The settings as they read now (SIGHUP), MODEL pinned as at start while it
+                names the same model (another is a change only a restart applies)."""
+                again = load_config(config_file, flags)
+                return again.pinned(ref) if again.model == asked else again
+
+            code = run_server(config, current)
     raise typer.Exit(code)

@@ -41,9 +41,10 @@ log = logging.getLogger("dlm.server")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}  # path -> log name
 
 
-def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
+def create_app(config: ServeConfig, failure_detail: bool = False, port: int | None = None) -> FastAPI:
     """The server's app. `failure_detail`: a 500 names its cause (`errors.internal`), for a
-    client that is the operator itself (`dlm batch`)."""
+    client that is the operator itself (`dlm batch`). `port`: the one bound (the OS's choice
+    for --port 0), which the metrics pushed name as instance; default `config.port`."""
     service = Service(config)
     service.failure_detail = failure_detail
     preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
@@ -51,7 +52,7 @@ def create_app(config: ServeConfig, failure_detail: bool = False) -> FastAPI:
     operators = KeyRing([admin.key] if admin is not None else [])
     pusher = (
         MetricsPusher.for_server(
-            config.metrics_push_url, config.metrics_push_interval, service.metrics.registry, config.port
+            config.metrics_push_url, config.metrics_push_interval, service.metrics.registry, port or config.port
         )
         if config.metrics_push_url is not None
         else None

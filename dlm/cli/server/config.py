@@ -53,6 +53,15 @@ class Cli:
     shown: str | None = None
 
 
+@dataclass(frozen=True)
+class Live:
+    """A setting a running server takes on a reload (SIGHUP: `Service.reload`), read afresh by
+    every request that follows; every other needs a restart."""
+
+
+LIVE = Live()
+
+
 class ServeConfig(BaseModel):
     """Every setting of `dlm serve`, declared once: its name (the config-file key, `DLM_<NAME>`
     and, unless `Cli` says otherwise, `--name`), type, default, range and help text (the
@@ -129,8 +138,10 @@ class ServeConfig(BaseModel):
     )
     metrics_push_interval: float = Field(15.0, gt=0, description="Seconds between two metrics pushes.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body cap in bytes; beyond: 413.")
-    requests_per_minute: float = Field(0, ge=0, description="Per-key request rate (0: unlimited).")
-    tokens_per_minute: float = Field(0, ge=0, description="Per-key generated-token rate (0: unlimited).")
+    requests_per_minute: Annotated[float, LIVE] = Field(0, ge=0, description="Per-key request rate (0: unlimited).")
+    tokens_per_minute: Annotated[float, LIVE] = Field(
+        0, ge=0, description="Per-key generated-token rate (0: unlimited)."
+    )
     ssl_certfile: Annotated[Path | None, Cli(shown="none: plain HTTP")] = Field(
         None, description="TLS certificate (with --ssl-keyfile)."
     )
@@ -158,23 +169,23 @@ class ServeConfig(BaseModel):
         None, ge=0, description="Waiting requests one API key may hold, so one key cannot fill the queue."
     )
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")
-    default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)")] = Field(
+    default_max_tokens: Annotated[int | None, Cli(shown=f"min({GEN_LENGTH}, max-tokens)"), LIVE] = Field(
         None,
         ge=1,
         description="max_tokens when a request gives none (at most what the context leaves after its prompt).",
     )
-    max_steps: int = Field(
+    max_steps: Annotated[int, LIVE] = Field(
         1024,
         ge=1,
         description="Cap on every request's denoising steps (usage.denoising_steps), whatever its rule or family.",
     )
-    refinement_steps: Annotated[int | None, Cli(shown="one token per step")] = Field(
+    refinement_steps: Annotated[int | None, Cli(shown="one token per step"), LIVE] = Field(
         None, ge=1, description="Denoising steps per block when a request gives no steps."
     )
-    block_length: Annotated[int | None, Cli(shown="the family's")] = Field(
+    block_length: Annotated[int | None, Cli(shown="the family's"), LIVE] = Field(
         None, ge=1, description="Block length when a request gives none."
     )
-    decode_mode: str = Field(
+    decode_mode: Annotated[str, LIVE] = Field(
         DEFAULTS["mode"],
         description=f"{'|'.join(MODES)}: decoding mode of requests that send no decode_mode (ar: block-causal "
         "families only; refused at start on others).",
@@ -204,7 +215,9 @@ class ServeConfig(BaseModel):
         description="Answers kept for identical requests of one API key (non-streamed, seeded or without random "
         "draws; LRU), answered again without a forward; 0 turns it off.",
     )
-    request_timeout: float = Field(300.0, gt=0, description="Seconds from a request's arrival before it is stopped.")
+    request_timeout: Annotated[float, LIVE] = Field(
+        300.0, gt=0, description="Seconds from a request's arrival before it is stopped."
+    )
     shutdown_grace: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     ready_wait: float = Field(
         120.0, ge=0, description="Seconds a request sent while the model loads waits for it, not 503."
@@ -230,8 +243,8 @@ class ServeConfig(BaseModel):
         True, description="Serve the API's description at /openapi.json and /docs (no key needed, as /health)."
     )
     warmup: bool = Field(True, description="Run a warm-up forward before /ready.")
-    log_prompts: bool = Field(False, description="Put prompt and output text in request logs.")
-    log_level: str = Field("info", description="critical, error, warning, info, debug.")
+    log_prompts: Annotated[bool, LIVE] = Field(False, description="Put prompt and output text in request logs.")
+    log_level: Annotated[str, LIVE] = Field("info", description="critical, error, warning, info, debug.")
 
     @field_validator("device")
     @classmethod
@@ -408,6 +421,20 @@ class ServeConfig(BaseModel):
 
         self.model_len(model.max_position_embeddings)
         self.check_defaults(lambda params, prompt_length: validate(params, prompt_length, model))
+
+    @classmethod
+    def live(cls) -> tuple[str, ...]:
+        """The settings marked `LIVE`: what a reload changes on a running server."""
+        return tuple(name for name, field in cls.model_fields.items() if LIVE in field.metadata)
+
+    def reloaded(self, new: ServeConfig) -> tuple[ServeConfig, dict[str, tuple[Any, Any]], list[str]]:
+        """This configuration with `new`'s live settings; the live settings changed (old,
+        new), and the names of the others `new` changes, which only a restart applies."""
+        live = self.live()
+        changed = [name for name in type(self).model_fields if getattr(self, name) != getattr(new, name)]
+        applied = {name: (getattr(self, name), getattr(new, name)) for name in changed if name in live}
+        merged = self.model_copy(update={name: values[1] for name, values in applied.items()})
+        return merged, applied, [name for name in changed if name not in live]
 
     def check_defaults(self, validate: Callable[[GenerationParams, int], object]) -> None:
         """Refuse decoding defaults (`block_length`, `refinement_steps`, `decode_mode`) the

@@ -19,9 +19,11 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -29,7 +31,9 @@ import uvicorn
 from dlm.cli.server.app import create_app
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, listen, protocol
+from dlm.cli.server.logs import LOGGERS, set_log_level
 from dlm.cli.server.service import Service
+from dlm.engine.errors import DlmError
 
 log = logging.getLogger("dlm.server")
 
@@ -61,17 +65,21 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    for name in ("dlm", "uvicorn", "uvicorn.error"):
+    for name in LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers = [handler]
-        logger.setLevel(level.upper())
         logger.propagate = False
+    set_log_level(level)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: Service, settings: Callable[[], ServeConfig] | None = None
+    ) -> None:
         super().__init__(config)
         self.service = service
+        self.settings = settings
+        self._reloading: asyncio.Task[None] | None = None
         self.exit_code = 0
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
@@ -89,12 +97,34 @@ class DrainingServer(uvicorn.Server):
         self._drain_requested = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.settings is not None:  # before the model loads: SIGHUP's default would end the process
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_requested)
         await super().startup(sockets)
         for server in getattr(self, "servers", []):
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
                 self.urls.append(f"{self.scheme}://{host}:{port}")
                 log.info("listening on %s:%d (requests wait while the model loads)", host, port)
+
+    def _reload_requested(self) -> None:
+        if self._reloading is None or self._reloading.done():  # signals while one runs: that one reads the file
+            self._reloading = asyncio.create_task(self.reload())
+
+    async def reload(self) -> None:
+        """SIGHUP: read the settings again (the --config file, DLM_* variables, the flags given)
+        and apply their live ones (`Service.reload`); a file that does not read is an error
+        line, and nothing changes."""
+        assert self.settings is not None
+        try:
+            new = await asyncio.to_thread(self.settings)
+            applied, restart = self.service.reload(new)
+        except DlmError as exc:
+            log.error("settings not reloaded: %s", exc)
+            return
+        changes = ", ".join(f"{name} {old!r} -> {value!r}" for name, (old, value) in applied.items())
+        log.info("settings reloaded: %s", changes or "no live setting changed")
+        if restart:
+            log.warning("settings changed that need a restart, not applied: %s", ", ".join(restart))
 
     def announce_ready(self) -> None:
         """One line with the URL, once the model answers: the moment to send requests (the
@@ -144,15 +174,15 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def serve(config: ServeConfig) -> int:
-    """Serve until drained or stopped; returns the process exit code."""
+def serve(config: ServeConfig, settings: Callable[[], ServeConfig] | None = None) -> int:
+    """Serve until drained or stopped; returns the process exit code. `settings`: the
+    configuration as it reads now (its file, variables and flags), which SIGHUP applies."""
     sockets = listen(config.host, config.port)  # a busy port fails here, before the model loads
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     configure_logging(config.log_level)
     if not config.keys():
         log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
-    # The port bound (the OS's choice for --port 0): what the metrics pushed name as instance.
-    app = create_app(config.model_copy(update={"port": sockets[0].getsockname()[1]}))
+    app = create_app(config, port=sockets[0].getsockname()[1])
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -169,7 +199,7 @@ def serve(config: ServeConfig) -> int:
         ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None,
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
     )
-    server = DrainingServer(uv_config, app.state.service)
+    server = DrainingServer(uv_config, app.state.service, settings)
     server.run(sockets=sockets)
     if server.exit_code == 0 and not server.started:
         return 1  # uvicorn could not bind or start

@@ -27,6 +27,7 @@ from dlm.cli.server.auth import KeyRing
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.errors import APIError, bad_request, internal, refusal_code
 from dlm.cli.server.loaded import LoadedModel
+from dlm.cli.server.logs import set_log_level
 from dlm.cli.server.metrics import ServerMetrics
 from dlm.cli.server.protocol import PARAM_FIELDS, GenerationRequest
 from dlm.cli.server.ratelimit import RateLimiter
@@ -242,6 +243,22 @@ class Service:
                 "fallbacks": dispatch.fallbacks(),
             },
         }
+
+    def reload(self, new: ServeConfig) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
+        """Take `new`'s live settings (`ServeConfig.live`: request defaults and limits, the
+        request timeout, rate limits, logging), which every request that follows reads; its
+        other changes need a restart and are returned unapplied. Decoding defaults the served
+        model's family refuses refuse the whole reload (`UsageError`): nothing changes. The
+        rate buckets start full when a rate changes. Returns (applied, needing a restart)."""
+        merged, applied, restart = self.config.reloaded(new)
+        if self.served is not None:
+            merged.check_defaults(self.served.engine.engine.validate)
+        self.config = merged
+        if {"requests_per_minute", "tokens_per_minute"} & applied.keys():
+            self.limiter = RateLimiter(merged.requests_per_minute, merged.tokens_per_minute)
+        if "log_level" in applied:
+            set_log_level(merged.log_level)
+        return applied, restart
 
     def loaded(self) -> list[LoadedModel]:
         """Every model whose engine loop may still hold requests."""

@@ -1,0 +1,81 @@
+"""Settings changed without a restart (the deployment guides' config centre, 热更新): SIGHUP
+reads the --config file again and applies its live settings (`ServeConfig.live`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dlm.cli.server.config import ServeConfig, load_config
+from dlm.engine.errors import UsageError
+from tests.conftest import session_home
+from tests.serving import ServerProcess, app_client, wait_until
+
+BASE = {"model": "tiny:llada", "warmup": False}
+ASK = {"prompt": "hi", "max_tokens": 8, "steps": 8}
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with app_client(BASE) as test_client:
+        yield test_client
+
+
+def test_live_settings_apply_to_the_next_request_and_the_rest_wait_for_a_restart(client: TestClient) -> None:
+    service = client.app.state.service  # type: ignore[attr-defined]
+    assert client.post("/v1/completions", json=ASK).status_code == 200
+    new = load_config(None, {**BASE, "max_steps": 4, "requests_per_minute": 2, "max_num_seqs": 3}, environ={})
+    applied, restart = service.reload(new)
+    assert applied == {"max_steps": (1024, 4), "requests_per_minute": (0, 2)} and restart == ["max_num_seqs"]
+    assert service.config.max_num_seqs == 8  # not applied
+    refused = client.post("/v1/completions", json=ASK)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "steps_exceeded", refused.text
+    assert client.post("/v1/completions", json={**ASK, "steps": 4}).status_code == 200
+    assert client.post("/v1/completions", json={**ASK, "steps": 4}).status_code == 429  # 2 a minute, both taken
+
+
+def test_defaults_the_family_refuses_refuse_the_whole_reload(client: TestClient) -> None:
+    service = client.app.state.service  # type: ignore[attr-defined]
+    new = load_config(None, {**BASE, "decode_mode": "ar", "max_steps": 4}, environ={})
+    with pytest.raises(UsageError, match="decode"):
+        service.reload(new)
+    assert service.config.max_steps == 1024 and service.config.decode_mode == "diffusion"
+    assert client.post("/v1/completions", json=ASK).status_code == 200
+
+
+def test_the_live_settings_are_the_documented_ones() -> None:
+    text = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()
+    section = text[text.index("## Changing settings without a restart") :]
+    section = section[: section.index("\n## ", 1)]
+    listed = set(re.findall(r"`([a-z_]+)`", next(p for p in section.split("\n\n") if p.startswith("`"))))
+    assert listed == set(ServeConfig.live()), listed ^ set(ServeConfig.live())
+
+
+@pytest.mark.slow
+def test_sighup_reads_the_config_file_again(tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = tmp_path_factory.mktemp("reload") / "serve.yaml"
+    config.write_text("max_steps: 64\nwarmup: false\n")
+    server = ServerProcess(["tiny:llada", "--config", str(config)], session_home(tmp_path_factory))
+    try:
+        server.wait_ready()
+        assert server.http.post(server.url + "/v1/completions", json=ASK).status_code == 200
+        config.write_text("max_steps: 4\nwarmup: false\nmax_queue: 3\n")
+        os.kill(server.proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: any("settings reloaded: max_steps 64 -> 4" in line for line in server.lines), 30), (
+            server.lines[-5:]
+        )
+        assert any("need a restart, not applied: max_queue" in line for line in server.lines)
+        assert server.http.post(server.url + "/v1/completions", json=ASK).status_code == 400
+        config.write_text("max_steps: [\n")  # a file that does not read: nothing changes
+        os.kill(server.proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: any("settings not reloaded" in line for line in server.lines), 30)
+        assert server.http.post(server.url + "/v1/completions", json={**ASK, "steps": 4}).status_code == 200
+        assert server.proc.poll() is None and not any("Traceback" in line for line in server.lines)
+    finally:
+        server.terminate()
