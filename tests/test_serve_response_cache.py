@@ -120,3 +120,29 @@ def test_only_reproducible_decoding_is_cacheable(family: Any) -> None:
     if family.sampler == "dream":
         assert not reproducible(dataclasses.replace(greedy, alg="origin"), family)  # type: ignore[arg-type]
         assert not reproducible(dataclasses.replace(greedy, alg="entropy", alg_temp=0.5), family)  # type: ignore[arg-type]
+
+
+def test_a_hit_is_encoded_off_the_event_loop(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept answer with logprobs is tens of MB of JSON for large n and lengths: encoded on
+    the event loop, it stalled every route (`/health` too) as the miss's answer, rendered on a
+    worker thread, does not (dlm/cli/server/answer_json.py)."""
+    import asyncio
+
+    from dlm.cli.server import generation
+
+    on_loop: list[bool] = []
+
+    def encode(content: Any, headers: dict[str, str] | None = None) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return json_response(content, headers)
+
+    json_response = generation.json_response
+    body = {**GREEDY, "prompt": "encoded off the loop", "logprobs": 2}
+    ask(client, body)
+    monkeypatch.setattr(generation, "json_response", encode)
+    assert ask(client, body)["usage"]["denoising_steps"] == 0
+    assert on_loop == [False]

@@ -221,8 +221,8 @@ def create_app(config: ServeConfig, failure_detail: bool = False, port: int | No
             prepared = await preparer.prepare(service, raw, model, job)
             assert prepared.params is not None
             answer = service.cached(job, prepared.params, prepared.seqs)
-            if answer is not None:
-                return cached_response(service, job, answer)
+            if answer is not None:  # encoded off the event loop, as a miss's answer is (its logprobs: MBs)
+                return await asyncio.to_thread(cached_response, service, job, answer)
             streams = service.submit(job, prepared.params, prepared.seqs)
         except APIError as exc:
             service.reject(job, exc)

@@ -555,7 +555,8 @@ def body_head(service: Service, job: Job) -> dict[str, Any]:
 
 
 def cached_response(service: Service, job: Job, answer: CachedAnswer) -> Response:
-    """The answer the response cache kept, under this request's own id and time."""
+    """The answer the response cache kept, under this request's own id and time (call it off
+    the event loop: `json_response`)."""
     service.finish_cached(job, answer)
     body = {**body_head(service, job), "choices": answer.choices, "usage": answer.usage}
     return json_response(body, headers={REQUEST_ID: job.id})
