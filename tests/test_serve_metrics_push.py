@@ -77,3 +77,43 @@ def test_a_failing_gateway_is_one_warning_and_the_server_serves_on(caplog: pytes
 def test_a_push_url_that_is_no_http_url_is_bad_usage(url: str) -> None:
     result = CliRunner().invoke(app, ["serve", "tiny:llada", "--metrics-push-url", url])
     assert result.exit_code == 2 and "metrics" in result.output, result.output
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth_and_never_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway behind basic auth (`http://user:secret@gateway:9091`, the URL form a
+    Pushgateway's docs give): the URL's credentials were handed on as part of the host, every
+    push failed ('Name or service not known') and the warning named the password. They are
+    the Authorization header now, and the URL is logged without them."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from dlm.cli.server.metrics_push import MetricsPusher
+
+    auths: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            auths.append(self.headers.get("Authorization"))
+            self.send_response(200 if auths[-1] else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = CollectorRegistry()
+    Counter("pushed", "a counter", registry=registry).inc()
+    port = server.server_address[1]
+    try:
+        with caplog.at_level(logging.INFO, logger="dlm.server"):
+            pusher = MetricsPusher(f"http://us%40er:s3cr%2Ft@127.0.0.1:{port}", 1.0, registry, "host:8000")
+            pusher.push()
+            assert not pusher.failing and auths == ["Basic dXNAZXI6czNjci90"]  # us@er:s3cr/t
+            MetricsPusher(f"http://user:s3cret@127.0.0.1:{port + 1 if port < 65535 else 1}", 1.0, registry, "h").push()
+    finally:
+        server.shutdown()
+        server.server_close()
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "metrics push to http://127.0.0.1:" in logged and "s3cret" not in logged and "user" not in logged, logged

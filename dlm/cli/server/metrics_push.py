@@ -6,7 +6,9 @@ Every `metrics_push_interval` seconds the server's registry replaces its group o
 job `dlm`, instance `HOST:PORT` of this server (prometheus-client's `push_to_gateway`, run on a
 worker thread: never on the event loop); a last push when the server stops, so the final
 counters reach it. A push that fails is logged once as a warning naming the gateway and the
-error, and again once pushes succeed: the server never stops for its monitoring.
+error, and again once pushes succeed: the server never stops for its monitoring. Credentials
+in the URL (`http://user:password@gateway:9091`, a gateway behind basic auth) are sent as its
+Authorization header, never as part of the host, and never logged.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry, push_to_gateway
+from prometheus_client.exposition import basic_auth_handler, default_handler
 
 log = logging.getLogger("dlm.server")
 
@@ -30,6 +35,21 @@ class MetricsPusher:
     registry: CollectorRegistry
     instance: str
     failing: bool = False
+    gateway: str = field(init=False)  # `url` without its credentials: where pushes go, as logged
+    username: str | None = field(init=False)
+    password: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        host = parts.netloc.rpartition("@")[2]
+        self.gateway = urlunsplit(parts._replace(netloc=host))
+        self.username = unquote(parts.username) if parts.username is not None else None
+        self.password = unquote(parts.password or "") if parts.username is not None else None
+
+    def _handler(self, url: str, method: str, timeout: float | None, headers: list[Any], data: bytes) -> Any:
+        if self.username is None:
+            return default_handler(url, method, timeout, headers, data)
+        return basic_auth_handler(url, method, timeout, headers, data, self.username, self.password)
 
     @classmethod
     def for_server(cls, url: str, interval: float, registry: CollectorRegistry, port: int) -> MetricsPusher:
@@ -40,19 +60,20 @@ class MetricsPusher:
         """One push (blocking); a failure is logged, never raised."""
         try:
             push_to_gateway(
-                self.url,
+                self.gateway,
                 job=JOB,
                 registry=self.registry,
                 grouping_key={"instance": self.instance},
                 timeout=min(self.interval, 10.0),
+                handler=self._handler,
             )
         except Exception as exc:  # noqa: BLE001 - any failure of the gateway or the network: logged, not fatal
             if not self.failing:
-                log.warning("metrics push to %s failed: %s (retried every %gs)", self.url, exc, self.interval)
+                log.warning("metrics push to %s failed: %s (retried every %gs)", self.gateway, exc, self.interval)
             self.failing = True
             return
         if self.failing:
-            log.info("metrics push to %s works again", self.url)
+            log.info("metrics push to %s works again", self.gateway)
         self.failing = False
 
     async def run(self) -> None:
