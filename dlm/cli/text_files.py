@@ -9,6 +9,7 @@ it is in JSONL files (dlm/cli/jsonl.py): kept, it was part of the first API key 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,19 @@ def read_text(path: Path, what: str) -> str:
         data = path.read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return _decoded(data, f"{what} {path}")
+
+
+def read_stdin(what: str) -> str:
+    """The text of `what` (e.g. "the prompt") on standard input, read to its end."""
+    return _decoded(sys.stdin.buffer.read(), f"{what} on standard input")
+
+
+def _decoded(data: bytes, named: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise UsageError(
-            f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
-        ) from None
+        raise UsageError(f"{named} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
 
 
 def load_yaml(text: str, what: str) -> Any:

@@ -77,7 +77,12 @@ def generate(
     ctx: typer.Context,
     model: str | None = MODEL_ARGUMENT,
     prompt: str | None = typer.Option(
-        None, "--prompt", "-p", help="Text prompt (uses the checkpoint's tokenizer).", show_default="none"
+        None,
+        "--prompt",
+        "-p",
+        help="Text prompt (uses the checkpoint's tokenizer); - reads it from standard input (one final newline "
+        "dropped).",
+        show_default="none",
     ),
     prompt_ids: str | None = typer.Option(
         None, "--prompt-ids", help="Prompt as comma-separated token ids.", show_default="none"
@@ -161,7 +166,11 @@ def generate(
             from dlm.engine.errors import UsageError
 
             source: str | list[int]  # the prompt: text (encoded once the tokenizer is loaded) or token ids
-            if prompt is not None and prompt_ids is None:
+            if prompt == "-" and prompt_ids is None:  # `dlm generate -p - < prompt.txt`, or from a pipe
+                from dlm.cli.text_files import read_stdin
+
+                source = read_stdin("the prompt").removesuffix("\n")
+            elif prompt is not None and prompt_ids is None:
                 source = prompt
             elif prompt_ids is not None and prompt is None:
                 source = dp.parse_ids(prompt_ids, "--prompt-ids")
