@@ -12,6 +12,7 @@ from dlm.engine.checkpoint_writer import llada_config, random_llada_tensors, sav
 from dlm.engine.llm import LLM
 from dlm.engine.parallel.distributed import ParallelConfig
 from dlm.engine.params import GenerationParams
+from dlm.engine.registry import family_named
 from tests.test_stop_string_forwards import LENGTH, late_stop
 from tests.test_stop_string_forwards import PROMPT as TEXT
 from tests.tiny_families import tiny_names
@@ -25,8 +26,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {f: write_family(tmp_path_factory.mktemp(f), f) for f in PARAMS}
 
 
-def _decode(model: Path, family: str, parallel: ParallelConfig | None = None) -> tuple[list[int], int]:
-    with LLM(model, dtype="float32", device="cpu", parallel=parallel) as llm:
+def _decode(
+    model: Path, family: str, parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto"
+) -> tuple[list[int], int]:
+    with LLM(model, dtype="float32", device="cpu", parallel=parallel, kv_cache_dtype=kv_cache_dtype) as llm:
         out = llm.generate(PROMPT, **PARAMS[family])[0]
     return out.output_ids, out.nfe
 
@@ -35,6 +38,16 @@ def _decode(model: Path, family: str, parallel: ParallelConfig | None = None) ->
 def test_two_ranks_decode_the_single_process_ids(checkpoints: dict[str, Path], family: str) -> None:
     single = _decode(checkpoints[family], family)
     assert _decode(checkpoints[family], family, ParallelConfig(tensor_parallel_size=2)) == single
+
+
+@pytest.mark.parametrize("family", [f for f in PARAMS if family_named(f).block_causal])
+def test_two_ranks_with_an_int8_kv_cache_decode_the_single_process_ids(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    """Each rank quantizes its own KV heads, each head vector with its own scale: the same
+    int8 values as one process (--kv-cache-dtype int8 reaches every rank)."""
+    single = _decode(checkpoints[family], family, kv_cache_dtype="int8")
+    assert _decode(checkpoints[family], family, ParallelConfig(tensor_parallel_size=2), "int8") == single
 
 
 def test_four_ranks_moe_with_tensor_parallel_experts(checkpoints: dict[str, Path]) -> None:

@@ -56,6 +56,7 @@ def run_worker(
     parallel: ParallelConfig,
     gpu_memory_utilization: float | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> bool:
     """Whether this process is a worker rank, not rank 0: it then serves the driver until the
     group stops, and the command has nothing else to do."""
@@ -69,6 +70,6 @@ def run_worker(
         "until it stops[/]",
         highlight=False,
     )
-    spec = EngineSpec(str(resolve_model(model)), dtype, device, gpu_memory_utilization, quantization)
+    spec = EngineSpec(str(resolve_model(model)), dtype, device, gpu_memory_utilization, quantization, kv_cache_dtype)
     serve_worker(spec, parallel)
     return True

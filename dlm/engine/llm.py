@@ -67,6 +67,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         quantization: str | None = None,
         thread_governor: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
         process is then rank 0 and drives the others until `close()`.
@@ -75,14 +76,16 @@ class LLM:
         `quantization`: int8, int4 or fp8 weights for the linear layers and experts
         (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's.
         `thread_governor`: on a CPU with more cores than the plan's threads, choose between the
-        two counts step by step by measured step time (dlm/engine/runtime/thread_governor.py)."""
+        two counts step by step by measured step time (dlm/engine/runtime/thread_governor.py).
+        `kv_cache_dtype`: how requests' exact K/V caches store values, `auto` (the model's dtype)
+        or `int8` (block-causal families; dlm/engine/runtime/kv_cache.py)."""
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.quantization = None if method_named(quantization) is None else quantization
         shape = _shape(self.model_dir, self.quantization) if self.device.type == "cpu" else None
         distributed = parallel is not None and parallel.resolved().parallel
         probe = (
-            _ModelProbe(self.model_dir, self.device, on_load, self.quantization)
+            _ModelProbe(self.model_dir, self.device, on_load, self.quantization, kv_cache_dtype)
             if backend == "native" and not distributed
             else None
         )
@@ -119,6 +122,8 @@ class LLM:
                     "--quantization needs the native backend: the transformers backend runs the checkpoint's "
                     "own layers, which dlm does not quantize"
                 )
+            if kv_cache_dtype != "auto":
+                raise UsageError("--kv-cache-dtype needs the native backend: the transformers backend keeps its own")
             from dlm.engine.transformers_backend import load_transformers_engine
 
             tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
@@ -133,13 +138,20 @@ class LLM:
 
                 # The resolved dtype: every rank runs in the one this process chose.
                 spec = EngineSpec(
-                    str(self.model_dir), self.dtype_choice.name, device, gpu_memory_utilization, self.quantization
+                    str(self.model_dir),
+                    self.dtype_choice.name,
+                    device,
+                    gpu_memory_utilization,
+                    self.quantization,
+                    kv_cache_dtype,
                 )
                 self.engine = start_driver(spec, parallel)
                 self.device = self.engine.loaded.device
             else:
                 kept = probe.take(self.dtype) if probe is not None else None
-                self.engine = kept or load_engine(self.model_dir, self.dtype, self.device, on_load, self.quantization)
+                self.engine = kept or load_engine(
+                    self.model_dir, self.dtype, self.device, on_load, self.quantization, kv_cache_dtype
+                )
         else:
             raise UsageError(f"backend must be native or transformers, got {backend!r}")
         self.config = self.engine.config
@@ -362,9 +374,15 @@ class _ModelProbe:
     (`take`) and the others are dropped."""
 
     def __init__(
-        self, model_dir: Path, device: Any, on_load: Callable[[str], None] | None, quantization: str | None
+        self,
+        model_dir: Path,
+        device: Any,
+        on_load: Callable[[str], None] | None,
+        quantization: str | None,
+        kv_cache_dtype: str,
     ) -> None:
         self.model_dir, self.device, self.on_load, self.quantization = model_dir, device, on_load, quantization
+        self.kv_cache_dtype = kv_cache_dtype
         self.engines: dict[Any, Engine] = {}
 
     def affordable(self) -> bool:
@@ -378,7 +396,7 @@ class _ModelProbe:
         engine = self.engines.get(candidate.dtype)
         if engine is None:
             engine = self.engines[candidate.dtype] = load_engine(
-                self.model_dir, candidate.dtype, self.device, self.on_load, self.quantization
+                self.model_dir, candidate.dtype, self.device, self.on_load, self.quantization, self.kv_cache_dtype
             )
         prompt = [engine.config.eos_token_id or 0] * PROBE_TOKENS
         params = replace(engine.warmup_params, gen_length=PROBE_TOKENS)

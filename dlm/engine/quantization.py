@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dlm.engine.errors import UsageError
+from dlm.engine.registry import FAMILIES, Family
 
 # Group sizes the int4 kernels take (tinygemm), largest first: a layer takes the largest that
 # divides its input features.
@@ -145,6 +146,25 @@ METHODS: dict[str, Method] = {
 
 NONE = "none"
 CHOICES = (NONE, *METHODS)  # what `--quantization` accepts
+
+# The other thing a server may quantize: its requests' exact K/V caches (`--kv-cache-dtype`;
+# dlm/engine/runtime/kv_cache.py). `auto`: the model's dtype; `int8`: each position's head
+# vector as int8 with its own float32 scale, 1 + 4/head_dim bytes a value.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(name: str, family: Family) -> None:
+    """Refuse a K/V cache storage that is not one of `KV_CACHE_DTYPES`, or int8 for a family
+    without the exact block cache it quantizes (the block-causal families'): silently
+    ignored, it would promise memory the server does not save."""
+    if name not in KV_CACHE_DTYPES:
+        raise UsageError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name != "auto" and not family.block_causal:
+        block = ", ".join(f.name for f in FAMILIES if f.block_causal)
+        raise UsageError(
+            f"kv_cache_dtype {name} applies to the exact block K/V cache of the block-causal families ({block}), "
+            f"not {family.name}"
+        )
 
 
 def method_named(name: str | None) -> Method | None:

@@ -37,6 +37,7 @@ def batch(
     dtype: str | None = setting_option("dtype", from_file=True),
     device: str | None = setting_option("device", from_file=True),
     quantization: str | None = setting_option("quantization", from_file=True),
+    kv_cache_dtype: str | None = setting_option("kv_cache_dtype", from_file=True),
     json_out: bool = typer.Option(False, "--json", help="Print the counts as JSON on stdout."),
 ) -> None:
     """Answer every request of INPUT into OUTPUT, as `dlm serve` would; a killed run resumes."""
@@ -63,6 +64,7 @@ def batch(
                 "dtype": dtype,
                 "device": device,
                 "quantization": quantization,
+                "kv_cache_dtype": kv_cache_dtype,
                 "max_queue": max(len(requests), 1),
                 "ready_wait": 0,
             }

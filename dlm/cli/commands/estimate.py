@@ -125,8 +125,8 @@ def estimate(
     kv_dtype: str = typer.Option(
         "auto",
         "--kv-dtype",
-        help="KV cache: auto (activation dtype), bf16, fp16, fp32, fp8 (a what-if: dlm serve holds the "
-        "activation dtype).",
+        help="KV cache: auto (activation dtype), bf16, fp16, fp32, int8 (what --kv-cache-dtype int8 stores: "
+        "block-causal families), fp8 (a what-if: no server stores it).",
     ),
     tp: int = typer.Option(
         1,

@@ -141,6 +141,7 @@ def generate(
     dtype: str = setting_option("dtype"),
     device: str = setting_option("device"),
     quantization: str | None = setting_option("quantization"),
+    kv_cache_dtype: str = setting_option("kv_cache_dtype"),
     thread_governor: bool = setting_option("thread_governor"),
     backend: str = setting_option("backend"),
     trust_remote_code: bool = setting_option("trust_remote_code"),
@@ -197,7 +198,9 @@ def generate(
 
             from dlm.engine.llm import LLM
 
-            if tp.run_worker(model, dtype, device, parallel, quantization=quantization):  # another node's rank
+            if tp.run_worker(  # another node's rank
+                model, dtype, device, parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+            ):
                 return
             with err_console.status("loading model"):
                 llm = LLM(
@@ -209,6 +212,7 @@ def generate(
                     parallel=parallel,
                     quantization=quantization,
                     thread_governor=thread_governor,
+                    kv_cache_dtype=kv_cache_dtype,
                 )
             with llm:  # stops the worker ranks of a tensor-parallel model however this ends
                 if llm.engine.tensor_parallel_size > 1:

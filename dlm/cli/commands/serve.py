@@ -91,6 +91,7 @@ def serve(
                 parallel,  # not rank 0: no HTTP
                 config.gpu_memory_utilization,
                 config.quantization,
+                config.kv_cache_dtype,
             ):
                 return
 

@@ -28,7 +28,7 @@ from dlm.engine.config import NO_MASK, LinearAttentionSpec, ModelConfig, check_f
 from dlm.engine.errors import DlmError, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
-from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_runs, method_named
+from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_kv_cache_dtype, check_runs, method_named
 from dlm.engine.registry import Family, family_for
 
 GIB = 1024**3
@@ -77,12 +77,12 @@ class Architecture:
             )
         return (*mtp, *self.family.plan_notes)
 
-    def kv_bytes_per_token(self, kv_bytes: int, tp: int = 1) -> int:
+    def kv_bytes_per_token(self, kv_bytes: int, tp: int = 1, scale_bytes: int = 0) -> int:
         """Keys + values one cached token adds on one rank: full-attention layers only (a
         hybrid's DeltaNet layers keep fixed state instead); KV heads split over TP, each
-        rank keeping at least one."""
+        rank keeping at least one; `scale_bytes` per head vector (int8's scale)."""
         c = self.config
-        return 2 * c.full_attention_layers * max(1, c.num_kv_heads // tp) * c.head_dim * kv_bytes
+        return 2 * c.full_attention_layers * max(1, c.num_kv_heads // tp) * (c.head_dim * kv_bytes + scale_bytes)
 
 
 def architecture_from_config(raw: dict[str, Any]) -> Architecture:
@@ -280,7 +280,9 @@ ALIASES = {
     "float8": "fp8",
     "fp8_e4m3": "fp8",
 }
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# Bytes beside each cached head vector: int8's float32 scale (dlm/engine/runtime/kv_cache.py).
+KV_SCALE_BYTES = {"int8": 4}
 
 
 def weight_format(name: str) -> str:
@@ -345,6 +347,8 @@ class Serving:
         kv = ALIASES.get(kv, kv) if kv != "auto" else ("fp32" if fmt == "fp32" else "fp16" if fmt == "fp16" else "bf16")
         if kv not in KV_BYTES:
             raise UsageError(f"unknown --kv-dtype {self.kv_dtype!r}; use auto, {', '.join(KV_BYTES)}")
+        if kv == "int8":  # what `--kv-cache-dtype int8` stores, where serving can store it
+            check_kv_cache_dtype(kv, a.family)
         longest = a.config.max_position_embeddings
         context = self.context if self.context is not None else min(longest, DEFAULT_CONTEXT)
         cache = self.cache
@@ -550,7 +554,7 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
 
     # Cache: what each sequence keeps between forwards.
     kv_heads_rank = max(1, a.config.num_kv_heads // tp)
-    per_token_kv = a.kv_bytes_per_token(kv_bytes, tp)
+    per_token_kv = a.kv_bytes_per_token(kv_bytes, tp, KV_SCALE_BYTES.get(s.kv_dtype, 0))
     cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": s.context - s.block_length}[s.cache]
     kv_text = {
         "none": "no cache: every forward recomputes the whole sequence",
@@ -564,7 +568,8 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
         Row(
             "KV cache",
             per_token_kv * cached_tokens * s.batch,
-            f"{kv_text}; {s.kv_dtype}, {kv_heads_rank} KV heads x {a.config.head_dim} per rank, batch {s.batch}",
+            f"{kv_text}; {s.kv_dtype}{' (+ a 4-byte scale per head vector)' if s.kv_dtype in KV_SCALE_BYTES else ''}, "
+            f"{kv_heads_rank} KV heads x {a.config.head_dim} per rank, batch {s.batch}",
         )
     )
     state = a.linear.state_bytes(act, tp) if a.linear is not None else 0

@@ -22,6 +22,7 @@ from dlm.cli.text_files import load_yaml, read_text
 from dlm.engine.errors import UsageError
 from dlm.engine.params import DEFAULTS, MODES
 from dlm.engine.quantization import CHOICES as QUANTIZATION_CHOICES
+from dlm.engine.quantization import KV_CACHE_DTYPES
 
 GEN_LENGTH = DEFAULTS["gen_length"]  # a request's length when neither it nor the server says
 
@@ -83,6 +84,11 @@ class ServeConfig(BaseModel):
         None,
         description=f"Weights of the linear layers and experts: {', '.join(QUANTIZATION_CHOICES)} "
         "(quantized at load; fp8 on CUDA only; docs/quantization.md).",
+    )
+    kv_cache_dtype: str = Field(
+        "auto",
+        description=f"{'|'.join(KV_CACHE_DTYPES)}: how requests' K/V caches store values (int8: about half of bf16, "
+        "block-causal families; docs/quantization.md).",
     )
     gpu_memory_utilization: Annotated[float | None, Cli(shown="no cap")] = Field(
         None,
@@ -329,6 +335,15 @@ class ServeConfig(BaseModel):
         except UsageError as exc:
             raise ValueError(str(exc).removeprefix("--quantization ")) from None
         return None if method is None else method.name
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, value: str) -> str:
+        """The storage's choices; a family without the cache it quantizes is refused when
+        the model's family is known (`dlm.engine.runtime.engine.check_kv_cache_dtype`)."""
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
 
     @field_validator("store", mode="before")
     @classmethod

@@ -180,6 +180,7 @@ class Service:
             on_load=LoadProgress(),
             quantization=cfg.quantization,
             thread_governor=cfg.thread_governor,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         if cfg.gpu_memory_utilization is not None and not llm.memory_capped:
             log.warning("gpu_memory_utilization applies to CUDA devices only: %s is not capped", llm.device)
@@ -236,6 +237,7 @@ class Service:
         self.runtime = {
             "dtype": llm.dtype_choice.to_dict(),
             "quantization": llm.quantization,
+            "kv_cache_dtype": llm.engine.loaded.kv_cache_dtype,
             "kernels": {
                 "backend": dispatch.backend(llm.device),
                 "linear": packed_linear.layout_of(llm.engine.loaded.model) if llm.backend == "native" else "dense",

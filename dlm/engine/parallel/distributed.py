@@ -169,6 +169,7 @@ class EngineSpec:
     device: str = "auto"
     gpu_memory_utilization: float | None = None  # each rank's ceiling on its GPU
     quantization: str | None = None  # each rank quantizes the shard it reads
+    kv_cache_dtype: str = "auto"  # each rank's K/V caches of its heads (quantization.KV_CACHE_DTYPES)
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -263,7 +264,9 @@ def _build(spec: EngineSpec, device: torch.device) -> Engine:
 
     cap_device_memory(device, spec.gpu_memory_utilization)
     dtype = choose_dtype(spec.dtype, device, checkpoint_dtype(spec.model_dir)).dtype
-    return load_engine(spec.model_dir, dtype, device, quantization=spec.quantization)
+    return load_engine(
+        spec.model_dir, dtype, device, quantization=spec.quantization, kv_cache_dtype=spec.kv_cache_dtype
+    )
 
 
 def worker_loop(engine: Engine, group: Group) -> None:

@@ -32,10 +32,18 @@ from dlm.kernels import dispatch
 
 
 class BlockRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         self.model: Any = model  # a block-causal family's model: forward(BlockBatch)
         self.config = config
         self.dtype, self.device = dtype, device
+        self.kv_cache_dtype = kv_cache_dtype  # its sequences' cache storage (quantization.KV_CACHE_DTYPES)
         rules = config.block_rules
         assert rules is not None  # every block-causal family declares them
         self.rules = rules
@@ -48,7 +56,7 @@ class BlockRunner:
         cache = None
         if params.cache == "block":
             heads = local_kv_heads(c.num_heads, c.num_kv_heads)  # this rank's share of the KV heads
-            cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device)
+            cache = SequenceKVCache(c.num_layers, heads, c.head_dim, self.dtype, self.device, self.kv_cache_dtype)
         seq = BlockSequence(list(prompt_ids), params, c.mask_token_id, eos_ids, rules=self.rules, cache=cache)
         if cache is not None and self.prefix_cache is not None:
             seq.reuse(self.prefix_cache)

@@ -24,7 +24,7 @@ from dlm.engine.layers.linear import lm_head_shard
 from dlm.engine.loader import load_weights, stored_values
 from dlm.engine.parallel import state as parallel_state
 from dlm.engine.params import GenerationParams, ResolvedParams, reproducible
-from dlm.engine.quantization import method_named
+from dlm.engine.quantization import check_kv_cache_dtype, method_named
 from dlm.engine.quantized_weights import quantizable, quantizer
 from dlm.engine.registry import family_for, family_named
 from dlm.engine.runtime.block_runner import BlockRunner
@@ -62,6 +62,7 @@ class LoadedModel:
     device: torch.device
     model_dir: Path | None = None  # where its tokenizer is, for response formats
     quantization: str | None = None  # the weight format of its linear layers (dlm/engine/quantization.py)
+    kv_cache_dtype: str = "auto"  # how its requests' exact K/V caches store values (quantization.KV_CACHE_DTYPES)
 
 
 # torch.nn.init's fills, which the layers' constructors call. On meta tensors they have nothing
@@ -165,14 +166,18 @@ def load_engine(
     device: torch.device,
     on_tensor: Callable[[str], None] | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LLMEngine:
     """The family's native engine over the checkpoint in `model_dir` (this rank's shard
     under tensor parallelism). Which engine decodes a family is known before any weight
-    is read."""
+    is read, and so is whether it takes `kv_cache_dtype` (`check_kv_cache_dtype`)."""
     from dlm.engine.config import read_config_json
 
-    engine_class = family_for(read_config_json(Path(model_dir))).engine_class()
-    return engine_class(load_model(Path(model_dir), dtype, device, on_tensor, quantization))
+    family = family_for(read_config_json(Path(model_dir)))
+    check_kv_cache_dtype(kv_cache_dtype, family)
+    loaded = load_model(Path(model_dir), dtype, device, on_tensor, quantization)
+    loaded.kv_cache_dtype = kv_cache_dtype
+    return family.engine_class()(loaded)
 
 
 class LLMEngine(Engine):
@@ -197,7 +202,7 @@ class LLMEngine(Engine):
         """Block-causal families (exact KV cache, AR mode) have their own runner."""
         loaded = self.loaded
         if self.family.block_causal:
-            return BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device)
+            return BlockRunner(loaded.model, loaded.config, loaded.dtype, loaded.device, loaded.kv_cache_dtype)
         shard = lm_head_shard(loaded.config.logits_size)
         return ModelRunner(loaded.model, loaded.config, loaded.device, self.family.sampler, shard)
 

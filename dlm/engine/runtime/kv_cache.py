@@ -15,6 +15,12 @@ from collections.abc import Iterable
 import torch
 
 INITIAL_CAPACITY = 256
+# int8 storage (`--kv-cache-dtype int8`, dlm.engine.quantization.KV_CACHE_DTYPES): each
+# position's head vector scaled by its absmax / 127 (the scale kept in float32), 1 + 4/head_dim
+# bytes a value instead of 2 (bf16) or 4 (fp32), for contexts that would not fit otherwise (the
+# deployment guides' KV-cache quantization), at the price of rounding every cached key and
+# value (answers may differ from the model dtype's).
+INT8_MAX = 127.0
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -30,46 +36,88 @@ class SequenceKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: str = "auto",
     ) -> None:
+        """`storage`: one of `dlm.engine.quantization.KV_CACHE_DTYPES`."""
         self.length = 0
         self._shape = (num_kv_heads, head_dim)
         self._dtype, self._device = dtype, device
+        self.quantized = storage == "int8"
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
+        # int8 storage: each position's scale per head [H, capacity, 1] (None otherwise)
+        self._k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self._v_scale: list[torch.Tensor | None] = [None] * num_layers
 
     @property
     def num_layers(self) -> int:
         return len(self._k)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys and values [H, length, D] of layer i, or None while the cache is empty."""
+        """Keys and values [H, length, D] of layer i in the model's dtype (int8 storage:
+        dequantized, a copy), or None while the cache is empty."""
         k, v = self._k[i], self._v[i]
         if self.length == 0 or k is None or v is None:
             return None
-        return k[:, : self.length], v[:, : self.length]
+        n = self.length
+        if not self.quantized:
+            return k[:, :n], v[:, :n]
+        k_scale, v_scale = self._k_scale[i], self._v_scale[i]
+        assert k_scale is not None and v_scale is not None
+        return _dequantize(k[:, :n], k_scale[:, :n], self._dtype), _dequantize(v[:, :n], v_scale[:, :n], self._dtype)
 
     def store(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v [H, n, D] of layer i at positions [length, length + n); `advance`
         makes them visible once every layer has stored its part."""
         n = k.shape[1]
         need = self.length + n
-        buf_k, buf_v = self._k[i], self._v[i]
-        if buf_k is None or buf_v is None or buf_k.shape[1] < need:
+        buf_k = self._k[i]
+        if buf_k is None or buf_k.shape[1] < need:
             capacity = max(INITIAL_CAPACITY, need, 2 * (0 if buf_k is None else buf_k.shape[1]))
-            heads, dim = self._shape
-            new_k = torch.empty((heads, capacity, dim), dtype=self._dtype, device=self._device)
-            new_v = torch.empty_like(new_k)
-            if buf_k is not None and buf_v is not None and self.length:
-                new_k[:, : self.length] = buf_k[:, : self.length]
-                new_v[:, : self.length] = buf_v[:, : self.length]
-            self._k[i], self._v[i] = buf_k, buf_v = new_k, new_v
-        buf_k[:, self.length : need] = k
-        buf_v[:, self.length : need] = v
+            self._grow(i, capacity)
+        span = slice(self.length, need)
+        for buffers, scales, x in ((self._k, self._k_scale, k), (self._v, self._v_scale, v)):
+            buffer = buffers[i]
+            assert buffer is not None
+            if self.quantized:
+                scale = scales[i]
+                assert scale is not None
+                buffer[:, span], scale[:, span] = _quantize(x)
+            else:
+                buffer[:, span] = x
+
+    def _grow(self, i: int, capacity: int) -> None:
+        """Layer i's buffers at `capacity` positions, the live ones copied over."""
+        heads, dim = self._shape
+        storage = torch.int8 if self.quantized else self._dtype
+        for buffers, scales in ((self._k, self._k_scale), (self._v, self._v_scale)):
+            old = buffers[i]
+            new = torch.empty((heads, capacity, dim), dtype=storage, device=self._device)
+            if old is not None and self.length:
+                new[:, : self.length] = old[:, : self.length]
+            buffers[i] = new
+            if self.quantized:
+                old_scale = scales[i]
+                scale = torch.empty((heads, capacity, 1), dtype=torch.float32, device=self._device)
+                if old_scale is not None and self.length:
+                    scale[:, : self.length] = old_scale[:, : self.length]
+                scales[i] = scale
 
     def advance(self, n: int) -> None:
         self.length += n
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated (capacity, not only the live length)."""
-        return tensor_bytes(self._k + self._v)
+        """Bytes allocated (capacity, not only the live length), scales included."""
+        return tensor_bytes(self._k + self._v + self._k_scale + self._v_scale)
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [H, n, D] as int8 with one scale per head and position ([H, n, 1], float32)."""
+    scale = x.detach().abs().amax(dim=-1, keepdim=True).float() / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector stays zero
+    return torch.round(x.float() / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)

@@ -1,0 +1,97 @@
+"""`--kv-cache-dtype int8`: the block-causal families' exact K/V cache stored as int8 with a
+float32 scale per head vector (the deployment guides' KV-cache quantization). Compared in
+float32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dlm.cli.estimate.plan import Serving, architecture_from_config, plan_memory
+from dlm.cli.server.config import load_config
+from dlm.engine.config import read_config_json
+from dlm.engine.errors import UsageError
+from dlm.engine.llm import LLM
+from dlm.engine.registry import FAMILIES
+from dlm.engine.runtime.kv_cache import INITIAL_CAPACITY, SequenceKVCache
+from dlm.engine.tiny_models import ensure_tiny_model
+from tests.serving import app_client
+
+BLOCK_CAUSAL = [f.name for f in FAMILIES if f.block_causal and f.engine]
+OTHERS = [f.name for f in FAMILIES if not f.block_causal and f.engine]
+HEADS, DIM = 2, 16
+
+
+def filled(storage: str, n: int, seed: int = 0) -> tuple[SequenceKVCache, torch.Tensor, torch.Tensor]:
+    """A one-layer cache with `n` positions of random keys and values (float32), stored in pieces."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(HEADS, n, DIM, generator=g), torch.randn(HEADS, n, DIM, generator=g)
+    k[:, 3] = 0.0  # an all-zero head vector: its scale must not divide by zero
+    cache = SequenceKVCache(1, HEADS, DIM, torch.float32, torch.device("cpu"), storage)
+    for start in range(0, n, 100):  # grows past INITIAL_CAPACITY, copying what it holds
+        cache.store(0, k[:, start : start + 100], v[:, start : start + 100])
+        cache.advance(min(100, n - start))
+    return cache, k, v
+
+
+def test_int8_keeps_each_value_within_half_a_step_of_its_vector_scale() -> None:
+    n = INITIAL_CAPACITY + 50
+    cache, k, v = filled("int8", n)
+    layer = cache.layer(0)
+    assert layer is not None
+    for stored, original in zip(layer, (k, v)):
+        assert stored.dtype == torch.float32 and stored.shape == original.shape
+        step = original.abs().amax(dim=-1, keepdim=True) / 127
+        assert bool(((stored - original).abs() <= step / 2 + 1e-6).all())
+    assert bool((layer[0][:, 3] == 0).all())
+
+
+def test_int8_holds_one_byte_a_value_plus_a_float32_scale_per_vector() -> None:
+    auto, _, _ = filled("auto", 300)
+    int8, _, _ = filled("int8", 300)
+    assert int8.nbytes * 4 * DIM == auto.nbytes * (DIM + 4)  # fp32: 4 bytes a value; int8: 1 + 4/DIM
+
+
+@pytest.mark.parametrize("name", BLOCK_CAUSAL)
+def test_every_block_causal_family_decodes_with_an_int8_cache(name: str) -> None:
+    caches: dict[str, list[int]] = {}
+    for storage in ("auto", "int8"):
+        llm = LLM(f"tiny:{name}", dtype="float32", device="cpu", kv_cache_dtype=storage)
+        assert llm.engine.loaded.kv_cache_dtype == storage
+        sizes: list[int] = []
+
+        def on_step(seqs: Any, sizes: list[int] = sizes) -> None:
+            sizes.extend(s.cache.nbytes for s in seqs if getattr(s, "cache", None) is not None)
+
+        out = llm.generate([5, 6, 7, 8], gen_length=40, on_step=on_step)[0]
+        assert out.finish_reason in ("stop", "length") and len(out.completion_ids) <= 40
+        caches[storage] = sizes
+    assert caches["auto"] and max(caches["int8"]) < max(caches["auto"]) / 2  # fp32 to about a quarter
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_a_family_without_the_block_cache_refuses_int8_before_loading(name: str) -> None:
+    with pytest.raises(UsageError, match=f"block-causal families .*not {name}"):
+        LLM(f"tiny:{name}", dtype="float32", device="cpu", kv_cache_dtype="int8")
+
+
+def test_an_unknown_storage_is_a_setting_error() -> None:
+    with pytest.raises(UsageError, match="kv_cache_dtype"):
+        load_config(None, {"kv_cache_dtype": "fp8"}, environ={})
+
+
+def test_the_estimate_plans_what_the_cache_holds() -> None:
+    arch = architecture_from_config(read_config_json(ensure_tiny_model("tiny:sdar")))
+    per_token = {kv: plan_memory(arch, [], Serving(kv_dtype=kv)).kv_bytes_per_token for kv in ("fp32", "int8")}
+    c = arch.config
+    vectors = 2 * c.full_attention_layers * c.num_kv_heads  # keys and values, per cached token
+    assert per_token == {"fp32": vectors * c.head_dim * 4, "int8": vectors * (c.head_dim + 4)}
+
+
+def test_a_server_with_an_int8_cache_answers_and_says_so() -> None:
+    with app_client({"model": "tiny:sdar", "warmup": False, "kv_cache_dtype": "int8", "dtype": "float32"}) as client:
+        assert client.get("/health").json()["kv_cache_dtype"] == "int8"
+        answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 16})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
