@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import pytest
+import torch
 
 from dlm.engine.errors import UsageError
 from dlm.engine.params import PARAMS, SCALAR_TYPES, GenerationParams
@@ -74,6 +75,7 @@ def test_the_python_api_refuses_a_float_seed(tiny_llada: Any) -> None:
         ([True, False], "got bool"),  # was read as the token ids 1, 0
         ([[1.5, 2.0]], "prompt token ids must be integers, got 1.5"),  # was truncated to 1, 2
         ([["12"]], "prompt token ids must be integers, got '12'"),  # was read as 12
+        (torch.tensor(3), "got Tensor"),  # a 0-d tensor: "iteration over a 0-d tensor" (TypeError)
     ],
     ids=repr,
 )

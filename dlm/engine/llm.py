@@ -300,9 +300,13 @@ def prompt_list(prompts: Any) -> list[Any]:
     torch tensor of ids "truth value ... is ambiguous", and bytes were read as token ids."""
     if isinstance(prompts, str):
         return [prompts]
+    refused = UsageError(f"prompts must be {PROMPTS}, got {type(prompts).__name__}", field="prompt")
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-        raise UsageError(f"prompts must be {PROMPTS}, got {type(prompts).__name__}", field="prompt")
-    items = list(prompts)
+        raise refused
+    try:
+        items = list(prompts)
+    except TypeError:  # iterable by type, not by value: a 0-d tensor ("iteration over a 0-d tensor")
+        raise refused from None
     return [items] if items and is_token_id(items[0]) else items
 
 
