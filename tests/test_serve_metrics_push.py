@@ -73,7 +73,9 @@ def test_a_failing_gateway_is_one_warning_and_the_server_serves_on(caplog: pytes
     assert len(warnings) == 1 and url in warnings[0], warnings
 
 
-@pytest.mark.parametrize("url", ["localhost:9091", "ftp://host", "http://", "http://host path"])
+@pytest.mark.parametrize(
+    "url", ["localhost:9091", "ftp://host", "http://", "http://host path", "http://host:9091?a=b", "http://h/p#f"]
+)
 def test_a_push_url_that_is_no_http_url_is_bad_usage(url: str) -> None:
     result = CliRunner().invoke(app, ["serve", "tiny:llada", "--metrics-push-url", url])
     assert result.exit_code == 2 and "metrics" in result.output, result.output

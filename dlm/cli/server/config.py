@@ -302,9 +302,12 @@ class ServeConfig(BaseModel):
     @classmethod
     def _push_url(cls, value: str | None) -> str | None:
         """An http(s) URL naming a host, as prometheus-client sends to it (`host:9091` alone
-        would be read as a URL scheme `host`)."""
-        if value is not None and re.fullmatch(r"https?://[^/\s]+(/\S*)?", value) is None:
-            raise ValueError("must be the Pushgateway's http:// or https:// URL, e.g. http://pushgateway:9091")
+        would be read as a URL scheme `host`), without a query or fragment: the push path is
+        appended to the URL as written (`?a=b` ended up before `/metrics/job/...`)."""
+        if value is not None and re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", value) is None:
+            raise ValueError(
+                "must be the Pushgateway's http:// or https:// URL (no query or fragment), e.g. http://pushgateway:9091"
+            )
         return value
 
     @field_validator("decode_mode")
