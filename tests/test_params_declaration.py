@@ -19,7 +19,7 @@ from dlm.engine.registry import family_named
 # `dlm generate` options that are not decoding parameters (model loading, prompt, output).
 GENERATE_OTHER = {
     "model", "prompt", "prompt_ids", "chat", "chat_template_kwargs", "suffix_text", "suffix_ids",
-    "dtype", "device", "quantization", "thread_governor", "backend", "trust_remote_code", "json_out",
+    "dtype", "device", "quantization", "kv_cache_dtype", "thread_governor", "backend", "trust_remote_code", "json_out",
     "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "moe_parallel", "canvas",
 }  # fmt: skip
 # Request fields of the OpenAI API that are not decoding parameters.
