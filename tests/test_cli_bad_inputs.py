@@ -148,6 +148,29 @@ def test_fetch_repairs_a_failed_version(good: Path, tmp_path: Path) -> None:
     assert not second.already_present and store.manifest("m", first.manifest.version).verified
 
 
+@pytest.mark.parametrize("touched", [False, True], ids=["source unchanged", "source touched"])
+def test_fetch_repairs_a_version_damaged_since_it_was_verified(touched: bool, good: Path, tmp_path: Path) -> None:
+    """A stored file deleted after the version was verified: `dlm models` lists it `damaged`
+    and every use refuses it, but fetching its source again answered "already in the store:
+    ... verified" (exit 0, `--json` state verified) and left it broken. It is copied again."""
+    source = tmp_path / "src"
+    shutil.copytree(good, source)
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--json")
+    assert code == 0, stderr
+    files = Path(json.loads(stdout)["path"])
+    (files / "tokenizer.json").unlink()
+    if touched:  # its size and mtime differ from the manifest's: read again, the same content
+        os.utime(source / "config.json")
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert not out["already_present"] and out["state"] == "verified", out
+    assert (files / "tokenizer.json").is_file()
+    code, stdout, stderr = cli("models", "--store", str(store), "--json")
+    assert [v["state"] for v in json.loads(stdout)["models"][0]["versions"]] == ["verified"]
+
+
 NAMES = {
     "300 characters": "a" * 300,
     "trailing newline": "name\n",

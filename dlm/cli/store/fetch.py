@@ -157,7 +157,7 @@ def _unchanged_copy(store: Store, name: str, source: LocalSource, stats: dict[st
     """A version copied from this very path whose files all still have the size and mtime
     they had then: re-fetching it would read everything to learn nothing."""
     for manifest in reversed(store.manifests(name)):
-        if manifest.source != source or manifest.state == "failed":  # a failed one is fetched again
+        if manifest.source != source or store.needs_repair(manifest):  # a failed or damaged one is fetched again
             continue
         if {f.path: f.source_stat for f in manifest.files} == stats:
             return manifest
@@ -388,12 +388,12 @@ def _hub_error(repo_id: str, exc: Exception) -> DlmError:
 
 
 def _existing(store: Store, name: str, version: str) -> Manifest | None:
-    """The stored version, unless absent, failed or corrupt (those are fetched again)."""
+    """The stored version, unless absent, corrupt, failed or damaged (those are fetched again)."""
     try:
         manifest = store.manifest(name, version)
     except (UsageError, CorruptRecord):
         return None
-    return None if manifest.state == "failed" else manifest
+    return None if store.needs_repair(manifest) else manifest
 
 
 def fetch_hub(

@@ -436,6 +436,13 @@ class Store:
                 )
         return None
 
+    def needs_repair(self, manifest: Manifest) -> bool:
+        """Whether a fetch of the same content should copy `manifest`'s version again rather
+        than stop at "already in the store": it failed its last verification, or a file of it
+        is missing or of another size since (`size_damage`: listed `damaged`, refused by every
+        use), which its record, still `verified`, cannot know of."""
+        return manifest.state == "failed" or self.size_damage(manifest) is not None
+
     # -- writing ------------------------------------------------------------------------
     def staging(self, name: str, key: str | None = None) -> Path:
         """A staging directory: named by `key` when a rerun should resume it (hub downloads),
@@ -496,8 +503,8 @@ class Store:
         caller holds the store lock).
 
         Returns False (and discards the staging copy) when that version already exists,
-        unless the stored one failed verification and the staged one passed: then the
-        staged copy replaces it (a fetch repairs a failed version).
+        unless the stored one cannot be used (`needs_repair`) and the staged one passed:
+        then the staged copy replaces it (a fetch repairs a failed or damaged version).
         """
         target = self.version_dir(manifest.name, manifest.version)
         if (target / MANIFEST).exists():
@@ -505,7 +512,7 @@ class Store:
                 stored: Manifest | None = self._read_manifest(manifest.name, manifest.version)
             except CorruptRecord:
                 stored = None  # whatever the new copy's state, it is better than an unreadable one
-            if stored is not None and (stored.state != "failed" or not manifest.verified):
+            if stored is not None and (not self.needs_repair(stored) or not manifest.verified):
                 shutil.rmtree(staging, ignore_errors=True)
                 return False
             self._unlist(target)
