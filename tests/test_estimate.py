@@ -499,6 +499,18 @@ def test_bidirectional_caches_are_approximate_and_optional() -> None:
         _plan(SDAR_8B, cache="dual")
 
 
+def test_a_prefix_cache_holds_the_context_less_the_last_block() -> None:
+    """`--cache prefix --block-length 4096 --context 2048` planned a KV cache of -2048 tokens
+    (negative bytes, lowering the total): the prefix is the context less the last block,
+    which is the whole answer when the block is longer, and shorter when it does not divide."""
+    per_token = 2 * 32 * 32 * 128 * 2
+    for block, last in ((1024, 256), (32, 32), (7, 256 - 36 * 7)):
+        _, plan = _plan(LLADA_8B, context=2048, gen_length=256, block_length=block, cache="prefix")
+        assert _row(plan, "KV cache") == per_token * (2048 - last), block
+    with pytest.raises(UsageError, match=r"--block-length \(4097\) exceeds the model's maximum length of 4096"):
+        _plan(LLADA_8B, context=2048, block_length=4097, cache="prefix")
+
+
 def test_an_empty_model_is_refused_not_planned_as_the_default_model(tmp_path: Path) -> None:
     """`dlm estimate ""` planned the embedded default model (the engine's reading of ""), and
     `dlm deploy kubernetes SOURCE --estimate-from ""` planned SOURCE."""

@@ -391,6 +391,11 @@ class Serving:
                 f"({context} tokens): give a --context above it (the model takes up to {longest}) or a "
                 "shorter --gen-length"
             )
+        if self.block_length > longest:  # as the engine refuses it (dlm/engine/params.py)
+            raise UsageError(
+                f"--block-length ({self.block_length}) exceeds the model's maximum length of {longest} tokens "
+                "(config.json)"
+            )
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--fragmentation must be in [0, 1), got {self.fragmentation}")
         if self.overhead_gib is not None:
@@ -555,14 +560,18 @@ def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> Me
     # Cache: what each sequence keeps between forwards.
     kv_heads_rank = max(1, a.config.num_kv_heads // tp)
     per_token_kv = a.kv_bytes_per_token(kv_bytes, tp, KV_SCALE_BYTES.get(s.kv_dtype, 0))
-    cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": s.context - s.block_length}[s.cache]
+    # The prefix cache's largest is the context less the last block, which is shorter than
+    # --block-length when that does not divide --gen-length (the whole answer when it exceeds
+    # it): `context - block_length` went negative (a negative KV cache) past the context.
+    last_block = s.gen_length - (-(-s.gen_length // s.block_length) - 1) * s.block_length
+    prefix = s.context - last_block
+    cached_tokens = {"none": 0, "block": s.context, "dual": s.context, "prefix": prefix}[s.cache]
     kv_text = {
         "none": "no cache: every forward recomputes the whole sequence",
         "block": f"exact block KV cache over the whole context ({s.context} tokens)"
         + (f", full-attention layers only ({a.full_attention_layers} of {a.config.num_layers})" if a.linear else ""),
         "dual": f"approximate dual cache (Fast-dLLM): K/V of all {s.context} tokens, refreshed every block",
-        "prefix": f"approximate prefix cache (Fast-dLLM): K/V of up to {s.context - s.block_length} prefix tokens, "
-        "refreshed every block",
+        "prefix": f"approximate prefix cache (Fast-dLLM): K/V of up to {prefix} prefix tokens, refreshed every block",
     }[s.cache]
     rows.append(
         Row(
