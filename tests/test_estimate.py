@@ -511,6 +511,17 @@ def test_a_prefix_cache_holds_the_context_less_the_last_block() -> None:
         _plan(LLADA_8B, context=2048, block_length=4097, cache="prefix")
 
 
+def test_gpu_and_gpu_memory_together_are_refused(tmp_path: Path) -> None:
+    """`--gpu H200 --gpu-memory 10` judged a 10 GiB GPU, --gpu dropped without a word (an
+    unknown --gpu too): both name the GPU to judge."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLADA_8B))
+    for gpu in ("H200", "no-such-gpu"):
+        code, stdout, stderr = cli("estimate", str(config), "--gpu", gpu, "--gpu-memory", "10", "--json")
+        assert code == 2 and stdout == "", stderr
+        assert "give one" in stderr
+
+
 def test_an_empty_model_is_refused_not_planned_as_the_default_model(tmp_path: Path) -> None:
     """`dlm estimate ""` planned the embedded default model (the engine's reading of ""), and
     `dlm deploy kubernetes SOURCE --estimate-from ""` planned SOURCE."""

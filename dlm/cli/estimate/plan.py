@@ -874,6 +874,8 @@ def plan_report(
             "difference": in_headers - counts.total,
         }
     targets: list[Gpu] = []
+    if gpu is not None and gpu_memory_gib is not None:  # one was dropped without a word (even an unknown --gpu)
+        raise UsageError(f"--gpu {gpu} and --gpu-memory {gpu_memory_gib:g} both name the GPU to judge: give one")
     if gpu_memory_gib is not None:
         check_gib("--gpu-memory", gpu_memory_gib, positive=True)
         targets = [Gpu(f"{gpu_memory_gib:g} GiB", round(gpu_memory_gib * 1024))]
