@@ -197,6 +197,34 @@ def test_bad_names_are_usage_errors(label: str, good: Path, tmp_path: Path) -> N
         _assert_one_error(code, stdout, stderr, 2)
 
 
+NO_HOME = "~no-such-user-dlm/x"  # a `~USER` with no home directory: Path.expanduser raises RuntimeError
+
+
+def test_a_tilde_naming_no_home_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~nouser/x` as MODEL, SOURCE, --store, DLM_STORE or DLM_HOME (or `~/x` where there is no
+    HOME and no password entry: a container's arbitrary uid) was a RuntimeError traceback
+    ("Could not determine home directory") from every store command, estimate, generate and
+    serve; it is bad usage naming where the path came from, or no such path."""
+    store = str(tmp_path / "store")
+    for args, named in (
+        (("verify", NO_HOME, "--store", store), "no such directory"),
+        (("fetch", NO_HOME, "--store", store), "no directory at"),
+        (("estimate", NO_HOME), "MODEL"),
+        (("generate", NO_HOME, "--prompt", "hi"), "MODEL"),
+        (("models", "--store", NO_HOME), "--store"),
+    ):
+        code, stdout, stderr = cli(*args)
+        _assert_one_error(code, stdout, stderr, 2)
+        assert named in stderr, (args, stderr)
+    for variable in ("DLM_STORE", "DLM_HOME"):
+        with monkeypatch.context() as env:
+            env.setenv(variable, NO_HOME)
+            env.delenv("DLM_STORE" if variable == "DLM_HOME" else "DLM_HOME", raising=False)
+            code, stdout, stderr = cli("models")
+            _assert_one_error(code, stdout, stderr, 2)
+            assert variable in stderr, stderr
+
+
 def test_settings_suites_and_key_files_that_do_not_read_are_one_error_line(tmp_path: Path) -> None:
     """A settings file, suite or key file that is not UTF-8 was a UnicodeDecodeError traceback
     (exit 1); YAML that does not parse printed PyYAML's message over several lines."""

@@ -4,7 +4,6 @@ the table of verification problems."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -62,9 +61,10 @@ def open_store(path: str | None) -> Any:
     DLM_STORE, or DLM_HOME for the default store)."""
     from dlm.cli.store.store import Store, check_store_path, store_root_problem
     from dlm.engine.errors import UsageError
+    from dlm.engine.home import expand_user
 
     source = path.source if isinstance(path, StoreArgument) else "--store"
-    store = Store(Path(check_store_path(path, source)) if path is not None else None)
+    store = Store(expand_user(check_store_path(path, source), source) if path is not None else None)
     if (problem := store_root_problem(store.root)) is not None:
         if path is None:  # no --store, DLM_STORE unset or empty: the default, under DLM_HOME
             raise UsageError(f"the store at $DLM_HOME/store: {problem} (check DLM_HOME)")

@@ -16,6 +16,25 @@ def dlm_home() -> Path:
     if env and not env.strip():
         raise UsageError(f"DLM_HOME must name a directory, got a blank value {env!r}")
     if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dlm"
+        return expand_user(env, "DLM_HOME")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "dlm"
+    try:
+        return Path.home() / ".cache" / "dlm"
+    except RuntimeError:  # no HOME, and no password entry for this uid (a container's arbitrary uid)
+        raise UsageError("no home directory to keep dlm's files in (~/.cache/dlm): set DLM_HOME") from None
+
+
+def expand_user(path: str | Path, source: str) -> Path:
+    """`path` with a leading `~` or `~USER` expanded, as every path the user gives is: where
+    it names no home directory (no such user; no HOME and no password entry for this one, as
+    in a container run under an arbitrary uid), a UsageError naming where it came from
+    (`source`), not the RuntimeError `Path.expanduser` raises (a traceback from every command
+    given `~nouser/x`)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise UsageError(
+            f"{source} {str(path)!r}: its '~' names no home directory here (no such user, or no HOME)"
+        ) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlm.engine.errors import UsageError
+from dlm.engine.home import expand_user
 
 
 def checkpoint_dir(spec: str | Path | None) -> Path | None:
@@ -31,7 +32,7 @@ def checkpoint_dir(spec: str | Path | None) -> Path | None:
 
     if is_tiny(str(spec)):
         return ensure_tiny_model(str(spec))
-    path = Path(spec).expanduser()
+    path = expand_user(spec, "MODEL")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise UsageError(f"{path} has no config.json; is it a model checkpoint directory?")

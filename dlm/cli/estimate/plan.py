@@ -26,6 +26,7 @@ from dlm.cli.hub import HUB_ID
 from dlm.engine.compressed_tensors import read_scheme
 from dlm.engine.config import NO_MASK, LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
 from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.home import expand_user
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
 from dlm.engine.quantization import INT4_GROUP_SIZES, METHODS, Method, check_kv_cache_dtype, check_runs, method_named
@@ -762,7 +763,7 @@ def load_source(spec: str, revision: str | None = None) -> ModelSource:
 
     if not spec.strip():  # Path("") is the current directory, and the engine's "" the default model
         raise UsageError("the model to plan (MODEL_OR_CONFIG, or --estimate-from) is empty")
-    path = Path(spec).expanduser()
+    path = expand_user(spec, "MODEL")
     if not path.exists() and HUB_ID.match(spec):  # store names never contain "/"
         return _hub_source(spec, revision)
     if revision is not None:  # taken and ignored before: a path or a store version is what it is

@@ -33,7 +33,7 @@ from dlm.cli.store.records import (
     read_record,
 )
 from dlm.engine.errors import DlmError, UsageError
-from dlm.engine.home import dlm_home
+from dlm.engine.home import dlm_home, expand_user
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no trailing newline
 MANIFEST = "manifest.json"
@@ -53,7 +53,7 @@ def store_env(environ: Mapping[str, str] | None = None) -> str | None:
 def default_store_root() -> Path:
     """`DLM_STORE` (`store_env`), else `$DLM_HOME/store`."""
     env = store_env()
-    return Path(env).expanduser() if env else dlm_home() / "store"
+    return expand_user(env, "DLM_STORE") if env else dlm_home() / "store"
 
 
 def store_path_problem(path: str) -> str | None:
@@ -112,13 +112,14 @@ def split_ref(spec: str) -> tuple[str, str | None]:
 def local_path(spec: str) -> Path | None:
     """SPEC as an existing file system path, else None (also when it cannot be one: a
     component longer than the file system allows, a NUL byte, a link loop; and the empty
-    string, which Path would read as the current directory)."""
+    string, which Path would read as the current directory; and `~USER/...` naming no home
+    directory, for which Path.expanduser raises RuntimeError)."""
     if not spec:
         return None
-    path = Path(spec).expanduser()
     try:
+        path = Path(spec).expanduser()
         return path if path.exists() else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):
         return None
 
 
@@ -216,7 +217,7 @@ def no_usable_version(name: str, manifests: list[Manifest], corrupt: list[Corrup
 
 class Store:
     def __init__(self, root: Path | None = None) -> None:
-        self.root = Path(root).expanduser() if root else default_store_root()
+        self.root = expand_user(root, "the store directory") if root else default_store_root()
 
     # -- layout -------------------------------------------------------------------------
     @property
