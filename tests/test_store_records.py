@@ -7,6 +7,7 @@ fetch of the same content repairs it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -328,3 +329,52 @@ def test_a_full_disk_writing_a_record_names_the_record(
     assert f"{store.root}/" in line and record in line, line
     assert {p: p.read_bytes() for p in store.root.rglob("*.json")} == before
     assert not list(store.root.rglob(".*.tmp"))
+
+
+NOT_UTF8 = os.fsdecode(b"\xff\xfe")  # a file system name that does not decode: held with lone surrogates
+
+
+def test_a_version_holding_a_name_that_is_not_utf8_is_failed_never_corrupt(
+    stocked: tuple[Store, list[str]],
+) -> None:
+    """A stray file whose name is not UTF-8 in a released version's files: `dlm verify` wrote
+    its finding into the manifest as a lone surrogate escape that the reader refuses, and the
+    current release was listed `corrupt` from then on (unusable, `dlm rm` offered). The
+    finding is recorded with the name's bytes escaped; the version is `failed`, its record read."""
+    store, versions = stocked
+    files = store.files_dir("m", versions[1])
+    (files / f"{NOT_UTF8}.txt").write_bytes(b"x")
+    code, _, stderr = cli("verify", f"m@{versions[1]}", "--store", str(store.root))
+    assert code == 1, stderr
+    manifest = store.manifest("m", versions[1])  # CorruptRecord before
+    assert manifest.state == "failed"
+    assert [f.file for f in manifest.verification.failures] == ["\\xff\\xfe.txt"]
+
+
+def test_a_fetch_from_a_directory_whose_path_is_not_utf8_is_readable(sources: list[Path], tmp_path: Path) -> None:
+    """A source directory whose path is not UTF-8: the fetch said "fetched ... verified" (exit 0)
+    and the version was listed `corrupt` at once (its manifest's source path unreadable)."""
+    source = tmp_path / NOT_UTF8
+    shutil.copytree(sources[0], source)
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["source"]["path"].endswith("/\\xff\\xfe")
+    code, stdout, stderr = cli("models", "--store", str(store), "--json")
+    assert [v["state"] for v in json.loads(stdout)["models"][0]["versions"]] == ["verified"], stdout
+
+
+def test_a_source_file_whose_name_is_not_utf8_is_a_finding_not_a_traceback(sources: list[Path], tmp_path: Path) -> None:
+    """`dlm fetch` of a directory holding a file whose name is not UTF-8 ended in a
+    UnicodeEncodeError traceback (hashing its name into the version id). It is an entry that
+    cannot be copied: a finding that fails the version (and `--exclude` leaves it out)."""
+    source = tmp_path / "src"
+    shutil.copytree(sources[0], source)
+    (source / f"{NOT_UTF8}.txt").write_bytes(b"x")
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--json")
+    assert code == 1 and "failed verification" in stderr, stderr
+    failures = json.loads(stdout)["verification"]["failures"]
+    assert [(f["file"], f["check"]) for f in failures] == [("\\xff\\xfe.txt", "source")]
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--exclude", "*.txt")
+    assert code == 0, stderr

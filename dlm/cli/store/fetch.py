@@ -43,7 +43,7 @@ from dlm.cli.store.hashing import (
     sha256_file,
     sha256_stream,
 )
-from dlm.cli.store.records import CorruptRecord, FileEntry, HubSource, LocalSource, Manifest
+from dlm.cli.store.records import CorruptRecord, FileEntry, HubSource, LocalSource, Manifest, text
 from dlm.cli.store.releases import transaction
 from dlm.cli.store.store import (
     FILES,
@@ -206,10 +206,14 @@ def _source_files(src: Path, follow_symlinks: bool) -> tuple[dict[str, SourceFil
             entries += 1
             if entries > MAX_SOURCE_ENTRIES:
                 raise DlmError(
-                    f"{src} holds more than {MAX_SOURCE_ENTRIES:,} entries (reached at {rel}; links to "
+                    f"{src} holds more than {MAX_SOURCE_ENTRIES:,} entries (reached at {text(rel)}; links to "
                     "directories along many paths count each path): it is no checkpoint directory; "
                     "fetch the checkpoint's own directory"
                 )
+            if text(entry.name) != entry.name:  # a manifest names its files in UTF-8 (records.text)
+                if not (entry.name.startswith(".") and entry.is_dir()):  # a dot-directory is skipped anyway
+                    unusable[text(rel)] = "a name that is not UTF-8, which a manifest cannot record (rename it)"
+                continue
             real = path
             if entry.is_symlink():
                 try:

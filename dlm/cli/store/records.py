@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.engine.errors import DlmError
 
@@ -33,8 +33,42 @@ class CorruptRecord(DlmError):
         self.path, self.reason = path, reason
 
 
+def text(value: str) -> str:
+    """`value` as a record can hold it. A name from the file system that is not UTF-8 (a
+    file, a source directory, a link's target, a script) is held by Python with lone
+    surrogates, which the JSON written keeps as `\\udcff` escapes and pydantic's reader
+    refuses: a `dlm verify` that found such a file, or a fetch from such a directory, wrote a
+    manifest that read back as corrupt (the version, released or not, unusable). Its bytes
+    are escaped instead (`\\xff`)."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        try:
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no file system name gives: escaped as such
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _texts(value: Any) -> Any:
+    """`value` (a record's fields as given) with every string in it as `text` makes it."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, dict):
+        return {_texts(k): _texts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_texts(v) for v in value]
+    return value
+
+
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable_text(cls, data: Any) -> Any:
+        """Every string a record holds can be written and read back (`text`)."""
+        return _texts(data)
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
