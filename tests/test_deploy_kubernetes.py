@@ -380,6 +380,16 @@ def test_kustomize_base(tmp_path: Path, big_config: Path) -> None:
         validate(obj)
 
 
+def test_out_and_json_together_are_refused(tmp_path: Path, big_config: Path) -> None:
+    """`--out DIR --json` wrote the base and printed nothing on stdout, --json dropped without
+    a word (docs/deploy.md: `[--out DIR | --json]`): bad usage, before anything is written."""
+    out = tmp_path / "base"
+    args = ["deploy", "kubernetes", "org/m", "--revision", COMMIT_A, "--estimate-from", str(big_config)]
+    result = runner.invoke(app, [*args, "--out", str(out), "--json"])
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and "give one" in result.stderr and not out.exists()
+
+
 @pytest.mark.slow
 def test_init_script_fetches_verifies_and_names_the_model(tmp_path: Path) -> None:
     """The init container's script, run here with sh against a local source: the store ends up

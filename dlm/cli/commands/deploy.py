@@ -60,7 +60,12 @@ def kubernetes(
     serve settings come from --config, with --tensor-parallel-size, --nnodes and --device on top."""
     with cli_errors():
         from dlm.cli.deploy import kubernetes as k8s
+        from dlm.engine.errors import UsageError
 
+        if out is not None and json_out:  # --json was dropped without a word: the files were written, stdout empty
+            raise UsageError(
+                "--out and --json both say where the objects go (a Kustomize base, or JSON on stdout): give one"
+            )
         cluster = k8s.kubernetes_settings(source=source, **settings)
         if out is not None:  # before the plan: a folder no file can be written in is bad usage
             writable_dir("--out", out)
