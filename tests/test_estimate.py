@@ -511,6 +511,17 @@ def test_a_prefix_cache_holds_the_context_less_the_last_block() -> None:
         _plan(LLADA_8B, context=2048, block_length=4097, cache="prefix")
 
 
+def test_logits_unfused_is_refused_where_the_plan_cannot_take_it() -> None:
+    """`--logits unfused` on DiffusionGemma planned the same bytes as fused (its canvas plan
+    holds the whole canvas's logits either way) and echoed `logits: unfused` as planned."""
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    directory = str(ensure_tiny_model("tiny:diffusion_gemma"))
+    estimate(directory, Serving(logits="fused"))
+    with pytest.raises(UsageError, match="--logits does not apply"):
+        estimate(directory, Serving(logits="unfused"))
+
+
 def test_gpu_and_gpu_memory_together_are_refused(tmp_path: Path) -> None:
     """`--gpu H200 --gpu-memory 10` judged a 10 GiB GPU, --gpu dropped without a word (an
     unknown --gpu too): both name the GPU to judge."""

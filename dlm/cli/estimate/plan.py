@@ -367,6 +367,11 @@ class Serving:
             raise UsageError(f"{a.name} is block-causal: its cache is the exact --cache block")
         if self.logits not in LOGITS:
             raise UsageError(f"--logits must be fused or unfused, got {self.logits!r}")
+        if self.logits == "unfused" and a.attention == "encoder-decoder":  # planned as fused, without a word
+            raise UsageError(
+                f"{a.name} samples from the whole canvas's fp32 logits (its self-conditioning keeps them): "
+                "--logits does not apply"
+            )
         for name, value in (
             ("tp", self.tp),
             ("batch", self.batch),
