@@ -45,6 +45,20 @@ def test_generate_refuses_bad_flags_before_loading(no_loading: None, args: list[
     assert "error:" in result.output and message in result.output
 
 
+def test_a_gen_length_past_the_models_length_is_refused_naming_gen_length(no_loading: None) -> None:
+    """`--gen-length 3000` (not a multiple of 32) on a 2048-token model was refused as
+    "block_length (3000) exceeds the model's maximum length": the block it resolves to, a flag
+    the user never gave (a server's 400 named param block_length for a max_tokens too)."""
+    for family in ("tiny:llada", "tiny:sdar"):
+        args = ["generate", family, "--prompt-ids", "1,2,3"]
+        result = CliRunner().invoke(app, [*args, "--gen-length", "100001"])
+        assert result.exit_code == 2, result.output
+        assert "gen_length (100001) exceeds the model's maximum length" in result.output, result.output
+        assert "block_length" not in result.output, result.output
+        result = CliRunner().invoke(app, [*args, "--block-length", "100000"])
+        assert result.exit_code == 2 and "block_length (100000) exceeds" in result.output, result.output
+
+
 def test_serve_refuses_a_max_model_len_over_the_models_before_loading(no_loading: None) -> None:
     result = CliRunner().invoke(app, ["serve", "tiny:sdar", "--max-model-len", "100000"])
     assert result.exit_code == 2, result.output
