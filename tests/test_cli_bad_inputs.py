@@ -171,6 +171,25 @@ def test_fetch_repairs_a_version_damaged_since_it_was_verified(touched: bool, go
     assert [v["state"] for v in json.loads(stdout)["models"][0]["versions"]] == ["verified"]
 
 
+def test_the_fetch_command_offered_to_repair_a_version_is_shell_quoted(good: Path, tmp_path: Path) -> None:
+    """The `dlm fetch ...` that `dlm models` (and every refusal of a damaged version) offers
+    to paste was not quoted: a source path with a space in it gave `dlm fetch /x/my model
+    --name m`, which fetches no such directory."""
+    import shlex
+
+    source = tmp_path / "my model"
+    shutil.copytree(good, source)
+    store = tmp_path / "store"
+    code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--include", "*", "--store", str(store), "--json")
+    assert code == 0, stderr
+    (Path(json.loads(stdout)["path"]) / "tokenizer.json").unlink()
+    code, stdout, stderr = cli("models", "--store", str(store), "--json")
+    reason = json.loads(stdout)["models"][0]["versions"][0]["reason"]
+    offered = re.search(r"then `(dlm fetch [^`]+)`", reason)
+    assert offered is not None, reason
+    assert shlex.split(offered.group(1)) == ["dlm", "fetch", str(source), "--include", "*", "--name", "m"]
+
+
 NAMES = {
     "300 characters": "a" * 300,
     "trailing newline": "name\n",

@@ -13,6 +13,7 @@ released or removed.
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -197,10 +198,13 @@ class Manifest(Record):
 
 def fetch_command(name: str, source: HubSource | LocalSource) -> str:
     """The `dlm fetch` that brings this very content under `name` again (a hub source pinned
-    to its commit): what repairs a failed version or resumes an interrupted download."""
-    again = f"{source.repo_id} --revision {source.commit}" if isinstance(source, HubSource) else source.path
-    again += "".join(f" --include '{g}'" for g in source.include) + "".join(f" --exclude '{g}'" for g in source.exclude)
-    return f"dlm fetch {again} --name {name}"
+    to its commit): what repairs a failed version or resumes an interrupted download. Each
+    word shell-quoted, as it is given to be pasted: a path with a space in it, or a glob with a
+    quote, made another command (`dlm fetch /data/my model ...` fetched no such directory)."""
+    words = [source.repo_id, "--revision", source.commit] if isinstance(source, HubSource) else [source.path]
+    for flag, globs in (("--include", source.include), ("--exclude", source.exclude)):
+        words += [w for glob in globs for w in (flag, glob)]
+    return shlex.join(["dlm", "fetch", *words, "--name", name])
 
 
 # -- a deployment's state ----------------------------------------------------------------------
