@@ -511,6 +511,28 @@ def test_a_prefix_cache_holds_the_context_less_the_last_block() -> None:
         _plan(LLADA_8B, context=2048, block_length=4097, cache="prefix")
 
 
+def test_the_block_planned_by_default_is_the_models_own(tmp_path: Path) -> None:
+    """Without --block-length the plan took 32 tokens whatever the model, where the engine
+    takes the model's own: a DiffusionGemma of a 256-token canvas was planned with a 32-token
+    canvas (its self-conditioning logits an eighth of what they are), SDAR with 32-token blocks
+    for its 4; and Clover, which decodes 32-token blocks only, was planned with any."""
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    gemma = json.loads((ensure_tiny_model("tiny:diffusion_gemma") / "config.json").read_text())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**gemma, "canvas_length": 256}))
+    report = estimate(str(config), Serving())
+    assert report["serving"]["block_length"] == 256
+    logits = next(r for r in report["memory_per_gpu"]["rows"] if r["name"] == "self-conditioning logits")
+    assert logits["bytes"] == 256 * report["model"]["vocab"] * 2  # bf16
+    assert estimate(str(ensure_tiny_model("tiny:sdar")), Serving())["serving"]["block_length"] == 4
+    assert estimate(str(ensure_tiny_model("tiny:sdar")), Serving(block_length=8))["serving"]["block_length"] == 8
+    clover = str(ensure_tiny_model("tiny:clover"))
+    assert estimate(clover, Serving())["serving"]["block_length"] == 32
+    with pytest.raises(UsageError, match="clover decodes 32-token blocks only"):
+        estimate(clover, Serving(block_length=7))
+
+
 def test_logits_unfused_is_refused_where_the_plan_cannot_take_it() -> None:
     """`--logits unfused` on DiffusionGemma planned the same bytes as fused (its canvas plan
     holds the whole canvas's logits either way) and echoed `logits: unfused` as planned."""

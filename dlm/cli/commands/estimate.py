@@ -143,7 +143,12 @@ def estimate(
         show_default="min(max position, 4096)",
     ),
     gen_length: int = typer.Option(256, "--gen-length", help="Generated tokens per sequence."),
-    block_length: int = typer.Option(32, "--block-length", help="Denoising block size."),
+    block_length: int | None = typer.Option(
+        None,
+        "--block-length",
+        help="Denoising block size.",
+        show_default="the model's: its trained block or canvas length, else 32",
+    ),
     cache: str = typer.Option(
         "auto", "--cache", help="auto|none|prefix|dual|block (auto: block for block-causal models, none otherwise)."
     ),

@@ -307,7 +307,7 @@ def plan_report(config: ServeConfig, estimate_from: str, gpu: str | None, revisi
         batch=config.max_num_seqs,
         context=context,
         gen_length=min(config.max_tokens, context - 1),
-        block_length=config.block_length or Serving.block_length,
+        block_length=config.block_length,  # None: the model's (`plan.model_block_length`)
         quantization=config.quantization,
         device="cpu" if config.device == "cpu" else "cuda",
     )

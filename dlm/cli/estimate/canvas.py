@@ -103,7 +103,7 @@ def cache_rows(a: Architecture, s: Serving, kv_bytes: int, act: int) -> list[Row
     from dlm.cli.estimate.plan import Row
 
     c, sp = a.config, a.config.canvas
-    assert sp is not None and s.context is not None
+    assert sp is not None and s.context is not None and s.block_length is not None
     full = _full_layers(a)
     kv = max(1, c.num_kv_heads // s.tp) * c.head_dim
     window = min(s.context, sp.sliding_window - 1)
@@ -129,7 +129,7 @@ def cache_rows(a: Architecture, s: Serving, kv_bytes: int, act: int) -> list[Row
 def transient(a: Architecture, s: Serving, act: int) -> tuple[int, str]:
     """The larger of one prompt's encoder pass and one decoder step over the batch."""
     c, sp = a.config, a.config.canvas
-    assert sp is not None and s.context is not None
+    assert sp is not None and s.context is not None and s.block_length is not None
     d, tp = c.hidden_size, s.tp
     q = c.num_heads // tp * max(c.head_dim, sp.global_head_dim)
     # Live per token at a layer's peak: residual, normed input, MLP input, attention output,

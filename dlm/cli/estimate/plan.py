@@ -26,6 +26,7 @@ from dlm.cli.hub import HUB_ID
 from dlm.engine.compressed_tensors import read_scheme
 from dlm.engine.config import NO_MASK, LinearAttentionSpec, ModelConfig, check_fits_weights, parse_config
 from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.family_rules import fixed_block
 from dlm.engine.home import expand_user
 from dlm.engine.parallel.divisibility import check_tensor_parallel
 from dlm.engine.params import CACHES
@@ -300,6 +301,7 @@ LOGITS = ("fused", "unfused")
 DEVICES = ("cuda", "cpu")  # what `dlm estimate --device` plans for
 STATS_CHUNK = 16384  # vocabulary chunk of dlm/kernels/token_stats.py
 DEFAULT_CONTEXT = 4096  # tokens per sequence planned without --context, if the model takes that many
+DEFAULT_BLOCK_LENGTH = 32  # the engine's block for a model without its own (dlm/engine/params.py)
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,7 @@ class Serving:
     batch: int = 1
     context: int | None = None  # tokens per sequence, prompt + generation (default: min(max_position, DEFAULT_CONTEXT))
     gen_length: int = 256
-    block_length: int = 32
+    block_length: int | None = None  # None: the model's, as the engine takes it (`model_block_length`)
     cache: str = "auto"
     logits: str = "fused"
     prefill_chunk: int | None = 8192  # tokens per prefill forward (chunked prefill); None: whole prompts
@@ -372,11 +374,12 @@ class Serving:
                 f"{a.name} samples from the whole canvas's fp32 logits (its self-conditioning keeps them): "
                 "--logits does not apply"
             )
+        block = model_block_length(a.config) if self.block_length is None else self.block_length
         for name, value in (
             ("tp", self.tp),
             ("batch", self.batch),
             ("gen-length", self.gen_length),
-            ("block-length", self.block_length),
+            ("block-length", block),
         ):
             if value < 1:
                 raise UsageError(f"--{name} must be at least 1, got {value}")
@@ -397,11 +400,12 @@ class Serving:
                 f"({context} tokens): give a --context above it (the model takes up to {longest}) or a "
                 "shorter --gen-length"
             )
-        if self.block_length > longest:  # as the engine refuses it (dlm/engine/params.py)
+        if block > longest:  # as the engine refuses it (dlm/engine/params.py)
             raise UsageError(
-                f"--block-length ({self.block_length}) exceeds the model's maximum length of {longest} tokens "
-                "(config.json)"
+                f"--block-length ({block}) exceeds the model's maximum length of {longest} tokens (config.json)"
             )
+        if (fixed := fixed_block(a.config)) is not None and block != fixed:  # as the engine refuses it
+            raise UsageError(f"{a.name} decodes {fixed}-token blocks only: leave --block-length out or give {fixed}")
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--fragmentation must be in [0, 1), got {self.fragmentation}")
         if self.overhead_gib is not None:
@@ -416,8 +420,23 @@ class Serving:
             check_runs(method, device, WEIGHT_FORMATS[fmt].torch_dtype)
         quantization = None if method is None else method.name
         return replace(
-            self, dtype=fmt, kv_dtype=kv, context=context, cache=cache, quantization=quantization, device=device
+            self,
+            dtype=fmt,
+            kv_dtype=kv,
+            context=context,
+            block_length=block,
+            cache=cache,
+            quantization=quantization,
+            device=device,
         )
+
+
+def model_block_length(config: ModelConfig) -> int:
+    """The block the engine decodes when none is given (`family_rules.with_defaults`): the
+    family's trained block length (SDAR's 4, Clover's 32), DiffusionGemma's canvas, else 32.
+    The plan took 32 whatever the model: a DiffusionGemma of a 256-token canvas was planned
+    with a 32-token one (its logits an eighth of what it holds)."""
+    return config.block_length if config.block_length is not None else DEFAULT_BLOCK_LENGTH
 
 
 def check_gib(flag: str, value: float, positive: bool) -> None:
@@ -548,7 +567,7 @@ def _layer_peak_elements(a: Architecture, s: Serving) -> tuple[float, str]:
 
 def plan_memory(a: Architecture, comps: list[Component], serving: Serving) -> MemoryPlan:
     s = serving.resolved(a)
-    assert s.context is not None
+    assert s.context is not None and s.block_length is not None  # resolved
     act = _act_bytes(s)
     kv_bytes = KV_BYTES[s.kv_dtype]
     tp, d = s.tp, a.config.hidden_size
