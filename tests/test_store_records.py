@@ -378,3 +378,16 @@ def test_a_source_file_whose_name_is_not_utf8_is_a_finding_not_a_traceback(sourc
     assert [(f["file"], f["check"]) for f in failures] == [("\\xff\\xfe.txt", "source")]
     code, stdout, stderr = cli("fetch", str(source), "--name", "m", "--store", str(store), "--exclude", "*.txt")
     assert code == 0, stderr
+
+
+def test_a_verification_record_torn_by_a_kill_is_cleared(stocked: tuple[Store, list[str]]) -> None:
+    """`dlm verify` SIGKILLed as it wrote the version's record left `.manifest.json.*.tmp`
+    in the version's directory for good (each kill one more; `dlm rm` alone removed them). The
+    next store transaction clears it, as it clears a removal's trash."""
+    store, versions = stocked
+    torn = store.version_dir("m", versions[0]) / ".manifest.json.k1ll3d.tmp"
+    torn.write_text('{"name": "m", "ver')
+    code, stdout, stderr = cli("models", "--store", str(store.root), "--json")
+    assert code == 0, stderr
+    assert not torn.exists()
+    assert store.manifest("m", versions[0]).verified

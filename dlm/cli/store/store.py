@@ -562,7 +562,7 @@ class Store:
 
     def clear_leftovers(self, name: str) -> None:
         """What killed writers left under model `name`: removals' trash (removals run under
-        the store lock, which the caller holds) and abandoned fresh staging copies, unless a
+        the store lock, which the caller holds), torn verification records, and abandoned fresh staging copies, unless a
         fetch of the model is transferring now (it holds the staging lock; its successor
         clears what it abandons); and then the model's directory itself when that leaves it
         with no version (a fetch of a new name killed, or its last version removed), so that
@@ -572,6 +572,10 @@ class Store:
         directory = self.model_dir(name)
         for leftover in directory.glob(".trash-*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        # A verification record's temporary (`write_json_atomic`), left by a `dlm verify` killed
+        # as it wrote it: written under the store lock, which the caller holds, so none is in use.
+        for torn in directory.glob(f"*/.{MANIFEST}.*.tmp"):
+            torn.unlink(missing_ok=True)
         try:
             with locked(directory / ".lock", blocking=False, make_parents=False):
                 self.clear_stale_staging(name)
