@@ -111,6 +111,14 @@ def test_unknown_revision_and_repo_are_usage_errors(hub: FakeHub, tmp_path: Path
     assert code == 2 and "no such repository" in stderr
 
 
+@pytest.mark.parametrize("revision", ["", "  "])
+def test_an_empty_revision_is_bad_usage_not_main(hub: FakeHub, tmp_path: Path, revision: str) -> None:
+    """`--revision "$REV"` with REV unset fetched main, pinning another version than asked."""
+    with pytest.raises(UsageError, match="--revision is empty"):
+        fetch("org/tiny", Store(tmp_path / "store"), revision=revision)
+    assert hub.requests == []  # refused before asking the hub
+
+
 @pytest.mark.slow
 def test_sigkill_mid_download_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """huggingface_hub (2.x) downloads each file to a process-unique temporary name, so a

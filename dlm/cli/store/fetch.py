@@ -532,4 +532,6 @@ def fetch(
         raise UsageError(f"{'--link' if link else '--follow-symlinks'} applies to local sources only")
     if not HUB_ID.match(source):
         raise UsageError(f"no directory at {source!r}, and it is not a hub repo id (org/name)")
+    if revision is not None and not revision.strip():  # `--revision ""` (an unset variable) was main
+        raise UsageError("--revision is empty: give a branch, tag or commit, or leave it out for main")
     return fetch_hub(source, store, name, revision, include, exclude, progress, workers)
