@@ -100,7 +100,11 @@ def test_a_corrupt_manifest_is_listed_and_removable_and_the_store_works_on(
     assert cli("release", "m", "--store", root)[0] == 0  # the newest verified: v2, never the corrupt v3
     code, stdout, stderr = cli("rm", "m", "--keep", "0", "--store", root, "--json")
     assert code == 0, stderr
-    assert json.loads(stdout) == {"removed": [], "kept_released": [f"m@{v1}", f"m@{v2}"]}
+    kept = {
+        f"m@{v1}": "the previous release of deployment default",
+        f"m@{v2}": "the current release of deployment default",
+    }
+    assert json.loads(stdout) == {"removed": [], "kept_released": [f"m@{v1}", f"m@{v2}"], "kept": kept}
 
     code, stdout, stderr = cli("rm", f"m@{v3}", "--store", root, "--json")
     assert code == 0 and json.loads(stdout)["removed"] == [f"m@{v3}"], stderr

@@ -240,7 +240,7 @@ def test_rm_of_an_incomplete_download_deletes_it_unless_its_fetch_runs(
     assert incomplete.path.is_dir()
     code, stdout, stderr = cli("rm", incomplete.ref, "--store", root, "--json")
     assert code == 0, stderr
-    assert json.loads(stdout) == {"removed": [incomplete.ref], "kept_released": []}
+    assert json.loads(stdout) == {"removed": [incomplete.ref], "kept_released": [], "kept": {}}
     assert not incomplete.path.exists() and store.incomplete_fetches("tiny") == []
     assert [m.version for m in store.manifests("tiny")] == [r.manifest.version for r in published]
     assert store.models() == (["tiny"] if published else [])

@@ -176,7 +176,8 @@ def rm(
         name, version = split_ref(model)
         removed, kept = remove_versions(open_store(store), name, version, keep)
         if json_out:
-            emit_json({"removed": removed, "kept_released": list(kept)})
+            # `kept`: why each was kept (what stderr says), beside the list scripts already read
+            emit_json({"removed": removed, "kept_released": list(kept), "kept": dict(kept)})
         for ref in removed:
             err_console.print(f"removed {ref}", highlight=False)
         for ref, role in kept.items():
