@@ -105,6 +105,36 @@ def test_tiny_count_detects_a_missing_tensor(tmp_path: Path) -> None:
     assert "differs from config.json by -32 (the weights lack tensors config.json describes" in " ".join(stderr.split())
 
 
+def _rewrite_header(file: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """`file`'s safetensors header changed by `change`, padded to its old length (offsets kept)."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "the change must not lengthen the header"
+    file.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda h: h[next(k for k in h if k != "__metadata__")].update(dtype="Q7"), "unknown dtype 'Q7'"),
+        (lambda h: h[next(k for k in h if k != "__metadata__")].update(shape=[9999, 96]), "needs"),
+    ],
+    ids=["unknown dtype", "a shape its bytes do not hold"],
+)
+def test_a_header_verify_refuses_is_refused_by_the_estimate_too(
+    tmp_path: Path, change: Callable[[dict[str, Any]], None], problem: str
+) -> None:
+    """Before: the plan counted such tensors (a shape of 10^6 parameters in 24 KB, an unknown dtype of 0 bytes)
+    and exit 0, saying the weights match or differ from config.json; `dlm verify` fails them."""
+    directory = tiny_checkpoint(tmp_path, "dream")
+    _rewrite_header(next(directory.glob("*.safetensors")), change)
+    code, _, stderr = cli("estimate", str(directory), "--gpu-memory", "24")
+    assert code == 1 and problem in stderr and "cannot read the weights" in stderr, stderr
+
+
 REFERENCE_FAMILIES = {"llada_tiny_v2": "llada", "dream_tiny_v2": "dream", "sdar_tiny": "sdar", "llada2_tiny": "llada2"}
 
 

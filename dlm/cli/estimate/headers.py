@@ -8,13 +8,11 @@ tells what a checkpoint holds in milliseconds and without torch, which is what
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlm.cli.store.safetensors_format import DTYPE_BITS, MAX_HEADER
+from dlm.cli.store.safetensors_format import DTYPE_BITS, check_safetensors
 from dlm.engine.loader import damaged_weights, require_file, shard_index
 
 
@@ -54,39 +52,21 @@ class CheckpointHeaders:
 def read_file_header(path: Path) -> dict[str, TensorHeader]:
     """Tensors listed in one local .safetensors file's header.
 
-    A file that cannot be read as safetensors is a damaged checkpoint: refused as the loader
-    refuses it (`damaged_weights`: exit 1, the file and the fix named), so `dlm estimate` and
-    `dlm generate` say the same of the same damage."""
+    A file whose header `dlm verify` finds wrong (`check_safetensors`: an unknown dtype,
+    offsets that overlap or run past the file, a shape its bytes do not hold, JSON that does
+    not parse) is a damaged checkpoint: refused as the loader refuses it (`damaged_weights`:
+    exit 1, the file and the fix named). Only well-formed entries were checked before, so a
+    shape of 10^30 or an unknown dtype was planned and said to match config.json."""
     path = Path(path)
     require_file(path)
     try:
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise damaged_weights(path, "too short to be a safetensors file")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER:
-                raise damaged_weights(path, f"safetensors header of {length} bytes exceeds the format's limit")
-            raw = handle.read(length)
+        report = check_safetensors(path)
     except OSError as exc:
         raise damaged_weights(path, exc.strerror or exc) from None
-    try:
-        header = json.loads(raw)
-    except RecursionError:
-        raise damaged_weights(path, "the safetensors header is JSON nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise damaged_weights(path, f"the safetensors header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise damaged_weights(path, "the safetensors header is not a JSON object")
-    tensors: dict[str, TensorHeader] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            tensors[name] = TensorHeader(str(info["dtype"]), tuple(int(s) for s in info["shape"]))
-        except (KeyError, TypeError, ValueError):
-            raise damaged_weights(path, f"tensor {name!r} has a malformed header entry") from None
-    return tensors
+    if report.problems:
+        more = f" (and {len(report.problems) - 1} more: dlm verify lists them)" if len(report.problems) > 1 else ""
+        raise damaged_weights(path, report.problems[0] + more)
+    return {name: TensorHeader(dtype, shape) for name, (dtype, shape) in report.shapes.items()}
 
 
 def local_headers(directory: Path) -> CheckpointHeaders | None:

@@ -43,10 +43,12 @@ DTYPE_BITS = {
 
 @dataclass
 class SafetensorsReport:
-    """What one file holds (`tensors`) and what is wrong with it (`problems`)."""
+    """What one file holds (`tensors`, each entry's dtype and shape in `shapes` when it
+    declares them well) and what is wrong with it (`problems`)."""
 
     tensors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 def _tensor_problems(name: str, info: object) -> tuple[str | None, tuple[int, int] | None]:
@@ -95,6 +97,9 @@ def check_safetensors(path: Path) -> SafetensorsReport:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         report.problems.append(f"header is not valid UTF-8 JSON: {exc}")
         return report
+    except RecursionError:  # was a traceback of `dlm verify`
+        report.problems.append("header is JSON nested too deeply")
+        return report
     if not isinstance(header, dict):
         report.problems.append("header is not a JSON object")
         return report
@@ -107,6 +112,8 @@ def check_safetensors(path: Path) -> SafetensorsReport:
         problem, span = _tensor_problems(name, info)
         if problem:
             report.problems.append(problem)
+        elif isinstance(info, dict):
+            report.shapes[name] = (info["dtype"], tuple(info["shape"]))
         if span is not None:
             spans.append((span[0], span[1], name))
     data_size = size - 8 - n
