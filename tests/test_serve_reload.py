@@ -79,3 +79,23 @@ def test_sighup_reads_the_config_file_again(tmp_path_factory: pytest.TempPathFac
         assert server.proc.poll() is None and not any("Traceback" in line for line in server.lines)
     finally:
         server.terminate()
+
+
+def test_a_default_length_left_unset_stays_the_one_the_served_max_tokens_gives() -> None:
+    """A file that changed max_tokens (a restart's) and gave no default_max_tokens reloaded
+    the default derived from its max_tokens: served 64, the default became 128 and every
+    request without max_tokens was refused 'max_tokens (128) exceeds this server's limit of 64'."""
+    base = {**BASE, "max_tokens": 64}
+    with app_client(base) as client:
+        service = client.app.state.service  # type: ignore[attr-defined]
+        applied, restart = service.reload(load_config(None, {**base, "max_tokens": 1024}, environ={}))
+        assert applied == {} and restart == ["max_tokens"]
+        answer = client.post("/v1/completions", json={"prompt": "hi", "steps": 8})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 64, answer.text
+        with pytest.raises(UsageError, match=r"default_max_tokens \(100\) exceeds max_tokens \(64\)"):
+            service.reload(load_config(None, {**base, "max_tokens": 1024, "default_max_tokens": 100}, environ={}))
+        assert service.config.default_max_tokens == 64
+        applied, _ = service.reload(load_config(None, {**base, "default_max_tokens": 16}, environ={}))
+        assert applied == {"default_max_tokens": (64, 16)}
+        applied, _ = service.reload(load_config(None, base, environ={}))  # given no more: derived again
+        assert applied == {"default_max_tokens": (16, 64)}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from dlm.cli.text_files import load_yaml, read_text
 from dlm.engine.errors import UsageError
@@ -251,6 +251,9 @@ class ServeConfig(BaseModel):
     warmup: bool = Field(True, description="Run a warm-up forward before /ready.")
     log_prompts: Annotated[bool, LIVE] = Field(False, description="Put prompt and output text in request logs.")
     log_level: Annotated[str, LIVE] = Field("info", description="critical, error, warning, info, debug.")
+    # default_max_tokens was not given: `load_config` derived it from max_tokens (a reload
+    # derives it again from the max_tokens served, which only a restart changes)
+    _derived_default_length: bool = PrivateAttr(False)
 
     @field_validator("device")
     @classmethod
@@ -447,8 +450,17 @@ class ServeConfig(BaseModel):
 
     def reloaded(self, new: ServeConfig) -> tuple[ServeConfig, dict[str, tuple[Any, Any]], list[str]]:
         """This configuration with `new`'s live settings; the live settings changed (old,
-        new), and the names of the others `new` changes, which only a restart applies."""
+        new), and the names of the others `new` changes, which only a restart applies. A
+        default length `new` does not give is derived from the max_tokens served (its own
+        needs a restart); one given over it is a `UsageError`."""
         live = self.live()
+        if new._derived_default_length:  # not given: min(128, max_tokens) of the max_tokens served
+            new = new.model_copy(update={"default_max_tokens": min(GEN_LENGTH, self.max_tokens)})
+        if new.default_gen_length > self.max_tokens:
+            raise UsageError(
+                f"default_max_tokens ({new.default_gen_length}) exceeds max_tokens ({self.max_tokens}), "
+                "which a reload does not change (a restart does)"
+            )
         changed = [name for name in type(self).model_fields if getattr(self, name) != getattr(new, name)]
         applied = {name: (getattr(self, name), getattr(new, name)) for name in changed if name in live}
         merged = self.model_copy(update={name: values[1] for name, values in applied.items()})
@@ -626,6 +638,7 @@ def load_config(
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
     if config.default_max_tokens is None:
         config.default_max_tokens = min(GEN_LENGTH, config.max_tokens)
+        config._derived_default_length = True
     elif config.default_max_tokens > config.max_tokens:
         raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
     config.keys()  # a missing key file is a start-up error, not a runtime one
