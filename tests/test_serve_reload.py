@@ -99,3 +99,16 @@ def test_a_default_length_left_unset_stays_the_one_the_served_max_tokens_gives()
         assert applied == {"default_max_tokens": (64, 16)}
         applied, _ = service.reload(load_config(None, base, environ={}))  # given no more: derived again
         assert applied == {"default_max_tokens": (16, 64)}
+
+
+def test_the_openapi_document_states_the_default_length_a_reload_set(client: TestClient) -> None:
+    """/openapi.json was built once with the start's default_max_tokens: after a reload it
+    still stated the old default of every request that gives no max_tokens."""
+
+    def stated() -> object:
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        return {schemas[name]["properties"]["max_tokens"]["default"] for name in ("CompletionRequest", "ChatRequest")}
+
+    assert stated() == {128}
+    client.app.state.service.reload(load_config(None, {**BASE, "default_max_tokens": 16}, environ={}))  # type: ignore[attr-defined]
+    assert stated() == {16}

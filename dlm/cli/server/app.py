@@ -93,7 +93,7 @@ def create_app(config: ServeConfig, failure_detail: bool = False, port: int | No
         # names; behind a TLS proxy, http:// where the client spoke https).
         redirect_slashes=False,
     )
-    openapi.install(app, config)
+    openapi.install(app, lambda: service.config)  # its length default: a reload's
     app.state.service = service
     app.state.admin = admin
     app.state.loading = None  # the loading task, once the lifespan starts it

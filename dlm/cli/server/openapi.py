@@ -11,6 +11,7 @@ Errors are OpenAI's body (`ErrorResponse`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -90,8 +91,9 @@ def _errors(schema: dict[str, Any]) -> None:
         schema["components"]["schemas"].pop(name, None)
 
 
-def install(app: FastAPI, config: ServeConfig) -> None:
-    """Build the description on first request, with the request models' schemas."""
+def install(app: FastAPI, settings: Callable[[], ServeConfig]) -> None:
+    """Build the description on first request, with the request models' schemas; the length
+    default is `settings()`'s as the document is read (a reload changes it)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -101,14 +103,15 @@ def install(app: FastAPI, config: ServeConfig) -> None:
                 model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(model_schema.pop("$defs", {}))
                 components[model.__name__] = model_schema
-            for name in ("CompletionRequest", "ChatRequest"):  # this server's length default and limit
-                length = components[name]["properties"]["max_tokens"]
-                length["default"] = config.default_gen_length
-                length["anyOf"][0]["maximum"] = config.max_tokens
             components["ErrorResponse"] = ERROR
             _media_types(schema["paths"])
             _errors(schema)
             app.openapi_schema = schema
+        config = settings()
+        for name in ("CompletionRequest", "ChatRequest"):  # this server's length default and limit
+            length = app.openapi_schema["components"]["schemas"][name]["properties"]["max_tokens"]
+            length["default"] = config.default_gen_length
+            length["anyOf"][0]["maximum"] = config.max_tokens
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
