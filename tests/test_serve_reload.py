@@ -3,16 +3,20 @@ reads the --config file again and applies its live settings (`ServeConfig.live`)
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from dlm.cli.server.config import ServeConfig, load_config
+from dlm.cli.server.run import DrainingServer
 from dlm.engine.errors import UsageError
 from tests.conftest import session_home
 from tests.serving import ServerProcess, app_client, wait_until
@@ -112,3 +116,28 @@ def test_the_openapi_document_states_the_default_length_a_reload_set(client: Tes
     assert stated() == {128}
     client.app.state.service.reload(load_config(None, {**BASE, "default_max_tokens": 16}, environ={}))  # type: ignore[attr-defined]
     assert stated() == {16}
+
+
+def test_a_sighup_during_a_reload_reads_the_settings_again(client: TestClient) -> None:
+    """SIGHUPs while a reload read the settings were dropped: a config centre that rewrote
+    the file again in that moment left the server on the previous file's settings."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    release, reads = threading.Event(), []
+
+    def settings() -> ServeConfig:
+        reads.append(len(reads))
+        release.wait(10)  # the first read lasts until every signal has come
+        return load_config(None, {**BASE, "max_steps": 100 + len(reads)}, environ={})
+
+    server = DrainingServer(uvicorn.Config(client.app), service, settings)
+
+    async def storm() -> None:
+        for _ in range(5):
+            server._reload_requested()
+            await asyncio.sleep(0.05)
+        release.set()
+        while server._reloading is not None and not server._reloading.done():
+            await server._reloading
+
+    asyncio.run(storm())
+    assert len(reads) == 2 and service.config.max_steps == 102, (reads, service.config.max_steps)

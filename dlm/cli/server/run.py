@@ -80,6 +80,7 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self.settings = settings
         self._reloading: asyncio.Task[None] | None = None
+        self._reload_asked = False  # a SIGHUP not yet answered by a read of the settings
         self.exit_code = 0
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
@@ -107,8 +108,16 @@ class DrainingServer(uvicorn.Server):
                 log.info("listening on %s:%d (requests wait while the model loads)", host, port)
 
     def _reload_requested(self) -> None:
-        if self._reloading is None or self._reloading.done():  # signals while one runs: that one reads the file
-            self._reloading = asyncio.create_task(self.reload())
+        """SIGHUP: a reload, after the one running if any (it may have read the file before
+        the write this signal announces); signals while one waits are that one."""
+        self._reload_asked = True
+        if self._reloading is None or self._reloading.done():
+            self._reloading = asyncio.create_task(self._reload_while_asked())
+
+    async def _reload_while_asked(self) -> None:
+        while self._reload_asked:
+            self._reload_asked = False
+            await self.reload()
 
     async def reload(self) -> None:
         """SIGHUP: read the settings again (the --config file, DLM_* variables, the flags given)
