@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from dlm.cli.server.config import ServeConfig, load_config
 from dlm.cli.server.run import DrainingServer
+from dlm.cli.server.service import Service
 from dlm.engine.errors import UsageError
 from tests.conftest import session_home
 from tests.serving import ServerProcess, app_client, wait_until
@@ -141,3 +142,25 @@ def test_a_sighup_during_a_reload_reads_the_settings_again(client: TestClient) -
 
     asyncio.run(storm())
     assert len(reads) == 2 and service.config.max_steps == 102, (reads, service.config.max_steps)
+
+
+def test_a_sighup_while_the_model_loads_is_answered_once_it_has_loaded() -> None:
+    """A SIGHUP while the model loaded applied defaults no family had checked: decode_mode ar
+    on LLaDA was 'reloaded', then the load refused it and the server exited with code 2."""
+    service = Service(load_config(None, BASE, environ={}))
+    ar = load_config(None, {**BASE, "decode_mode": "ar", "max_steps": 4}, environ={})
+    server = DrainingServer(uvicorn.Config(lambda: None), service, lambda: ar)
+
+    async def signal_while_loading() -> None:
+        server._reload_requested()  # nothing loaded yet
+        await asyncio.to_thread(service.load)
+        assert service.load_error is None, service.load_error
+        await server.on_tick(0)  # loaded: the reload runs, and is refused
+        assert server._reloading is not None
+        await server._reloading
+
+    try:
+        asyncio.run(signal_while_loading())
+        assert service.config.decode_mode == "diffusion" and service.config.max_steps == 1024
+    finally:
+        service.shutdown()

@@ -109,8 +109,11 @@ class DrainingServer(uvicorn.Server):
 
     def _reload_requested(self) -> None:
         """SIGHUP: a reload, after the one running if any (it may have read the file before
-        the write this signal announces); signals while one waits are that one."""
+        the write this signal announces); signals while one waits are that one. While the
+        model loads, the reload waits for it (`on_tick`): its family checks the defaults."""
         self._reload_asked = True
+        if self.service.served is None and self.service.load_error is None:
+            return
         if self._reloading is None or self._reloading.done():
             self._reloading = asyncio.create_task(self._reload_while_asked())
 
@@ -145,6 +148,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.service.ready and not self._announced:
             self.announce_ready()
+        if self._reload_asked and self.service.served is not None:  # a SIGHUP sent while the model loaded
+            self._reload_requested()
         if self.service.load_error is not None:
             log.error("error: %s", self.service.load_error)
             self.exit_code = self.service.exit_code

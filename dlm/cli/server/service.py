@@ -251,10 +251,13 @@ class Service:
         request timeout, rate limits, logging), which every request that follows reads; its
         other changes need a restart and are returned unapplied. Decoding defaults the served
         model's family refuses refuse the whole reload (`UsageError`): nothing changes. The
-        rate buckets start full when a rate changes. Returns (applied, needing a restart)."""
+        rate buckets start full when a rate changes. Returns (applied, needing a restart).
+        While the model loads there is no family to check the defaults against (and its
+        load reads them): a `DlmError`, nothing changes."""
+        if self.served is None:
+            raise DlmError("the model is still loading: settings are reloaded once it has loaded")
         merged, applied, restart = self.config.reloaded(new)
-        if self.served is not None:
-            merged.check_defaults(self.served.engine.engine.validate)
+        merged.check_defaults(self.served.engine.engine.validate)
         self.config = merged
         if {"requests_per_minute", "tokens_per_minute"} & applied.keys():
             self.limiter = RateLimiter(merged.requests_per_minute, merged.tokens_per_minute)
