@@ -27,3 +27,12 @@ def test_a_prompt_from_standard_input_is_that_text_without_its_final_newline() -
 def test_bytes_that_are_not_utf8_on_standard_input_are_one_error_line() -> None:
     result = generate("-", b"\xffab")
     assert result.exit_code == 2 and "the prompt on standard input is not UTF-8 text" in result.output, result.output
+
+
+def test_a_final_windows_newline_is_dropped_whole() -> None:
+    """A file saved with CRLF line ends kept the final newline's carriage return: 'hi\\r' was
+    the prompt, one token more than 'hi'."""
+    piped = generate("-", b"Paris is\r\nthe capital\r\n")
+    typed = generate("Paris is\r\nthe capital")
+    assert piped.exit_code == typed.exit_code == 0, piped.output
+    assert json.loads(piped.stdout)["prompt_ids"] == json.loads(typed.stdout)["prompt_ids"]

@@ -170,7 +170,8 @@ def generate(
             if prompt == "-" and prompt_ids is None:  # `dlm generate -p - < prompt.txt`, or from a pipe
                 from dlm.cli.text_files import read_stdin
 
-                source = read_stdin("the prompt").removesuffix("\n")
+                text = read_stdin("the prompt")  # its final newline dropped, a Windows one (CRLF) too
+                source = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
             elif prompt is not None and prompt_ids is None:
                 source = prompt
             elif prompt_ids is not None and prompt is None:
