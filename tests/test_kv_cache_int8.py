@@ -95,3 +95,18 @@ def test_a_server_with_an_int8_cache_answers_and_says_so() -> None:
         assert client.get("/health").json()["kv_cache_dtype"] == "int8"
         answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 16})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+def test_serve_refuses_int8_for_such_a_family_from_config_json(name: str) -> None:
+    """`dlm serve tiny:llada --kv-cache-dtype int8` printed its configuration, bound its port
+    and started the server before the load refused the setting; the other settings a
+    checkpoint refuses (`ServeConfig.check_model`) stop it before anything starts."""
+    from dlm.engine.config import load_config as model_config
+
+    config = load_config(None, {"model": f"tiny:{name}", "kv_cache_dtype": "int8"}, environ={})
+    with pytest.raises(UsageError, match="block-causal"):
+        config.check_model(model_config(ensure_tiny_model(f"tiny:{name}")))
+    load_config(None, {"model": "tiny:sdar", "kv_cache_dtype": "int8"}, environ={}).check_model(
+        model_config(ensure_tiny_model("tiny:sdar"))
+    )

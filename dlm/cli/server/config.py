@@ -437,9 +437,13 @@ class ServeConfig(BaseModel):
 
     def check_lengths(self, model: ModelConfig) -> None:
         """`check_model` without the parallel split (what `dlm deploy` checks for pods whose
-        ranks are placed by the cluster): the context length and the decoding defaults."""
+        ranks are placed by the cluster): the K/V cache storage, the context length and the
+        decoding defaults."""
         from dlm.engine.family_rules import validate
+        from dlm.engine.quantization import check_kv_cache_dtype
+        from dlm.engine.registry import family_named
 
+        check_kv_cache_dtype(self.kv_cache_dtype, family_named(model.family))  # as the load would, first
         self.model_len(model.max_position_embeddings)
         self.check_defaults(lambda params, prompt_length: validate(params, prompt_length, model))
 
