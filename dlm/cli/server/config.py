@@ -54,6 +54,12 @@ class Cli:
     shown: str | None = None
 
 
+def derived_default_length(max_tokens: int) -> int:
+    """The max_tokens of a request that gives none, where `default_max_tokens` is not set:
+    OpenAI's default answer length, within the server's limit."""
+    return min(GEN_LENGTH, max_tokens)
+
+
 @dataclass(frozen=True)
 class Live:
     """A setting a running server takes on a reload (SIGHUP: `Service.reload`), read afresh by
@@ -394,7 +400,7 @@ class ServeConfig(BaseModel):
         """The max_tokens of a request that gives none: `default_max_tokens`, else min(128,
         max_tokens), as `load_config` fills it (a ServeConfig made in Python, as `create_app`
         takes it, answered such a request with max_tokens, 1024 tokens)."""
-        return self.default_max_tokens or min(GEN_LENGTH, self.max_tokens)
+        return self.default_max_tokens or derived_default_length(self.max_tokens)
 
     def pinned(self, ref: str | None) -> ServeConfig:
         """This config with MODEL pinned to the store version `ref` it was checked as (a bare
@@ -459,7 +465,7 @@ class ServeConfig(BaseModel):
         needs a restart); one given over it is a `UsageError`."""
         live = self.live()
         if new._derived_default_length:  # not given: min(128, max_tokens) of the max_tokens served
-            new = new.model_copy(update={"default_max_tokens": min(GEN_LENGTH, self.max_tokens)})
+            new = new.model_copy(update={"default_max_tokens": derived_default_length(self.max_tokens)})
         if new.default_gen_length > self.max_tokens:
             raise UsageError(
                 f"default_max_tokens ({new.default_gen_length}) exceeds max_tokens ({self.max_tokens}), "
@@ -641,7 +647,7 @@ def load_config(
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise UsageError("TLS needs both ssl_certfile and ssl_keyfile")
     if config.default_max_tokens is None:
-        config.default_max_tokens = min(GEN_LENGTH, config.max_tokens)
+        config.default_max_tokens = derived_default_length(config.max_tokens)
         config._derived_default_length = True
     elif config.default_max_tokens > config.max_tokens:
         raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
