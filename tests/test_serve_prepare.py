@@ -41,17 +41,38 @@ class Served:
 
 
 @dataclass
+class Bounds:
+    """The settings a Preparer reads its bounds from: a backlog of `max_queue + max_num_seqs`
+    bodies, `queue_share() + max_num_seqs` of one key."""
+
+    max_queue: int = 3
+    max_num_seqs: int = 1
+    share: int | None = None
+
+    def queue_share(self) -> int:
+        return self.max_queue if self.share is None else self.share
+
+
+def bounds(backlog: int, share: int | None = None) -> Bounds:
+    """Settings giving a Preparer `backlog` bodies in all and `share` of one key (with a batch of one)."""
+    return Bounds(backlog - 1, 1, None if share is None else share - 1)
+
+
+@dataclass
 class FakeService:
     served: Any
     models: list[str | None] = field(default_factory=list)
+    config: Bounds = field(default_factory=Bounds)
 
     def check_model(self, name: str | None) -> None:
         self.models.append(name)
 
 
 def run(service: FakeService, body: dict[str, Any], model: type = CompletionRequest, backlog: int = 4) -> Any:
+    service.config = bounds(backlog)
+
     async def go() -> Any:
-        preparer = Preparer(backlog)
+        preparer = Preparer()
         try:
             return await preparer.prepare(service, json.dumps(body).encode(), model)  # type: ignore[arg-type]
         finally:
@@ -82,11 +103,12 @@ def test_a_chat_with_too_many_messages_is_refused_before_rendering() -> None:
 
 def test_a_full_backlog_is_429_at_once() -> None:
     async def go() -> None:
-        preparer = Preparer(1)
+        preparer = Preparer()
         preparer.pending = 1  # one body already being prepared
         try:
             with pytest.raises(APIError) as caught:
-                await preparer.prepare(FakeService(Served()), b'{"prompt": "x"}', CompletionRequest)  # type: ignore[arg-type]
+                service = FakeService(Served(), config=bounds(1))
+                await preparer.prepare(service, b'{"prompt": "x"}', CompletionRequest)  # type: ignore[arg-type]
             assert (caught.value.status, caught.value.code) == (429, "queue_full")
             assert caught.value.headers["Retry-After"] == "1"
         finally:

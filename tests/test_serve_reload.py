@@ -35,14 +35,34 @@ def client() -> Iterator[TestClient]:
 def test_live_settings_apply_to_the_next_request_and_the_rest_wait_for_a_restart(client: TestClient) -> None:
     service = client.app.state.service  # type: ignore[attr-defined]
     assert client.post("/v1/completions", json=ASK).status_code == 200
-    new = load_config(None, {**BASE, "max_steps": 4, "requests_per_minute": 2, "max_num_seqs": 3}, environ={})
+    new = load_config(None, {**BASE, "max_steps": 4, "requests_per_minute": 2, "prefix_cache_mib": 3}, environ={})
     applied, restart = service.reload(new)
-    assert applied == {"max_steps": (1024, 4), "requests_per_minute": (0, 2)} and restart == ["max_num_seqs"]
-    assert service.config.max_num_seqs == 8  # not applied
+    assert applied == {"max_steps": (1024, 4), "requests_per_minute": (0, 2)} and restart == ["prefix_cache_mib"]
+    assert service.config.prefix_cache_mib == 1024  # not applied
     refused = client.post("/v1/completions", json=ASK)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "steps_exceeded", refused.text
     assert client.post("/v1/completions", json={**ASK, "steps": 4}).status_code == 200
     assert client.post("/v1/completions", json={**ASK, "steps": 4}).status_code == 429  # 2 a minute, both taken
+
+
+def test_the_batch_and_queue_limits_apply_to_the_next_admission(client: TestClient) -> None:
+    """Guide 004's batch size and concurrency limit, hot-updated: the scheduler's limits and
+    the preparation backlog follow the reload; the batch bound only up to the one the server
+    started with (its step graphs and memory were sized by it)."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    scheduler = service.served.engine.scheduler
+    assert (scheduler.limits.max_num_seqs, scheduler.limits.max_queue) == (8, 64)
+    applied, _ = service.reload(load_config(None, {**BASE, "max_num_seqs": 2, "max_queue": 0}, environ={}))
+    assert applied == {"max_num_seqs": (8, 2), "max_queue": (64, 0)}
+    assert (scheduler.limits.max_num_seqs, scheduler.limits.max_queue) == (2, 0)
+    answer = client.post("/v1/completions", json={**ASK, "n": 3})  # 2 decoded together, none may wait
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
+    assert client.post("/v1/completions", json={**ASK, "n": 2}).status_code == 200
+    with pytest.raises(UsageError, match="exceeds the 8 the server started with"):
+        service.reload(load_config(None, {**BASE, "max_num_seqs": 9}, environ={}))
+    assert scheduler.limits.max_num_seqs == 2 and service.config.max_num_seqs == 2  # unchanged
+    service.reload(load_config(None, BASE, environ={}))  # back to 8, as started
+    assert (scheduler.limits.max_num_seqs, scheduler.limits.max_queue) == (8, 64)
 
 
 def test_defaults_the_family_refuses_refuse_the_whole_reload(client: TestClient) -> None:
@@ -70,12 +90,12 @@ def test_sighup_reads_the_config_file_again(tmp_path_factory: pytest.TempPathFac
     try:
         server.wait_ready()
         assert server.http.post(server.url + "/v1/completions", json=ASK).status_code == 200
-        config.write_text("max_steps: 4\nwarmup: false\nmax_queue: 3\n")
+        config.write_text("max_steps: 4\nwarmup: false\nmax_num_batched_tokens: 4096\n")
         os.kill(server.proc.pid, signal.SIGHUP)
         assert wait_until(lambda: any("settings reloaded: max_steps 64 -> 4" in line for line in server.lines), 30), (
             server.lines[-5:]
         )
-        assert any("need a restart, not applied: max_queue" in line for line in server.lines)
+        assert any("need a restart, not applied: max_num_batched_tokens" in line for line in server.lines)
         assert server.http.post(server.url + "/v1/completions", json=ASK).status_code == 400
         config.write_text("max_steps: [\n")  # a file that does not read: nothing changes
         os.kill(server.proc.pid, signal.SIGHUP)

@@ -82,17 +82,18 @@ def test_one_key_cannot_fill_the_preparation_backlog() -> None:
     share gets 429 while another key's body is prepared."""
     from dlm.cli.server.errors import APIError
     from dlm.cli.server.prepare import Preparer
-    from tests.test_serve_prepare import FakeService, Served
+    from tests.test_serve_prepare import FakeService, Served, bounds
 
     async def go() -> None:
-        preparer = Preparer(backlog=4, share=2)
+        preparer = Preparer()
         preparer.pending, preparer.by_key["a"] = 2, 2  # two of key a's bodies in preparation
+        limits = bounds(backlog=4, share=2)
         try:
             with pytest.raises(APIError) as caught:
-                await preparer.prepare(FakeService(Served()), b'{"prompt": "x"}', None, key="a")
+                await preparer.prepare(FakeService(Served(), config=limits), b'{"prompt": "x"}', None, key="a")
             assert (caught.value.status, caught.value.code) == (429, "queue_full")
             prepared = await preparer.prepare(
-                FakeService(Served()), json.dumps({"prompt": "x"}).encode(), None, key="b"
+                FakeService(Served(), config=limits), json.dumps({"prompt": "x"}).encode(), None, key="b"
             )
             assert prepared.prompt_ids == [1]
         finally:

@@ -47,7 +47,7 @@ def create_app(config: ServeConfig, failure_detail: bool = False, port: int | No
     for --port 0), which the metrics pushed name as instance; default `config.port`."""
     service = Service(config)
     service.failure_detail = failure_detail
-    preparer = Preparer(config.max_queue + config.max_num_seqs, service.queue_share + config.max_num_seqs)
+    preparer = Preparer()
     admin = AdminEndpoint(service) if config.admin_enabled else None
     operators = KeyRing([admin.key] if admin is not None else [])
     pusher = (

@@ -172,12 +172,14 @@ class ServeConfig(BaseModel):
         1000, ge=1, description="Open connections and requests; beyond, uvicorn answers 503 at once."
     )
     # scheduling and limits
-    max_num_seqs: Annotated[int, Cli(names=("--max-num-seqs", "--max-concurrency"))] = Field(
+    max_num_seqs: Annotated[int, Cli(names=("--max-num-seqs", "--max-concurrency")), LIVE] = Field(
         8, ge=1, description="Sequences sharing one forward (decoded concurrently)."
     )
     max_num_batched_tokens: int = Field(16384, ge=1, description="Canvas tokens in one forward.")
-    max_queue: int = Field(64, ge=0, description="Requests waiting for a slot (not for the next step) before 429.")
-    max_queue_per_key: Annotated[int | None, Cli(shown="half the queue with 2+ keys, else all of it")] = Field(
+    max_queue: Annotated[int, LIVE] = Field(
+        64, ge=0, description="Requests waiting for a slot (not for the next step) before 429."
+    )
+    max_queue_per_key: Annotated[int | None, Cli(shown="half the queue with 2+ keys, else all of it"), LIVE] = Field(
         None, ge=0, description="Waiting requests one API key may hold, so one key cannot fill the queue."
     )
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens (canvas length) per request.")

@@ -61,13 +61,13 @@ class Prepared:
 
 
 class Preparer:
-    """A bounded pool for request preparation: at most `backlog` bodies wait or run in it, and
-    at most `share` of one API key; beyond that a request is refused with 429 at once, as the
-    engine's queue does."""
+    """A bounded pool for request preparation: at most `backlog` bodies wait or run in it (the
+    queue and a batch's worth: `max_queue + max_num_seqs`), and at most `share` of one API key
+    (its share of the queue and a batch's worth); beyond that a request is refused with 429 at
+    once, as the engine's queue does. Read from the settings at each request, as a reload
+    leaves them."""
 
-    def __init__(self, backlog: int, share: int | None = None) -> None:
-        self.backlog = max(1, backlog)
-        self.share = max(1, min(share, self.backlog)) if share is not None else self.backlog
+    def __init__(self) -> None:
         self.pending = 0
         self.by_key: Counter[str] = Counter()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="dlm-prepare")
@@ -89,7 +89,10 @@ class Preparer:
         it, its parameters resolved and its sequences built, all for that same version;
         `build` False (`/tokenize`): checked as they would be built, none built."""
         key = job.key if job is not None else key
-        if self.pending >= self.backlog or self.by_key[key] >= self.share:
+        cfg = service.config
+        backlog = max(1, cfg.max_queue + cfg.max_num_seqs)
+        share = max(1, min(cfg.queue_share() + cfg.max_num_seqs, backlog))
+        if self.pending >= backlog or self.by_key[key] >= share:
             raise APIError(
                 429,
                 f"{self.pending} requests are being prepared; retry shortly",

@@ -98,7 +98,9 @@ class Service:
         self.response_cache = ResponseCache(config.response_cache_size)
         self.keys = KeyRing(config.keys())
         self.tenants = len(set(config.keys()))  # API keys: each one a tenant the others must not observe
-        self.queue_share = config.queue_share()  # waiting requests one key may hold
+        # The batch bound the server started with: the step graphs and the memory plan were sized
+        # by it, so a reload may lower `max_num_seqs`, and raise it again only up to this.
+        self.max_num_seqs_at_start = config.max_num_seqs
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self.model_name = config.served_model_name or _default_name(config)
         self.served: LoadedModel | None = None
@@ -204,9 +206,8 @@ class Service:
         # could not check so: a deployment's releases (each hot swap) and the transformers backend.
         cfg.check_defaults(llm.engine.validate)
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
-        limits = SchedulerLimits(
-            self._max_num_seqs(llm.engine), cfg.max_num_batched_tokens, cfg.max_queue, self.queue_share
-        )
+        self._log_path(llm.engine)
+        limits = self.scheduler_limits(llm.engine)
         graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
         log.info("step graphs: %s", graphs)
         budget = int(cfg.prefix_cache_mib * 2**20)
@@ -258,7 +259,15 @@ class Service:
             raise DlmError("the model is still loading: settings are reloaded once it has loaded")
         merged, applied, restart = self.config.reloaded(new)
         merged.check_defaults(self.served.engine.engine.validate)
+        if merged.max_num_seqs > self.max_num_seqs_at_start:
+            raise UsageError(
+                f"max_num_seqs ({merged.max_num_seqs}) exceeds the {self.max_num_seqs_at_start} the server started "
+                "with, which sized its step graphs and memory (a restart raises it)"
+            )
         self.config = merged
+        if {"max_num_seqs", "max_queue", "max_queue_per_key"} & applied.keys():
+            for model in self.loaded():  # the next admission reads them (an attribute, swapped whole)
+                model.engine.scheduler.limits = self.scheduler_limits(model.engine.engine)
         if {"requests_per_minute", "tokens_per_minute"} & applied.keys():
             self.limiter = RateLimiter(merged.requests_per_minute, merged.tokens_per_minute)
         if "log_level" in applied:
@@ -269,9 +278,17 @@ class Service:
         """Every model whose engine loop may still hold requests."""
         return ([self.served] if self.served is not None else []) + self.retiring
 
-    def _max_num_seqs(self, engine: Engine) -> int:
-        """The batch bound, after saying which transformers-backend path serves the model and
-        what it costs; the generate path decodes one request at a time."""
+    def scheduler_limits(self, engine: Engine) -> SchedulerLimits:
+        """The scheduler's limits from the settings now: the batch bound (the engine's own,
+        if lower: the transformers generate path decodes one request at a time), the canvas
+        tokens of a forward, the queue and one key's share of it."""
+        cfg, bound = self.config, engine.max_num_seqs
+        seqs = cfg.max_num_seqs if bound is None else min(bound, cfg.max_num_seqs)
+        return SchedulerLimits(seqs, cfg.max_num_batched_tokens, cfg.max_queue, cfg.queue_share())
+
+    @staticmethod
+    def _log_path(engine: Engine) -> None:
+        """Say which transformers-backend path serves the model and what it costs."""
         path = engine.path
         if path is not None:
             from dlm.engine.transformers_backend import GENERATE_SERVING_COSTS, PATHS
@@ -279,8 +296,6 @@ class Service:
             log.info("transformers backend, %s path: %s", path, PATHS[path])
             if path == "generate":
                 log.info("generate path serving: %s", GENERATE_SERVING_COSTS)
-        bound = engine.max_num_seqs
-        return self.config.max_num_seqs if bound is None else min(bound, self.config.max_num_seqs)
 
     def shutdown(self) -> None:
         for model in self.loaded():
