@@ -581,8 +581,64 @@ def _normalise(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+# Deployment guide 003's settings file (service / model / decode / observability sections):
+# each key is a setting of ours, or states what dlm always does (accepted with that value only,
+# refused with any other: taken silently it would promise a behaviour dlm does not have).
+GUIDE_KEYS: dict[tuple[str, str], str] = {
+    ("service", "listen_port"): "port",
+    ("service", "max_concurrency"): "max_num_seqs",
+    ("model", "path"): "model",
+    ("model", "dtype"): "dtype",
+    ("model", "max_context_length"): "max_model_len",
+    ("decode", "default_mode"): "decode_mode",
+    ("observability", "log_level"): "log_level",
+}
+GUIDE_FIXED: dict[tuple[str, str], tuple[Any, str]] = {
+    ("decode", "enable_causal_mask_fusion"): (
+        True,
+        "the block-causal families apply their causal mask inside the one attention call of a forward",
+    ),
+    ("observability", "metrics_enabled"): (True, "/metrics is always served"),
+    ("observability", "health_path"): ("/health", "the liveness probe is /health (readiness: /ready)"),
+}
+GUIDE_MODES = {"diffusion": "diffusion", "autoregressive": "ar", "ar": "ar"}  # default_mode's values
+
+
+def _guide_sections(data: Any, source: str) -> Any:
+    """Guide 003's sectioned file as flat settings (`GUIDE_KEYS`); any other layout as it is.
+    Its sections are recognised by name with a table as value (`model: /path` stays the flat
+    setting); an unknown key in a section is refused, as an unknown setting is."""
+    sections = {"service", "decode", "observability", "model"}
+    if not isinstance(data, Mapping) or not any(k in sections and isinstance(v, Mapping) for k, v in data.items()):
+        return data
+    out: dict[str, Any] = {}
+    for section, value in data.items():
+        if section not in sections or not isinstance(value, Mapping):
+            out[section] = value
+            continue
+        for key, given in value.items():
+            where = (section, str(key))
+            if where in GUIDE_FIXED:
+                fixed, why = GUIDE_FIXED[where]
+                if given != fixed:
+                    raise UsageError(f"{source}: {section}.{key} can only be {fixed!r} in dlm: {why}")
+            elif where in GUIDE_KEYS:
+                if where == ("decode", "default_mode") and given in GUIDE_MODES:
+                    given = GUIDE_MODES[given]
+                if GUIDE_KEYS[where] in out:
+                    raise UsageError(f"{source}: {section}.{key} and another key name the same setting: give one")
+                out[GUIDE_KEYS[where]] = given
+            else:
+                raise UsageError(
+                    f"{source}: unknown setting {section}.{key} (the guide's sections take: "
+                    f"{', '.join(f'{s}.{k}' for s, k in (*GUIDE_KEYS, *GUIDE_FIXED))})"
+                )
+    return out
+
+
 def read_file(path: Path) -> dict[str, Any]:
-    """Settings from a .toml or .yaml/.yml file (a top-level `[serve]` table is accepted)."""
+    """Settings from a .toml or .yaml/.yml file (a top-level `[serve]` table is accepted, and
+    deployment guide 003's sectioned layout: `GUIDE_KEYS`)."""
     text = read_text(path, "config file")
     if path.suffix == ".toml":
         try:
@@ -595,7 +651,7 @@ def read_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"config file {path} must end in .toml, .yaml or .yml")
     if isinstance(data, Mapping) and set(data) == {"serve"}:
         data = data["serve"]
-    return _normalise(data, str(path))
+    return _normalise(_guide_sections(data, f"config file {path}"), str(path))
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""Deployment guide 003's settings file (service / model / decode / observability sections)
+read as it is written: each key a setting of `dlm serve`, or what dlm always does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dlm.cli.server.config import GUIDE_FIXED, GUIDE_KEYS, ServeConfig, load_config
+from dlm.engine.errors import UsageError
+
+GUIDE = """\
+service:
+  listen_port: 8000
+  max_concurrency: 16
+model:
+  path: tiny:sdar
+  dtype: bfloat16
+  max_context_length: 2048
+decode:
+  default_mode: autoregressive        # 可选 autoregressive / diffusion
+  enable_causal_mask_fusion: true
+observability:
+  log_level: info
+  metrics_enabled: true
+  health_path: /health
+"""
+
+
+def config_of(tmp_path: Path, text: str, suffix: str = ".yaml") -> ServeConfig:
+    path = tmp_path / f"serve{suffix}"
+    path.write_text(text)
+    return load_config(path, {}, environ={})
+
+
+def test_the_guides_file_sets_what_it_says(tmp_path: Path) -> None:
+    config = config_of(tmp_path, GUIDE)
+    got = (config.port, config.max_num_seqs, config.model, config.dtype, config.max_model_len, config.decode_mode)
+    assert got == (8000, 16, "tiny:sdar", "bfloat16", 2048, "ar")
+    assert config.log_level == "info"
+
+
+def test_every_guide_key_names_a_setting() -> None:
+    assert set(GUIDE_KEYS.values()) <= set(ServeConfig.model_fields)
+    assert not set(GUIDE_KEYS) & set(GUIDE_FIXED)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [
+        ("enable_causal_mask_fusion: true", "enable_causal_mask_fusion: false", "decode.enable_causal_mask_fusion"),
+        ("health_path: /health", "health_path: /healthz", "observability.health_path can only be '/health'"),
+        ("metrics_enabled: true", "metrics_enabled: false", "observability.metrics_enabled can only be True"),
+        ("listen_port: 8000", "listen_port: 8000\n  workers: 4", "unknown setting service.workers"),
+    ],
+)
+def test_what_dlm_cannot_do_or_does_not_know_is_refused(tmp_path: Path, old: str, new: str, words: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(words)):
+        config_of(tmp_path, GUIDE.replace(old, new))
+
+
+def test_a_flat_file_is_read_as_before(tmp_path: Path) -> None:
+    assert config_of(tmp_path, "model: tiny:llada\nport: 9000\n").model == "tiny:llada"
+    assert config_of(tmp_path, "[serve]\nport = 9001\n", ".toml").port == 9001
