@@ -263,6 +263,7 @@ def test_a_target_in_absolute_form_is_routed_by_its_path_and_several_hosts_are_r
     404 naming the URL as a route) and refuse a request with several Host headers (h11 does)."""
     host, port = server.url.removeprefix("http://").split(":")
     body = b'{"prompt": "x", "max_tokens": 2}'
+    before = len(server.request_logs())
 
     def ask(target: str, hosts: tuple[str, ...] = ("x",)) -> bytes:
         head = head_of(len(body)).replace(f"POST {COMPLETIONS} ", f"POST {target} ")
@@ -278,6 +279,8 @@ def test_a_target_in_absolute_form_is_routed_by_its_path_and_several_hosts_are_r
     refused = ask(COMPLETIONS, hosts=("x", "y"))
     assert refused.startswith(b"HTTP/1.1 400 "), refused[-300:]
     assert ask(COMPLETIONS, hosts=("x",)).startswith(b"HTTP/1.1 200 ")
+    # Its three answers' lines, each written once delivered (the next test counts lines from here).
+    assert wait_until(lambda: [line["status"] for line in server.request_logs()[before:]] == [200, 200, 200])
     no_tracebacks(server)
 
 
