@@ -119,3 +119,13 @@ def test_credentials_in_the_url_are_sent_as_basic_auth_and_never_logged(caplog: 
         server.server_close()
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "metrics push to http://127.0.0.1:" in logged and "s3cret" not in logged and "user" not in logged, logged
+
+
+def test_the_configuration_printed_at_start_masks_the_push_password() -> None:
+    """`dlm serve` prints its configuration (stderr, or stdout with --json) at start: the push
+    URL's password was printed as given."""
+    from dlm.cli.server.config import load_config
+
+    config = load_config(None, {"metrics_push_url": "http://ops:s3cret@gw:9091/x"}, environ={})
+    assert config.public()["metrics_push_url"] == "http://ops:***@gw:9091/x"
+    assert "s3cret" not in str(config.public())
