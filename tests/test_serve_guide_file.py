@@ -64,3 +64,19 @@ def test_what_dlm_cannot_do_or_does_not_know_is_refused(tmp_path: Path, old: str
 def test_a_flat_file_is_read_as_before(tmp_path: Path) -> None:
     assert config_of(tmp_path, "model: tiny:llada\nport: 9000\n").model == "tiny:llada"
     assert config_of(tmp_path, "[serve]\nport = 9001\n", ".toml").port == 9001
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "service:\n  max_concurrency: 2\nmax_num_seqs: 5\n",  # the flat key after the section's
+        "max_num_seqs: 5\nservice:\n  max_concurrency: 2\n",
+        "service:\n  listen_port: 9000\nport: 9001\n",
+        "decode:\n  default_mode: autoregressive\ndecode_mode: diffusion\n",
+    ],
+)
+def test_a_setting_given_by_a_section_and_a_flat_key_is_refused_in_either_order(tmp_path: Path, text: str) -> None:
+    """Two spellings of one setting in one file are an error: a flat key written after the
+    section's key used to replace it without a word (`max_num_seqs` 5, the section's 2 lost)."""
+    with pytest.raises(UsageError, match="name the same setting"):
+        config_of(tmp_path, text)

@@ -619,6 +619,8 @@ def _guide_sections(data: Any, source: str) -> Any:
     out: dict[str, Any] = {}
     for section, value in data.items():
         if section not in sections or not isinstance(value, Mapping):
+            if section in out:  # a section's key set it first (YAML keeps the file's order)
+                raise UsageError(f"{source}: {section} and a key of a section name the same setting: give one")
             out[section] = value
             continue
         for key, given in value.items():
