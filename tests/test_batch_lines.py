@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import dlm.cli.batch
 import dlm.engine.tokenizer
 from dlm.cli.batch import claim_output, read_requests
 from dlm.cli.jsonl import lines
@@ -187,6 +188,35 @@ def test_a_deployment_is_refused_and_the_config_files_model_is_served(tmp_path: 
     code, _, stderr = cli("batch", str(source), str(out), "--config", str(settings))
     assert code == 0, stderr
     assert results(out)["q0"]["response"]["status_code"] == 200, results(out)
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "batch"),
+    [
+        ('model = "tiny:llada"\nmax_num_seqs = 3\n', [], 3),
+        ("model: tiny:llada\nservice:\n  max_concurrency: 2\n", [], 2),  # guide 003's file
+        ('model = "tiny:llada"\nmax_num_seqs = 3\n', ["--max-concurrency", "5"], 5),  # the flag wins
+        ('model = "tiny:llada"\n', [], 8),
+    ],
+)
+def test_the_config_files_batch_size_is_the_batchs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, flags: list[str], batch: int
+) -> None:
+    """`--config`'s `max_num_seqs` (guide 003's `service.max_concurrency`) is read as `dlm
+    serve` reads it: --max-concurrency's default 8 used to replace it without a word."""
+    seen: list[tuple[int, int]] = []
+
+    async def record(config, requests, output, concurrency, on_result=None):  # type: ignore[no-untyped-def]
+        seen.append((config.max_num_seqs, concurrency))
+        return dlm.cli.batch.BatchSummary(len(requests), 0, 0, 0)
+
+    monkeypatch.setattr(dlm.cli.batch, "run_batch", record)
+    settings = tmp_path / ("serve.yaml" if "service:" in text else "serve.toml")
+    settings.write_text(text)
+    source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
+    code, _, stderr = cli("batch", str(source), str(tmp_path / "out.jsonl"), "--config", str(settings), *flags)
+    assert code == 0, stderr
+    assert seen == [(batch, batch)]
 
 
 def test_an_output_directory_is_refused(tmp_path: Path) -> None:

@@ -31,8 +31,11 @@ def batch(
     config_file: Path | None = typer.Option(
         None, "--config", help="`dlm serve` settings file (limits, defaults).", show_default="none", parser=path_value
     ),
-    max_concurrency: int = typer.Option(
-        default("max_num_seqs"), "--max-concurrency", help="Requests decoded together."
+    max_concurrency: int | None = typer.Option(
+        None,
+        "--max-concurrency",
+        help="Requests decoded together.",
+        show_default=f"the settings file's max_num_seqs, else {default('max_num_seqs')}",
     ),
     dtype: str | None = setting_option("dtype", from_file=True),
     device: str | None = setting_option("device", from_file=True),
@@ -52,7 +55,7 @@ def batch(
             from dlm.cli.store.resolve import resolve_version
             from dlm.engine.errors import UsageError
 
-            if max_concurrency < 1:
+            if max_concurrency is not None and max_concurrency < 1:
                 raise UsageError("--max-concurrency must be at least 1")
             requests = read_requests(input_file)
             flags = {
@@ -84,7 +87,9 @@ def batch(
                 progress() as bar,
             ):
                 task = bar.add_task("batch", total=len(requests), completed=len(requests) - len(output.todo))
-                summary = asyncio.run(run_batch(config, requests, output, max_concurrency, lambda: bar.advance(task)))
+                summary = asyncio.run(
+                    run_batch(config, requests, output, config.max_num_seqs, lambda: bar.advance(task))
+                )
             counts = {
                 "total": summary.total,
                 "skipped": summary.skipped,
