@@ -65,6 +65,22 @@ def test_the_batch_and_queue_limits_apply_to_the_next_admission(client: TestClie
     assert (scheduler.limits.max_num_seqs, scheduler.limits.max_queue) == (8, 64)
 
 
+def test_a_version_loaded_while_the_batch_is_lowered_is_sized_for_the_batch_a_reload_may_restore() -> None:
+    """A hot swap's new version while a reload has lowered `max_num_seqs`: its step graphs
+    are sized by the batch the server started with, which a reload may raise it back to (they
+    were sized by the lowered one, 1: batches of 8 then ran without their static shapes)."""
+    with app_client({**BASE, "step_graphs": "on"}) as client:
+        service = client.app.state.service  # type: ignore[attr-defined]
+        assert service.served.engine.engine.runner.graphs.buckets.max_batch == 16  # 8, CFG rows twice
+        service.reload(load_config(None, {**BASE, "step_graphs": "on", "max_num_seqs": 1}, environ={}))
+        new = service.open("tiny:llada", None, warmup=False)  # what a hot swap loads
+        try:
+            assert new.engine.scheduler.limits.max_num_seqs == 1  # the batch served now
+            assert new.engine.engine.runner.graphs.buckets.max_batch == 16
+        finally:
+            new.engine.stop()
+
+
 def test_defaults_the_family_refuses_refuse_the_whole_reload(client: TestClient) -> None:
     service = client.app.state.service  # type: ignore[attr-defined]
     new = load_config(None, {**BASE, "decode_mode": "ar", "max_steps": 4}, environ={})

@@ -208,7 +208,11 @@ class Service:
         tokenizer = llm.tokenizer if has_tokenizer(llm.model_dir) else None
         self._log_path(llm.engine)
         limits = self.scheduler_limits(llm.engine)
-        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, limits.max_num_seqs) or "off"
+        # Sized by the batch the server started with, which a reload may raise `max_num_seqs`
+        # back to: a hot swap while it is lowered must not size the new version by it.
+        bound = llm.engine.max_num_seqs
+        batch = self.max_num_seqs_at_start if bound is None else min(bound, self.max_num_seqs_at_start)
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, batch) or "off"
         log.info("step graphs: %s", graphs)
         budget = int(cfg.prefix_cache_mib * 2**20)
         reuse = llm.engine.enable_prefix_cache(budget)
