@@ -80,3 +80,14 @@ def test_a_setting_given_by_a_section_and_a_flat_key_is_refused_in_either_order(
     section's key used to replace it without a word (`max_num_seqs` 5, the section's 2 lost)."""
     with pytest.raises(UsageError, match="name the same setting"):
         config_of(tmp_path, text)
+
+
+def test_a_sections_keys_take_dashes_as_every_key_of_the_file_does(tmp_path: Path) -> None:
+    """docs/serve.md: a file's keys are spelt with `-` or `_`; a section's were refused as
+    unknown settings with `-` (`service.listen-port`)."""
+    config = config_of(tmp_path, "service:\n  listen-port: 9000\n  max-concurrency: 3\ndecode:\n  default-mode: ar\n")
+    assert (config.port, config.max_num_seqs, config.decode_mode) == (9000, 3, "ar")
+    with pytest.raises(UsageError, match="name the same setting"):
+        config_of(tmp_path, "service:\n  listen-port: 9000\n  listen_port: 9001\n")
+    with pytest.raises(UsageError, match="can only be"):
+        config_of(tmp_path, "observability:\n  metrics-enabled: false\n")

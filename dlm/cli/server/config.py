@@ -624,7 +624,7 @@ def _guide_sections(data: Any, source: str) -> Any:
             out[section] = value
             continue
         for key, given in value.items():
-            where = (section, str(key))
+            where = (section, str(key).replace("-", "_"))  # as every key of a file: `-` or `_`
             if where in GUIDE_FIXED:
                 fixed, why = GUIDE_FIXED[where]
                 if given != fixed:
