@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,9 @@ class Responder:
         self.cut = False  # the client did not read the answer by the deadline: its connection was closed
         self.logged = False
         self.accounted = False  # `account` ran: the answer's own completion ids are the job's
+        # A stream's events (`streaming`): closed once its response has ended, which does not
+        # close them when it is cancelled in the middle of a write (the client gone).
+        self.events: AsyncGenerator[str, None] | None = None
 
     @property
     def streams(self) -> list[RequestStream]:
@@ -211,10 +214,14 @@ class Responder:
             if not sending.done():
                 sending.cancel()
         error = sending.exception() if sending.done() and not sending.cancelled() else None
-        if error is not None:  # a failure of the response itself: the app's handler answers it
-            self.abort()
-            self.log("error", errors.INTERNAL.status, "failed")
-            raise error
+        try:
+            if error is not None:  # a failure of the response itself: the app's handler answers it
+                self.abort()
+                self.log("error", errors.INTERNAL.status, "failed")
+                raise error
+        finally:
+            if sending.done() and self.events is not None:  # its `finally` ends the request (and logs it) now
+                await self.events.aclose()
         if outcome != "undelivered" and self.pending is not None:  # (else: logged already)
             reason, status, received = self.pending
             if outcome == "answered":
@@ -376,8 +383,9 @@ class Responder:
     # ---- server-sent events ------------------------------------------------------------
 
     def streaming(self) -> Response:
+        self.events = self._events()
         events = StreamingResponse(
-            self._events(),
+            self.events,
             media_type="text/event-stream",
             headers={REQUEST_ID: self.job.id, "Cache-Control": "no-cache"},
         )
@@ -417,7 +425,7 @@ class Responder:
             "denoising_steps": 0 if choice.last is None else choice.last.nfe,
         }
 
-    async def _outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def _outputs(self) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """Every choice's outputs as they come, until each has finished. One waits here at
         most: while the client does not read, the streams keep (and drop) the rest."""
         queue: asyncio.Queue[tuple[Choice, RequestOutput]] = asyncio.Queue(maxsize=1)
@@ -448,18 +456,19 @@ class Responder:
         canvas = {"index": choice.index, **canvas_json(out.nfe, out.canvas, text)}
         return _sse({**self._head(), "object": kind, "canvas": canvas})
 
-    async def _events(self) -> AsyncIterator[str]:
+    async def _events(self) -> AsyncGenerator[str, None]:
         completed = False
         first_token = False
         texts: dict[int, str] = {}
         reasons: dict[int, str] = {}
+        outputs = self._outputs()
         try:
             for choice in self.choices:
                 if self.chat:
                     yield self._chunk(choice, {"role": "assistant", "content": ""})
                 elif self.job.echo:
                     yield self._chunk(choice, self.job.echo)
-            async for choice, out in self._outputs():
+            async for choice, out in outputs:
                 text, stopped = self.text(choice, out)
                 if out.canvas is not None and out.error is None:
                     yield self._canvas(choice, out)
@@ -526,6 +535,7 @@ class Responder:
             yield _sse(self.service.internal_error(exc).body())
             yield "data: [DONE]\n\n"
         finally:
+            await outputs.aclose()  # its choices' readers stop now (`async for` leaves it open)
             if not completed:  # the client went away, or was cut off (the response task was cancelled)
                 self.abort()
                 if not self.cut:
