@@ -381,6 +381,33 @@ def test_a_stream_its_reader_does_not_read_keeps_a_bounded_number_of_outputs(eng
     run(main())
 
 
+def test_a_reader_cancelled_as_an_output_arrives_stops_reading(engine: LLMEngine) -> None:
+    """The stream's wait for its next output was `asyncio.wait_for`, which on Python 3.10 and
+    3.11 swallows a cancellation that comes as the output arrives: the reader cancelled (a
+    response's choice reader, its client gone) read on, then waited forever on the queue
+    nobody drained, and the garbage collector destroyed it ('Task was destroyed but it is
+    pending!' on the server's stderr)."""
+    from dlm.engine.runtime.async_engine import RequestOutput, RequestStream
+
+    async def main() -> None:
+        stream = RequestStream(request(engine, 1), True, asyncio.get_running_loop())
+        read: list[RequestOutput] = []
+
+        async def reader() -> None:
+            async for out in stream.outputs(patience=60):
+                read.append(out)
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0)  # it waits for an output
+        stream.post(RequestOutput("reader", [5], 1))  # arrives on the loop's next turn ...
+        await asyncio.sleep(0)
+        task.cancel()  # ... as the reader is cancelled
+        await asyncio.wait({task}, timeout=5)
+        assert task.cancelled() and read == []
+
+    run(main())
+
+
 def test_a_burst_that_free_slots_take_is_not_counted_against_the_queue() -> None:
     """Requests that arrive together while a step runs wait for its end, not for a slot: the
     free slots take them at the next step. They used to count against `--max-queue` meanwhile,

@@ -138,9 +138,14 @@ class RequestStream:
         while True:
             if not self.unread:
                 self.arrived.clear()
+                # Not `asyncio.wait_for`: on Python 3.10 and 3.11 it swallows a cancellation that
+                # comes as the output arrives, and the reader cancelled went on reading.
+                arrival = asyncio.ensure_future(self.arrived.wait())
                 try:
-                    await asyncio.wait_for(self.arrived.wait(), patience)
-                except asyncio.TimeoutError:
+                    done, _ = await asyncio.wait({arrival}, timeout=patience)
+                finally:
+                    arrival.cancel()
+                if not done:
                     yield RequestOutput(
                         self.request_id, [], self.seq.nfe, finish_reason="error", error="the engine did not answer"
                     )
