@@ -219,6 +219,23 @@ def test_the_config_files_batch_size_is_the_batchs(
     assert seen == [(batch, batch)]
 
 
+def test_a_lines_n_is_judged_by_the_config_files_queue_whatever_the_files_length(tmp_path: Path) -> None:
+    """`dlm batch` set max_queue to INPUT's line count: a line's `n` was judged against it, so
+    the same line was answered 200 where `dlm serve` with the same --config answers 400 (no
+    wait lets 2 samples in with max_num_seqs 1 and max_queue 0), and a line of n 20 was refused
+    in a file of 1 line and answered in one of 20."""
+    settings = tmp_path / "serve.yaml"
+    settings.write_text("model: tiny:llada\nmax_num_seqs: 1\nmax_queue: 0\n")
+    source = write(tmp_path / "in.jsonl", [request("q0", "hi", n=2), request("q1", "hi")])
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = cli("batch", str(source), str(out), "--config", str(settings))
+    assert code == 0, stderr
+    answers = results(out)
+    assert answers["q0"]["response"]["status_code"] == 400, answers["q0"]
+    assert answers["q0"]["error"]["param"] == "n"
+    assert answers["q1"]["response"]["status_code"] == 200
+
+
 def test_an_output_directory_is_refused(tmp_path: Path) -> None:
     source = write(tmp_path / "in.jsonl", [request("q0", "hello")])
     code, _, stderr = run(source, tmp_path)

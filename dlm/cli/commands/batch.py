@@ -68,7 +68,6 @@ def batch(
                 "device": device,
                 "quantization": quantization,
                 "kv_cache_dtype": kv_cache_dtype,
-                "max_queue": max(len(requests), 1),
                 "ready_wait": 0,
             }
             config = load_config(config_file, flags)
