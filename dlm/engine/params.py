@@ -897,11 +897,8 @@ def _validate_stop_token_ids(ids: Any, vocab: int | None) -> None:
     """A list of token ids the model can emit (any number, none counts as none)."""
     if ids is None:
         return
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-        raise UsageError(f"stop_token_ids must be a list of token ids, got {ids!r}", field="stop_token_ids")
+    _require_token_ids(ids, "stop_token_ids", "a list of token ids")
     for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise UsageError(f"stop_token_ids must be token ids (integers), got {token!r}", field="stop_token_ids")
         if token < 0 or (vocab is not None and token >= vocab):
             bound = f"0..{vocab - 1}" if vocab is not None else ">= 0"
             raise UsageError(
@@ -914,11 +911,17 @@ def _validate_suffix(ids: Any) -> None:
     """Infilling's suffix as token ids (text is encoded before it gets here: the Python API's
     `suffix="..."`, a completion's `suffix`): `int(t)` truncated 1.5 to 1 and read b"ab" as
     two ids, and None failed as "not iterable"."""
+    _require_token_ids(ids, "suffix", "text or a list of token ids")
+
+
+def _require_token_ids(ids: Any, field: str, kinds: str) -> None:
+    """Refuse `field` unless it is a list (or tuple) of integers: a bool is no token id, nor is
+    text, bytes or a float."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-        raise UsageError(f"suffix must be text or a list of token ids, got {ids!r}", field="suffix")
+        raise UsageError(f"{field} must be {kinds}, got {ids!r}", field=field)
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)), None)
     if bad is not None:
-        raise UsageError(f"suffix token ids must be integers, got {bad!r}", field="suffix")
+        raise UsageError(f"{field} token ids must be integers, got {bad!r}", field=field)
 
 
 def _validate_entropy_bound(p: ResolvedParams, family: Family) -> None:
