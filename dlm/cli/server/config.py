@@ -355,7 +355,7 @@ class ServeConfig(BaseModel):
     @classmethod
     def _kv_cache_dtype(cls, value: str) -> str:
         """The storage's choices; a family without the cache it quantizes is refused when
-        the model's family is known (`dlm.engine.runtime.engine.check_kv_cache_dtype`)."""
+        the model's family is known (`dlm.engine.quantization.check_kv_cache_dtype`)."""
         if value not in KV_CACHE_DTYPES:
             raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         return value

@@ -210,9 +210,7 @@ class Service:
         limits = self.scheduler_limits(llm.engine)
         # Sized by the batch the server started with, which a reload may raise `max_num_seqs`
         # back to: a hot swap while it is lowered must not size the new version by it.
-        bound = llm.engine.max_num_seqs
-        batch = self.max_num_seqs_at_start if bound is None else min(bound, self.max_num_seqs_at_start)
-        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, batch) or "off"
+        graphs = llm.engine.enable_step_graphs(cfg.step_graphs, _batch(llm.engine, self.max_num_seqs_at_start)) or "off"
         log.info("step graphs: %s", graphs)
         budget = int(cfg.prefix_cache_mib * 2**20)
         reuse = llm.engine.enable_prefix_cache(budget)
@@ -253,7 +251,8 @@ class Service:
 
     def reload(self, new: ServeConfig) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
         """Take `new`'s live settings (`ServeConfig.live`: request defaults and limits, the
-        request timeout, rate limits, logging), which every request that follows reads; its
+        request timeout, rate limits, the batch and queue limits, logging), which every request
+        that follows reads (the scheduler's limits from its next admission); its
         other changes need a restart and are returned unapplied. Decoding defaults the served
         model's family refuses refuse the whole reload (`UsageError`): nothing changes. The
         rate buckets start full when a rate changes. Returns (applied, needing a restart).
@@ -283,12 +282,12 @@ class Service:
         return ([self.served] if self.served is not None else []) + self.retiring
 
     def scheduler_limits(self, engine: Engine) -> SchedulerLimits:
-        """The scheduler's limits from the settings now: the batch bound (the engine's own,
-        if lower: the transformers generate path decodes one request at a time), the canvas
+        """The scheduler's limits from the settings now: the batch bound (`_batch`), the canvas
         tokens of a forward, the queue and one key's share of it."""
-        cfg, bound = self.config, engine.max_num_seqs
-        seqs = cfg.max_num_seqs if bound is None else min(bound, cfg.max_num_seqs)
-        return SchedulerLimits(seqs, cfg.max_num_batched_tokens, cfg.max_queue, cfg.queue_share())
+        cfg = self.config
+        return SchedulerLimits(
+            _batch(engine, cfg.max_num_seqs), cfg.max_num_batched_tokens, cfg.max_queue, cfg.queue_share()
+        )
 
     @staticmethod
     def _log_path(engine: Engine) -> None:
@@ -645,6 +644,13 @@ def charge(gen: int, n: int) -> int:
 
 def _prompt_param(job: Job) -> str:
     return "messages" if job.endpoint == "chat.completions" else "prompt"
+
+
+def _batch(engine: Engine, max_num_seqs: int) -> int:
+    """Sequences one forward of `engine` takes: `max_num_seqs`, or the engine's own bound where
+    lower (the transformers generate path decodes one request at a time)."""
+    bound = engine.max_num_seqs
+    return max_num_seqs if bound is None else min(bound, max_num_seqs)
 
 
 def _length_field(body: GenerationRequest) -> str:
