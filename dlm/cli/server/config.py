@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
@@ -508,9 +507,10 @@ class ServeConfig(BaseModel):
         """The configuration as printed at start: no secrets, only key ids (and a push URL's
         password masked: `http://user:***@gateway:9091`)."""
         data = self.model_dump(mode="json", exclude={"api_keys", "admin_key"})
-        if self.metrics_push_url is not None and (parts := urlsplit(self.metrics_push_url)).password is not None:
-            host = parts.netloc.rpartition("@")[2]
-            data["metrics_push_url"] = urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+        if self.metrics_push_url is not None:
+            from dlm.cli.server.metrics_push import masked
+
+            data["metrics_push_url"] = masked(self.metrics_push_url)
         data["api_keys"] = [key_id(k) for k in self.keys()]
         admin = self.configured_admin_key()
         data["admin_key"] = key_id(admin) if admin else None

@@ -28,6 +28,24 @@ log = logging.getLogger("dlm.server")
 JOB = "dlm"
 
 
+def split_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """`url` without its `user:password@`, and the user and password (None without them)."""
+    parts = urlsplit(url)
+    gateway = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    if parts.username is None:
+        return gateway, None, None
+    return gateway, unquote(parts.username), unquote(parts.password or "")
+
+
+def masked(url: str) -> str:
+    """`url` as printed: its password, if any, as `***`."""
+    gateway, username, password = split_credentials(url)
+    if password is None:
+        return url
+    parts = urlsplit(gateway)
+    return urlunsplit(parts._replace(netloc=f"{username}:***@{parts.netloc}"))
+
+
 @dataclass
 class MetricsPusher:
     url: str
@@ -40,11 +58,7 @@ class MetricsPusher:
     password: str | None = field(init=False)
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        host = parts.netloc.rpartition("@")[2]
-        self.gateway = urlunsplit(parts._replace(netloc=host))
-        self.username = unquote(parts.username) if parts.username is not None else None
-        self.password = unquote(parts.password or "") if parts.username is not None else None
+        self.gateway, self.username, self.password = split_credentials(self.url)
 
     def _handler(self, url: str, method: str, timeout: float | None, headers: list[Any], data: bytes) -> Any:
         if self.username is None:

@@ -56,6 +56,3 @@ class ResponseCache:
             self._entries.move_to_end(key)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
