@@ -76,15 +76,16 @@ class SequenceKVCache:
             capacity = max(INITIAL_CAPACITY, need, 2 * (0 if buf_k is None else buf_k.shape[1]))
             self._grow(i, capacity)
         span = slice(self.length, need)
-        for buffers, scales, x in ((self._k, self._k_scale, k), (self._v, self._v_scale, v)):
-            buffer = buffers[i]
-            assert buffer is not None
-            if self.quantized:
-                scale = scales[i]
-                assert scale is not None
-                buffer[:, span], scale[:, span] = _quantize(x)
-            else:
-                buffer[:, span] = x
+        buf_k, buf_v = self._k[i], self._v[i]
+        assert buf_k is not None and buf_v is not None
+        if not self.quantized:  # every forward of every layer: two copies, nothing more
+            buf_k[:, span] = k
+            buf_v[:, span] = v
+            return
+        k_scale, v_scale = self._k_scale[i], self._v_scale[i]
+        assert k_scale is not None and v_scale is not None
+        buf_k[:, span], k_scale[:, span] = _quantize(k)
+        buf_v[:, span], v_scale[:, span] = _quantize(v)
 
     def _grow(self, i: int, capacity: int) -> None:
         """Layer i's buffers at `capacity` positions, the live ones copied over."""
