@@ -67,6 +67,9 @@ class FakeService:
     def check_model(self, name: str | None) -> None:
         self.models.append(name)
 
+    def queue_share(self) -> int:
+        return self.config.queue_share()
+
 
 def run(service: FakeService, body: dict[str, Any], model: type = CompletionRequest, backlog: int = 4) -> Any:
     service.config = bounds(backlog)

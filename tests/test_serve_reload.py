@@ -200,3 +200,16 @@ def test_a_sighup_while_the_model_loads_is_answered_once_it_has_loaded() -> None
         assert service.config.decode_mode == "diffusion" and service.config.max_steps == 1024
     finally:
         service.shutdown()
+
+
+def test_the_key_file_is_read_once_not_per_request(tmp_path: Path) -> None:
+    """The preparation backlog's per-key share, worked out per request since the queue limits
+    became live, read --api-key-file from disk at every request (on the event loop): with the
+    file gone, every request was a 500. The keys take a restart; their count is the start's."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one\nsk-two\n")
+    with app_client({**BASE, "api_key_file": str(keys)}) as client:
+        keys.unlink()
+        answer = client.post("/v1/completions", json=ASK, headers={"Authorization": "Bearer sk-two"})
+        assert answer.status_code == 200, answer.text
+        assert client.app.state.service.queue_share() == 32  # type: ignore[attr-defined]  # half of 64: two keys

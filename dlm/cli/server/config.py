@@ -391,11 +391,12 @@ class ServeConfig(BaseModel):
             )
         return self.max_model_len or min(model_max, self.max_num_batched_tokens)
 
-    def queue_share(self) -> int:
-        """Waiting requests one API key may hold (`max_queue_per_key`, or its default)."""
+    def queue_share(self, tenants: int) -> int:
+        """Waiting requests one API key may hold (`max_queue_per_key`, or its default: half
+        the queue with `tenants`, the distinct API keys, two or more)."""
         if self.max_queue_per_key is not None:
             return min(self.max_queue_per_key, self.max_queue)
-        return -(-self.max_queue // 2) if len(set(self.keys())) >= 2 else self.max_queue
+        return -(-self.max_queue // 2) if tenants >= 2 else self.max_queue
 
     @property
     def default_gen_length(self) -> int:

@@ -91,7 +91,7 @@ class Preparer:
         key = job.key if job is not None else key
         cfg = service.config
         backlog = max(1, cfg.max_queue + cfg.max_num_seqs)
-        share = max(1, min(cfg.queue_share() + cfg.max_num_seqs, backlog))
+        share = max(1, min(service.queue_share() + cfg.max_num_seqs, backlog))
         if self.pending >= backlog or self.by_key[key] >= share:
             raise APIError(
                 429,

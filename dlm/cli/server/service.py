@@ -286,8 +286,13 @@ class Service:
         tokens of a forward, the queue and one key's share of it."""
         cfg = self.config
         return SchedulerLimits(
-            _batch(engine, cfg.max_num_seqs), cfg.max_num_batched_tokens, cfg.max_queue, cfg.queue_share()
+            _batch(engine, cfg.max_num_seqs), cfg.max_num_batched_tokens, cfg.max_queue, self.queue_share()
         )
+
+    def queue_share(self) -> int:
+        """Waiting requests one API key may hold now: of the keys counted at start (they take a
+        restart), never read again per request (a key file was read from disk at each one)."""
+        return self.config.queue_share(self.tenants)
 
     @staticmethod
     def _log_path(engine: Engine) -> None:
