@@ -54,6 +54,7 @@ def test_every_guide_key_names_a_setting() -> None:
         ("health_path: /health", "health_path: /healthz", "observability.health_path can only be '/health'"),
         ("metrics_enabled: true", "metrics_enabled: false", "observability.metrics_enabled can only be True"),
         ("listen_port: 8000", "listen_port: 8000\n  workers: 4", "unknown setting service.workers"),
+        ("default_mode: autoregressive", "default_mode: [ar]", "decode_mode"),  # was a TypeError: unhashable
     ],
 )
 def test_what_dlm_cannot_do_or_does_not_know_is_refused(tmp_path: Path, old: str, new: str, words: str) -> None:

@@ -607,7 +607,7 @@ GUIDE_FIXED: dict[tuple[str, str], tuple[Any, str]] = {
     ("observability", "metrics_enabled"): (True, "/metrics is always served"),
     ("observability", "health_path"): ("/health", "the liveness probe is /health (readiness: /ready)"),
 }
-GUIDE_MODES = {"diffusion": "diffusion", "autoregressive": "ar", "ar": "ar"}  # default_mode's values
+GUIDE_MODES = {"autoregressive": "ar"}  # default_mode's spelling of ours (`diffusion` is the same)
 
 
 def _guide_sections(data: Any, source: str) -> Any:
@@ -631,8 +631,8 @@ def _guide_sections(data: Any, source: str) -> Any:
                 if given != fixed:
                     raise UsageError(f"{source}: {section}.{key} can only be {fixed!r} in dlm: {why}")
             elif where in GUIDE_KEYS:
-                if where == ("decode", "default_mode") and given in GUIDE_MODES:
-                    given = GUIDE_MODES[given]
+                if where == ("decode", "default_mode") and isinstance(given, str):  # a list: the setting's refusal
+                    given = GUIDE_MODES.get(given, given)
                 if GUIDE_KEYS[where] in out:
                     raise UsageError(f"{source}: {section}.{key} and another key name the same setting: give one")
                 out[GUIDE_KEYS[where]] = given
