@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -85,3 +86,27 @@ def test_jsonl_refuses_a_key_twice_as_the_server_does() -> None:
     server would refuse is refused before anything runs."""
     with pytest.raises(NotJSON, match="'max_tokens' appears twice"):
         json_object('{"body": {"max_tokens": 4, "max_tokens": 8}}')
+
+
+def test_a_cancellation_that_comes_as_the_body_arrives_is_not_swallowed() -> None:
+    """The request's task cancelled (its client left, the server stops) in the step the last
+    chunk of its body arrives: `asyncio.wait_for` (Python 3.10, 3.11) returned the body and
+    the handler went on to decode for nobody; the cancellation must reach the caller."""
+    from starlette.requests import Request
+
+    from dlm.cli.server.body import read_body
+
+    async def scenario() -> None:
+        reader: asyncio.Task[bytes] | None = None
+
+        async def receive() -> dict[str, object]:
+            assert reader is not None
+            reader.cancel()  # in the same step as the body completes
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        reader = asyncio.ensure_future(read_body(request, 1024, 10.0))
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(scenario())
