@@ -347,3 +347,53 @@ def test_a_config_made_in_python_defaults_max_tokens_as_a_loaded_one() -> None:
         made, loaded = ServeConfig(**settings), load_config(None, settings, environ={})
         assert made.default_gen_length == loaded.default_gen_length
         assert made.decoding_params({}).gen_length == loaded.decoding_params({}).gen_length
+
+
+def test_a_cancellation_that_comes_as_the_model_loads_is_not_swallowed() -> None:
+    """A request waiting for the model (`ready_wait`) whose task is cancelled (its client
+    left, the server stops) in the step the load ends: `asyncio.wait_for` (Python 3.10, 3.11)
+    dropped the cancellation and the handler went on as if nothing had happened; the
+    cancellation must reach the caller."""
+    import asyncio
+
+    from starlette.types import Message
+
+    from dlm.cli.server.app import create_app
+
+    app = create_app(load_config(None, {}, environ={}))
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        loading = asyncio.get_running_loop().create_future()
+        app.state.loading = loading
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("test", 80),
+            "app": app,
+        }
+        handler = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(100):  # until it waits for the load (no step of the way sleeps)
+            await asyncio.sleep(0)
+        assert not handler.done() and not sent
+        loading.add_done_callback(lambda _: handler.cancel())  # in the step the load ends
+        loading.set_result(None)
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+
+    asyncio.run(scenario())
+    assert not sent  # nothing answered for a request cancelled

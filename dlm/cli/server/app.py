@@ -10,7 +10,6 @@ pool (dlm/cli/server/prepare.py), so no body, however large, delays `/health`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -214,8 +213,10 @@ def create_app(config: ServeConfig, failure_detail: bool = False, port: int | No
             service.authenticate(job, authorization(request))
             loading: asyncio.Task[None] | None = request.app.state.loading
             if not service.ready and loading is not None and not loading.done():  # held, within a bound
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(loading), config.ready_wait)
+                # `asyncio.wait` leaves the load running at its timeout; not `asyncio.wait_for`,
+                # which on Python 3.10 and 3.11 swallows a cancellation of this request that
+                # comes as the load ends (the handler went on for a client that had left).
+                await asyncio.wait({loading}, timeout=config.ready_wait)
             service.admit(job)
             raw = await read_body(request, config.max_body_bytes, config.read_timeout)
             prepared = await preparer.prepare(service, raw, model, job)
