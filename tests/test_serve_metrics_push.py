@@ -129,3 +129,50 @@ def test_the_configuration_printed_at_start_masks_the_push_password() -> None:
     config = load_config(None, {"metrics_push_url": "http://ops:s3cret@gw:9091/x"}, environ={})
     assert config.public()["metrics_push_url"] == "http://ops:***@gw:9091/x"
     assert "s3cret" not in str(config.public())
+
+
+def test_a_gateway_that_trickles_its_answer_is_given_up_at_the_push_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway that sends its answer a byte at a time, each within the socket timeout:
+    the timeout applied per socket operation, so one push (and the last one, which shutdown
+    waits for) lasted as long as the gateway liked. The push gives up at its deadline, while
+    the gateway is still answering, with one warning that says so."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from dlm.cli.server.metrics_push import MetricsPusher
+
+    answer = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 400 + b"\r\nContent-Length: 0\r\n\r\n"
+    ended = threading.Event()
+    whole: list[bool] = []  # whether the gateway sent its whole answer
+
+    def trickle(listener: socket.socket) -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)  # the request (its head and body: a few hundred bytes)
+            try:
+                for byte in answer:
+                    connection.sendall(bytes([byte]))
+                    ended.wait(0.05)  # well within the push's socket timeout (0.5 s)
+                whole.append(True)
+            except OSError:  # the pusher closed the connection
+                whole.append(False)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    gateway = threading.Thread(target=trickle, args=(listener,), daemon=True)
+    gateway.start()
+    registry = CollectorRegistry()
+    Counter("pushed", "a counter", registry=registry).inc()
+    pusher = MetricsPusher(f"http://127.0.0.1:{listener.getsockname()[1]}", 0.5, registry, "host:8000")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dlm.server"):
+            pusher.push()
+        gateway.join(60)
+    finally:
+        ended.set()
+        listener.close()
+    assert whole == [False], "the push waited for the gateway's whole answer"
+    warnings = [r.getMessage() for r in caplog.records if "metrics push" in r.getMessage()]
+    assert pusher.failing and len(warnings) == 1 and "within 0.5s" in warnings[0], warnings

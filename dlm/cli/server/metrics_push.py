@@ -9,19 +9,30 @@ counters reach it. A push that fails is logged once as a warning naming the gate
 error, and again once pushes succeed: the server never stops for its monitoring. Credentials
 in the URL (`http://user:password@gateway:9091`, a gateway behind basic auth) are sent as its
 Authorization header, never as part of the host, and never logged.
+
+A push has one deadline for the whole of it, `min(interval, 10)` seconds: a socket timeout
+bounds each read only, and a gateway that trickled its answer (a byte within each timeout) held
+a push, and the last one, which shutdown waits for, as long as it liked. At the deadline the
+push's connection is shut (`_Deadline`), which ends the blocked read at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import functools
+import http.client
 import logging
 import socket
+import threading
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry, push_to_gateway
-from prometheus_client.exposition import basic_auth_handler, default_handler
 
 log = logging.getLogger("dlm.server")
 
@@ -60,10 +71,34 @@ class MetricsPusher:
     def __post_init__(self) -> None:
         self.gateway, self.username, self.password = split_credentials(self.url)
 
-    def _handler(self, url: str, method: str, timeout: float | None, headers: list[Any], data: bytes) -> Any:
-        if self.username is None:
-            return default_handler(url, method, timeout, headers, data)
-        return basic_auth_handler(url, method, timeout, headers, data, self.username, self.password)
+    def _handler(
+        self, url: str, method: str, timeout: float | None, headers: list[tuple[str, str]], data: bytes
+    ) -> Callable[[], None]:
+        """prometheus-client's handler contract: the request to make, made by the callable
+        returned, within `timeout` seconds in all (its own handlers: each socket operation)."""
+        assert timeout is not None  # `push` always gives one
+        fields = dict(headers)
+        if self.username is not None:
+            token = base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+            fields["Authorization"] = f"Basic {token}"
+
+        def handle() -> None:
+            deadline = _Deadline()
+            opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
+            timer = threading.Timer(timeout, deadline.expire)
+            timer.daemon = True
+            timer.start()
+            try:
+                with opener.open(urllib.request.Request(url, data, fields, method=method), timeout=timeout):
+                    pass  # a status over 399 is raised by the opener
+            except Exception as exc:
+                if deadline.expired:
+                    raise TimeoutError(f"the gateway did not answer within {timeout:g}s") from exc
+                raise
+            finally:
+                timer.cancel()
+
+        return handle
 
     @classmethod
     def for_server(cls, url: str, interval: float, registry: CollectorRegistry, port: int) -> MetricsPusher:
@@ -95,3 +130,64 @@ class MetricsPusher:
         while True:
             await asyncio.sleep(self.interval)
             await asyncio.to_thread(self.push)
+
+
+class _Deadline:
+    """The sockets of one push, shut when its deadline passes (from the timer's thread): a
+    read blocked on one then ends at once, and a socket connected after that is shut as it is."""
+
+    def __init__(self) -> None:
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shut(sock)
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed already
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    """A connection whose socket, once connected, its push's deadline can shut."""
+
+    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.deadline.watch(self.sock)
+
+
+class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
+    """`_HTTPConnection` over TLS: the socket watched is the TLS one, after its handshake."""
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPConnection, deadline=self.deadline), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPSConnection, deadline=self.deadline), req)
