@@ -213,3 +213,91 @@ def test_the_key_file_is_read_once_not_per_request(tmp_path: Path) -> None:
         answer = client.post("/v1/completions", json=ASK, headers={"Authorization": "Bearer sk-two"})
         assert answer.status_code == 200, answer.text
         assert client.app.state.service.queue_share() == 32  # type: ignore[attr-defined]  # half of 64: two keys
+
+
+def test_a_sighup_during_a_hot_swap_is_checked_against_the_version_swapped_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGHUP while a hot swap loaded the next version was checked against the version
+    leaving: `decode_mode: ar`, which SDAR decodes, was applied, and LLaDA, swapped in a moment
+    later, served it as every request's default (each one a 400). The reload waits for the
+    swap, as one during the first load waits for it, and the version swapped in refuses it."""
+    import httpx
+
+    from dlm.cli.store.admin import SWAP_PATH
+    from dlm.engine.runtime.async_engine import AsyncEngine
+    from dlm.engine.tiny_models import ensure_tiny_model
+
+    sdar = {**BASE, "model": "tiny:sdar", "admin_key": "k" * 32}
+    warming, release = threading.Event(), threading.Event()
+    warmup = AsyncEngine.warmup
+
+    def held_warmup(engine: AsyncEngine) -> None:  # the swap's new version, its defaults checked
+        warming.set()
+        release.wait(60)
+        warmup(engine)
+
+    monkeypatch.setattr(AsyncEngine, "warmup", held_warmup)
+    with app_client(sdar) as client:
+        service = client.app.state.service  # type: ignore[attr-defined]
+        admin = client.app.state.admin  # type: ignore[attr-defined]
+        swap = {"model": "m", "version": "v2", "path": str(ensure_tiny_model("tiny:llada"))}
+        answers: list[httpx.Response] = []
+        swapping = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    admin.url + SWAP_PATH, json=swap, headers={"Authorization": f"Bearer {admin.key}"}, timeout=120
+                )
+            )
+        )
+        swapping.start()
+        ar = load_config(None, {**sdar, "decode_mode": "ar"}, environ={})
+        server = DrainingServer(uvicorn.Config(client.app), service, lambda: ar)
+
+        async def signal_during_the_swap() -> None:
+            assert await asyncio.to_thread(warming.wait, 60)
+            server._reload_requested()  # SDAR serves, LLaDA is about to
+            if server._reloading is not None:
+                await server._reloading
+            release.set()
+            await asyncio.to_thread(swapping.join, 120)
+            await server.on_tick(0)  # the swap is over: the reload runs, and LLaDA refuses it
+            assert server._reloading is not None
+            await server._reloading
+
+        try:
+            asyncio.run(signal_during_the_swap())
+        finally:
+            release.set()
+            swapping.join(120)
+        assert answers and answers[0].status_code == 200, answers and answers[0].text
+        assert service.served.ref == "m@v2" and service.config.decode_mode == "diffusion"
+        answer = client.post("/v1/completions", json=ASK)
+        assert answer.status_code == 200, answer.text
+
+
+def test_a_reload_that_read_its_settings_as_a_hot_swap_began_runs_again_after_it(client: TestClient) -> None:
+    """The settings were read while no swap ran, and a swap began meanwhile: the reload is
+    not applied against the version leaving, nor dropped; it runs once the swap is over."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    reads: list[int] = []
+
+    def settings() -> ServeConfig:
+        reads.append(len(reads))
+        service.swapping = len(reads) == 1  # a hot swap begins while the file is first read
+        return load_config(None, {**BASE, "max_steps": 64}, environ={})
+
+    server = DrainingServer(uvicorn.Config(client.app), service, settings)
+
+    async def reload_across_a_swap() -> None:
+        server._reload_requested()
+        assert server._reloading is not None
+        await server._reloading
+        assert service.config.max_steps == 1024  # not during the swap
+        service.swapping = False  # switched
+        await server.on_tick(0)  # read again, and applied
+        await server._reloading
+
+    try:
+        asyncio.run(reload_across_a_swap())
+    finally:
+        service.swapping = False
+    assert service.config.max_steps == 64 and len(reads) == 2

@@ -72,10 +72,12 @@ class HotSwapper:
         async with self._lock:
             old = await self._serving(request)
             await self._journal(request, old)
+            self.service.swapping = True
             try:
                 candidate = await self._load(request, old)
                 self._switch(old, candidate)
             finally:
+                self.service.swapping = False
                 await self._journal_end()
             old_engine = await self._retire(old)
             del old, candidate  # the last references this swap holds

@@ -109,16 +109,17 @@ class DrainingServer(uvicorn.Server):
 
     def _reload_requested(self) -> None:
         """SIGHUP: a reload, after the one running if any (it may have read the file before
-        the write this signal announces); signals while one waits are that one. While the
-        model loads, the reload waits for it (`on_tick`): its family checks the defaults."""
+        the write this signal announces); signals while one waits are that one. While a
+        model loads (the first one, or a hot swap's next version), the reload waits for it
+        (`on_tick`): the family that will serve checks the defaults."""
         self._reload_asked = True
-        if self.service.served is None and self.service.load_error is None:
+        if not self.service.reloadable:
             return
         if self._reloading is None or self._reloading.done():
             self._reloading = asyncio.create_task(self._reload_while_asked())
 
     async def _reload_while_asked(self) -> None:
-        while self._reload_asked:
+        while self._reload_asked and self.service.reloadable:
             self._reload_asked = False
             await self.reload()
 
@@ -129,6 +130,9 @@ class DrainingServer(uvicorn.Server):
         assert self.settings is not None
         try:
             new = await asyncio.to_thread(self.settings)
+            if not self.service.reloadable:  # a hot swap began meanwhile: once it has switched
+                self._reload_asked = True
+                return
             applied, restart = self.service.reload(new)
         except DlmError as exc:
             log.error("settings not reloaded: %s", exc)
@@ -148,7 +152,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.service.ready and not self._announced:
             self.announce_ready()
-        if self._reload_asked and self.service.served is not None:  # a SIGHUP sent while the model loaded
+        if self._reload_asked and self.service.reloadable:  # a SIGHUP sent while a model loaded
             self._reload_requested()
         if self.service.load_error is not None:
             log.error("error: %s", self.service.load_error)

@@ -105,6 +105,7 @@ class Service:
         self.model_name = config.served_model_name or _default_name(config)
         self.served: LoadedModel | None = None
         self.retiring: list[LoadedModel] = []  # replaced by a hot swap, finishing their requests
+        self.swapping = False  # a hot swap loads the version that will serve (`reloadable`)
         self.ready = False
         self.draining = False
         self.failure_detail = False  # a 500 names its cause (`create_app`: for `dlm batch`)
@@ -256,10 +257,10 @@ class Service:
         other changes need a restart and are returned unapplied. Decoding defaults the served
         model's family refuses refuse the whole reload (`UsageError`): nothing changes. The
         rate buckets start full when a rate changes. Returns (applied, needing a restart).
-        While the model loads there is no family to check the defaults against (and its
-        load reads them): a `DlmError`, nothing changes."""
-        if self.served is None:
-            raise DlmError("the model is still loading: settings are reloaded once it has loaded")
+        Until `reloadable`, a `DlmError`, and nothing changes."""
+        if not self.reloadable:
+            raise DlmError("a model is loading: settings are reloaded once it serves")
+        assert self.served is not None  # reloadable
         merged, applied, restart = self.config.reloaded(new)
         merged.check_defaults(self.served.engine.engine.validate)
         if merged.max_num_seqs > self.max_num_seqs_at_start:
@@ -276,6 +277,14 @@ class Service:
         if "log_level" in applied:
             set_log_level(merged.log_level)
         return applied, restart
+
+    @property
+    def reloadable(self) -> bool:
+        """Whether the model that will serve is the one served, the family that checks a
+        reload's defaults: not while the first load runs (that load reads the settings) nor
+        while a hot swap loads the next version (it read them before the reload, its engine
+        took the limits, and it serves from the switch on). A reload asked then waits."""
+        return self.served is not None and not self.swapping
 
     def loaded(self) -> list[LoadedModel]:
         """Every model whose engine loop may still hold requests."""
