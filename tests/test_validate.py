@@ -347,6 +347,59 @@ def test_the_timeout_bounds_the_whole_answer(stream: bool) -> None:
         assert len(sent) < TRICKLE_PIECES
 
 
+HEAD_PIECES = 150
+
+
+def trickled_head(method: str, path: str, sent: list[int]) -> Iterator[bytes]:
+    """A status line, then a header line that never ends: one byte every 0.1 s,
+    `HEAD_PIECES` of them, then the connection closes. Each read gets its byte well within
+    httpx's per-read timeout, so only a deadline over the whole answer, head included, ends
+    it before the server gives up."""
+    yield b"HTTP/1.1 200 OK\r\nX-Pad: "
+    for _ in range(HEAD_PIECES):
+        yield b"a"
+        sent.append(1)
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "get"])
+def test_the_timeout_bounds_a_trickled_head(stream: bool) -> None:
+    """Before: the whole-answer deadline started with the body, so a head trickled a byte
+    at a time ran until the server closed (15 s here; a RemoteProtocolError, not the
+    client's timeout); now the transport's waits end at the deadline, head included."""
+    sent: list[int] = []
+    with (
+        raw_server(lambda method, path: trickled_head(method, path, sent)) as url,
+        ApiClient(url, timeout=1.0) as client,
+    ):
+        with pytest.raises(RequestTooLong, match="did not end within the 1s timeout"):
+            if stream:
+                client.stream("/v1/completions", {"prompt": "x"})
+            else:
+                client.get("/v1/models")
+        assert len(sent) < HEAD_PIECES  # the client gave up while the server was still sending
+
+
+def test_the_client_goes_through_the_environments_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline transport keeps what httpx's own took from the environment: HTTP_PROXY
+    carries the request (the proxy here answers it), NO_PROXY exempts a host."""
+    seen: list[str] = []
+
+    def proxy(method: str, path: str) -> Iterator[bytes]:
+        seen.append(path)
+        yield http_answer(200, b'{"data": []}')
+
+    with raw_server(proxy) as url:
+        monkeypatch.setenv("HTTP_PROXY", url)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        with ApiClient("http://models.invalid", timeout=5) as client:
+            assert client.get("/v1/models").json() == {"data": []}
+        assert seen == ["http://models.invalid/v1/models"]  # the absolute form a proxy is sent
+        with ApiClient(url, timeout=5) as client:
+            client.get("/v1/models")
+        assert seen[1:] == ["/v1/models"]  # NO_PROXY: straight to the server
+
+
 def stall(method: str, path: str, stream: bool, sent: list[int]) -> Iterator[bytes]:
     """The head and three pieces of `trickle`, then nothing for 30 s: the read that stalls
     starts 0.2 s into the answer, well before a 1 s deadline, and httpx bounds it by a whole

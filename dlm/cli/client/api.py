@@ -8,12 +8,10 @@ before the request is sent to the arrival of the line that carries the data.
 from __future__ import annotations
 
 import json
-import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import httpx
 
 from dlm.cli.client.sse import SSEError, iter_events, sse_lines
+from dlm.cli.client.transport import DeadlineTransport, deadline
 
 
 @dataclass
@@ -158,7 +157,8 @@ def finite_seconds(value: float | None, flag: str, *, allow_zero: bool = False) 
 
 class RequestTooLong(httpx.ReadTimeout):
     """The answer did not end within the request's timeout although bytes kept arriving
-    (a trickling body or an SSE stream of keep-alive comments)."""
+    (a trickling head or body, an SSE stream of keep-alive comments), or a read stalled
+    until the deadline."""
 
 
 Verify = ssl.SSLContext | bool  # how https:// servers are checked: True (default CAs), a context, or False
@@ -194,7 +194,8 @@ def tls_failure(exc: BaseException) -> ssl.SSLError | None:
 
 class ApiClient(AbstractContextManager["ApiClient"]):
     """A base URL, an optional API key, a timeout applied to every call, and the TLS check;
-    as a context manager (entering gives the client), its connections close on leaving."""
+    as a context manager (entering gives the client), its connections close on leaving.
+    Its transport ends every network wait at the deadline of the call (`DeadlineTransport`)."""
 
     def __init__(
         self,
@@ -207,12 +208,9 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
-        self.http = httpx.Client(
-            base_url=self.base_url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections),
-            verify=verify,
-        )
+        limits = httpx.Limits(max_connections=max_connections)
+        transport = DeadlineTransport(httpx.URL(self.base_url), verify, limits)
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
 
     def close(self) -> None:
         self.http.close()
@@ -226,10 +224,10 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         return {"Authorization": f"Bearer {chosen}"} if chosen else {}
 
     def send(self, request: httpx.Request, timeout: float) -> httpx.Response:
-        """Send and read the whole answer within `timeout` seconds in all: httpx's timeout
-        bounds each read, so a server trickling its body a byte at a time never timed out."""
-        deadline = time.perf_counter() + timeout
-        return read_within(self.http.send(request, stream=True), deadline, timeout)
+        """Send and read the whole answer, head and body, within `timeout` seconds in all:
+        httpx's timeout bounds each read, so a server trickling a byte at a time never timed out."""
+        with whole_answer_within(request, timeout):
+            return read_whole(self.http.send(request, stream=True))
 
     def get(self, path: str, *, key: str | None | bool = True, timeout: float | None = None) -> httpx.Response:
         limit = timeout or self.timeout
@@ -258,58 +256,65 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         stream must end within the client's timeout (httpx's bounds each read only)."""
         body = {**body, "stream": True}
         start = time.perf_counter()
-        deadline = start + self.timeout
-        with self.http.stream("POST", path, json=body, headers=self.headers()) as response:
-            result = StreamResult(
-                status=response.status_code,
-                content_type=response.headers.get("content-type", ""),
-                retry_after=response.headers.get("retry-after"),
-            )
-            if response.status_code != 200:
-                result.error = error_message(read_within(response, deadline, self.timeout))
-                result.e2e = time.perf_counter() - start
-                return result
-            if not result.content_type.startswith("text/event-stream"):
-                result.error = f"content-type is {result.content_type!r}, not text/event-stream"
-            pieces: list[str] = []
+        request = self.http.build_request("POST", path, json=body, headers=self.headers())
+        with whole_answer_within(request, self.timeout):
+            response = self.http.send(request, stream=True)
             try:
-                decoded = within(response, response.iter_text(), deadline, self.timeout)
-                for event in iter_events(sse_lines(decoded)):
-                    if keep_events:
-                        result.events.append(event)
-                    if event.get("usage"):
-                        if not isinstance(event["usage"], dict):
-                            raise ChunkShapeError(f"chunk's usage is not an object: {json.dumps(event['usage'])[:80]}")
-                        result.usage = event["usage"]
-                    if "error" in event:
-                        error = event["error"]
-                        result.error = str(error.get("message", error) if isinstance(error, dict) else error)
-                    if not event.get("choices"):
-                        continue
-                    result.chunks += 1
-                    text, finish = delta_text(event)
-                    if text:
-                        pieces.append(text)
-                        result.text_times.append(time.perf_counter() - start)
-                        if result.ttft is None:
-                            result.ttft = result.text_times[0]
-                    if finish:
-                        result.finish_reason = finish
-            except (SSEError, ChunkShapeError) as exc:
-                result.error = result.error or str(exc)
-            result.text = "".join(pieces)
+                return self._read_stream(response, start, keep_events)
+            finally:
+                response.close()
+
+    def _read_stream(self, response: httpx.Response, start: float, keep_events: bool) -> StreamResult:
+        """`stream`'s reading of the answer `response`, timed from `start`."""
+        result = StreamResult(
+            status=response.status_code,
+            content_type=response.headers.get("content-type", ""),
+            retry_after=response.headers.get("retry-after"),
+        )
+        if response.status_code != 200:
+            result.error = error_message(read_whole(response))
             result.e2e = time.perf_counter() - start
             return result
+        if not result.content_type.startswith("text/event-stream"):
+            result.error = f"content-type is {result.content_type!r}, not text/event-stream"
+        pieces: list[str] = []
+        try:
+            for event in iter_events(sse_lines(response.iter_text())):
+                if keep_events:
+                    result.events.append(event)
+                if event.get("usage"):
+                    if not isinstance(event["usage"], dict):
+                        raise ChunkShapeError(f"chunk's usage is not an object: {json.dumps(event['usage'])[:80]}")
+                    result.usage = event["usage"]
+                if "error" in event:
+                    error = event["error"]
+                    result.error = str(error.get("message", error) if isinstance(error, dict) else error)
+                if not event.get("choices"):
+                    continue
+                result.chunks += 1
+                text, finish = delta_text(event)
+                if text:
+                    pieces.append(text)
+                    result.text_times.append(time.perf_counter() - start)
+                    if result.ttft is None:
+                        result.ttft = result.text_times[0]
+                if finish:
+                    result.finish_reason = finish
+        except (SSEError, ChunkShapeError) as exc:
+            result.error = result.error or str(exc)
+        result.text = "".join(pieces)
+        result.e2e = time.perf_counter() - start
+        return result
 
 
-def read_within(response: httpx.Response, deadline: float, timeout: float) -> httpx.Response:
-    """`response` read whole by `deadline` (`RequestTooLong` past it), as a plain response;
-    one its transport has read already (in-process and mock transports answer whole) is
-    returned as it is: reading its stream again raised StreamConsumed."""
+def read_whole(response: httpx.Response) -> httpx.Response:
+    """`response` read whole, as a plain response; one its transport has read already
+    (in-process and mock transports answer whole) is returned as it is: reading its stream
+    again raised StreamConsumed."""
     if response.is_stream_consumed:
         return response
     try:
-        raw = b"".join(within(response, response.iter_raw(), deadline, timeout))
+        raw = b"".join(response.iter_raw())
     finally:
         response.close()
     return httpx.Response(
@@ -321,47 +326,16 @@ def read_within(response: httpx.Response, deadline: float, timeout: float) -> ht
     )
 
 
-def within(response: httpx.Response, chunks: Iterator[Any], deadline: float, timeout: float) -> Iterator[Any]:
-    """`chunks` of `response`, raising `RequestTooLong` once `deadline` has passed: checked
-    between chunks, and by a timer that shuts the answer's socket down at the deadline, which
-    wakes a read that stalls (httpx's timeout bounds each read alone: a read that stalled just
-    before the deadline waited a whole timeout more, about twice the timeout in all)."""
-    too_long = RequestTooLong(f"the answer did not end within the {timeout:g}s timeout", request=response.request)
-    cut = _Cut(response, deadline)
-    try:
-        for chunk in chunks:
-            if time.perf_counter() > deadline:
-                raise too_long
-            yield chunk
-    except httpx.TransportError as exc:
-        if cut.done and not isinstance(exc, RequestTooLong):
-            raise too_long from None  # the read the cut ended
-        raise
-    finally:
-        cut.cancel()
-    if cut.done:  # an answer whose end is its connection's (HTTP/1.0, no length) ends at the cut
-        raise too_long
-
-
-class _Cut:
-    """A timer that shuts `response`'s socket down at `deadline`, if it has one (in-process
-    and mock transports answer whole); `done` once it has."""
-
-    def __init__(self, response: httpx.Response, deadline: float) -> None:
-        stream = response.extensions.get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        self.done = False
-        self._timer: threading.Timer | None = None
-        if isinstance(sock, socket.socket):
-            self._timer = threading.Timer(max(0.0, deadline - time.perf_counter()), self._cut, (sock,))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _cut(self, sock: socket.socket) -> None:
-        self.done = True
-        with suppress(OSError):  # closed meanwhile
-            sock.shutdown(socket.SHUT_RDWR)
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+@contextmanager
+def whole_answer_within(request: httpx.Request, timeout: float) -> Iterator[None]:
+    """Every network wait of the block ends `timeout` seconds from now (`deadline()`), and a
+    transport error raised past then is the whole answer's `RequestTooLong`: the transport
+    ends the wait under way at the deadline (a trickle, a read that stalled) with httpx's
+    own timeout error."""
+    with deadline(timeout) as at:
+        try:
+            yield
+        except httpx.TransportError as exc:
+            if isinstance(exc, RequestTooLong) or time.perf_counter() < at:
+                raise
+            raise RequestTooLong(f"the answer did not end within the {timeout:g}s timeout", request=request) from None
