@@ -190,6 +190,36 @@ def test_the_fetch_command_offered_to_repair_a_version_is_shell_quoted(good: Pat
     assert shlex.split(offered.group(1)) == ["dlm", "fetch", str(source), "--include", "*", "--name", "m"]
 
 
+def test_the_fetch_command_offered_to_repair_a_version_keeps_link_and_follow_symlinks(
+    good: Path, tmp_path: Path
+) -> None:
+    """The offered `dlm fetch` left out `--link` and `--follow-symlinks` (the manifest kept
+    no record of the latter): for a source whose link leaves it, the pasted command was
+    refused ("outside ... refused") instead of repairing the version."""
+    import shlex
+
+    source = tmp_path / "src"
+    shutil.copytree(good, source)
+    (tmp_path / "notes.txt").write_text("outside the source")
+    os.symlink(tmp_path / "notes.txt", source / "notes.txt")
+    store = tmp_path / "store"
+    flags = ("--link", "--follow-symlinks", "--name", "m", "--store", str(store), "--json")
+    code, stdout, stderr = cli("fetch", str(source), *flags)
+    assert code == 0, stderr
+    (Path(json.loads(stdout)["path"]) / "tokenizer.json").unlink()
+    code, stdout, stderr = cli("models", "--store", str(store), "--json")
+    reason = json.loads(stdout)["models"][0]["versions"][0]["reason"]
+    offered = re.search(r"then `(dlm fetch [^`]+)`", reason)
+    assert offered is not None, reason
+    words = shlex.split(offered.group(1))
+    assert {"--link", "--follow-symlinks"} <= set(words), words
+    code, stdout, stderr = cli(*words[1:], "--store", str(store), "--json")  # pasted as offered
+    assert code == 0, stderr
+    assert json.loads(stdout)["state"] == "verified"
+    code, stdout, stderr = cli("models", "--store", str(store), "--json")
+    assert [v["state"] for v in json.loads(stdout)["models"][0]["versions"]] == ["verified"]
+
+
 NAMES = {
     "300 characters": "a" * 300,
     "trailing newline": "name\n",

@@ -343,7 +343,9 @@ def fetch_local(
     sources = {rel: file for rel, file in found.items() if rel in selected}
     rels = sorted(sources)
     stats = {rel: sources[rel].source_stat for rel in rels}
-    source = LocalSource(path=str(src), include=list(include), exclude=list(exclude), link=link)
+    source = LocalSource(
+        path=str(src), include=list(include), exclude=list(exclude), link=link, follow_symlinks=follow_symlinks
+    )
     with _staging(store, name):
         existing = None if unusable else _unchanged_copy(store, name, source, stats)
         if existing is not None:

@@ -127,6 +127,7 @@ class LocalSource(Record):
     include: list[str]
     exclude: list[str]
     link: bool
+    follow_symlinks: bool = False  # absent from the manifests of dlm before it was recorded
 
 
 Source = Annotated[HubSource | LocalSource, Field(discriminator="kind")]
@@ -200,10 +201,16 @@ def fetch_command(name: str, source: HubSource | LocalSource) -> str:
     """The `dlm fetch` that brings this very content under `name` again (a hub source pinned
     to its commit): what repairs a failed version or resumes an interrupted download. Each
     word shell-quoted, as it is given to be pasted: a path with a space in it, or a glob with a
-    quote, made another command (`dlm fetch /data/my model ...` fetched no such directory)."""
+    quote, made another command (`dlm fetch /data/my model ...` fetched no such directory).
+    A local source's `--link` and `--follow-symlinks` are given again: without the latter, a
+    source whose links leave it was refused."""
     words = [source.repo_id, "--revision", source.commit] if isinstance(source, HubSource) else [source.path]
     for flag, globs in (("--include", source.include), ("--exclude", source.exclude)):
         words += [w for glob in globs for w in (flag, glob)]
+    if isinstance(source, LocalSource):
+        words += [
+            flag for flag, given in (("--link", source.link), ("--follow-symlinks", source.follow_symlinks)) if given
+        ]
     return shlex.join(["dlm", "fetch", *words, "--name", name])
 
 
