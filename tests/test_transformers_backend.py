@@ -63,6 +63,24 @@ def test_forward_path_matches_literal_loop_and_batches(masked_lm: Path) -> None:
     assert single.output_ids == outs[1].output_ids  # right padding + key mask do not leak
 
 
+def test_a_checkpoint_under_a_non_utf8_folder_loads(masked_lm: Path, tmp_path: Path) -> None:
+    """transformers reads the weights with safetensors, which opened UTF-8 paths only
+    ('is not valid UTF-8'); the same ids either way, float32."""
+    import os
+    import shutil
+
+    copy = Path(os.fsdecode(os.fsencode(tmp_path) + b"/st\xff"))
+    shutil.copytree(masked_lm, copy)
+    prompt = [5, 17, 42, 11, 3]
+    outs = [
+        LLM(where, dtype="float32", device="cpu", backend="transformers").generate(
+            prompt, gen_length=16, block_length=8, steps=16
+        )[0]
+        for where in (masked_lm, copy)
+    ]
+    assert outs[1].output_ids == outs[0].output_ids
+
+
 def test_generate_path_calls_the_models_own_method(tmp_path: Path) -> None:
     """A causal LM (here transformers' own Qwen3.5-MoE) is decoded by its `generate`."""
     ref = reference_model(seed=3)

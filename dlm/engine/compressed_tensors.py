@@ -220,6 +220,7 @@ def placement(model: Any, model_dir: Path, scheme: Scheme, dtype: Any, device: A
     from dlm.engine.loader import parameter_sources, tensor_locations
     from dlm.engine.quantization import METHODS, check_runs
     from dlm.engine.quantized_weights import Quantizer, quantizable
+    from dlm.engine.utf8_paths import utf8_path
 
     method = METHODS[scheme.method]
     check_runs(method, device.type, str(dtype).replace("torch.", ""))
@@ -232,7 +233,7 @@ def placement(model: Any, model_dir: Path, scheme: Scheme, dtype: Any, device: A
     layers = quantized_layers(headers)
 
     def read(name: str) -> Any:
-        with safe_open(str(locations[name]), framework="pt", device="cpu") as f:
+        with utf8_path(locations[name]) as readable, safe_open(readable, framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
     def scale_of(layer: str) -> Any:

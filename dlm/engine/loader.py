@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from dlm.engine.errors import DlmError, UsageError
+from dlm.engine.utf8_paths import utf8_path
 
 if TYPE_CHECKING:  # imported where weights are read: `dlm estimate` reads the index through
     import torch  # `shard_index` without paying for (or needing) torch
@@ -124,7 +125,7 @@ def _headers(file: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor of `file` and its shape, from the safetensors header (no data read)."""
     require_file(file)
     try:
-        with safe_open(str(file), framework="pt") as handle:
+        with utf8_path(file) as readable, safe_open(readable, framework="pt") as handle:
             return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except SafetensorError as exc:
         raise damaged_weights(file, exc) from None
@@ -275,7 +276,8 @@ def _read(
             assert isinstance(file, Path)
             if file not in handles:
                 try:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                    with utf8_path(file) as readable:  # the handle stays open once its path is gone
+                        handles[file] = stack.enter_context(safe_open(readable, framework="pt", device="cpu"))
                 except OSError as exc:  # gone or replaced since it was listed, unreadable
                     raise damaged_weights(file, exc.strerror or exc) from None
             return handles[file]

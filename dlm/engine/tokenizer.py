@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm.engine.errors import UsageError
+from dlm.engine.utf8_paths import utf8_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -31,7 +32,8 @@ def load_tokenizer(model_dir: Path) -> Any:
             # config fields of model types it does not know (Dream's `rope_scaling: null`):
             # nothing the tokenizer uses, and nothing the user can act on.
             warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+            with utf8_path(model_dir) as readable:  # the tokenizers library opens UTF-8 paths only
+                tokenizer = AutoTokenizer.from_pretrained(readable, trust_remote_code=False)
             # Fields it reads only when it encodes or decodes fail then, not here: a string
             # model_max_length was a TypeError traceback from the first prompt. One word each
             # way makes such a tokenizer fail where it loads, with the errors below.

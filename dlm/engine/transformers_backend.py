@@ -80,6 +80,7 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remot
     from transformers.utils import logging as hf_logging
 
     from dlm.engine.quantized_weights import quiet_torchao_import
+    from dlm.engine.utf8_paths import utf8_path
 
     hf_logging.set_verbosity_error()
     _check_loadable(model_dir, trust_remote_code)
@@ -96,9 +97,10 @@ def _load(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remot
     try:
         for auto in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
             try:
-                with quiet_torchao_import():  # a model class may import torchao
+                # a model class may import torchao; its weights are read by safetensors (UTF-8 paths only)
+                with quiet_torchao_import(), utf8_path(model_dir) as readable:
                     model = getattr(transformers, auto).from_pretrained(
-                        str(model_dir), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+                        readable, config=config, dtype=dtype, trust_remote_code=trust_remote_code
                     )
             except ValueError as exc:  # this auto class has no mapping for the config
                 errors.append(f"{auto}: {exc}")

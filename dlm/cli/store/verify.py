@@ -305,6 +305,7 @@ def check_quantization(directory: Path, report: VerifyReport) -> None:
 
     from dlm.engine import compressed_tensors as ct
     from dlm.engine.config import read_config_json
+    from dlm.engine.utf8_paths import utf8_path
 
     try:
         scheme = ct.read_scheme(read_config_json(directory))
@@ -322,7 +323,7 @@ def check_quantization(directory: Path, report: VerifyReport) -> None:
         report.fail(files.get(holder.get(tensor, directory), "."), "quantization", problem)
 
     def read(name: str) -> Any:
-        with safe_open(str(holder[name]), framework="pt", device="cpu") as f:
+        with utf8_path(holder[name]) as readable, safe_open(readable, framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
     for tensor, problem in ct.value_problems(read, headers):
