@@ -189,12 +189,14 @@ def test_serve_applies_the_governor_on_the_engine_thread(monkeypatch: pytest.Mon
     assert [t for _, t in governor.seen] == [1 + i % 2 for i in range(len(governor.seen))]
 
 
-def test_serve_without_the_flag_has_no_governor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_thread_governor_has_no_governor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--no-thread-governor` neither governs nor checks whether it could."""
     import dlm.engine.llm as llm_module
     from dlm.engine.llm import LLM
 
     monkeypatch.setattr(llm_module, "for_plan", lambda planned: pytest.fail("no governor was asked for"))
-    assert LLM("tiny:llada", dtype="float32", device="cpu").thread_governor is None
+    monkeypatch.setattr(cpu_plan, "team_exact", lambda *args: pytest.fail("nothing to decide"))
+    assert LLM("tiny:llada", dtype="float32", device="cpu", thread_governor=False).thread_governor is None
 
 
 @pytest.mark.parametrize(
@@ -251,3 +253,101 @@ def test_generate_says_the_governor_is_off_under_tensor_parallelism() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "thread governor: off" in " ".join(result.stderr.split()), result.stderr
+
+
+# --- on by default where switching cannot change an answer (`cpu_plan.team_exact`) ---
+
+# A shape of its own: the plan cache of the test session is shared, keyed by the shape.
+EXACT_SHAPE = cpu_plan.ModelShape(hidden=16, heads=2, kv_heads=2, head_dim=8, ffn=24, vocab=40)
+
+
+def test_team_exact_compares_the_forwards_bits_at_both_counts_and_caches_the_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forward whose result depends on the thread count is not exact; the verdict is
+    measured once per machine and shape (a later call reads it, running nothing)."""
+    runs: list[int] = []
+
+    def by_count(shape: cpu_plan.ModelShape, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        runs.append(torch.get_num_threads())
+        return torch.tensor([float(torch.get_num_threads())])
+
+    monkeypatch.setattr(cpu_plan, "_layer_forward", by_count)
+    before = torch.get_num_threads()
+    assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 2) is False
+    assert sorted(set(runs)) == [1, 2] and torch.get_num_threads() == before  # both counts ran, restored
+    runs.clear()
+    monkeypatch.setattr(cpu_plan, "_layer_forward", lambda shape, tensors: torch.zeros(1))
+    assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 2) is False and runs == []  # the cached verdict
+    assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 3) is True  # another team: measured again
+
+
+def test_team_exact_runs_the_real_layer_and_a_count_against_itself_is_exact() -> None:
+    """The probe itself is deterministic (fixed inputs, fp32 here): the same count twice gives
+    the same bits, so a False verdict can only come from the thread count."""
+    assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 1) is True
+    assert isinstance(cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 2), bool)
+
+
+def test_a_quantized_model_is_never_called_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe holds dense weights: it says nothing of a quantized model's kernels."""
+    monkeypatch.setattr(cpu_plan, "_layer_forward", lambda shape, tensors: pytest.fail("nothing to run"))
+    quantized = cpu_plan.ModelShape(16, 2, 2, 8, 24, 40, weights="int8")
+    assert cpu_plan.team_exact(quantized, torch.float32, 1, 2) is False
+
+
+@pytest.mark.parametrize(
+    ("shape", "planned", "exact", "governed"),
+    [
+        (EXACT_SHAPE, 1, True, True),
+        (EXACT_SHAPE, 1, False, False),
+        (None, 1, True, False),  # no native layers to check (the transformers backend)
+        (EXACT_SHAPE, None, True, False),  # no plan (not a CPU)
+        (EXACT_SHAPE, 2, True, False),  # the plan already gives every core
+    ],
+)
+def test_governs_by_default_only_with_a_team_to_choose_and_exact_forwards(
+    monkeypatch: pytest.MonkeyPatch,
+    shape: cpu_plan.ModelShape | None,
+    planned: int | None,
+    exact: bool,
+    governed: bool,
+) -> None:
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 2)
+    monkeypatch.setattr(cpu_plan, "team_exact", lambda shape, dtype, threads, team: exact)
+    assert tg.governs_by_default(shape, torch.float32, planned) is governed
+
+
+@pytest.mark.parametrize(
+    ("asked", "exact", "governed"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_llm_governs_by_default_where_exact_and_as_asked_otherwise(
+    monkeypatch: pytest.MonkeyPatch, asked: bool | None, exact: bool, governed: bool
+) -> None:
+    """`thread_governor` None (the default: `dlm serve`/`dlm generate` without the flag) turns
+    the governor on where this CPU's forwards are exact at both counts; `--thread-governor` and
+    `--no-thread-governor` decide regardless."""
+    from dlm.engine.llm import LLM
+
+    checked: list[tuple[int, int]] = []
+
+    def team_exact(shape: cpu_plan.ModelShape, dtype: torch.dtype, threads: int, team: int) -> bool:
+        checked.append((threads, team))
+        return exact
+
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 2)
+    monkeypatch.setattr(cpu_plan, "team_exact", team_exact)
+    llm = LLM("tiny:llada", dtype="float32", device="cpu", thread_governor=asked)
+    assert (llm.thread_governor is not None) is governed
+    assert checked == ([(1, 2)] if asked is None else [])
+    assert llm.thread_governor_off is None
+
+
+def test_the_command_line_spells_auto_on_and_off() -> None:
+    """`--thread-governor` / `--no-thread-governor` / neither (auto) reach the settings as
+    True / False / None."""
+    from dlm.cli.server.config import ServeConfig
+
+    assert ServeConfig().thread_governor is None
+    assert ServeConfig(thread_governor=False).thread_governor is False

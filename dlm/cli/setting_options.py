@@ -59,7 +59,8 @@ def names(name: str, model: type[BaseModel] = ServeConfig) -> tuple[str, ...]:
     """A setting's option names: `--name` (`--name/--no-name` for a bool) unless `Cli` gives them."""
     field = model.model_fields[name]
     flag = "--" + name.replace("_", "-")
-    return cli_record(field).names or ((f"{flag}/--no-{flag[2:]}",) if field.annotation is bool else (flag,))
+    flags = field.annotation in (bool, bool | None)
+    return cli_record(field).names or ((f"{flag}/--no-{flag[2:]}",) if flags else (flag,))
 
 
 def option_error(exc: ValidationError, model: type[BaseModel], arguments: Iterable[str] = ()) -> UsageError:

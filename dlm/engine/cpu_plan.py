@@ -35,7 +35,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,14 @@ CACHE_FILE = "cpu_plan.json"
 # The loaded model is timed itself (held in both dtypes for a moment) up to this many bytes of
 # checkpoint; a larger one is judged by one layer of its shape.
 MODEL_PROBE_MAX_BYTES = 2 * 2**30
+# `team_exact` also checks a batch of this many probe canvases: how a kernel splits a matmul
+# over its threads depends on the rows.
+EXACT_BATCH = 4
+# ... with the LM head cut to this many rows of the vocabulary: its reduction (the hidden size)
+# is what a thread split could reorder; fewer output columns leave a kernel less to split
+# between threads but the reduction, so the check only gets stricter, and an 8B-shaped check
+# takes seconds instead of tens.
+EXACT_VOCAB = 4096
 
 
 @dataclass(frozen=True)
@@ -234,11 +242,11 @@ def _read_cache() -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(key: str, seconds: dict[str, float]) -> None:
+def _write_cache(key: str, entry: dict[str, Any]) -> None:
     """Merge one entry into the cache file (written whole and renamed: a reader never sees
     half a file); a cache that cannot be written only means measuring again next time."""
     data = _read_cache()
-    data[key] = seconds
+    data[key] = entry
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,6 +316,44 @@ def _pick_threads(candidates: list[Candidate], seconds: dict[str, float]) -> int
         if c.threads > 1 and seconds[one.name] / seconds[c.name] >= THREADS_MIN_SPEEDUP:
             choice = c if seconds[c.name] < seconds[choice.name] else choice
     return choice.threads
+
+
+def team_exact(shape: ModelShape, dtype: torch.dtype, threads: int, team: int) -> bool:
+    """Whether forwards of `shape` in `dtype` give the same bits with `threads` and with `team`
+    intra-op threads, measured once per machine and cached beside the plans.
+
+    Why: the thread governor (dlm/engine/runtime/thread_governor.py) switches between the two
+    counts step by step, and where a kernel splits a reduction by its thread count a step's
+    logits, so possibly a token, depend on the count it ran with. That is a property of the CPU
+    and its libraries, not of torch: on the Intel AMX VM oneDNN's bf16 matmuls with a long
+    reduction (the 104M model's 2816-wide down projection) and MKL's fp32 ones differed between
+    1 and 2 threads; on the AMD Zen 4 VM no shape did, nor the 104M and default models' answers.
+    Checked on one layer of the shape with its linear weights held as the model holds them
+    (`_layer_forward`: norm, QKV, attention, output projection, SwiGLU MLP, LM head) at a short
+    canvas and at a batch of `EXACT_BATCH` (the LM head cut to `EXACT_VOCAB` rows): the shapes
+    and kernels of the model's steps, not a proof for every row count. A quantized model's
+    linears are not what the probe runs: never exact here."""
+    if shape.weights != "dense":
+        return False
+    layout = dispatch.linear_layout(dtype, torch.device("cpu"))
+    key = f"{machine_key()}/{shape.key}/exact/{layout}/{str(dtype).removeprefix('torch.')}/{threads}-{team}"
+    cached = _read_cache().get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("exact"), bool):
+        return bool(cached["exact"])
+    probe = replace(shape, vocab=min(shape.vocab, EXACT_VOCAB))
+    tensors = _probe_inputs(probe, dtype)
+    batch = {**tensors, "x": torch.cat([tensors["x"].roll(i, dims=1) for i in range(EXACT_BATCH)])}
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (threads, team):
+            torch.set_num_threads(count)
+            outputs.append([_layer_forward(probe, t) for t in (tensors, batch)])
+    finally:
+        torch.set_num_threads(before)
+    exact = all(torch.equal(a, b) for a, b in zip(*outputs))
+    _write_cache(key, {"exact": exact})
+    return exact
 
 
 def apply_threads(threads: int) -> None:

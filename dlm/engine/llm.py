@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 import time
@@ -25,9 +26,11 @@ from dlm.engine.runtime.engine import cap_device_memory, load_engine
 from dlm.engine.runtime.interface import Engine
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import forward_tokens
-from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan, why_no_governor
+from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan, governs_by_default, why_no_governor
 from dlm.engine.stops import TextOf, covering, ends_at_stop, require_text, stop_cut
 from dlm.engine.tokenizer import decode, encode, has_tokenizer, load_tokenizer
+
+log = logging.getLogger("dlm.engine")
 
 if TYPE_CHECKING:
     from dlm.engine.parallel.distributed import ParallelConfig
@@ -66,7 +69,7 @@ class LLM:
         parallel: ParallelConfig | None = None,
         gpu_memory_utilization: float | None = None,
         quantization: str | None = None,
-        thread_governor: bool = False,
+        thread_governor: bool | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         """`parallel`: split the model over several processes (dlm/engine/parallel/distributed.py); this
@@ -76,7 +79,9 @@ class LLM:
         `quantization`: int8, int4 or fp8 weights for the linear layers and experts
         (dlm/engine/quantization.py; docs/quantization.md); None or "none": the dtype's.
         `thread_governor`: on a CPU with more cores than the plan's threads, choose between the
-        two counts step by step by measured step time (dlm/engine/runtime/thread_governor.py).
+        two counts step by step by measured step time (dlm/engine/runtime/thread_governor.py);
+        None (auto): where this CPU's forwards give the same bits with either count
+        (`governs_by_default`), so answers cannot depend on it.
         `kv_cache_dtype`: how requests' exact K/V caches store values, `auto` (the model's dtype)
         or `int8` (block-causal families; dlm/engine/runtime/kv_cache.py)."""
         self.model_dir = resolve_model(model)
@@ -96,7 +101,13 @@ class LLM:
             # On this thread, which runs the forwards (`dlm generate`; `dlm serve` loads on its
             # engine thread, dlm/engine/runtime/async_engine.py): OpenMP counts are per thread.
             apply_threads(self.dtype_choice.threads)
-        self.thread_governor = for_plan(self.dtype_choice.threads) if thread_governor and not distributed else None
+        governed = thread_governor
+        if governed is None:  # auto: governed where switching cannot change an answer
+            native = shape if backend == "native" and not distributed else None
+            governed = governs_by_default(native, self.dtype, self.dtype_choice.threads)
+            if governed:
+                log.info("thread governor on: this CPU's forwards give the same bits at either thread count")
+        self.thread_governor = for_plan(self.dtype_choice.threads) if governed and not distributed else None
         # Asked for but nothing to govern: why, for the server's log and `dlm generate` to say.
         self.thread_governor_off = (
             why_no_governor(distributed, self.device.type, self.dtype_choice.threads)

@@ -142,7 +142,7 @@ def generate(
     device: str = setting_option("device"),
     quantization: str | None = setting_option("quantization"),
     kv_cache_dtype: str = setting_option("kv_cache_dtype"),
-    thread_governor: bool = setting_option("thread_governor"),
+    thread_governor: bool | None = setting_option("thread_governor"),
     backend: str = setting_option("backend"),
     trust_remote_code: bool = setting_option("trust_remote_code"),
     tensor_parallel_size: int | None = tp.TENSOR_PARALLEL_SIZE,

@@ -102,11 +102,13 @@ class ServeConfig(BaseModel):
         le=1,
         description="Share (0-1] of each GPU's memory the server may use: a ceiling, nothing is reserved (CUDA only).",
     )
-    thread_governor: bool = Field(
-        False,
+    thread_governor: Annotated[
+        bool | None, Cli(shown="auto: on where this CPU's forwards give the same bits at either count")
+    ] = Field(
+        None,
         description="On a CPU, switch the forwards between the planned threads and every core by measured step "
-        "time (faster on a quiet machine; a model whose kernels round by thread count may then answer "
-        "differently run to run: docs/serve.md#threads).",
+        "time (faster on a quiet machine; forced on, a model whose kernels round by thread count may then "
+        "answer differently run to run: docs/serve.md#threads).",
     )
     backend: Literal["native", "transformers"] = Field(
         "native", description="native, or transformers: load any checkpoint with transformers."

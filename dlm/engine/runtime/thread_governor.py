@@ -37,6 +37,8 @@ import logging
 import statistics
 from collections import deque
 
+import torch
+
 from dlm.engine import cpu_plan
 
 log = logging.getLogger("dlm.engine")
@@ -156,6 +158,17 @@ def for_plan(planned: int | None) -> ThreadGovernor | None:
     they differ; None where there is nothing to choose (no plan: not a CPU, or one core)."""
     every = cpu_plan.default_threads()
     return None if planned is None or planned >= every else ThreadGovernor(planned, every)
+
+
+def governs_by_default(shape: cpu_plan.ModelShape | None, dtype: torch.dtype, planned: int | None) -> bool:
+    """Whether a model runs governed when `--thread-governor` is not given: where the plan
+    leaves a team to choose (`for_plan`) and this CPU's kernels give a forward of the model's
+    shape the same bits with either count (`cpu_plan.team_exact`), so that switching changes
+    how fast an answer comes and never the answer. `shape` None: no native layers to check."""
+    every = cpu_plan.default_threads()
+    if shape is None or planned is None or planned >= every:
+        return False
+    return cpu_plan.team_exact(shape, dtype, planned, every)
 
 
 def why_no_governor(distributed: bool, device_type: str, planned: int | None) -> str:
