@@ -3,7 +3,9 @@ admin hot-swap contract, and crash safety under SIGKILL."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import signal
 import subprocess
@@ -158,6 +160,36 @@ def test_models_lists_a_version_damaged_since_its_verification(
     monkeypatch.setenv("DLM_STORE", root)
     with pytest.raises(DlmError, match=f"m@{v2}: model.safetensors is missing or changed size .* repairs it"):
         resolve_model(f"m@{v2}")
+
+
+def test_models_lists_a_read_only_store(stocked: tuple[Store, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store on a read-only mount (or another user's) is listed as it stands: `dlm models`
+    failed with `error: Read-only file system: <store>/.lock` (the settling transaction's
+    lock, and then the probe of whether a download is running), though such a store is
+    resolved as MODEL (without a lease). The file system is made read-only by refusing every
+    open for writing under the store, as the kernel does on a read-only mount."""
+    store, (v1, _, _) = stocked
+    release(store, f"m@{v1}")
+    download = store.model_dir("m") / ".staging" / "hub-0123456789ab" / "files"
+    download.mkdir(parents=True)
+    (download / "config.json").write_text("{}")
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    real_open = os.open
+
+    def read_only(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if str(path).startswith(str(store.root)) and flags & writes:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", read_only)
+    code, stdout, stderr = cli("models", "--json", "--store", str(store.root))
+    assert code == 0, stderr
+    listing = json.loads(stdout)
+    assert [v["state"] for v in listing["models"][0]["versions"]] == ["verified"] * 3
+    assert listing["deployments"][0]["current"]["version"] == v1
+    assert [(f["version"], f["running"]) for f in listing["incomplete"]] == [("0123456789ab", False)]
+    code, stdout, stderr = cli("models", "--store", str(store.root))
+    assert code == 0 and f"m@{v1}" in stdout, stderr
 
 
 def test_rm_keeps_current_and_previous(stocked: tuple[Store, list[str]]) -> None:

@@ -20,8 +20,10 @@ def _source(source: dict[str, Any] | None) -> str:
 
 def _settled_listing(store: Any) -> dict[str, Any]:
     """The listing, with interrupted swaps settled first, unless another store command is
-    running: then as it stands (a swap in progress shows as the deployment's `pending`)."""
-    from dlm.cli.store.atomic import Busy
+    running, or the store cannot be written (a read-only mount, another user's: its lock
+    cannot be taken, and nothing could be settled): then as it stands (a swap in progress
+    shows as the deployment's `pending`)."""
+    from dlm.cli.store.atomic import Busy, unwritable
     from dlm.cli.store.releases import transaction
 
     if not store.root.exists():  # nothing to list, and a listing creates no store (nor its lock)
@@ -30,6 +32,10 @@ def _settled_listing(store: Any) -> dict[str, Any]:
         with transaction(store, blocking=False):
             return _listing(store)
     except Busy:
+        return _listing(store)
+    except OSError as exc:
+        if not unwritable(exc):
+            raise
         return _listing(store)
 
 

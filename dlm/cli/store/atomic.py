@@ -6,6 +6,7 @@ new, never a torn file. Temporary names start with a dot so listings skip them.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import json
@@ -52,6 +53,13 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 def write_json_atomic(path: Path, payload: Any, mode: int = 0o644) -> None:
     write_bytes_atomic(path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode(), mode)
+
+
+def unwritable(exc: OSError) -> bool:
+    """Whether `exc` says this process may not write where it tried: a store on a read-only
+    mount, or another user's. Such a store can still be read (resolved, listed) without the
+    store lock, which taking would create or open for writing."""
+    return exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class Busy(Exception):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 from pathlib import Path
 
 from dlm.cli.store import leases
+from dlm.cli.store.atomic import unwritable
 from dlm.cli.store.hashing import sha256_file
 from dlm.cli.store.store import NAME_RE, Manifest, Store
 from dlm.engine.errors import DlmError, UsageError
@@ -39,7 +39,7 @@ def resolve_version(spec: str | Path | None) -> tuple[Path, str | None]:
                 manifest = _loadable(store, str(spec))
                 leases.take(store, manifest)
         except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            if not unwritable(exc):
                 raise
             manifest = _loadable(store, str(spec))  # a store this process may not write: no lease
         directory = store.files_dir(manifest.name, manifest.version)

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dlm.cli.store.atomic import Busy, fsync_dir, locked, write_json_atomic
+from dlm.cli.store.atomic import Busy, fsync_dir, locked, unwritable, write_json_atomic
 from dlm.cli.store.records import (
     CorruptRecord,
     FileEntry,
@@ -310,6 +310,8 @@ class Store:
             staged = sorted(e for e in base.iterdir() if e.is_dir() and e.name.startswith("hub-"))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        if not staged:  # nothing to report, and no lock to probe (a listing of a read-only store)
+            return []
         try:
             with locked(self.model_dir(name) / ".lock", blocking=False, make_parents=False):
                 running = False
@@ -317,6 +319,10 @@ class Store:
             running = True
         except FileNotFoundError:  # a fetch removed the model's directory just now
             return []
+        except OSError as exc:  # a store this process may not write: no fetch of it runs here
+            if not unwritable(exc):
+                raise
+            running = False
         found = []
         for entry in staged:
             files, size = 0, 0
