@@ -230,6 +230,49 @@ def test_sigkill_mid_fetch_leaves_nothing_usable_and_rerun_completes(tmp_path: P
     assert verify_model(f"big@{result.manifest.version}", store).ok
 
 
+# `dlm ARGS`, SIGKILLed as it deletes a replaced version's old copy (its `.trash-` directory).
+KILLED_DELETING_TRASH = """
+import os, shutil, signal, sys
+rmtree = shutil.rmtree
+def killed(path, *args, **kwargs):
+    if os.path.basename(str(path)).startswith(".trash-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rmtree(path, *args, **kwargs)
+shutil.rmtree = killed
+sys.argv = ["dlm", *sys.argv[1:]]
+from dlm.cli.entry import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_repair_killed_while_it_deletes_the_old_copy_keeps_the_version(source: Path, tmp_path: Path) -> None:
+    """A fetch that repairs a damaged version (here the deployment's current release) deleted
+    the old copy before it moved the new one into place: killed during that deletion (seconds,
+    for a large model), it left neither, and the next command cleared both (the release named
+    a version the store no longer had). The old copy now goes only once the new one is in place."""
+    store = Store(tmp_path / "store")
+    version = fetch(str(source), store).manifest.version
+    root = str(store.root)
+    assert cli("release", f"tiny@{version}", "--store", root)[0] == 0
+    (store.files_dir("tiny", version) / "config.json").write_text("{}")  # damaged: another size
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_DELETING_TRASH, "fetch", str(source), "--store", root],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    code, stdout, stderr = cli("models", "--store", root, "--json")  # a transaction: it tidies
+    listing = json.loads(stdout)
+    assert code == 0, stderr
+    assert [(v["version"], v["state"]) for v in listing["models"][0]["versions"]] == [(version, "verified")]
+    assert listing["deployments"][0]["current"]["version"] == version
+    assert list(store.model_dir("tiny").glob(".trash-*")) == []  # the old copy's remains: cleared
+    assert list(store.model_dir("tiny").glob(".staging/*")) == []
+    assert verify_model(f"tiny@{version}", store).ok
+
+
 def test_source_changing_during_copy_is_refused(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = Store(tmp_path / "store")
     real = fetch_module.copy_hashing

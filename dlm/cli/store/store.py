@@ -511,10 +511,15 @@ class Store:
 
         Returns False (and discards the staging copy) when that version already exists,
         unless the stored one cannot be used (`needs_repair`) and the staged one passed:
-        then the staged copy replaces it (a fetch repairs a failed or damaged version).
+        then the staged copy replaces it (a fetch repairs a failed or damaged version). The
+        staged copy is complete (manifest included) before the stored one is unlisted, and the
+        stored one is deleted only once the new one is in place: a fetch killed while it
+        deleted a large copy lost the version (both copies, the staged one then an abandoned
+        staging directory), a deployment's current release too.
         """
         target = self.version_dir(manifest.name, manifest.version)
-        if (target / MANIFEST).exists():
+        replacing = (target / MANIFEST).exists()
+        if replacing:
             try:
                 stored: Manifest | None = self._read_manifest(manifest.name, manifest.version)
             except CorruptRecord:
@@ -522,14 +527,16 @@ class Store:
             if stored is not None and (not self.needs_repair(stored) or not manifest.verified):
                 shutil.rmtree(staging, ignore_errors=True)
                 return False
-            self._unlist(target)
-        if target.exists():  # a torn leftover from an older, non-atomic tool: not listed, replace
-            shutil.rmtree(target)
         for directory, _, _ in os.walk(staging / FILES):
             fsync_dir(Path(directory))
         write_json_atomic(staging / MANIFEST, manifest.to_json())
+        trash = self._trash(target) if replacing else None
+        if target.exists():  # a torn leftover from an older, non-atomic tool: not listed, replace
+            shutil.rmtree(target)
         os.rename(staging, target)
         fsync_dir(target.parent)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
         return True
 
     def record_verification(self, checked: Manifest, verification: Verification) -> Manifest:
@@ -592,12 +599,17 @@ class Store:
 
     def _unlist(self, target: Path) -> None:
         """Rename a version directory to a dot name (no longer listed), then delete it."""
+        shutil.rmtree(self._trash(target), ignore_errors=True)
+
+    def _trash(self, target: Path) -> Path:
+        """Rename a version directory to a dot name, no longer listed, for the caller to delete
+        (a transaction deletes what a killed caller left)."""
         for leftover in target.parent.glob(".trash-*"):  # from a removal killed midway
             shutil.rmtree(leftover, ignore_errors=True)
         trash = target.parent / f".trash-{target.name}-{os.getpid()}"
         os.rename(target, trash)
         fsync_dir(target.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        return trash
 
 
 def iter_files(root: Path) -> Iterator[Path]:
