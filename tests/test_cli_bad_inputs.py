@@ -385,6 +385,28 @@ def test_a_store_option_that_names_no_directory_is_refused(
 
 
 @pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("where", ["a link loop", "under a link loop", "a dangling link"])
+def test_a_store_option_that_is_a_link_leading_nowhere_is_refused(
+    args: tuple[str, ...], where: str, good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--store LOOP` (a symbolic link to itself, or LOOP/store) was a traceback from `dlm
+    fetch` (RuntimeError: Symlink loop), and with a dangling link `dlm fetch` said "File
+    exists" (exit 1) while `dlm models` listed an empty store (a mount not there, say): all are
+    bad usage, named, and nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(link if where != "a dangling link" else tmp_path / "nowhere")
+    target = str(link / "store") if where == "under a link loop" else str(link)
+    args = tuple(str(good) if a == "SOURCE" else a for a in args)
+    code, stdout, stderr = cli(*args, "--store", target)
+    _assert_one_error(code, stdout, stderr, 2)
+    under = f"is under {link}," if where == "under a link loop" else "is"
+    said = f"--store {target} {under} a symbolic link that leads nowhere (dangling, or a loop)"
+    assert said in " ".join(stderr.split()), stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["link"]
+
+
+@pytest.mark.parametrize("args", STORE_COMMANDS, ids=" ".join)
 @pytest.mark.parametrize("source", ["--store", "DLM_STORE"])
 def test_a_blank_store_is_refused_naming_where_it_came_from(
     args: tuple[str, ...], source: str, good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -78,8 +78,13 @@ def check_store_path(path: str, source: str = "--store") -> str:
 
 def store_root_problem(root: Path) -> str | None:
     """What makes `root` unusable as a store directory, if anything: it is a file, or lies
-    under one (`FILE/store`), so no command could create or read a store there."""
-    nearest = next((p for p in (root, *root.parents) if p.exists()), None)  # what exists of it
+    under one (`FILE/store`), or is (or lies under) a symbolic link that leads nowhere, a
+    dangling one or a loop (a fetch failed with "File exists" or a traceback, and a listing
+    showed an empty store), so no command could create or read a store there."""
+    nearest = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)  # what exists of it
+    if nearest is not None and nearest.is_symlink() and not nearest.exists():
+        where = "is" if nearest == root else f"is under {nearest},"
+        return f"{root} {where} a symbolic link that leads nowhere (dangling, or a loop)"
     if nearest is None or nearest.is_dir():
         return None
     if nearest == root:
