@@ -374,3 +374,17 @@ def test_keep_never_keeps_a_failed_version_in_place_of_a_usable_one(tmp_path: Pa
     removed, _ = remove_versions(store, "k", None, 1)
     assert removed == [f"k@{bad.version}"]
     assert [m.version for m in store.versions("k")[0]] == [good.version]
+
+
+def test_keep_never_keeps_a_damaged_version_in_place_of_a_usable_one(tmp_path: Path) -> None:
+    """As a failed one: `dlm rm k --keep 1` over a verified v1 and a newer v2 damaged since its
+    verification (a shard truncated: listed `damaged`, refused by release and every load, its
+    record still `verified`) removed v1, the only copy that could be served, and kept v2."""
+    store = Store(tmp_path / "store")
+    good, damaged = (fetch(str(s), store, name="k").manifest for s in make_checkpoints(tmp_path / "src", 2))
+    shard = next(store.files_dir("k", damaged.version).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4])
+    code, stdout, stderr = cli("rm", "k", "--keep", "1", "--store", str(store.root), "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["removed"] == [f"k@{damaged.version}"]
+    assert [m.version for m in store.versions("k")[0]] == [good.version]

@@ -393,8 +393,9 @@ def _releases_knowable(store: Store) -> None:
 
 def remove_versions(store: Store, name: str, version: str | None, keep: int | None) -> tuple[list[str], dict[str, str]]:
     """Delete one version (`version`, a corrupt one included), or all but the newest `keep`
-    readable ones, failed ones counted last (a corrupt version is removed only by naming it); never a version that
-    `protected_versions` names. Returns (removed, {kept because protected: what protects it})."""
+    readable ones, failed or damaged ones counted last (a corrupt version is removed only by
+    naming it); never a version that `protected_versions` names. Returns (removed, {kept
+    because protected: what protects it})."""
     if (version is None) == (keep is None):
         raise UsageError("give MODEL@VERSION, or MODEL with --keep N")
     if keep is not None and keep < 0:
@@ -418,9 +419,11 @@ def remove_versions(store: Store, name: str, version: str | None, keep: int | No
             manifests, corrupt = store.versions(name)
             if not manifests and not corrupt:
                 raise UsageError(f"no model named {name!r} in the store at {store.root}")
-            # Failed versions go first: a version that cannot be served is never kept in place
-            # of one that can (`--keep 1` over a good v1 and a failed v2 removed the good one).
-            ranked = [m for m in manifests if m.state == "failed"] + [m for m in manifests if m.state != "failed"]
+            # Unusable versions go first, a failed one or one damaged since (a file missing or of
+            # another size: `needs_repair`): a version that cannot be served is never kept in place
+            # of one that can (`--keep 1` over a good v1 and a failed or damaged v2 removed the good one).
+            unusable = [m for m in manifests if store.needs_repair(m)]
+            ranked = unusable + [m for m in manifests if m not in unusable]
             targets = list(ranked[: max(0, len(ranked) - (keep or 0))])
         removed, kept = [], {}
         for target in targets:
