@@ -3,9 +3,7 @@ admin hot-swap contract, and crash safety under SIGKILL."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import random
 import signal
 import subprocess
@@ -23,7 +21,7 @@ from dlm.cli.store.releases import Outcome, current_checkpoint, load_state, rele
 from dlm.cli.store.resolve import resolve_model
 from dlm.cli.store.store import Store
 from dlm.engine.errors import DlmError, UsageError
-from tests.weights_helpers import ROOT, cli, make_checkpoints
+from tests.weights_helpers import ROOT, cli, make_checkpoints, mount_read_only
 
 
 @pytest.fixture(scope="module")
@@ -166,22 +164,13 @@ def test_models_lists_a_read_only_store(stocked: tuple[Store, list[str]], monkey
     """A store on a read-only mount (or another user's) is listed as it stands: `dlm models`
     failed with `error: Read-only file system: <store>/.lock` (the settling transaction's
     lock, and then the probe of whether a download is running), though such a store is
-    resolved as MODEL (without a lease). The file system is made read-only by refusing every
-    open for writing under the store, as the kernel does on a read-only mount."""
+    resolved as MODEL (without a lease)."""
     store, (v1, _, _) = stocked
     release(store, f"m@{v1}")
     download = store.model_dir("m") / ".staging" / "hub-0123456789ab" / "files"
     download.mkdir(parents=True)
     (download / "config.json").write_text("{}")
-    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
-    real_open = os.open
-
-    def read_only(path: object, flags: int, *args: object, **kwargs: object) -> int:
-        if str(path).startswith(str(store.root)) and flags & writes:
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "open", read_only)
+    mount_read_only(monkeypatch, store.root)
     code, stdout, stderr = cli("models", "--json", "--store", str(store.root))
     assert code == 0, stderr
     listing = json.loads(stdout)

@@ -18,7 +18,7 @@ from dlm.cli.store.store import Store
 from dlm.cli.store.verify import verify_directory
 from dlm.engine.registry import FAMILIES
 from dlm.engine.tiny_models import ensure_tiny_model
-from tests.weights_helpers import cli, make_checkpoint
+from tests.weights_helpers import cli, make_checkpoint, mount_read_only
 
 SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
@@ -36,6 +36,30 @@ def stored(source: Path, tmp_path: Path) -> tuple[Store, str, Path]:
     result = fetch(str(source), store)
     assert result.manifest.verified, result.manifest.verification
     return store, f"{result.manifest.name}@{result.manifest.version}", result.path
+
+
+def test_a_read_only_store_is_verified_without_recording_the_result(
+    stored: tuple[Store, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dlm verify NAME@VERSION` of a store on a read-only mount (or another user's) hashed
+    every file and then failed with `Read-only file system: <store>/.lock`, its findings
+    unsaid; it reports them, with a warning that the result is not recorded."""
+    store, ref, files = stored
+    name, _, version = ref.partition("@")
+    before = store.manifest(name, version).verification
+    mount_read_only(monkeypatch, store.root)
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["ok"], stderr
+    assert {
+        "file": "manifest.json",
+        "check": "manifest",
+        "problem": ("result not recorded: the store cannot be written (Read-only file system)"),
+    } in report["warnings"]
+    assert store.manifest(name, version).verification == before
+    (files / "config.json").write_text("{}")  # damage is still found, and said: exit 1
+    code, stdout, stderr = cli("verify", ref, "--store", str(store.root), "--json")
+    assert code == 1 and not json.loads(stdout)["ok"] and "verification failed" in stderr
 
 
 def _header(path: Path) -> tuple[int, dict]:

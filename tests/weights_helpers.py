@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +42,18 @@ def cli(*args: str) -> tuple[int, str, str]:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.stdout, result.stderr
+
+
+def mount_read_only(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """Make `root` read-only for this process, as a read-only mount is: every open for writing
+    under it fails with EROFS (chmod would not do: root, which runs the tests in containers,
+    writes whatever the modes say)."""
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    real_open = os.open
+
+    def read_only(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if str(path).startswith(str(root)) and flags & writes:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", read_only)

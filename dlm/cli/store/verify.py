@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dlm.cli.store.atomic import unwritable
 from dlm.cli.store.hashing import ByteProgress, NoProgress, parallel_map, sha256_file
 from dlm.cli.store.records import Finding, Manifest, Verification
 from dlm.cli.store.safetensors_format import check_safetensors
-from dlm.cli.store.store import Store, iter_files, local_path, now, split_ref
+from dlm.cli.store.store import MANIFEST, Store, iter_files, local_path, now, split_ref
 from dlm.engine.errors import DlmError, InvalidConfig, UsageError
 
 INDEX = "model.safetensors.index.json"
@@ -464,6 +465,11 @@ def verify_model(
         raise UsageError(f"no such directory: {spec} (nor is it a store NAME[@VERSION])") from None
     manifest = store.find(spec)
     report = verify_directory(store.files_dir(manifest.name, manifest.version), manifest, progress, workers)
-    with transaction(store):
-        store.record_verification(manifest, report.record(hashed=True))
+    try:
+        with transaction(store):
+            store.record_verification(manifest, report.record(hashed=True))
+    except OSError as exc:  # a read-only store (a mount, another user's) is checked all the same
+        if not unwritable(exc):
+            raise
+        report.warn(MANIFEST, "manifest", f"result not recorded: the store cannot be written ({exc.strerror})")
     return report
