@@ -219,6 +219,44 @@ def _interrupted_download(hub: FakeHub, monkeypatch: pytest.MonkeyPatch, how: st
     return type(raised) if how == "Ctrl-C" else DlmError
 
 
+# `dlm ARGS`, SIGKILLed as it runs the structural checks of what it downloaded (seconds: the
+# tokenizer loads, the family's model is built on the meta device).
+KILLED_CHECKING = """
+import os, signal, sys
+from dlm.cli.store import fetch
+fetch.check_structure = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+sys.argv = ["dlm", *sys.argv[1:]]
+from dlm.cli.entry import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_download_killed_during_its_checks_is_listed_with_its_resume(hub: FakeHub, tmp_path: Path) -> None:
+    """A hub fetch deleted its download's record of the source (`source.json`) before the
+    structural checks, so a fetch killed (or interrupted) during them left a download listed
+    as staged by an older dlm, with no command to resume it. The record now goes only as the
+    version is published."""
+    root = str(tmp_path / "store")
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_CHECKING, "fetch", "org/tiny", "--store", root],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    code, stdout, stderr = cli("models", "--store", root, "--json")
+    listing = json.loads(stdout)
+    assert code == 0 and listing["models"] == [], stderr
+    [incomplete] = listing["incomplete"]
+    assert incomplete["resume"] == f"dlm fetch org/tiny --revision {COMMIT} --name tiny"
+    assert incomplete["source"]["commit"] == COMMIT
+    code, stdout, stderr = cli("fetch", "org/tiny", "--revision", COMMIT, "--name", "tiny", "--store", root, "--json")
+    assert code == 0 and json.loads(stdout)["state"] == "verified", stderr
+    version = Store(tmp_path / "store").version_dir("tiny", COMMIT[:12])
+    assert sorted(p.name for p in version.iterdir()) == ["files", "manifest.json"]  # no source.json left
+
+
 @pytest.mark.parametrize("before", ["no store", "a version of the name"])
 def test_rm_of_an_incomplete_download_deletes_it_unless_its_fetch_runs(
     before: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

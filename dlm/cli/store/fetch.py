@@ -504,7 +504,6 @@ def fetch_hub(
             content_sha256=content_hash(files),
         )
         after = sum(f.size for f in files)
-        (staging / SOURCE).unlink(missing_ok=True)  # the manifest records the source now
         return _publish(store, staging, manifest, max(0, after - before))
 
 

@@ -535,6 +535,10 @@ class Store:
         for directory, _, _ in os.walk(staging / FILES):
             fsync_dir(Path(directory))
         write_json_atomic(staging / MANIFEST, manifest.to_json())
+        # A hub download's record of its source (the manifest's now) stays until this moment: a
+        # fetch killed or interrupted before (its structural checks take seconds) leaves the
+        # download listed with the command that resumes it.
+        (staging / SOURCE).unlink(missing_ok=True)
         trash = self._trash(target) if replacing else None
         if target.exists():  # a torn leftover from an older, non-atomic tool: not listed, replace
             shutil.rmtree(target)
