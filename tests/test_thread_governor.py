@@ -351,3 +351,14 @@ def test_the_command_line_spells_auto_on_and_off() -> None:
 
     assert ServeConfig().thread_governor is None
     assert ServeConfig(thread_governor=False).thread_governor is False
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_health_says_whether_the_thread_count_is_governed(monkeypatch: pytest.MonkeyPatch, exact: bool) -> None:
+    """An operator sees whether the default turned the governor on (it depends on the CPU)."""
+    from tests.serving import in_process_server
+
+    monkeypatch.setattr(cpu_plan, "default_threads", lambda: 2)
+    monkeypatch.setattr(cpu_plan, "team_exact", lambda shape, dtype, threads, team: exact)
+    with in_process_server(model="tiny:llada", dtype="float32", device="cpu") as client:
+        assert client.get("/health").json()["thread_governor"] is exact

@@ -242,6 +242,7 @@ class Service:
             "dtype": llm.dtype_choice.to_dict(),
             "quantization": llm.quantization,
             "kv_cache_dtype": llm.engine.loaded.kv_cache_dtype,
+            "thread_governor": llm.thread_governor is not None,
             "kernels": {
                 "backend": dispatch.backend(llm.device),
                 "linear": packed_linear.layout_of(llm.engine.loaded.model) if llm.backend == "native" else "dense",
