@@ -219,6 +219,19 @@ def test_a_stale_lease_this_user_may_not_remove_fails_no_command(
     assert theirs.exists()
 
 
+def test_a_directory_where_a_lease_file_would_be_fails_no_command(stocked: tuple[Store, list[str]]) -> None:
+    """A directory named like a lease (`.leases/x.json`, planted or left by hand) is no lease
+    and protects nothing; clearing it as a stale one was IsADirectoryError in every store
+    transaction (rm, release, fetch). It is left: it is not ours to delete with its contents."""
+    store, (v1, _) = stocked
+    planted = leases.lease_dir(store) / "7-planted.json"
+    (planted / "inside").mkdir(parents=True)
+    assert remove_versions(store, "c", v1, None) == ([f"c@{v1}"], {})
+    assert (planted / "inside").is_dir()
+    code, out, err = cli("models", "--json")
+    assert code == 0, err
+
+
 def test_a_server_of_a_bare_name_loads_the_version_it_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`dlm serve NAME` (and `dlm batch --model NAME`) checks its settings against NAME's newest
     verified version, then loads MODEL again: a fetch in between made it load the newer one,

@@ -164,7 +164,8 @@ def clear_stale(store: Store) -> None:
     """Remove the leases of dead processes, corrupt ones and torn temporaries (the caller
     holds the store lock, under which every lease is written). One this user may not remove
     (another user's, on a store they share) is left: it protects nothing already, and a
-    refusal here would fail every store command of this user."""
+    refusal here would fail every store command of this user; so is a directory of a lease's
+    name (no lease: dlm writes files), whose contents are not dlm's to delete."""
     directory = lease_dir(store)
     if not directory.is_dir():
         return
@@ -173,5 +174,5 @@ def clear_stale(store: Store) -> None:
         *(path for path, lease in _records(store) if lease is None or not _live(path, lease)),
     ]
     for path in stale:
-        with suppress(PermissionError):
+        with suppress(PermissionError, IsADirectoryError):
             path.unlink(missing_ok=True)
