@@ -301,3 +301,25 @@ def test_a_reload_that_read_its_settings_as_a_hot_swap_began_runs_again_after_it
     finally:
         service.swapping = False
     assert service.config.max_steps == 64 and len(reads) == 2
+
+
+def test_a_token_rate_lowered_while_a_request_is_prepared_is_its_400_not_a_500(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGHUP that lowers `tokens_per_minute` below a request's charge after its parameters
+    were checked (on the preparation thread) and before it is charged (on the event loop):
+    the bucket's OverCapacity escaped as a 500 with a traceback. It is the 400 the check
+    answers for the new rate, as for a request that arrives after the reload."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    checked = service.params
+
+    def reloaded_meanwhile(*args: object, **kwargs: object) -> object:
+        resolved = checked(*args, **kwargs)
+        service.reload(load_config(None, {**BASE, "tokens_per_minute": 4}, environ={}))
+        return resolved
+
+    monkeypatch.setattr(service, "params", reloaded_meanwhile)
+    answer = client.post("/v1/completions", json=ASK)  # 8 tokens: over the 4 a minute now
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("max_tokens_exceeded", "max_tokens"), error

@@ -463,8 +463,9 @@ class Service:
         """Refuse a request whose token charge (`charge`, what `submit` takes from its key's
         bucket) exceeds what the bucket can ever hold (`RateLimiter.capacity`): no wait would
         let it pass, so it is a 400 naming the field to lower, never a 429 (that is for a
-        shortage refilling cures). The one place this is decided: `submit` only ever charges
-        requests this passed."""
+        shortage refilling cures). The one place this is decided: `submit` asks it again
+        before it charges (a reload may have lowered the rate since the parameters were
+        checked), so it only ever charges requests this passed."""
         budget = self.limiter.capacity("tokens")
         amount = charge(gen, n)
         if budget is None or amount <= budget:
@@ -536,12 +537,14 @@ class Service:
         the model served now) on that model, all of them or none (429 at once when the queue
         cannot take them); they stay on that model to their end. One stream per choice,
         choice i seeded `seed + i` (`GenerationParams.samples`). Sequences refused are ended,
-        so nothing keeps them, and the tokens charged for them are given back. `params` come
-        from `Service.params`, which refused a charge the bucket can never hold
-        (`_check_charge`): here a shortage is only ever temporary (429)."""
+        so nothing keeps them, and the tokens charged for them are given back. A charge the
+        bucket can never hold is the 400 of `_check_charge`, asked again here: `Service.params`
+        asked on the preparation thread, and a reload may have lowered the rate since; past
+        it a shortage is only ever temporary (429)."""
         assert self.served is not None
         engine = self.served.engine
         try:
+            self._check_charge(params.gen_length, params.n, job.length_field)
             amount = charge(params.gen_length, params.n)
             wait = self.limiter.check(job.key, "tokens", amount)
             if wait:
