@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -319,6 +320,28 @@ def test_a_key_file_saved_with_a_byte_order_mark_keeps_its_first_key(tmp_path: P
     settings = tmp_path / "serve.toml"
     settings.write_bytes(b"\xef\xbb\xbfmax_tokens = 10\n")  # tomllib refused the mark
     assert load_config(settings, environ={}).max_tokens == 10
+
+
+@pytest.mark.parametrize("source", ["api_keys", "api_key_file", "admin_key", "admin_key_file"])
+def test_a_key_no_request_can_present_is_refused_at_start(source: str, tmp_path: Path) -> None:
+    """A key with a character outside ASCII (`sk-\u00fc`) started a server that answered its
+    holder 401 on every request: the OpenAI SDK cannot put it in a header at all, and the
+    UTF-8 bytes curl sends are read as Latin-1 (two other characters). Refused at start, as an
+    empty key is, without echoing the key."""
+    key = "sk-\u00fc"
+    file = tmp_path / "keys.txt"
+    file.write_text(f"sk-fine\n{key}\n", encoding="utf-8")
+    sources: dict[str, dict[str, Any]] = {
+        "api_keys": {"api_keys": [key]},
+        "api_key_file": {"api_key_file": file},
+        "admin_key": {"admin_key": key},
+        "admin_key_file": {"admin_key_file": tmp_path / "admin.txt"},
+    }
+    (tmp_path / "admin.txt").write_text(key, encoding="utf-8")
+    what = "an API key" if source.startswith("api") else "the admin key"
+    with pytest.raises(UsageError, match=f"^{what} has a character outside ASCII") as refused:
+        load_config(flags=sources[source], environ={})
+    assert key not in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["tpu", "mps", "meta", "xla", "cuda:x", "cuda:-1", "", "cpu:0", "cuda:\u0661"])

@@ -498,13 +498,11 @@ class ServeConfig(BaseModel):
         Each is stripped, as the admin key is: a client cannot present a key's surrounding
         whitespace (`KeyRing.identify` strips the header's token, and HTTP drops it), so an
         unstripped `DLM_API_KEY` from a secret ending in a newline refused every request."""
-        keys = [k.get_secret_value().strip() for k in self.api_keys]
+        keys = [k.get_secret_value() for k in self.api_keys]
         if self.api_key_file is not None:
             lines = read_text(self.api_key_file, "api_key_file").splitlines()
-            keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        if any(not k for k in keys):
-            raise UsageError("an API key is empty")
-        return keys
+            keys += [line for line in lines if line.strip() and not line.strip().startswith("#")]
+        return [_presentable_key(k, "an API key") for k in keys]
 
     def public(self) -> dict[str, Any]:
         """The configuration as printed at start: no secrets, only key ids (and a push URL's
@@ -547,14 +545,26 @@ class ServeConfig(BaseModel):
     def configured_admin_key(self) -> str | None:
         """The admin key from `admin_key` or the content of `admin_key_file`, if any."""
         if self.admin_key is not None:
-            key = self.admin_key.get_secret_value().strip()
+            key = self.admin_key.get_secret_value()
         elif self.admin_key_file is not None:
-            key = read_text(self.admin_key_file, "admin_key_file").strip()
+            key = read_text(self.admin_key_file, "admin_key_file")
         else:
             return None
-        if not key:
-            raise UsageError("the admin key is empty")
-        return key
+        return _presentable_key(key, "the admin key")
+
+
+def _presentable_key(key: str, what: str) -> str:
+    """`key` stripped, as a client presents it in `Authorization: Bearer KEY`; a `UsageError`
+    naming `what` (never the key) for one no request can present: empty, or with a character
+    outside ASCII, which the OpenAI SDK cannot put in a header at all and whose UTF-8 bytes,
+    as curl sends them, the server reads as Latin-1 (other characters): its holder got 401
+    on every request."""
+    key = key.strip()
+    if not key:
+        raise UsageError(f"{what} is empty")
+    if not key.isascii():
+        raise UsageError(f"{what} has a character outside ASCII, which no HTTP client can present as written")
+    return key
 
 
 def _aliases() -> dict[str, str]:
