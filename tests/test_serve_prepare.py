@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,39 @@ def test_a_full_backlog_is_429_at_once() -> None:
             assert (caught.value.status, caught.value.code) == (429, "queue_full")
             assert caught.value.headers["Retry-After"] == "1"
         finally:
+            preparer.close()
+
+    asyncio.run(go())
+
+
+def test_a_detokenize_body_counts_in_the_backlog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/detokenize` bodies ran on the same pool outside the backlog's count: any number of
+    them waited there, ahead of the generation bodies the bound was for. One being decoded
+    now fills a backlog of one, so the next body is a 429 at once, and once it is done the
+    backlog is free again."""
+    started, release = threading.Event(), threading.Event()
+
+    def decoding(*_: Any) -> str:
+        started.set()
+        release.wait(30)
+        return "text"
+
+    monkeypatch.setattr(prepare, "_detokenize", decoding)
+
+    async def go() -> None:
+        preparer = Preparer()
+        service = FakeService(Served(), config=bounds(1))
+        try:
+            first = asyncio.ensure_future(preparer.detokenize(service, b'{"tokens": [1]}'))  # type: ignore[arg-type]
+            assert await asyncio.to_thread(started.wait, 30)
+            with pytest.raises(APIError) as caught:
+                await preparer.prepare(service, b'{"prompt": "x"}', CompletionRequest)  # type: ignore[arg-type]
+            assert (caught.value.status, caught.value.code) == (429, "queue_full")
+            release.set()
+            assert await first == "text"
+            assert (await preparer.prepare(service, b'{"prompt": "x"}', CompletionRequest)).prompt_ids == [1]  # type: ignore[arg-type]
+        finally:
+            release.set()
             preparer.close()
 
     asyncio.run(go())

@@ -164,8 +164,8 @@ def create_app(config: ServeConfig, failure_detail: bool = False, port: int | No
 
     @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(request: Request) -> JSONResponse:
-        _, raw = await utility(request)
-        return JSONResponse({"prompt": await preparer.detokenize(service, raw)})
+        key, raw = await utility(request)
+        return JSONResponse({"prompt": await preparer.detokenize(service, raw, key)})
 
     def card() -> dict[str, Any]:
         """The served model's entry, as `/v1/models` lists it and `/v1/models/{model}` answers it."""

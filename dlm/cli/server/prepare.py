@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +91,23 @@ class Preparer:
         it, its parameters resolved and its sequences built, all for that same version;
         `build` False (`/tokenize`): checked as they would be built, none built."""
         key = job.key if job is not None else key
+        with self._admitted(service, key):
+            loop = asyncio.get_running_loop()
+            while True:
+                served = service.served
+                if served is None:
+                    raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model, job, build)
+                if service.served is served:
+                    return prepared
+                for seq in prepared.seqs:  # built for the version a swap replaced
+                    seq.finish("abort")
+
+    @contextmanager
+    def _admitted(self, service: Service, key: str) -> Iterator[None]:
+        """One body of `key` counted in the pool while it waits or runs, within the backlog
+        and the key's share; else 429 at once. Every body the pool takes is counted, or
+        uncounted ones (`/detokenize`'s) queued ahead of those the bound was for."""
         cfg = service.config
         backlog = max(1, cfg.max_queue + cfg.max_num_seqs)
         share = max(1, min(service.queue_share() + cfg.max_num_seqs, backlog))
@@ -102,30 +121,22 @@ class Preparer:
             )
         self.pending += 1
         self.by_key[key] += 1
-        loop = asyncio.get_running_loop()
         try:
-            while True:
-                served = service.served
-                if served is None:
-                    raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
-                prepared = await loop.run_in_executor(self._pool, _prepare, service, served, raw, model, job, build)
-                if service.served is served:
-                    return prepared
-                for seq in prepared.seqs:  # built for the version a swap replaced
-                    seq.finish("abort")
+            yield
         finally:
             self.pending -= 1
             self.by_key[key] -= 1
             if not self.by_key[key]:
                 del self.by_key[key]
 
-    async def detokenize(self, service: Service, raw: bytes) -> str:
-        """`/detokenize`: token ids back to text with the served model's tokenizer."""
-        loop = asyncio.get_running_loop()
-        served = service.served
-        if served is None:
-            raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
-        return await loop.run_in_executor(self._pool, _detokenize, service, served, raw)
+    async def detokenize(self, service: Service, raw: bytes, key: str = "") -> str:
+        """`/detokenize`: token ids back to text with the served model's tokenizer, a body
+        of `key` counted in the backlog as a generation body is."""
+        with self._admitted(service, key):
+            served = service.served
+            if served is None:
+                raise APIError(503, "the model is not loaded yet", type="unavailable", code="not_ready")
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _detokenize, service, served, raw)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
