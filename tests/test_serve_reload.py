@@ -323,3 +323,20 @@ def test_a_token_rate_lowered_while_a_request_is_prepared_is_its_400_not_a_500(
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert (error["code"], error["param"]) == ("max_tokens_exceeded", "max_tokens"), error
+
+
+def test_a_key_file_edited_on_disk_is_named_as_needing_a_restart(tmp_path: Path) -> None:
+    """Keys take a restart, and a reload names what it did not apply; but a key file edited in
+    place (a rotated Secret) kept its path, so SIGHUP said 'no live setting changed' while
+    the new key got 401. The keys compared are those each reading found."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one\n")
+    settings = {**BASE, "api_key_file": str(keys)}
+    served = load_config(None, settings, environ={})
+    keys.write_text("sk-one\nsk-two\n")
+    merged, applied, restart = served.reloaded(load_config(None, settings, environ={}))
+    assert (applied, restart) == ({}, ["api_key_file"])
+    assert merged.keys() == ["sk-one"]  # not applied: the keys served are the start's
+    assert served.reloaded(load_config(None, settings, environ={}))[2] == ["api_key_file"]
+    keys.write_text("sk-one\n")  # as served again: nothing to name
+    assert served.reloaded(load_config(None, settings, environ={}))[2] == []

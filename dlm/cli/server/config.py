@@ -264,6 +264,9 @@ class ServeConfig(BaseModel):
     # default_max_tokens was not given: `load_config` derived it from max_tokens (a reload
     # derives it again from the max_tokens served, which only a restart changes)
     _derived_default_length: bool = PrivateAttr(False)
+    # The API keys `load_config` read (the key file's as it was then): the keys a server built
+    # from this configuration accepts, which a reload compares with its own reading.
+    _keys: list[str] | None = PrivateAttr(None)
 
     @field_validator("device")
     @classmethod
@@ -477,6 +480,8 @@ class ServeConfig(BaseModel):
                 "which a reload does not change (a restart does)"
             )
         changed = [name for name in type(self).model_fields if getattr(self, name) != getattr(new, name)]
+        if self.keys() != new.keys() and not {"api_keys", "api_key_file"} & set(changed):
+            changed.append("api_key_file")  # the same path, edited: its keys take a restart too
         applied = {name: (getattr(self, name), getattr(new, name)) for name in changed if name in live}
         merged = self.model_copy(update={name: values[1] for name, values in applied.items()})
         return merged, applied, [name for name in changed if name not in live]
@@ -497,7 +502,10 @@ class ServeConfig(BaseModel):
         """Every accepted API key: the list plus the key file (one per line, # comments).
         Each is stripped, as the admin key is: a client cannot present a key's surrounding
         whitespace (`KeyRing.identify` strips the header's token, and HTTP drops it), so an
-        unstripped `DLM_API_KEY` from a secret ending in a newline refused every request."""
+        unstripped `DLM_API_KEY` from a secret ending in a newline refused every request.
+        Once `load_config` has read them, those: the file edited later is a restart's."""
+        if self._keys is not None:
+            return list(self._keys)
         keys = [k.get_secret_value() for k in self.api_keys]
         if self.api_key_file is not None:
             lines = read_text(self.api_key_file, "api_key_file").splitlines()
@@ -729,7 +737,7 @@ def load_config(
         config._derived_default_length = True
     elif config.default_max_tokens > config.max_tokens:
         raise UsageError(f"default_max_tokens ({config.default_max_tokens}) exceeds max_tokens ({config.max_tokens})")
-    config.keys()  # a missing key file is a start-up error, not a runtime one
+    config._keys = config.keys()  # a missing key file is a start-up error, not a runtime one
     config.configured_admin_key()
     if config.deployment is not None and config.model is not None:
         raise UsageError("give MODEL or --deployment, not both: a deployment serves its current release")
