@@ -343,3 +343,21 @@ def test_a_second_sigterm_under_load_exits_1_at_once(tmp_path_factory: pytest.Te
         if proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait()
+
+
+def test_max_connections_counts_the_connections_served(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--max-connections N` serves N open connections and answers 503 on one more. uvicorn's
+    `limit_concurrency` counts the connection asking, so N passed as it is served N - 1:
+    `--max-connections 1` started a server that answered every request 503, `/health` too."""
+    proc = ServerProcess(["tiny:llada", "--no-warmup", "--max-connections", "1"], session_home(tmp_path_factory))
+    try:
+        assert wait_until(lambda: any("ready: serving" in line for line in proc.lines), 120), proc.lines
+        assert proc.http.get(proc.url + "/health").status_code == 200  # its one connection, kept alive
+        host, port = proc.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as other:
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert other.recv(64).startswith(b"HTTP/1.1 503 ")
+        assert proc.http.get(proc.url + "/ready").status_code == 200
+    finally:
+        proc.http.close()
+        assert proc.terminate() == 0, "\n".join(proc.lines)

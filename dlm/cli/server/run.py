@@ -207,7 +207,9 @@ def serve(config: ServeConfig, settings: Callable[[], ServeConfig] | None = None
         port=config.port,
         http=protocol(config.read_timeout),
         timeout_keep_alive=config.keep_alive_timeout,
-        limit_concurrency=config.max_connections,
+        # uvicorn refuses a request once this many connections are open, the asking one among
+        # them: one more, so that max_connections open connections are served (1 served none).
+        limit_concurrency=config.max_connections + 1,
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,  # a head still arriving; whole ones: app.HeadLimit
         log_level=config.log_level,
         access_log=False,
