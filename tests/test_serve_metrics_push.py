@@ -176,3 +176,15 @@ def test_a_gateway_that_trickles_its_answer_is_given_up_at_the_push_deadline(
     assert whole == [False], "the push waited for the gateway's whole answer"
     warnings = [r.getMessage() for r in caplog.records if "metrics push" in r.getMessage()]
     assert pusher.failing and len(warnings) == 1 and "within 0.5s" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("url", ["http://gw:9O91", "http://gw:99999", "http://:9091", "http://user:pw@/x"])
+def test_a_push_url_whose_port_or_host_no_push_can_use_is_refused(url: str) -> None:
+    """A port that is no number 0-65535, or no host: the URL passed the start's check, the
+    server started, and every push then failed (`nonnumeric port: '9O91'`) with nothing said
+    at start. It is an invalid setting now (`dlm serve`: exit 2 before any work)."""
+    from dlm.cli.server.config import load_config
+    from dlm.engine.errors import UsageError
+
+    with pytest.raises(UsageError, match="invalid setting metrics_push_url"):
+        load_config(None, {"metrics_push_url": url}, environ={})

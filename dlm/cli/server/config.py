@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
@@ -319,11 +320,22 @@ class ServeConfig(BaseModel):
     def _push_url(cls, value: str | None) -> str | None:
         """An http(s) URL naming a host, as prometheus-client sends to it (`host:9091` alone
         would be read as a URL scheme `host`), without a query or fragment: the push path is
-        appended to the URL as written (`?a=b` ended up before `/metrics/job/...`)."""
-        if value is not None and re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", value) is None:
+        appended to the URL as written (`?a=b` ended up before `/metrics/job/...`). Its host and
+        port are checked as the push reads them: `http://gw:9O91`, a port out of range or no host
+        (`http://:9091`) were accepted at start and then failed every push."""
+        if value is None:
+            return value
+        if re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", value) is None:
             raise ValueError(
                 "must be the Pushgateway's http:// or https:// URL (no query or fragment), e.g. http://pushgateway:9091"
             )
+        parts = urlsplit(value)
+        try:
+            _ = parts.port  # reading it is the check: a port that is no number 0-65535 raises
+        except ValueError as exc:
+            raise ValueError(f"the Pushgateway's port: {exc}") from None
+        if not parts.hostname:
+            raise ValueError("names no host, e.g. http://pushgateway:9091")
         return value
 
     @field_validator("decode_mode")
