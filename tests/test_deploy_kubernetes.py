@@ -237,6 +237,8 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
         (["org/m", "--revision", COMMIT_A, "--store-size", "lots"], "must be a Kubernetes quantity"),
         (["org/m", "--revision", COMMIT_A, "--gpu", "A100-40GB", "--config", "TP1"], "more than A100-40GB has"),
         (["org/m", "--revision", COMMIT_A, "--config", "KEYS"], "API keys go in the Secret"),
+        # The push URL's password was shipped in the ConfigMap, which API keys never are.
+        (["org/m", "--revision", COMMIT_A, "--config", "PUSH"], "metrics_push_url holds credentials"),
         # Manifests that rendered with exit 0 and could never run (a new user's attack):
         ([""], "SOURCE '': "),
         (["org/m", "--revision", COMMIT_A, "--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
@@ -262,7 +264,11 @@ def test_settings_are_the_serve_settings(tmp_path: Path, big_config: Path) -> No
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path: Path, big_config: Path) -> None:
-    files = {"TP1": "max_num_seqs = 64\n", "KEYS": 'api_keys = ["sk-1"]\n'}
+    files = {
+        "TP1": "max_num_seqs = 64\n",
+        "KEYS": 'api_keys = ["sk-1"]\n',
+        "PUSH": 'metrics_push_url = "http://ops:s3cret@pushgateway:9091"\n',
+    }
     args = [str(big_config.parent) if a == "CKPT" else a for a in args]
     for i, arg in enumerate(args):
         if arg in files:

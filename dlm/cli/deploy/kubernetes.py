@@ -213,12 +213,19 @@ def serve_settings(file: Path | None, flags: dict[str, Any]) -> tuple[ServeConfi
     """The serve settings, validated as `dlm serve` validates them, and the part the pods read
     (`dlm serve --config`): what was given, minus what the pod supplies itself. This
     machine's DLM_* variables are not read: an API key set here must not leak into the cluster.
-    API keys belong in a Secret, never in a ConfigMap."""
+    API keys belong in a Secret, never in a ConfigMap, and so do the metrics push URL's
+    credentials (`http://user:password@gateway`), which the ConfigMap showed to every reader."""
     from dlm.cli.server.config import load_config, read_file
+    from dlm.cli.server.metrics_push import split_credentials
 
     config = load_config(file, flags, environ={})
     if config.api_keys or config.api_key_file is not None:
         raise UsageError("API keys go in the Secret (--api-key-secret), not in the serve settings")
+    if config.metrics_push_url is not None and split_credentials(config.metrics_push_url)[1] is not None:
+        raise UsageError(
+            "metrics_push_url holds credentials, which the ConfigMap would show to every reader: give the "
+            "URL without them, and the pods DLM_METRICS_PUSH_URL with them from a Secret (it wins over the file)"
+        )
     if config.admin_enabled:
         raise UsageError("a Kubernetes replica is released by a rollout, not hot-swapped: drop the admin settings")
     if config.tensor_parallel_size % config.nnodes:
