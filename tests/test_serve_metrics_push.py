@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,3 +189,33 @@ def test_a_push_url_whose_port_or_host_no_push_can_use_is_refused(url: str) -> N
 
     with pytest.raises(UsageError, match="invalid setting metrics_push_url"):
         load_config(None, {"metrics_push_url": url}, environ={})
+
+
+def test_a_batch_run_pushes_to_its_own_group_not_a_servers(tmp_path: Path) -> None:
+    """`dlm batch --config` with `metrics_push_url` pushed under instance HOSTNAME:8000 (the
+    unused `port` setting's default), so each push replaced the group of a `dlm serve` on port
+    8000 of the same machine, and its last push left the batch's counters as that server's.
+    A run's group is HOSTNAME:OUTPUT now."""
+    import base64
+    import json
+    import re
+    import socket
+
+    from tests.weights_helpers import cli
+
+    source = tmp_path / "in.jsonl"
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    out = tmp_path / "out.jsonl"
+    with gateway() as (url, pushes):
+        settings = tmp_path / "serve.toml"
+        settings.write_text(f'metrics_push_url = "{url}"\nmetrics_push_interval = 60\n')
+        code, _, stderr = cli("batch", str(source), str(out), "--model", "tiny:llada", "--config", str(settings))
+        assert code == 0, stderr
+    assert pushes, "the run's last push did not arrive"
+    _, path, body_pushed = pushes[-1]
+    prefix = f"/metrics/job/{JOB}/instance@base64/"  # prometheus-client's form of a value holding '/'
+    assert path.startswith(prefix), path
+    instance = base64.urlsafe_b64decode(path.removeprefix(prefix) + "==").decode()
+    assert instance == f"{socket.gethostname()}:{out.resolve()}"
+    assert re.search(r'dlm_request_success_total\{finish_reason="(stop|length)"\} 1\.0', body_pushed.decode())

@@ -254,9 +254,11 @@ async def run_batch(
 
     from dlm.cli.server import errors
     from dlm.cli.server.app import create_app
+    from dlm.cli.server.metrics_push import batch_instance
 
     todo = output.todo
-    app = create_app(config, failure_detail=True)  # the client is the operator: 500s name their cause
+    # the client is the operator: 500s name their cause; pushed metrics are this run's own group
+    app = create_app(config, failure_detail=True, push_instance=batch_instance(output.path))
     keys = config.keys()
     headers = {"Content-Type": "application/json"}
     if keys:

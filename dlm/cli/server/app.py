@@ -29,7 +29,7 @@ from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, head_bytes
 from dlm.cli.server.errors import APIError
 from dlm.cli.server.generation import Responder, cached_response
-from dlm.cli.server.metrics_push import MetricsPusher
+from dlm.cli.server.metrics_push import MetricsPusher, server_instance
 from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
 from dlm.cli.server.service import Job, Service
@@ -40,18 +40,22 @@ log = logging.getLogger("dlm.server")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}  # path -> log name
 
 
-def create_app(config: ServeConfig, failure_detail: bool = False, port: int | None = None) -> FastAPI:
+def create_app(config: ServeConfig, failure_detail: bool = False, push_instance: str | None = None) -> FastAPI:
     """The server's app. `failure_detail`: a 500 names its cause (`errors.internal`), for a
-    client that is the operator itself (`dlm batch`). `port`: the one bound (the OS's choice
-    for --port 0), which the metrics pushed name as instance; default `config.port`."""
+    client that is the operator itself (`dlm batch`). `push_instance`: the `instance` the
+    pushed metrics are grouped under (`server_instance` of the port bound, the OS's choice for
+    --port 0; `batch_instance`); default `server_instance(config.port)`."""
     service = Service(config)
     service.failure_detail = failure_detail
     preparer = Preparer()
     admin = AdminEndpoint(service) if config.admin_enabled else None
     operators = KeyRing([admin.key] if admin is not None else [])
     pusher = (
-        MetricsPusher.for_server(
-            config.metrics_push_url, config.metrics_push_interval, service.metrics.registry, port or config.port
+        MetricsPusher(
+            config.metrics_push_url,
+            config.metrics_push_interval,
+            service.metrics.registry,
+            push_instance or server_instance(config.port),
         )
         if config.metrics_push_url is not None
         else None

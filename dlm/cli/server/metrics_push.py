@@ -3,8 +3,8 @@ reports to (the deployment guides' 监控上报地址), for networks where nothi
 `/metrics`, which is served all the same.
 
 Every `metrics_push_interval` seconds the server's registry replaces its group on the gateway,
-job `dlm`, instance `HOST:PORT` of this server (prometheus-client's `push_to_gateway`, run on a
-worker thread: never on the event loop); a last push when the server stops, so the final
+job `dlm`, instance `HOSTNAME:PORT` of this server (`dlm batch`: `HOSTNAME:OUTPUT`; prometheus-client's
+`push_to_gateway`, run on a worker thread: never on the event loop); a last push when the server stops, so the final
 counters reach it. A push that fails is logged once as a warning naming the gateway and the
 error, and again once pushes succeed: the server never stops for its monitoring. Credentials
 in the URL (`http://user:password@gateway:9091`, a gateway behind basic auth) are sent as its
@@ -29,6 +29,7 @@ import threading
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -37,6 +38,18 @@ from prometheus_client import CollectorRegistry, push_to_gateway
 log = logging.getLogger("dlm.server")
 
 JOB = "dlm"
+
+
+def server_instance(port: int) -> str:
+    """A server's `instance`: this machine's name and the port bound, one group per server."""
+    return f"{socket.gethostname()}:{port}"
+
+
+def batch_instance(output: Path) -> str:
+    """A `dlm batch` run's `instance`: this machine's name and its OUTPUT, which one run holds
+    at a time and a resumed run keeps. It took the server's form with the default port 8000,
+    so its pushes replaced the group of a `dlm serve` on port 8000 of the same machine."""
+    return f"{socket.gethostname()}:{output.resolve()}"
 
 
 def split_credentials(url: str) -> tuple[str, str | None, str | None]:
@@ -99,11 +112,6 @@ class MetricsPusher:
                 timer.cancel()
 
         return handle
-
-    @classmethod
-    def for_server(cls, url: str, interval: float, registry: CollectorRegistry, port: int) -> MetricsPusher:
-        """Its instance is this machine's name and the server's port: one group per server."""
-        return cls(url, interval, registry, f"{socket.gethostname()}:{port}")
 
     def push(self) -> None:
         """One push (blocking); a failure is logged, never raised."""

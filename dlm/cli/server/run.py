@@ -32,6 +32,7 @@ from dlm.cli.server.app import create_app
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, listen, protocol
 from dlm.cli.server.logs import LOGGERS, set_log_level
+from dlm.cli.server.metrics_push import server_instance
 from dlm.cli.server.service import Service
 from dlm.engine.errors import DlmError
 
@@ -200,7 +201,7 @@ def serve(config: ServeConfig, settings: Callable[[], ServeConfig] | None = None
     configure_logging(config.log_level)
     if not config.keys():
         log.warning("no API keys configured: every caller is accepted (use --api-key or --api-key-file)")
-    app = create_app(config, port=sockets[0].getsockname()[1])
+    app = create_app(config, push_instance=server_instance(sockets[0].getsockname()[1]))
     uv_config = uvicorn.Config(
         app,
         host=config.host,
