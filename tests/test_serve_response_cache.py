@@ -97,6 +97,21 @@ def test_chat_answers_are_kept_apart_from_completions(client: TestClient) -> Non
     assert again["usage"]["denoising_steps"] == 0
 
 
+@pytest.mark.parametrize("directive", ["no-cache", "No-Store", "max-age=0, no-cache"])
+def test_a_request_asking_for_a_fresh_answer_is_decoded_and_not_kept(client: TestClient, directive: str) -> None:
+    """`Cache-Control: no-cache` / `no-store` (HTTP's request directives): a client that
+    measures the server, as `dlm validate` does on every run, got a kept answer's
+    `denoising_steps` 0 from its second run on, and its usage check failed."""
+    body = {**GREEDY, "prompt": f"fresh: {directive}"}
+    headers = {"Authorization": f"Bearer {KEYS[0]}", "Cache-Control": directive}
+    lookups, hits = counters(client)
+    for _ in range(2):
+        response = client.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == 200 and response.json()["usage"]["denoising_steps"] > 0
+    assert counters(client) == (lookups, hits)  # not looked up
+    assert ask(client, body)["usage"]["denoising_steps"] > 0  # and nothing was kept for it
+
+
 def test_without_the_setting_nothing_is_kept() -> None:
     with app_client({"model": "tiny:llada", "warmup": False}) as plain:
         for _ in range(2):

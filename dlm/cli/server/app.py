@@ -32,6 +32,7 @@ from dlm.cli.server.generation import Responder, cached_response
 from dlm.cli.server.metrics_push import MetricsPusher, server_instance
 from dlm.cli.server.prepare import Preparer
 from dlm.cli.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest
+from dlm.cli.server.response_cache import bypassed
 from dlm.cli.server.service import Job, Service
 from dlm.cli.version import dlm_version
 
@@ -225,6 +226,7 @@ def create_app(config: ServeConfig, failure_detail: bool = False, push_instance:
             raw = await read_body(request, config.max_body_bytes, config.read_timeout)
             prepared = await preparer.prepare(service, raw, model, job)
             assert prepared.params is not None
+            job.fresh = bypassed(request.headers.get("cache-control"))
             answer = service.cached(job, prepared.params, prepared.seqs)
             if answer is not None:  # encoded off the event loop, as a miss's answer is (its logprobs: MBs)
                 return await asyncio.to_thread(cached_response, service, job, answer)

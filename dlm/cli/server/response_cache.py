@@ -10,6 +10,8 @@ ended normally (stop, length or tool calls). Each API key has its own entries, s
 learns from a fast answer what another asked. Least recently used entries go first beyond
 `response_cache_size` answers; a hot swap's new version shares none (the model is part of the
 key). The answer is kept as its choices and usage, read-only: a hit gets its own id and time.
+A request whose `Cache-Control` says `no-cache` or `no-store` is neither answered from it nor
+kept (`bypassed`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 FINISHED = ("stop", "length", "tool_calls")  # finish reasons of an answer worth keeping
+BYPASS = {"no-cache", "no-store"}  # Cache-Control request directives that ask for a fresh answer
+
+
+def bypassed(cache_control: str | None) -> bool:
+    """Whether a request's `Cache-Control` header asks for a fresh answer (`no-cache` or
+    `no-store`, HTTP's directives): such a request is decoded, and its answer not kept. A
+    client that measures the server (`dlm validate`'s usage and step checks, sent again on a
+    later run) got a kept answer's `denoising_steps` 0 otherwise."""
+    directives = (cache_control or "").lower().split(",")
+    return any(d.split("=", 1)[0].strip() in BYPASS for d in directives)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class Job:
     charged_tokens: float = 0.0  # taken from its key's token budget; given back if it is refused
     length_field: str = "max_tokens"  # the body field that set its length, as the client spelt it
     cache_key: Hashable | None = None  # its answer's key in the response cache (None: not kept)
+    fresh: bool = False  # its Cache-Control asks for a fresh answer: the response cache is not used
     cached: bool = False  # answered from the response cache
 
 
@@ -498,7 +499,7 @@ class Service:
         parameters, answer options), which `job.cache_key` keeps for storing a miss's answer.
         A hit ends the sequences built for it: none of them runs."""
         served = self.served
-        if self.response_cache.size == 0 or job.stream or served is None:
+        if self.response_cache.size == 0 or job.stream or job.fresh or served is None:
             return None
         if not served.engine.engine.reproducible(params):
             return None
