@@ -53,6 +53,16 @@ def test_conforming_server_passes_every_check() -> None:
     assert "block_length=4 -> 4 steps, 8 -> 2 steps" in results["block_length"].detail
 
 
+def test_a_second_run_against_a_response_cache_measures_the_server_again() -> None:
+    """`dlm serve --response-cache-size N` answers a request it answered before with
+    `denoising_steps` 0; validate sends the same requests on every run, so its second run
+    failed `usage` (and the step checks compared cached zeros). It asks for fresh answers."""
+    with serve(Behaviour(response_cache=True)) as url:
+        for _ in range(2):
+            results = {r.name: r for r in run_validation(url, FAST, timeout=10)}
+            assert failed(results) == set(), {n: r.detail for n, r in results.items() if r.status == FAILED}
+
+
 def test_keyed_server_with_the_right_key_passes_the_key_checks() -> None:
     results = validate(Behaviour(api_keys=("k-1", "k-2")), api_key="k-2")
     assert failed(results) == set()

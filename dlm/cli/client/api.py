@@ -195,7 +195,10 @@ def tls_failure(exc: BaseException) -> ssl.SSLError | None:
 class ApiClient(AbstractContextManager["ApiClient"]):
     """A base URL, an optional API key, a timeout applied to every call, and the TLS check;
     as a context manager (entering gives the client), its connections close on leaving.
-    Its transport ends every network wait at the deadline of the call (`DeadlineTransport`)."""
+    Its transport ends every network wait at the deadline of the call (`DeadlineTransport`).
+    Every request says `Cache-Control: no-cache`: validate and loadtest measure the server, not
+    a result cache in front of its model (`dlm serve --response-cache-size` answered a later
+    run's identical requests with `denoising_steps` 0, and `usage` failed)."""
 
     def __init__(
         self,
@@ -210,7 +213,9 @@ class ApiClient(AbstractContextManager["ApiClient"]):
         self.timeout = timeout
         limits = httpx.Limits(max_connections=max_connections)
         transport = DeadlineTransport(httpx.URL(self.base_url), verify, limits)
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self.http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, transport=transport, headers={"Cache-Control": "no-cache"}
+        )
 
     def close(self) -> None:
         self.http.close()
