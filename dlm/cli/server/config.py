@@ -149,7 +149,7 @@ class ServeConfig(BaseModel):
     metrics_push_url: Annotated[str | None, Cli(shown="none: /metrics is scraped")] = Field(
         None,
         description="Prometheus Pushgateway to push the metrics to, every metrics-push-interval seconds "
-        "(job dlm, instance HOST:PORT; /metrics is served as well).",
+        "(job dlm, instance HOSTNAME:PORT; /metrics is served as well).",
     )
     metrics_push_interval: float = Field(15.0, gt=0, description="Seconds between two metrics pushes.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body cap in bytes; beyond: 413.")
