@@ -248,6 +248,23 @@ def test_remote_code_trust_without_the_transformers_backend_is_bad_usage() -> No
     assert "--trust-remote-code only applies to --backend transformers" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"backend": "transformers", "kv_cache_dtype": "int8"}, "--kv-cache-dtype needs the native backend"),
+        ({"backend": "transformers", "quantization": "int8"}, "--quantization needs the native backend"),
+        ({"backend": "transformers", "tensor_parallel_size": 2}, "--tensor-parallel-size needs the native backend"),
+        ({"trust_remote_code": True}, "--trust-remote-code only applies to --backend transformers"),
+    ],
+)
+def test_settings_the_backend_cannot_honour_are_refused_with_the_settings(settings: dict[str, Any], words: str) -> None:
+    """Refused as the settings are read, before `dlm serve` prints them and opens its port (the
+    model's load refused them after both); `--quantization none` is no quantization."""
+    with pytest.raises(UsageError, match=words):
+        load_config(None, {"model": "tiny:sdar", **settings}, environ={})
+    load_config(None, {"model": "tiny:sdar", "backend": "transformers", "quantization": "none"}, environ={})
+
+
 def test_before_the_model_is_loaded_the_app_is_alive_but_not_ready() -> None:
     from fastapi.testclient import TestClient
 

@@ -84,11 +84,12 @@ class LLM:
         (`governs_by_default`), so answers cannot depend on it.
         `kv_cache_dtype`: how requests' exact K/V caches store values, `auto` (the model's dtype)
         or `int8` (block-causal families; dlm/engine/runtime/kv_cache.py)."""
+        self.quantization = None if method_named(quantization) is None else quantization
+        distributed = parallel is not None and parallel.resolved().parallel
+        check_backend(backend, distributed, self.quantization, kv_cache_dtype, trust_remote_code)
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        self.quantization = None if method_named(quantization) is None else quantization
         shape = _shape(self.model_dir, self.quantization) if self.device.type == "cpu" else None
-        distributed = parallel is not None and parallel.resolved().parallel
         probe = (
             _ModelProbe(self.model_dir, self.device, on_load, self.quantization, kv_cache_dtype)
             if backend == "native" and not distributed
@@ -126,15 +127,6 @@ class LLM:
         self.backend = backend
         self.engine: Engine
         if backend == "transformers":
-            if distributed:
-                raise UsageError("--tensor-parallel-size needs the native backend")
-            if self.quantization is not None:
-                raise UsageError(
-                    "--quantization needs the native backend: the transformers backend runs the checkpoint's "
-                    "own layers, which dlm does not quantize"
-                )
-            if kv_cache_dtype != "auto":
-                raise UsageError("--kv-cache-dtype needs the native backend: the transformers backend keeps its own")
             from dlm.engine.transformers_backend import load_transformers_engine
 
             tokenizer = self.tokenizer if has_tokenizer(self.model_dir) else None
@@ -142,8 +134,6 @@ class LLM:
                 self.model_dir, self.dtype, self.device, trust_remote_code, tokenizer
             )
         elif backend == "native":
-            if trust_remote_code:
-                raise UsageError("--trust-remote-code only applies to --backend transformers")
             if parallel is not None and distributed:
                 from dlm.engine.parallel.distributed import EngineSpec, start_driver
 
@@ -342,6 +332,27 @@ def token_ids(prompt: Any) -> list[int]:
     if bad is not None:
         raise UsageError(f"prompt token ids must be integers, got {bad!r}", field="prompt")
     return [operator.index(t) for t in ids]
+
+
+def check_backend(
+    backend: str, distributed: bool, quantization: str | None, kv_cache_dtype: str, trust_remote_code: bool
+) -> None:
+    """Refuse the settings `backend` cannot honour, before anything loads: `LLM` asks first,
+    and `dlm serve` with its settings, before it prints them and opens its port (a refusal
+    from the load came after both). `quantization`: a method, None for the dtype's weights."""
+    if backend == "native":
+        if trust_remote_code:
+            raise UsageError("--trust-remote-code only applies to --backend transformers")
+        return
+    if distributed:
+        raise UsageError("--tensor-parallel-size needs the native backend")
+    if quantization is not None:
+        raise UsageError(
+            "--quantization needs the native backend: the transformers backend runs the checkpoint's "
+            "own layers, which dlm does not quantize"
+        )
+    if kv_cache_dtype != "auto":
+        raise UsageError("--kv-cache-dtype needs the native backend: the transformers backend keeps its own")
 
 
 def governed(

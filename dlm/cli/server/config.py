@@ -753,4 +753,15 @@ def load_config(
     config.configured_admin_key()
     if config.deployment is not None and config.model is not None:
         raise UsageError("give MODEL or --deployment, not both: a deployment serves its current release")
+    from dlm.engine.llm import check_backend
+    from dlm.engine.quantization import method_named
+
+    quantization = method_named(config.quantization)
+    check_backend(
+        config.backend,
+        config.parallel().parallel,
+        None if quantization is None else config.quantization,
+        config.kv_cache_dtype,
+        config.trust_remote_code,
+    )
     return config
