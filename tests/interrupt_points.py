@@ -9,7 +9,8 @@ land one where a timer could only hit by chance:
 - swallowed: during the work, inside a library that catches the KeyboardInterrupt and goes on
   (torch does, when it fails to import numpy while it loads);
 - finalizer: during the work, inside a `__del__`, whose exceptions Python prints and drops;
-- after: once the command has finished, as the interpreter shuts down.
+- after: once the command has finished, as the interpreter shuts down;
+- hangup: a SIGHUP instead, as the commands' modules import (`dlm serve`'s reload signal).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def arm(point: str) -> None:
         _patch_after("dlm.cli.store.verify", _in_a_finalizer)
     elif point == "after":
         atexit.register(interrupt)
+    elif point == "hangup":  # not a Ctrl-C: a SIGHUP (a reload) as the commands' modules import
+        _patch_after("typer", lambda module: os.kill(os.getpid(), signal.SIGHUP))
     else:
         raise SystemExit(f"unknown point {point!r}")
 

@@ -122,6 +122,27 @@ def test_sighup_reads_the_config_file_again(tmp_path_factory: pytest.TempPathFac
         server.terminate()
 
 
+@pytest.mark.slow
+def test_a_sighup_as_the_server_starts_is_a_reload_not_its_death(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A SIGHUP in the half second before the server's handler is installed (its modules
+    importing, its settings read) ended the process, SIGHUP's default. It is answered as a
+    reload once the server can read its settings (tests/interrupt_points.py lands it)."""
+    config = tmp_path_factory.mktemp("early-hangup") / "serve.yaml"
+    config.write_text("warmup: false\n")
+    server = ServerProcess(
+        ["tiny:llada", "--config", str(config)],
+        session_home(tmp_path_factory),
+        entry=("-m", "tests.interrupt_points", "hangup"),
+    )
+    try:
+        server.wait_ready()
+        assert wait_until(lambda: any("settings reloaded" in line for line in server.lines), 30), server.lines[-5:]
+        assert server.http.post(server.url + "/v1/completions", json=ASK).status_code == 200
+        assert server.proc.poll() is None and not any("Traceback" in line for line in server.lines)
+    finally:
+        server.terminate()
+
+
 def test_a_default_length_left_unset_stays_the_one_the_served_max_tokens_gives() -> None:
     """A file that changed max_tokens (a restart's) and gave no default_max_tokens reloaded
     the default derived from its max_tokens: served 64, the default became 128 and every

@@ -28,6 +28,7 @@ from types import FrameType
 
 import uvicorn
 
+from dlm.cli import hangup
 from dlm.cli.server.app import create_app
 from dlm.cli.server.config import ServeConfig
 from dlm.cli.server.connections import MAX_HEAD_BYTES, listen, protocol
@@ -101,6 +102,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.settings is not None:  # before the model loads: SIGHUP's default would end the process
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_requested)
+            if hangup.take():  # one sent as the process started (dlm.cli.hangup)
+                self._reload_requested()
         await super().startup(sockets)
         for server in getattr(self, "servers", []):
             for sock in server.sockets:
