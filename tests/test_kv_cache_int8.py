@@ -17,6 +17,7 @@ from dlm.engine.llm import LLM
 from dlm.engine.registry import FAMILIES
 from dlm.engine.runtime.kv_cache import INITIAL_CAPACITY, SequenceKVCache
 from dlm.engine.tiny_models import ensure_tiny_model
+from tests.generate_cli import generate_json
 from tests.serving import app_client
 
 BLOCK_CAUSAL = [f.name for f in FAMILIES if f.block_causal and f.engine]
@@ -88,6 +89,12 @@ def test_the_estimate_plans_what_the_cache_holds() -> None:
     c = arch.config
     vectors = 2 * c.full_attention_layers * c.num_kv_heads  # keys and values, per cached token
     assert per_token == {"fp32": vectors * c.head_dim * 4, "int8": vectors * (c.head_dim + 4)}
+
+
+@pytest.mark.parametrize("storage", ["auto", "int8"])
+def test_generate_json_reports_the_cache_storage_it_ran_with(storage: str) -> None:
+    payload = generate_json("tiny:sdar", [5, 6, 7, 8], "--gen-length", "8", "--kv-cache-dtype", storage)
+    assert payload["kv_cache_dtype"] == storage and payload["finish_reason"] in ("stop", "length")
 
 
 def test_a_server_with_an_int8_cache_answers_and_says_so() -> None:

@@ -251,6 +251,7 @@ def generate(
                             "params": dict(resolved.__dict__),
                             "dtype": str(llm.dtype).replace("torch.", ""),
                             "quantization": llm.quantization,
+                            "kv_cache_dtype": llm.engine.loaded.kv_cache_dtype,  # as /health reports it
                             "device": str(llm.device),
                             "backend": {"name": backend, "path": path},
                             "tensor_parallel_size": llm.engine.tensor_parallel_size,
