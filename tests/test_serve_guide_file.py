@@ -50,9 +50,13 @@ def test_every_guide_key_names_a_setting() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "words"),
     [
-        ("enable_causal_mask_fusion: true", "enable_causal_mask_fusion: false", "decode.enable_causal_mask_fusion"),
-        ("health_path: /health", "health_path: /healthz", "observability.health_path can only be '/health'"),
-        ("metrics_enabled: true", "metrics_enabled: false", "observability.metrics_enabled can only be True"),
+        (
+            "enable_causal_mask_fusion: true",
+            "enable_causal_mask_fusion: false",
+            "decode.enable_causal_mask_fusion can only be true",
+        ),
+        ("health_path: /health", "health_path: /healthz", 'observability.health_path can only be "/health"'),
+        ("metrics_enabled: true", "metrics_enabled: false", "observability.metrics_enabled can only be true"),
         ("listen_port: 8000", "listen_port: 8000\n  workers: 4", "unknown setting service.workers"),
         ("default_mode: autoregressive", "default_mode: [ar]", "decode_mode"),  # was a TypeError: unhashable
     ],
@@ -90,5 +94,12 @@ def test_a_sections_keys_take_dashes_as_every_key_of_the_file_does(tmp_path: Pat
     assert (config.port, config.max_num_seqs, config.decode_mode) == (9000, 3, "ar")
     with pytest.raises(UsageError, match="name the same setting"):
         config_of(tmp_path, "service:\n  listen-port: 9000\n  listen_port: 9001\n")
-    with pytest.raises(UsageError, match="can only be"):
+    with pytest.raises(UsageError, match=re.escape("observability.metrics-enabled can only be true")):
         config_of(tmp_path, "observability:\n  metrics-enabled: false\n")
+
+
+def test_a_fixed_keys_refusal_spells_the_value_as_the_file_does(tmp_path: Path) -> None:
+    """`enable_causal_mask_fusion = false` in TOML (or `false` in YAML) was told it "can only be
+    True", Python's spelling, which neither file format reads as a boolean."""
+    with pytest.raises(UsageError, match=re.escape("decode.enable_causal_mask_fusion can only be true in dlm")):
+        config_of(tmp_path, "[decode]\nenable_causal_mask_fusion = false\n", ".toml")

@@ -8,6 +8,7 @@ are usage errors naming the field) and printed at start with secrets replaced by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import sys
@@ -660,8 +661,8 @@ def _guide_sections(data: Any, source: str) -> Any:
             where = (section, str(key).replace("-", "_"))  # as every key of a file: `-` or `_`
             if where in GUIDE_FIXED:
                 fixed, why = GUIDE_FIXED[where]
-                if given != fixed:
-                    raise UsageError(f"{source}: {section}.{key} can only be {fixed!r} in dlm: {why}")
+                if given != fixed:  # the value as YAML and TOML spell it (`true`, `"/health"`), not Python's
+                    raise UsageError(f"{source}: {section}.{key} can only be {json.dumps(fixed)} in dlm: {why}")
             elif where in GUIDE_KEYS:
                 if where == ("decode", "default_mode") and isinstance(given, str):  # a list: the setting's refusal
                     given = GUIDE_MODES.get(given, given)
