@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from dlm.cli.server import errors
 from dlm.cli.server.auth import KeyRing, authorization
+from dlm.cli.server.body import parse_json, read_body
 from dlm.cli.server.hotswap import HotSwapper, SwapRequest
 from dlm.cli.server.service import Service
 from dlm.cli.store.admin import SWAP_PATH, unregister_server
@@ -44,11 +45,11 @@ def create_admin_app(swapper: HotSwapper, key: str) -> FastAPI:
     @app.post(SWAP_PATH)
     async def swap(request: Request) -> JSONResponse:
         keys.identify(authorization(request))  # 401 before the body is read
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise errors.APIError(413, f"the request body exceeds {MAX_BODY} bytes", code="request_too_large")
+        # Read and parsed as the API's bodies are (dlm/cli/server/body.py): capped while it
+        # arrives, and a key given twice refused, where pydantic's JSON parser kept the last.
+        raw = await read_body(request, MAX_BODY, swapper.service.config.read_timeout)
         try:
-            body = SwapRequest.model_validate_json(raw)
+            body = SwapRequest.model_validate(parse_json(raw))
         except ValidationError as exc:
             raise errors.validation_error(list(exc.errors())) from None
         return JSONResponse(await swapper.swap(body))
