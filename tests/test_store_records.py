@@ -54,6 +54,15 @@ def _too_large(path: Path) -> None:
     path.write_text(path.read_text() + " " * (SMALL_LIMIT + 1))
 
 
+def _file_path(bad: str) -> Callable[[Path, Path], None]:
+    """A damage that names `bad` as the manifest's first file (a hand edit)."""
+
+    def harm(manifest: Path, other: Path) -> None:
+        _edit_json(manifest, lambda d: d["files"][0].update(path=bad))
+
+    return harm
+
+
 MANIFEST_DAMAGE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "nested too deeply": (
         lambda m, other: (
@@ -68,6 +77,18 @@ MANIFEST_DAMAGE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
         lambda m, other: _edit_json(m, lambda d: d["verification"].update(ok="yes")),
         "verification.ok",
     ),
+    **{
+        f"a file path {what}": (
+            _file_path(bad),
+            f"files.0.path: file path {bad!r} is not a relative path inside the version",
+        )
+        for what, bad in [
+            ("out of the version", "../../x"),
+            ("from the root", "/etc/passwd"),
+            ("through ..", "a/../../b"),
+            ("empty", ""),
+        ]
+    },
     "another version's manifest": (lambda m, other: shutil.copyfile(other, m), "but is stored as"),
     "a directory": (lambda m, other: _replace_by_directory(m), "directory"),
     "too large": (lambda m, other: _too_large(m), "larger than"),

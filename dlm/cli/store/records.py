@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dlm.engine.errors import DlmError
 
@@ -99,7 +99,8 @@ def read_record(path: Path, model: type[R]) -> R:
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise CorruptRecord(path, f"{where}: {first['msg']}" if where else first["msg"]) from None
+        message = str(first["msg"]).removeprefix("Value error, ")  # pydantic's wrapping of our validators' words
+        raise CorruptRecord(path, f"{where}: {message}" if where else message) from None
 
 
 # -- a version's manifest ----------------------------------------------------------------------
@@ -109,6 +110,17 @@ class FileEntry(Record):
     sha256: str
     expected: dict[str, str] = Field(default_factory=dict)  # hashes the source promised
     source_stat: dict[str, int] | None = None  # local sources: size and mtime_ns when copied
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_version(cls, value: str) -> str:
+        """A path the version's files directory holds: relative, '/'-separated, with no empty,
+        `.` or `..` part and no NUL. A hand-edited `../../x`, `/etc/passwd` or `""` was taken,
+        and the version then listed as damaged or failed verification (a file outside it
+        hashed or missing) instead of reading as the corrupt manifest it is."""
+        if "\0" in value or any(part in ("", ".", "..") for part in value.split("/")):
+            raise ValueError(f"file path {value!r} is not a relative path inside the version")
+        return value
 
 
 class HubSource(Record):
