@@ -14,6 +14,7 @@ import torch
 from dlm.engine import cpu_plan
 from dlm.engine.runtime import thread_governor as tg
 from dlm.engine.runtime.thread_governor import ThreadGovernor, for_plan
+from tests.tiny_families import tiny_names
 
 TOKENS = 64
 Costs = Callable[[int, int], float]  # (step index, threads) -> seconds of that step
@@ -362,3 +363,57 @@ def test_health_says_whether_the_thread_count_is_governed(monkeypatch: pytest.Mo
     monkeypatch.setattr(cpu_plan, "team_exact", lambda shape, dtype, threads, team: exact)
     with in_process_server(model="tiny:llada", dtype="float32", device="cpu") as client:
         assert client.get("/health").json()["thread_governor"] is exact
+
+
+# --- every family the registry decodes (`tiny_names`: a new family joins by itself) ---
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_keeps_its_ids_with_the_count_switched_every_step(name: str) -> None:
+    """Compared in fp32: each family's ids through `LLM.generate` with the thread count
+    switched every step equal those at the plan's count (the default turns the governor on
+    for any family whose forwards `cpu_plan.team_exact` calls exact), and each step after the
+    first ran with the count set after the one before it."""
+    from dlm.engine.llm import LLM
+
+    llm = LLM(f"tiny:{name}", dtype="float32", device="cpu", thread_governor=False)
+    prompt = [5, 6, 7, 8]
+    plain = llm.generate(prompt, gen_length=16)[0].output_ids
+    scripted = Scripted()
+    llm.thread_governor = scripted
+    assert llm.generate(prompt, gen_length=16)[0].output_ids == plain
+    assert scripted.seen and [t for _, t in scripted.seen] == [1 + i % 2 for i in range(len(scripted.seen))]
+
+    assert {thread for thread, _ in scripted.seen} == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_is_served_the_same_ids_with_the_count_switched_on_the_engine_thread(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Compared in fp32: `dlm serve` (and `dlm batch`, which answers through the same server)
+    sets the governor's count on the engine thread before each step of every family's
+    engine, and the ids it serves equal those of a server without the governor."""
+    import dlm.engine.llm as llm_module
+    from dlm.engine.runtime.async_engine import ENGINE_THREAD
+    from tests.serving import in_process_server
+
+    made: list[Scripted] = []
+
+    def scripted(planned: int | None) -> Scripted:
+        made.append(Scripted())
+        return made[-1]
+
+    monkeypatch.setattr(llm_module, "for_plan", scripted)
+    body = {"prompt": [5, 6, 7], "max_tokens": 16, "seed": 1, "return_token_ids": True}
+    answers = []
+    for governed in (False, True):
+        settings = {"model": f"tiny:{name}", "dtype": "float32", "device": "cpu", "thread_governor": governed}
+        with in_process_server(**settings) as client:
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["token_ids"])
+    assert answers[1] == answers[0]
+    [governor] = made
+    assert governor.seen and {thread for thread, _ in governor.seen} == {ENGINE_THREAD}
+    assert [t for _, t in governor.seen] == [1 + i % 2 for i in range(len(governor.seen))]
