@@ -14,6 +14,7 @@ import dlm.cli.batch
 import dlm.engine.tokenizer
 from dlm.cli.batch import claim_output, read_requests
 from dlm.cli.jsonl import lines
+from tests.tiny_families import tiny_names
 from tests.weights_helpers import cli
 
 SEPARATORS = "\u2028\u2029\u0085"  # str.splitlines breaks at these; JSON strings hold them raw
@@ -389,3 +390,21 @@ def test_a_rerun_whose_input_changed_an_answered_request_is_refused_untouched(tm
     code, summary, stderr = run(write(tmp_path / "in.jsonl", reordered), out)
     assert code == 0 and summary == {**summary, "skipped": 2, "completed": 0}, stderr
     assert out.read_bytes() == answered
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_the_config_files_response_cache_answers_a_repeated_line_without_a_forward(tmp_path: Path, name: str) -> None:
+    """`dlm batch --config` serves with the file's settings, `response_cache_size` too: a line
+    repeating an earlier one (seeded, so reproducible under every family's sampler; one line
+    at a time, so the first is answered before the second is looked up) is answered from the
+    cache with the same choices, for every family the registry decodes (fp32)."""
+    settings = tmp_path / "serve.yaml"
+    settings.write_text(f"model: tiny:{name}\ndtype: float32\nmax_num_seqs: 1\nresponse_cache_size: 2\n")
+    line = {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 3, "return_token_ids": True}
+    items = [{"custom_id": c, "method": "POST", "url": "/v1/completions", "body": line} for c in ("q0", "q1")]
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = cli("batch", str(write(tmp_path / "in.jsonl", items)), str(out), "--config", str(settings))
+    assert code == 0, stderr
+    first, again = (results(out)[c]["response"]["body"] for c in ("q0", "q1"))
+    assert first["usage"]["denoising_steps"] > 0 and again["usage"]["denoising_steps"] == 0
+    assert again["choices"] == first["choices"]

@@ -15,6 +15,7 @@ from dlm.cli.client.metrics import parse_samples
 from dlm.engine.params import GenerationParams, reproducible
 from dlm.engine.registry import FAMILIES
 from tests.serving import app_client
+from tests.tiny_families import tiny_names
 
 KEYS = ("sk-cache-a", "sk-cache-b")
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "steps": 8}
@@ -161,3 +162,21 @@ def test_a_hit_is_encoded_off_the_event_loop(client: TestClient, monkeypatch: py
     monkeypatch.setattr(generation, "json_response", encode)
     assert ask(client, body)["usage"]["denoising_steps"] == 0
     assert on_loop == [False]
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_every_family_answers_a_repeat_from_the_cache_and_a_no_cache_request_afresh(name: str) -> None:
+    """Every family the registry decodes (`tiny_names`), fp32: a seeded request (reproducible
+    under every sampler) asked again is answered from the cache without a forward, with the
+    same choices; `Cache-Control: no-cache` decodes it again, to the same choices."""
+    settings = {"model": f"tiny:{name}", "warmup": False, "response_cache_size": 2, "dtype": "float32"}
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 3, "return_token_ids": True}
+    with app_client(settings) as served:
+        first, again, fresh = (
+            served.post("/v1/completions", json=body, headers=headers)
+            for headers in ({}, {}, {"Cache-Control": "no-cache"})
+        )
+    assert all(r.status_code == 200 for r in (first, again, fresh)), (first.text, again.text, fresh.text)
+    steps = [r.json()["usage"]["denoising_steps"] for r in (first, again, fresh)]
+    assert steps[0] > 0 and steps[1] == 0 and steps[2] == steps[0]
+    assert again.json()["choices"] == first.json()["choices"] == fresh.json()["choices"]
