@@ -4,6 +4,8 @@ float32."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from dlm.engine.runtime.kv_cache import INITIAL_CAPACITY, SequenceKVCache
 from dlm.engine.tiny_models import ensure_tiny_model
 from tests.generate_cli import generate_json
 from tests.serving import app_client
+from tests.weights_helpers import cli
 
 BLOCK_CAUSAL = [f.name for f in FAMILIES if f.block_causal and f.engine]
 OTHERS = [f.name for f in FAMILIES if not f.block_causal and f.engine]
@@ -104,7 +107,7 @@ def test_a_server_with_an_int8_cache_answers_and_says_so() -> None:
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
 
 
-@pytest.mark.parametrize("name", ["llada", "dream"])
+@pytest.mark.parametrize("name", OTHERS)
 def test_serve_refuses_int8_for_such_a_family_from_config_json(name: str) -> None:
     """`dlm serve tiny:llada --kv-cache-dtype int8` printed its configuration, bound its port
     and started the server before the load refused the setting; the other settings a
@@ -117,3 +120,77 @@ def test_serve_refuses_int8_for_such_a_family_from_config_json(name: str) -> Non
     load_config(None, {"model": "tiny:sdar", "kv_cache_dtype": "int8"}, environ={}).check_model(
         model_config(ensure_tiny_model("tiny:sdar"))
     )
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_generate_batch_and_tensor_parallel_refuse_int8_for_such_a_family(name: str, tmp_path: Path) -> None:
+    """The command lines that load a model refuse the setting for every family without the
+    block cache as one `error:` line naming the family, exit 2, before anything is decoded
+    (`dlm serve`'s refusal, `ServeConfig.check_model`, is the test above)."""
+    prompt = ("--prompt-ids", "5,6,7", "--gen-length", "4", "--dtype", "float32", "--kv-cache-dtype", "int8")
+    source = tmp_path / "in.jsonl"
+    body = {"prompt": [5, 6, 7], "max_tokens": 4}
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    for args in (
+        ("generate", f"tiny:{name}", *prompt),
+        ("generate", f"tiny:{name}", *prompt, "--tensor-parallel-size", "2"),
+        ("batch", str(source), str(tmp_path / "out.jsonl"), "--model", f"tiny:{name}", "--kv-cache-dtype", "int8"),
+    ):
+        code, stdout, stderr = cli(*args)
+        assert code == 2 and stdout == "", (args, stdout, stderr)
+        assert stderr.startswith("error: kv_cache_dtype int8") and f"not {name}" in stderr, (args, stderr)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", BLOCK_CAUSAL)
+def test_every_block_causal_family_decodes_the_same_int8_ids_through_every_entry_point(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compared in fp32, greedy: `LLM(kv_cache_dtype="int8")`, `dlm generate --kv-cache-dtype
+    int8 --json`, a server with the setting (`return_token_ids`) and `dlm batch --kv-cache-dtype
+    int8` give the same ids in the same forwards (tensor parallelism: tests/test_tp_generate.py).
+    On the tiny checkpoints int8 and auto decode the same ids, so each entry point's caches are
+    also seen to be made int8 (all run in this process)."""
+    storages: list[str] = []
+    make = SequenceKVCache.__init__
+
+    def recorded(cache: SequenceKVCache, *args: Any, **kwargs: Any) -> None:
+        make(cache, *args, **kwargs)
+        storages.append("int8" if cache.quantized else "auto")
+
+    def int8_caches_only() -> bool:
+        made = set(storages)
+        storages.clear()
+        return made == {"int8"}
+
+    monkeypatch.setattr(SequenceKVCache, "__init__", recorded)
+    model, prompt = f"tiny:{name}", [5, 6, 7]
+    with LLM(model, dtype="float32", device="cpu", kv_cache_dtype="int8") as llm:
+        python = llm.generate(prompt, gen_length=16, temperature=0.0)[0]
+    assert int8_caches_only()
+
+    args = ("--prompt-ids", "5,6,7", "--gen-length", "16", "--temperature", "0", "--json")
+    code, stdout, stderr = cli("generate", model, *args, "--dtype", "float32", "--kv-cache-dtype", "int8")
+    assert code == 0, stderr
+    generated = json.loads(stdout)
+    assert int8_caches_only()
+
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    settings = {"model": model, "warmup": False, "kv_cache_dtype": "int8", "dtype": "float32"}
+    with app_client(settings) as client:
+        assert client.get("/health").json()["kv_cache_dtype"] == "int8"
+        served = client.post("/v1/completions", json=body)
+    assert served.status_code == 200, served.text
+    assert int8_caches_only()
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    flags = ("--model", model, "--dtype", "float32", "--kv-cache-dtype", "int8")
+    code, _, stderr = cli("batch", str(source), str(out), *flags)
+    assert code == 0, stderr
+    batched = json.loads(out.read_text())["response"]["body"]
+    assert int8_caches_only()
+
+    for answer in (served.json(), batched):
+        assert answer["choices"][0]["token_ids"] == python.completion_ids == generated["completion_ids"]
+        assert answer["usage"]["denoising_steps"] == python.nfe == generated["nfe"]
