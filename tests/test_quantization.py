@@ -323,6 +323,76 @@ def test_serve_answers_with_quantized_weights() -> None:
         assert answer.status_code == 200, answer.text
 
 
+@pytest.mark.parametrize("method", CPU_METHODS)
+@pytest.mark.parametrize("family", DECODED)
+def test_every_family_decodes_the_same_quantized_ids_through_every_entry_point(
+    checkpoints: dict[str, str], family: str, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compared in fp32: `LLM(quantization=M)`, `dlm generate --quantization M --json`, a
+    server with the setting (`return_token_ids`; /health says M) and `dlm batch --quantization
+    M` give the same ids in the same forwards, for every family the registry decodes, and
+    each loads its model quantized (seen on `LLM`: all run in this process). Greedy where the
+    sampler has a temperature; seeded for the entropy-bound one."""
+    import json
+
+    import dlm.engine.llm as llm_module
+    from dlm.engine.registry import family_named
+    from tests.serving import app_client
+    from tests.tiny_families import cannot
+    from tests.weights_helpers import cli
+
+    loaded: list[str | None] = []
+    init = llm_module.LLM.__init__
+
+    def recorded(llm: LLM, *args: Any, **kwargs: Any) -> None:
+        init(llm, *args, **kwargs)
+        loaded.append(llm.quantization)
+
+    def quantized_only() -> bool:
+        made = set(loaded)
+        loaded.clear()
+        return made == {method}
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", recorded)
+    model, params = checkpoints[family], dict(PARAMS[family])
+    if "temperature" not in cannot(family_named(family)):
+        params["temperature"] = 0.0
+    with LLM(model, dtype="float32", device="cpu", quantization=method) as llm:
+        python = llm.generate(PROMPT, **params)[0]
+    assert quantized_only()
+
+    flags = [part for name, value in params.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+    prompt_ids = ",".join(map(str, PROMPT))
+    code, stdout, stderr = cli(
+        "generate", model, "--prompt-ids", prompt_ids, *flags, "--dtype", "float32", "--quantization", method, "--json"
+    )
+    assert code == 0, stderr
+    generated = json.loads(stdout)
+    assert generated["quantization"] == method and quantized_only()
+
+    fields = {("max_tokens" if name == "gen_length" else name): value for name, value in params.items()}
+    body = {**fields, "prompt": PROMPT, "return_token_ids": True}
+    with app_client({"model": model, "warmup": False, "quantization": method, "dtype": "float32"}) as client:
+        assert client.get("/health").json()["quantization"] == method
+        served = client.post("/v1/completions", json=body)
+    assert served.status_code == 200, served.text
+    assert quantized_only()
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    code, _, stderr = cli(
+        "batch", str(source), str(out), "--model", model, "--dtype", "float32", "--quantization", method
+    )
+    assert code == 0, stderr
+    batched = json.loads(out.read_text())["response"]["body"]
+    assert quantized_only()
+
+    assert generated["output_ids"] == python.output_ids
+    for answer in (served.json(), batched):
+        assert answer["choices"][0]["token_ids"] == python.completion_ids == generated["completion_ids"]
+        assert answer["usage"]["denoising_steps"] == python.nfe == generated["nfe"]
+
+
 def test_gpu_checks_quantization_section_passes_on_a_cpu(gpu_check: Any) -> None:
     """`benchmarks/gpu_check.py`'s quantization section, prepared for a CUDA session, runs
     here on the CPU for the CPU's methods (one family each): its checks pass, so on a
