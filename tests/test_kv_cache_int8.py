@@ -173,7 +173,7 @@ def test_every_block_causal_family_decodes_the_same_int8_ids_through_every_entry
     code, stdout, stderr = cli("generate", model, *args, "--dtype", "float32", "--kv-cache-dtype", "int8")
     assert code == 0, stderr
     generated = json.loads(stdout)
-    assert int8_caches_only()
+    assert generated["kv_cache_dtype"] == "int8" and int8_caches_only()  # as /health says it
 
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
     settings = {"model": model, "warmup": False, "kv_cache_dtype": "int8", "dtype": "float32"}
