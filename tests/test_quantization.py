@@ -17,6 +17,7 @@ from dlm.engine.quantization import CHOICES, METHODS, method_named
 from dlm.engine.quantized_weights import is_quantized, quantizable, storage_bytes, weight_bytes
 from dlm.engine.registry import FAMILIES
 from tests.quantization_checkpoints import DECODED, PARAMS, PROMPT, TINY_REFUSES_INT4, densify, int4_checkpoint
+from tests.tiny_families import tiny_names
 
 CPU_METHODS = [name for name, m in METHODS.items() if "cpu" in m.devices]
 
@@ -166,6 +167,23 @@ def test_two_ranks_decode_the_single_process_int8_ids(tmp_path: Path, family: st
     assert _tp_decode(model, family, "int8", 2) == _tp_decode(model, family, "int8", 1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", tiny_names())
+def test_two_ranks_decode_the_single_process_int8_ids_on_every_family(name: str) -> None:
+    """Every family the registry decodes (`tiny_names`: a new family joins by itself), fp32:
+    two gloo ranks quantizing their shards decode the ids and forwards of one process. (int4
+    splits of the tiny models' 64-wide rows would cut groups: that refusal is tested below.)"""
+    from dlm.engine.parallel.distributed import ParallelConfig
+
+    outputs = []
+    for parallel in (None, ParallelConfig(tensor_parallel_size=2)):
+        with LLM(f"tiny:{name}", dtype="float32", device="cpu", parallel=parallel, quantization="int8") as llm:
+            assert llm.quantization == "int8"
+            out = llm.generate(PROMPT, gen_length=16)[0]
+        outputs.append((out.output_ids, out.nfe))
+    assert outputs[1] == outputs[0]
+
+
 def test_a_rank_holds_the_slice_of_the_whole_int8_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 of two, holding the left half of each row of a row-parallel weight: the row
     maxima of both halves are gathered, so its int8 data and scales are exactly the left
@@ -180,6 +198,25 @@ def test_a_rank_holds_the_slice_of_the_whole_int8_weight(monkeypatch: pytest.Mon
     quantizer = qw.Quantizer(METHODS["int8"], {"w": 64}, frozenset({"w"}), torch.float32, torch.device("cpu"))
     mine, whole = quantizer("w", left), qw.quantize(METHODS["int8"], full, torch.device("cpu"), 128)
     assert torch.equal(mine.scale, whole.scale) and torch.equal(mine.qdata, whole.qdata[:, :64])
+
+
+def test_a_rank_holds_the_slice_of_each_whole_int8_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacked experts [E, rows, inputs] split on their inputs (DiffusionGemma's experts under
+    -tp 2, any MoE under --moe-parallel tp): the gathered row maxima are [E, rows], which
+    torchao's 2-D scale rule refused at load ("Got input dim:3"); each expert of rank 0 now
+    holds exactly the left half of that expert's single-process quantization."""
+    from dlm.engine import quantized_weights as qw
+
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(3, 32, 128, generator=gen)
+    full[:, :, 100] = 9.0  # each row's largest magnitude lies in the other rank's half
+    left, right = full[..., :64], full[..., 64:]
+    monkeypatch.setattr(qw.parallel_state, "all_gather", lambda x: torch.stack((x, right.abs().amax(-1))))
+    quantizer = qw.Quantizer(METHODS["int8"], {"w": 64}, frozenset({"w"}), torch.float32, torch.device("cpu"))
+    mine = quantizer("w", left)
+    assert isinstance(mine, nn.ParameterList) and len(mine) == 3
+    for expert, whole in zip(mine, (qw.quantize(METHODS["int8"], e, torch.device("cpu"), 128) for e in full)):
+        assert torch.equal(expert.scale, whole.scale) and torch.equal(expert.qdata, whole.qdata[:, :64])
 
 
 @pytest.mark.slow

@@ -62,11 +62,13 @@ def torchao() -> Any:
 
 
 def row_scales(row_absmax: torch.Tensor) -> torch.Tensor:
-    """int8 scales [rows, 1] of rows whose largest magnitudes are `row_absmax`, by torchao's own
-    symmetric rule (what `Int8Tensor.from_hp` computes from a whole row)."""
+    """int8 scales [..., rows, 1] of rows whose largest magnitudes are `row_absmax` [..., rows],
+    by torchao's own symmetric rule (what `Int8Tensor.from_hp` computes from a whole row).
+    Stacked experts' rows ([E, rows]) are taken as one list of rows: torchao's rule reads a
+    2-D input only."""
     from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine
 
-    extremes = torch.stack((-row_absmax, row_absmax), dim=-1).float()
+    extremes = torch.stack((-row_absmax.reshape(-1), row_absmax.reshape(-1)), dim=-1).float()
     scale, _ = choose_qparams_affine(
         input=extremes,
         mapping_type=MappingType.SYMMETRIC,
@@ -79,7 +81,7 @@ def row_scales(row_absmax: torch.Tensor) -> torch.Tensor:
         keepdim=True,
         eps=torch.finfo(torch.float32).eps,
     )
-    return scale
+    return scale.reshape(*row_absmax.shape, 1)
 
 
 def quantize(
