@@ -194,3 +194,19 @@ def test_every_block_causal_family_decodes_the_same_int8_ids_through_every_entry
     for answer in (served.json(), batched):
         assert answer["choices"][0]["token_ids"] == python.completion_ids == generated["completion_ids"]
         assert answer["usage"]["denoising_steps"] == python.nfe == generated["nfe"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BLOCK_CAUSAL)
+def test_two_ranks_with_an_int8_cache_decode_the_single_process_ids_on_every_block_causal_family(name: str) -> None:
+    """Compared in fp32, from the registry (tests/test_tp_generate.py does it on its own
+    checkpoints of some families; Fast-dLLM v2 had none): two gloo ranks, each quantizing
+    its own KV heads, decode the ids and forwards of one process with the int8 cache."""
+    from dlm.engine.parallel.distributed import ParallelConfig
+
+    outputs = []
+    for parallel in (None, ParallelConfig(tensor_parallel_size=2)):
+        with LLM(f"tiny:{name}", dtype="float32", device="cpu", parallel=parallel, kv_cache_dtype="int8") as llm:
+            out = llm.generate([5, 6, 7, 8], gen_length=16, temperature=0.0)[0]
+        outputs.append((out.output_ids, out.nfe))
+    assert outputs[1] == outputs[0]
