@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,6 +415,38 @@ def test_every_family_is_served_the_same_ids_with_the_count_switched_on_the_engi
             assert response.status_code == 200, response.text
             answers.append(response.json()["choices"][0]["token_ids"])
     assert answers[1] == answers[0]
+    [governor] = made
+    assert governor.seen and {thread for thread, _ in governor.seen} == {ENGINE_THREAD}
+    assert [t for _, t in governor.seen] == [1 + i % 2 for i in range(len(governor.seen))]
+
+
+@pytest.mark.parametrize("name", tiny_names())
+def test_dlm_batch_governs_by_default_on_the_engine_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    """`dlm batch` (no governor flag: auto) turns the governor on where the default would, as
+    `dlm serve` does, and its server applies the count on the engine thread before each step
+    of every family's engine (in process: the default decided as on an exact CPU)."""
+    import json
+
+    import dlm.engine.llm as llm_module
+    from dlm.engine.runtime.async_engine import ENGINE_THREAD
+    from tests.weights_helpers import cli
+
+    made: list[Scripted] = []
+
+    def scripted(planned: int | None) -> Scripted:
+        made.append(Scripted())
+        return made[-1]
+
+    monkeypatch.setattr(llm_module, "governs_by_default", lambda shape, dtype, planned: True)
+    monkeypatch.setattr(llm_module, "for_plan", scripted)
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 1}
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    code, _, stderr = cli("batch", str(source), str(tmp_path / "out.jsonl"), "--model", f"tiny:{name}")
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text())["response"]["status_code"] == 200
     [governor] = made
     assert governor.seen and {thread for thread, _ in governor.seen} == {ENGINE_THREAD}
     assert [t for _, t in governor.seen] == [1 + i % 2 for i in range(len(governor.seen))]
