@@ -760,7 +760,7 @@ def load_config(
     quantization = method_named(config.quantization)
     check_backend(
         config.backend,
-        config.parallel().parallel,
+        config.tensor_parallel_size > 1,  # not parallel(): `dlm deploy` reads pods' settings, no rendezvous yet
         None if quantization is None else config.quantization,
         config.kv_cache_dtype,
         config.trust_remote_code,
