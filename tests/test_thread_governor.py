@@ -275,6 +275,7 @@ def test_team_exact_compares_the_forwards_bits_at_both_counts_and_caches_the_ver
         return torch.tensor([float(torch.get_num_threads())])
 
     monkeypatch.setattr(cpu_plan, "_layer_forward", by_count)
+    monkeypatch.setattr(cpu_plan, "_few_rows", lambda tensors: [])
     before = torch.get_num_threads()
     assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 2) is False
     assert sorted(set(runs)) == [1, 2] and torch.get_num_threads() == before  # both counts ran, restored
@@ -282,6 +283,26 @@ def test_team_exact_compares_the_forwards_bits_at_both_counts_and_caches_the_ver
     monkeypatch.setattr(cpu_plan, "_layer_forward", lambda shape, tensors: torch.zeros(1))
     assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 2) is False and runs == []  # the cached verdict
     assert cpu_plan.team_exact(EXACT_SHAPE, torch.float32, 1, 3) is True  # another team: measured again
+
+
+def test_team_exact_also_compares_the_few_rows_a_steps_lm_head_runs_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canvas-sized forward agreeing is not enough: MKL's fp32 GEMM on the AMD VM rounded
+    the LM head differently at 1 and 2 threads at 5-11 rows only, so the governor, on by
+    default there, changed logprobs run to run (tests/test_serve_infill_logprobs_n.py failed
+    one run in two). The verdict covers the matmuls at each of those row counts."""
+    seen: list[int] = []
+    real = cpu_plan._few_rows
+
+    def by_count(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        seen.append(len(tensors))
+        return [torch.tensor([float(torch.get_num_threads())])]
+
+    monkeypatch.setattr(cpu_plan, "_layer_forward", lambda shape, tensors: torch.zeros(1))
+    monkeypatch.setattr(cpu_plan, "_few_rows", by_count)
+    shape = cpu_plan.ModelShape(hidden=16, heads=2, kv_heads=2, head_dim=8, ffn=40, vocab=40)
+    assert cpu_plan.team_exact(shape, torch.float32, 1, 2) is False and len(seen) == 2
+    rows = real(cpu_plan._probe_inputs(shape, torch.float32))
+    assert len(rows) == 6 * len(cpu_plan.EXACT_ROWS) and 5 in cpu_plan.EXACT_ROWS
 
 
 def test_team_exact_runs_the_real_layer_and_a_count_against_itself_is_exact() -> None:

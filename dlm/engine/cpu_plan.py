@@ -70,6 +70,11 @@ EXACT_BATCH = 4
 # between threads but the reduction, so the check only gets stricter, and an 8B-shaped check
 # takes seconds instead of tens.
 EXACT_VOCAB = 4096
+# ... and each of its matmuls at these few rows: a step decides a handful of positions, whose
+# LM head (the tokens' statistics, their logprobs) runs at that many rows, and MKL's fp32 GEMM
+# on the AMD Zen 4 VM rounds differently at 1 and 2 threads at 5-11 rows where 1-4, 64 and 256
+# agree (oneDNN's bf16 agrees at every count tried).
+EXACT_ROWS = (*range(1, 13), 31)
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,21 @@ def _pick_threads(candidates: list[Candidate], seconds: dict[str, float]) -> int
     return choice.threads
 
 
+@torch.inference_mode()
+def _few_rows(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The layer's linears at each of `EXACT_ROWS` rows, and the LM head as a step's logprobs
+    take it (`hidden @ weight.T`, then a float log-softmax); the same inputs on every call."""
+    g = torch.Generator().manual_seed(1)
+    outputs = []
+    for rows in EXACT_ROWS:
+        for name in ("qkv", "out", "gate_up", "down", "head"):
+            weight = tensors[name]
+            x = (torch.randn(rows, weight.shape[1], generator=g) / math.sqrt(weight.shape[1])).to(weight.dtype)
+            outputs.append(F.linear(x, weight))
+        outputs.append(torch.log_softmax((x @ tensors["head"].T).float(), dim=-1))
+    return outputs
+
+
 def team_exact(shape: ModelShape, dtype: torch.dtype, threads: int, team: int) -> bool:
     """Whether forwards of `shape` in `dtype` give the same bits with `threads` and with `team`
     intra-op threads, measured once per machine and cached beside the plans.
@@ -330,13 +350,14 @@ def team_exact(shape: ModelShape, dtype: torch.dtype, threads: int, team: int) -
     1 and 2 threads; on the AMD Zen 4 VM no shape did, nor the 104M and default models' answers.
     Checked on one layer of the shape with its linear weights held as the model holds them
     (`_layer_forward`: norm, QKV, attention, output projection, SwiGLU MLP, LM head) at a short
-    canvas and at a batch of `EXACT_BATCH` (the LM head cut to `EXACT_VOCAB` rows): the shapes
-    and kernels of the model's steps, not a proof for every row count. A quantized model's
+    canvas and at a batch of `EXACT_BATCH` (the LM head cut to `EXACT_VOCAB` rows), and each of
+    its matmuls at the few rows a step's LM head runs at (`EXACT_ROWS`): the shapes and kernels
+    of the model's steps, not a proof for every row count. A quantized model's
     linears are not what the probe runs: never exact here."""
     if shape.weights != "dense":
         return False
     layout = dispatch.linear_layout(dtype, torch.device("cpu"))
-    key = f"{machine_key()}/{shape.key}/exact/{layout}/{str(dtype).removeprefix('torch.')}/{threads}-{team}"
+    key = f"{machine_key()}/{shape.key}/exact-rows/{layout}/{str(dtype).removeprefix('torch.')}/{threads}-{team}"
     cached = _read_cache().get(key)
     if isinstance(cached, dict) and isinstance(cached.get("exact"), bool):
         return bool(cached["exact"])
@@ -348,7 +369,7 @@ def team_exact(shape: ModelShape, dtype: torch.dtype, threads: int, team: int) -
         outputs = []
         for count in (threads, team):
             torch.set_num_threads(count)
-            outputs.append([_layer_forward(probe, t) for t in (tensors, batch)])
+            outputs.append([_layer_forward(probe, t) for t in (tensors, batch)] + _few_rows(tensors))
     finally:
         torch.set_num_threads(before)
     exact = all(torch.equal(a, b) for a, b in zip(*outputs))
