@@ -139,6 +139,19 @@ def openai_sdk_contract(server: ServerProcess, family: Family) -> None:
     else:
         refused = refusal(logprobs)
         assert (refused.param, refused.code) == ("logprobs", "unsupported")
+        # Chat's switch is `logprobs: true`; `top_logprobs` is named only when the client sent it.
+        for top, field in ((None, "logprobs"), (2, "top_logprobs")):
+            refused = refusal(
+                lambda top=top: sdk.chat.completions.create(
+                    model=model,
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=8,
+                    logprobs=True,
+                    top_logprobs=top,
+                )
+            )
+            assert (refused.param, refused.code) == (field, "unsupported"), refused.body
+            assert isinstance(refused.body, dict) and refused.body["message"].startswith(f"{field} is not")
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 

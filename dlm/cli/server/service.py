@@ -87,6 +87,9 @@ class Job:
     served: LoadedModel | None = None  # the model version the request was submitted to
     charged_tokens: float = 0.0  # taken from its key's token budget; given back if it is refused
     length_field: str = "max_tokens"  # the body field that set its length, as the client spelt it
+    # The body field that asked for logprobs, as the client spelt it: chat's switch is
+    # `logprobs: true`, its count `top_logprobs` (named only when given); completions' `logprobs`.
+    logprobs_field: str = "logprobs"
     cache_key: Hashable | None = None  # its answer's key in the response cache (None: not kept)
     fresh: bool = False  # its Cache-Control asks for a fresh answer: the response cache is not used
     cached: bool = False  # answered from the response cache
@@ -440,6 +443,7 @@ class Service:
         top = body.top_logprobs_count()
         if top is not None:
             given["logprobs"] = top
+            job.logprobs_field = "top_logprobs" if body.top_logprobs is not None else "logprobs"
         try:  # the family's defaults and rules, as `dlm generate` applies them
             resolved = served.engine.engine.validate(cfg.decoding_params(given), len(job.prompt_ids))
             require_text(resolved.stop, served.tokenizer is not None)
@@ -693,8 +697,8 @@ def _refused(exc: UsageError, job: Job) -> APIError:
 
 def _api_name(field: str, job: Job) -> str:
     """GenerationParams field `field` (or `prompt`) as this request's body spells it."""
-    if field == "logprobs":  # spelt per endpoint (GenerationParams.logprobs has no one HTTP name)
-        return "top_logprobs" if job.endpoint == "chat.completions" else "logprobs"
+    if field == "logprobs":  # GenerationParams.logprobs has no one HTTP name
+        return job.logprobs_field
     if field == "gen_length":
         return job.length_field
     if field in PARAMS and (name := http_name(field)) is not None:
