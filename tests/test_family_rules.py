@@ -8,7 +8,7 @@ import pytest
 
 from dlm.engine import family_rules
 from dlm.engine.block_checkpoints import family_config
-from dlm.engine.checkpoint_writer import clover_config, llada_config
+from dlm.engine.checkpoint_writer import clover_config, dream_config, llada_config
 from dlm.engine.config import config_from_dict
 from dlm.engine.errors import Unsupported, UsageError
 from dlm.engine.parallel.divisibility import check_tensor_parallel
@@ -18,6 +18,7 @@ CLOVER = config_from_dict(clover_config(64, 63, 62))
 SDAR = config_from_dict(family_config("sdar", vocab_size=64, mask_token_id=63, eos_token_id=62))
 PANGU = config_from_dict(family_config("pangu", vocab_size=64, mask_token_id=63, eos_token_id=62))
 LLADA = config_from_dict(llada_config(64, 63, 62))
+DREAM = config_from_dict(dream_config(64, 63, 62))
 
 
 def test_clover_decodes_its_trained_block_only_and_pays_a_commit_pass_per_block() -> None:
@@ -60,3 +61,25 @@ def test_tensor_parallel_split_is_checked_from_the_config() -> None:
         UsageError, match="3 attention heads and 3 KV heads are not divisible by the tensor-parallel size 2"
     ):
         check_tensor_parallel(three, 2)
+
+
+@pytest.mark.parametrize(
+    ("config", "fields", "named"),
+    [
+        (LLADA, {"cfg_scale": 1.0, "cache": "prefix"}, "cache"),
+        (SDAR, {"factor": 0.5}, "threshold"),
+        (SDAR, {"cache": "prefix"}, "cache"),
+        (DREAM, {"factor": 0.5}, "threshold"),
+        (DREAM, {"remasking": "random"}, "alg"),
+    ],
+    ids=["llada-cfg-cache", "sdar-factor", "sdar-cache", "dream-factor", "dream-remasking"],
+)
+def test_a_refusal_names_the_fields_to_use_as_each_entry_point_spells_them(
+    config: object, fields: dict, named: str
+) -> None:
+    """A refusal that points to another field names it as a field (`Name`), so the server
+    spells it as a body field and the CLI as its own: never a CLI flag in an HTTP answer."""
+    with pytest.raises(UsageError) as caught:
+        family_rules.validate(GenerationParams(gen_length=8, **fields), 4, config)  # type: ignore[arg-type]
+    spelt = caught.value.spelt(lambda name: f"<{name}>")
+    assert f"<{named}>" in spelt and "--" not in spelt, spelt

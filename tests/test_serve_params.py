@@ -97,3 +97,22 @@ def test_fields_sdks_send_are_accepted(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=out.model, prompt=PROMPT, max_tokens=32, logit_bias={"5": 10})
     assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
+def test_a_refusal_names_body_fields_never_cli_flags(server: ServerProcess) -> None:
+    """The field a refusal points to instead is named as the body spells it (the SDK's
+    `extra_body`), not as `dlm generate`'s flag."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    sdar = server.family == "sdar"  # type: ignore[attr-defined]
+    fields, param, named = (
+        ({"factor": 0.5}, "factor", "use threshold")
+        if sdar
+        else ({"cfg_scale": 1.0, "cache": "prefix"}, "cfg_scale", "use cache 'none'")
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=32, extra_body=fields
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+    assert named in error["message"] and "--" not in error["message"], error

@@ -73,7 +73,7 @@ LLADA, DREAM = FAMILIES[0], next(f for f in FAMILIES if f.name == "dream")
         (LLADA, dict(cfg_scale=1.0, cache="dual"), "classifier-free guidance"),
         (LLADA, dict(alg="entropy"), "Dream-family"),
         (LLADA, dict(top_p=0.9), "Dream-family"),
-        (DREAM, dict(remasking="random"), "--alg"),
+        (DREAM, dict(remasking="random"), "for Dream choose alg"),
         (DREAM, dict(factor=1.0), "factor rule"),
         (DREAM, dict(cfg_scale=1.0), "classifier-free guidance"),
         (DREAM, dict(alg="greedy"), "alg must be one of"),

@@ -532,8 +532,11 @@ class GenerationParams:
         if p.cache not in family.caches and p.cache != "none":
             choices = ", ".join(family.caches)
             raise UsageError(
-                f"cache {p.cache!r} is for bidirectional models; block-causal models take --cache block "
-                "(exact KV cache) or none (recompute the prefix every step)"
+                (
+                    Name("cache"),
+                    f" {p.cache!r} is for bidirectional models; block-causal models take 'block' (exact KV "
+                    "cache) or 'none' (recompute the prefix every step)",
+                )
                 if family.block_causal
                 else f"cache {p.cache!r} is not available for {family.name} models; use one of {choices}",
                 field="cache",
@@ -550,7 +553,8 @@ class GenerationParams:
             _validate_fixed_block(p, family, fixed_block)
         if p.cfg_scale > 0 and p.cache != "none":
             raise UsageError(
-                "classifier-free guidance is not available with a cache; use --cache none", field="cfg_scale"
+                ("classifier-free guidance is not available with a cache; use ", Name("cache"), " 'none'"),
+                field="cfg_scale",
             )
         _validate_sampler(p, family)
         if p.drafts:
@@ -844,10 +848,13 @@ def _validate_sampler(p: ResolvedParams, family: Family) -> None:
         return
     if p.remasking != "low_confidence":
         raise Unsupported(
-            "remasking applies to LLaDA-family models; for Dream choose --alg (e.g. origin)", field="remasking"
+            (Name("remasking"), " applies to LLaDA-family models; for Dream choose ", Name("alg"), " (e.g. 'origin')"),
+            field="remasking",
         )
     if p.factor is not None:
-        raise Unsupported("the factor rule applies to LLaDA-family models; for Dream use --threshold", field="factor")
+        raise Unsupported(
+            ("the factor rule applies to LLaDA-family models; for Dream use ", Name("threshold")), field="factor"
+        )
     if p.cfg_scale > 0:
         raise Unsupported("classifier-free guidance applies to LLaDA-family models, not Dream", field="cfg_scale")
     if p.threshold is not None and p.alg != "confidence_threshold":
@@ -984,7 +991,9 @@ def _validate_block_causal(p: ResolvedParams) -> None:
     if p.cfg_scale > 0:
         raise Unsupported("classifier-free guidance is not available for block-causal models", field="cfg_scale")
     if p.factor is not None:
-        raise Unsupported("the factor rule is not available for block-causal models; use --threshold", field="factor")
+        raise Unsupported(
+            ("the factor rule is not available for block-causal models; use ", Name("threshold")), field="factor"
+        )
 
 
 def _validate_fixed_block(p: ResolvedParams, family: Family, block: int) -> None:
