@@ -203,6 +203,20 @@ def test_stop_string_cuts_the_text_and_ends_denoising_early(server: ServerProces
     assert all(s < 64 for s in steps), steps  # the answer was complete: the slot was freed
 
 
+def test_a_request_that_ran_out_of_time_is_not_resent_by_the_openai_sdk(server: ServerProcess) -> None:
+    """The SDKs retry a 408 twice by default; a request that spent its `request_timeout` would
+    only spend it again (three times the limit before its client learns): its answer says
+    `X-Should-Retry: false`, which the SDK obeys."""
+    retrying = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=2, timeout=60)
+    before = server.metrics()["dlm_request_timeouts_total"]
+    long = {key: value for key, value in LONG.items() if key not in ("prompt", "max_tokens")}
+    with pytest.raises(openai.APIStatusError) as caught:
+        retrying.completions.create(model="tool-model", prompt="long", max_tokens=2000, extra_body=long)
+    assert (caught.value.status_code, caught.value.code) == (408, "request_timeout")
+    assert caught.value.response.headers["X-Should-Retry"] == "false"
+    assert server.metrics()["dlm_request_timeouts_total"] - before == 1
+
+
 def test_a_streamed_request_that_times_out_ends_with_an_error_event(server: ServerProcess) -> None:
     response = httpx.post(server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30)
     assert response.status_code == 200  # the stream had begun when the deadline passed

@@ -60,6 +60,11 @@ DELIVERY_GRACE_S = 2.0  # after the deadline, for an answer's last bytes to reac
 FLUSH_POLLS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 UNDELIVERED = 408  # the status logged for an answer its client did not read by the deadline
 
+# The openai SDKs resend a 408 (twice, by default) unless its answer says not to: a request
+# that spent its `request_timeout` would spend it again, and its client would wait three
+# times the limit to learn it failed.
+NO_RETRY = {"X-Should-Retry": "false"}
+
 # How the engine's non-success finish reasons reach the client.
 _FAILURES = {
     "timeout": (408, "timeout", "request_timeout", "the request exceeded the time limit of {timeout:g}s"),
@@ -88,7 +93,7 @@ def _failure(service: Service, out: RequestOutput) -> APIError | None:
     message = message.format(timeout=service.config.request_timeout)
     if out.error is not None:  # e.g. which tensor-parallel rank died
         message = f"{message}: {out.error}"
-    return APIError(status, message, type=kind, code=code)
+    return APIError(status, message, type=kind, code=code, headers=NO_RETRY if code == "request_timeout" else None)
 
 
 @dataclass(eq=False)
