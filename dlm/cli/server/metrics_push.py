@@ -12,28 +12,26 @@ Authorization header, never as part of the host, and never logged.
 
 A push has one deadline for the whole of it, `min(interval, 10)` seconds: a socket timeout
 bounds each read only, and a gateway that trickled its answer (a byte within each timeout) held
-a push, and the last one, which shutdown waits for, as long as it liked. At the deadline the
-push's connection is shut (`_Deadline`), which ends the blocked read at once.
+a push, and the last one, which shutdown waits for, as long as it liked. The push goes through
+the client's transport (dlm/cli/client/transport.py), whose every wait ends at the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import functools
-import http.client
 import logging
 import socket
-import threading
-import urllib.request
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+import httpx
 from prometheus_client import CollectorRegistry, push_to_gateway
+
+from dlm.cli.client.transport import DeadlineTransport, deadline
 
 log = logging.getLogger("dlm.server")
 
@@ -96,20 +94,14 @@ class MetricsPusher:
             fields["Authorization"] = f"Basic {token}"
 
         def handle() -> None:
-            deadline = _Deadline()
-            opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
-            timer = threading.Timer(timeout, deadline.expire)
-            timer.daemon = True
-            timer.start()
-            try:
-                with opener.open(urllib.request.Request(url, data, fields, method=method), timeout=timeout):
-                    pass  # a status over 399 is raised by the opener
-            except Exception as exc:
-                if deadline.expired:
-                    raise TimeoutError(f"the gateway did not answer within {timeout:g}s") from exc
-                raise
-            finally:
-                timer.cancel()
+            transport = DeadlineTransport(httpx.URL(url), True, httpx.Limits(max_connections=1))
+            with httpx.Client(transport=transport, timeout=timeout) as client, deadline(timeout) as at:
+                try:
+                    client.request(method, url, content=data, headers=fields).raise_for_status()
+                except httpx.TransportError as exc:
+                    if time.perf_counter() >= at:
+                        raise TimeoutError(f"the gateway did not answer within {timeout:g}s") from exc
+                    raise
 
         return handle
 
@@ -138,64 +130,3 @@ class MetricsPusher:
         while True:
             await asyncio.sleep(self.interval)
             await asyncio.to_thread(self.push)
-
-
-class _Deadline:
-    """The sockets of one push, shut when its deadline passes (from the timer's thread): a
-    read blocked on one then ends at once, and a socket connected after that is shut as it is."""
-
-    def __init__(self) -> None:
-        self.expired = False
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    def watch(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._sockets.append(sock)
-            if self.expired:
-                _shut(sock)
-
-    def expire(self) -> None:
-        with self._lock:
-            self.expired = True
-            for sock in self._sockets:
-                _shut(sock)
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # closed already
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-class _HTTPConnection(http.client.HTTPConnection):
-    """A connection whose socket, once connected, its push's deadline can shut."""
-
-    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
-        super().__init__(host, **kwargs)
-        self.deadline = deadline
-
-    def connect(self) -> None:
-        super().connect()
-        self.deadline.watch(self.sock)
-
-
-class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
-    """`_HTTPConnection` over TLS: the socket watched is the TLS one, after its handshake."""
-
-
-class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self.deadline = deadline
-
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_HTTPConnection, deadline=self.deadline), req)
-
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self.deadline = deadline
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_HTTPSConnection, deadline=self.deadline), req)
