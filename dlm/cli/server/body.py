@@ -10,7 +10,6 @@ naming what and where, so every malformed body is a counted client error and nev
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -19,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from dlm.cli.jsonl import NotJSON, finite_float, no_constant, unique_keys
 from dlm.cli.server.errors import CLIENT_CLOSED, APIError, bad_request
+from dlm.engine.runtime.within import within
 
 MAX_DEPTH = 64  # nested objects/arrays; a JSON schema of a tool stays far below
 MAX_NUMBER_CHARS = 100  # characters of one number literal; a 64-bit seed has 20
@@ -56,14 +56,8 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
             if len(raw) > limit:
                 raise _too_large(limit)
 
-    # Not `asyncio.wait_for`: on Python 3.10 and 3.11 it swallows a cancellation of the request
-    # that comes as the body's last chunk arrives, and the handler went on to decode for nobody.
-    reading = asyncio.ensure_future(receive())
-    try:
-        done, _ = await asyncio.wait({reading}, timeout=timeout)
-    finally:
-        reading.cancel()
-    if not done:
+    reading = await within(receive(), timeout)  # not asyncio.wait_for (dlm/engine/runtime/within.py)
+    if reading is None:
         raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="body_timeout")
     try:
         reading.result()

@@ -56,6 +56,7 @@ from dlm.engine.runtime.prefix_cache import PrefixCacheStats
 from dlm.engine.runtime.request import RequestState
 from dlm.engine.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, forward_tokens
 from dlm.engine.runtime.thread_governor import ThreadGovernor
+from dlm.engine.runtime.within import within
 
 log = logging.getLogger("dlm.engine")
 
@@ -138,14 +139,7 @@ class RequestStream:
         while True:
             if not self.unread:
                 self.arrived.clear()
-                # Not `asyncio.wait_for`: on Python 3.10 and 3.11 it swallows a cancellation that
-                # comes as the output arrives, and the reader cancelled went on reading.
-                arrival = asyncio.ensure_future(self.arrived.wait())
-                try:
-                    done, _ = await asyncio.wait({arrival}, timeout=patience)
-                finally:
-                    arrival.cancel()
-                if not done:
+                if await within(self.arrived.wait(), patience) is None:  # not asyncio.wait_for
                     yield RequestOutput(
                         self.request_id, [], self.seq.nfe, finish_reason="error", error="the engine did not answer"
                     )
